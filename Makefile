@@ -1,0 +1,39 @@
+# TRACE developer entry points. `make test` and `make demo` work on a fresh machine with Python 3.12.
+SHELL := /bin/bash
+export PYENV_VERSION ?= 3.12.1
+PYTHON ?= python3.12
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SGLANG_VERSION := 0.5.10.post1
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-gpu demo lint clean
+
+setup: $(STAMP)
+
+# The venv is rebuilt when the project metadata changes. SGLang is installed without its dependencies: its GPU
+# stack (sglang-kernel, flashinfer) does not install on CPU machines; tests import only its pure-torch modules.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m trace_core.demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,67 @@
+"""KV_FP4 against SGLang's own `KVFP4QuantizeUtil` (sglang 0.5.10.post1), bit for bit.
+
+How SGLang is imported: `make test` installs the pinned wheel with `pip install --no-deps` (its GPU stack does not
+install on CPU machines). `import sglang.srt...` would run `sglang/__init__.py`, which pulls in the whole
+frontend and its dependencies, so the test loads the single module `srt/layers/quantization/kvfp4_tensor.py` from
+the installed wheel by file path. That module imports only torch, so what runs is SGLang's real code, compiled with
+`torch.compile` exactly as the FP4 KV pool calls it.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from trace_core.e2m1 import pack_fp4, unpack_fp4
+from trace_core.formats import KV_FP4
+from trace_core.quant import Quantized, dequantize, quantize
+
+
+def _load_sglang_kvfp4():
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang==0.5.10.post1 is not installed (make test installs it with --no-deps)")
+    path = Path(spec.origin).parent / "srt" / "layers" / "quantization" / "kvfp4_tensor.py"
+    module_spec = importlib.util.spec_from_file_location("sglang_kvfp4_tensor", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.KVFP4QuantizeUtil
+
+
+@pytest.fixture(scope="module")
+def sglang_kvfp4():
+    return _load_sglang_kvfp4()
+
+
+def kv_like(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """[tokens, heads, head_dim] K/V-like values over twelve decades, with zero, -0 and boundary blocks."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(96, 4, 128, generator=gen) * torch.logspace(-4, 4, 96).view(96, 1, 1)
+    x[0, 0, :16] = 0.0
+    x[1, 0, :16] = -0.0
+    x[2, 0, :8] = torch.tensor([6.0, 0.25, 0.75, 2.5, 5.0, -1.25, -3.5, -0.1])
+    x[3, 1, :16] = 1.5 * 2.0 ** torch.arange(-8, 8, dtype=torch.float32)  # amax/6 at exact powers of two
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kv_fp4_matches_sglang_bit_for_bit(sglang_kvfp4, dtype):
+    x = kv_like(dtype)
+    packed, scales = sglang_kvfp4.batched_quantize(x)
+    q = quantize(x, KV_FP4)
+    assert torch.equal(pack_fp4(q.codes), packed)
+    assert torch.equal(q.scales.reshape(x.shape[0], -1), scales)
+    ours = Quantized(codes=unpack_fp4(packed), scales=scales.reshape(q.scales.shape), global_scale=None, fmt=KV_FP4)
+    assert torch.equal(dequantize(ours, dtype), sglang_kvfp4.batched_dequantize(packed, scales, dtype))
+
+
+@pytest.mark.gpu
+def test_kv_fp4_matches_sglang_on_gpu(sglang_kvfp4):
+    x = kv_like(torch.bfloat16, "cuda")
+    packed, scales = sglang_kvfp4.batched_quantize(x)
+    q = quantize(x, KV_FP4)
+    assert torch.equal(pack_fp4(q.codes), packed) and torch.equal(q.scales.reshape(x.shape[0], -1), scales)

@@ -1,0 +1,91 @@
+"""Record packing, record specs and the paper's record-size numbers."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace_core.e2m1 import pack_fp4
+from trace_core.formats import KV_FP4, NVFP4
+from trace_core.quant import quantize
+from trace_core.records import ModelShape, Record, RecordSpec, bytes_per_token, pack_low_bits, unpack_low_bits
+
+
+@given(bits=st.integers(1, 4), rows=st.integers(1, 3), n=st.integers(1, 70), seed=st.integers(0, 1000))
+@settings(max_examples=100, deadline=None)
+def test_low_bits_round_trip_is_dense(bits, rows, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, n), generator=gen, dtype=torch.uint8)
+    packed = pack_low_bits(codes, bits)
+    assert packed.shape == (rows, (n * bits + 7) // 8)
+    assert torch.equal(unpack_low_bits(packed, bits, n), codes & ((1 << bits) - 1))
+
+
+def test_bit_order_is_lsb_first_and_b4_is_the_nibble_packing():
+    codes = torch.tensor([[1, 0, 1, 1, 0, 0, 0, 1]], dtype=torch.uint8)
+    assert pack_low_bits(codes, 1).tolist() == [[0b10001101]]
+    codes = torch.randint(0, 16, (3, 32), dtype=torch.uint8)
+    assert torch.equal(pack_low_bits(codes, 4), pack_fp4(codes))
+
+
+def test_unpack_rejects_a_record_of_the_wrong_length():
+    with pytest.raises(ValueError, match="does not hold 64 elements at 1 bits"):
+        unpack_low_bits(torch.zeros(2, 7, dtype=torch.uint8), 1, 64)
+    with pytest.raises(ValueError, match="bits must be an integer in 1..4"):
+        pack_low_bits(torch.zeros(2, 8, dtype=torch.uint8), 5)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, KV_FP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_record_from_quantized_keeps_low_bits_and_scales(fmt, bits):
+    x = torch.randn(5, 64)
+    q = quantize(x, fmt, **({"per_token": True} if fmt.has_global_scale else {}))
+    rec = Record.from_quantized(q, bits)
+    assert rec.shape == x.shape and rec.low_bits.shape == (5, 8 * bits)
+    assert torch.equal(rec.code_bits(), q.codes & ((1 << bits) - 1))
+    assert rec.scales is q.scales and rec.global_scale is q.global_scale
+
+
+def test_record_validates_its_parts():
+    q = quantize(torch.randn(4, 32), NVFP4, per_token=True)
+    rec = Record.from_quantized(q, 1)
+    with pytest.raises(ValueError, match="low_bits shape"):
+        Record(NVFP4, 1, 32, rec.low_bits[:, :2], rec.scales, rec.global_scale)
+    with pytest.raises(ValueError, match="scales must be uint8"):
+        Record(NVFP4, 1, 32, rec.low_bits, rec.scales.float(), rec.global_scale)
+    with pytest.raises(ValueError, match="global_scale presence"):
+        Record(NVFP4, 1, 32, rec.low_bits, rec.scales, None)
+    with pytest.raises(ValueError, match="not a multiple of the kv_fp4 block"):
+        Record(KV_FP4, 1, 24, rec.low_bits, rec.scales, None)
+
+
+def test_default_spec_is_b1_on_the_latter_half():
+    spec = RecordSpec.default(moe_layers=tuple(range(40)), attn_layers=(3, 7, 11, 15, 19, 23, 27, 31, 35, 39))
+    assert spec.bits == 1
+    assert spec.moe_layers == tuple(range(20, 40))
+    assert spec.attn_layers == (23, 27, 31, 35, 39)
+    assert spec.sites()[:2] == [(20, "moe_in"), (21, "moe_in")] and spec.sites()[-1] == (39, "v")
+    with pytest.raises(ValueError, match="distinct non-negative"):
+        RecordSpec(moe_layers=(1, 1))
+    with pytest.raises(ValueError, match="unknown FP4 format"):
+        RecordSpec(kv_format="fp5")
+
+
+QWEN35_35B = ModelShape(hidden=2048, num_kv_heads=2, head_dim=256)
+MOE_LAYERS = tuple(range(40))
+ATTN_LAYERS = tuple(range(3, 40, 4))  # 10 full-attention layers
+
+
+def test_paper_full_information_sizes():
+    # Paper §3.2: 4.5 bits per value -> ~45 KB activations + 5.6 KB KV per token (static scales).
+    full = bytes_per_token(QWEN35_35B, RecordSpec(4, MOE_LAYERS, ATTN_LAYERS, per_token_scale=False))
+    assert full.moe_in == 40 * 2048 * 4.5 / 8 == 45 * 1024
+    assert full.kv == 10 * 2 * 2 * 256 * 4.5 / 8 == 5.625 * 1024
+    # The per-token FP32 scale adds 4 bytes per MoE site.
+    assert bytes_per_token(QWEN35_35B, RecordSpec(4, MOE_LAYERS, ATTN_LAYERS)).moe_in == 45 * 1024 + 40 * 4
+
+
+def test_paper_mantissa_only_size():
+    # Paper §4.2: b = 1 on the latter 20 MoE layers = 2048 * 20 * 1.5 bits = 7.5 KB per token.
+    spec = RecordSpec(1, tuple(range(20, 40)), (), per_token_scale=False)
+    assert bytes_per_token(QWEN35_35B, spec).total == 7.5 * 1024
