@@ -1,0 +1,250 @@
+"""Record capture on the rollout side: fixed staging buffers, an async host ring and a host store keyed by KV slot.
+
+Follows SGLang's routed-experts capturer (row-indexed static GPU buffer written inside the forward, host buffer
+indexed by KV slot, gather through the request's slots at finish), made asynchronous (DESIGN §3):
+  * every captured site writes its record rows (packed low code bits, block scale bytes and, for nvfp4, the FP32
+    token scale) into views of one staging buffer `[max_tokens, row_bytes]` allocated once: fixed addresses, a
+    `copy_` per write, so writes are CUDA-graph safe (`stage`, or a kernel writing into `site_buffers` directly);
+    R3 routes `[tokens, route_layers, topk]` int32 live in the same rows;
+  * `on_forward_end(out_cache_loc)` hands rows [0, T) to the host ring (`trace_core.host_ring`), which lands them
+    in the host store at row `out_cache_loc[i]`;
+  * `gather(slots, length)` returns the request's `TrajectoryRecords` for positions [0, length) from the slots of
+    its `req_to_token` row. Prefix-cache hits, chunked prefill and retraction need nothing special: a slot holds
+    whatever the last forward that wrote it computed.
+One scheduler thread drives a capturer; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trace_core.formats import get_format
+from trace_core.host_ring import AsyncHostRing, RingStats, SyncHostRing
+from trace_core.quant import Quantized
+from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits, packed_len
+from trace_core.store import Site, SiteLayout, TrajectoryRecords, site_layout
+
+ALIGN = 4  # fp32 / int32 fields are read through dtype views of the byte rows
+
+
+@dataclass(frozen=True)
+class SiteBuffers:
+    """Fixed-address views of one site in a `[rows, row_bytes]` byte buffer (staging or host store).
+
+    low_bits: uint8 `[rows, packed_len(n, bits)]`; scales: uint8 `[rows, n // block]`; global_scale: FP32
+    `[rows, 1]` for nvfp4 (the per-token `S_enc`, or the static scale repeated per row), else None.
+    """
+
+    low_bits: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte offsets of every field inside a token row; fp32/int32 fields first, so all of them are aligned."""
+
+    fields: dict[tuple[str, str], tuple[int, int]]  # (owner, field) -> (offset, bytes)
+    row_bytes: int
+
+    @classmethod
+    def build(cls, sites: dict[Site, SiteLayout], routes: tuple[int, int] | None) -> RowLayout:
+        wide: list[tuple[tuple[str, str], int]] = []
+        narrow: list[tuple[tuple[str, str], int]] = []
+        if routes is not None:
+            wide.append((("routes", "routes"), 4 * routes[0] * routes[1]))
+        for (layer, kind), (fmt_name, bits, n) in sites.items():
+            fmt, owner = get_format(fmt_name), f"{layer}.{kind}"
+            if fmt.has_global_scale:
+                wide.append(((owner, "global_scale"), 4))
+            narrow.append(((owner, "low_bits"), packed_len(n, bits)))
+            narrow.append(((owner, "scales"), n // fmt.block))
+        fields, offset = {}, 0
+        for key, size in wide + narrow:
+            fields[key] = (offset, size)
+            offset += size
+        return cls(fields=fields, row_bytes=-(-offset // ALIGN) * ALIGN)
+
+    def view(self, rows: torch.Tensor, owner: str, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        offset, size = self.fields[(owner, name)]
+        return rows[:, offset : offset + size].view(dtype)
+
+
+class RecordCapturer:
+    """Captures records (and optionally R3 routes) of every forward into a host store keyed by KV slot.
+
+    Args:
+        spec, shape: which sites are captured and their widths (`store.site_layout`).
+        max_tokens: most token rows one forward stages (SGLang: max(chunked prefill size, max running requests)).
+        num_slots: KV slots of the pool (SGLang: max_total_num_tokens + page_size); host store rows.
+        sites: the subset of `spec.sites()` staged per forward (default all; KV sites may instead be gathered from
+            an FP4 KV pool at request finish).
+        routes: `(route_layers, topk)` to capture R3 routes, layer ids 0..route_layers-1; None to skip.
+        device: where staging lives; CUDA uses the async ring, CPU writes the host store synchronously.
+        ring_depth: forwards whose copies may be in flight at once (CUDA).
+    """
+
+    def __init__(
+        self,
+        spec: RecordSpec,
+        shape: ModelShape,
+        *,
+        max_tokens: int,
+        num_slots: int,
+        sites: Sequence[Site] | None = None,
+        routes: tuple[int, int] | None = None,
+        device: torch.device | str = "cpu",
+        ring_depth: int = 4,
+    ) -> None:
+        if max_tokens < 1 or num_slots < 1:
+            raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
+        full = site_layout(spec, shape)
+        chosen = list(full) if sites is None else [tuple(s) for s in sites]
+        unknown = [s for s in chosen if s not in full]
+        if unknown:
+            raise ValueError(f"sites {unknown} are not captured by the record spec (sites {list(full)})")
+        if routes is not None and (len(routes) != 2 or min(routes) < 1):
+            raise ValueError(f"routes must be (route_layers >= 1, topk >= 1), got {routes!r}")
+        self.layouts: dict[Site, SiteLayout] = {s: full[s] for s in chosen}
+        self.routes_shape = routes
+        self.row = RowLayout.build(self.layouts, routes)
+        self.max_tokens, self.num_slots = max_tokens, num_slots
+        self.device = torch.device(device)
+        self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=self.device)
+        self.host = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8)
+        self.written = torch.zeros(num_slots, dtype=torch.bool)
+        if self.device.type == "cuda":
+            self.ring: AsyncHostRing | SyncHostRing = AsyncHostRing(self.staging, self.host, self.written, ring_depth)
+        elif self.device.type == "cpu":
+            self.ring = SyncHostRing(self.staging, self.host, self.written)
+        else:
+            raise ValueError(f"capture runs on CUDA or CPU, got device {self.device}")
+        self._staged: set[Site | int] = set()
+
+    @property
+    def stats(self) -> RingStats:
+        return self.ring.stats
+
+    def _buffers(self, rows: torch.Tensor, site: Site) -> SiteBuffers:
+        if site not in self.layouts:
+            raise ValueError(f"site {site} is not captured; captured sites: {list(self.layouts)}")
+        owner = f"{site[0]}.{site[1]}"
+        has_gs = get_format(self.layouts[site][0]).has_global_scale
+        return SiteBuffers(
+            low_bits=self.row.view(rows, owner, "low_bits"),
+            scales=self.row.view(rows, owner, "scales"),
+            global_scale=self.row.view(rows, owner, "global_scale", torch.float32) if has_gs else None,
+        )
+
+    def site_buffers(self, site: Site) -> SiteBuffers:
+        """Staging views of `site` (`[max_tokens, ...]`, fixed addresses) for a kernel to write rows into."""
+        return self._buffers(self.staging, site)
+
+    def route_buffer(self) -> torch.Tensor:
+        """Staging view of the routes, int32 `[max_tokens, route_layers, topk]`."""
+        if self.routes_shape is None:
+            raise ValueError("this capturer was built without routes")
+        return self.row.view(self.staging, "routes", "routes", torch.int32).view(-1, *self.routes_shape)
+
+    def stage(
+        self, site: Site, low_bits: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> None:
+        """Copy one forward's records of `site` (rows 0..T-1) into staging. CUDA-graph safe: shape checks and
+        `copy_` into fixed buffers only. `global_scale` (nvfp4): `[T, 1]` per token or a 0-d static scale."""
+        buf = self.site_buffers(site)
+        rows = low_bits.shape[0] if low_bits.dim() else 0
+        if rows > self.max_tokens:
+            raise ValueError(f"site {site}: {rows} rows exceed max_tokens={self.max_tokens}")
+        for name, src, dst in (("low_bits", low_bits, buf.low_bits), ("scales", scales, buf.scales)):
+            if src.dtype != torch.uint8 or tuple(src.shape) != (rows, dst.shape[1]):
+                want = f"uint8 [{rows}, {dst.shape[1]}]"
+                raise ValueError(f"site {site}: {name} must be {want}, got {src.dtype} {tuple(src.shape)}")
+        buf.low_bits[:rows].copy_(low_bits)
+        buf.scales[:rows].copy_(scales)
+        if (global_scale is None) != (buf.global_scale is None):
+            raise ValueError(f"site {site}: global_scale presence must match the format {self.layouts[site][0]}")
+        if global_scale is not None:
+            if global_scale.dim() and tuple(global_scale.shape) != (rows, 1):
+                raise ValueError(f"site {site}: global_scale must be 0-d or [{rows}, 1], got {global_scale.shape}")
+            buf.global_scale[:rows].copy_(global_scale.expand(rows, 1))
+        self._staged.add(site)
+
+    def stage_quantized(self, site: Site, q: Quantized) -> None:
+        """Reference path: stage a `Quantized` `[T, n]` from `trace_core.quant.quantize` (packs its low bits)."""
+        fmt_name, bits, n = self.layouts.get(site, (None, 0, 0))
+        if q.fmt.name != fmt_name or q.codes.dim() != 2 or q.codes.shape[1] != n:
+            got = f"{q.fmt.name} {tuple(q.codes.shape)}"
+            raise ValueError(f"site {site}: expected {fmt_name} codes [T, {n}], got {got}")
+        self.stage(site, pack_low_bits(q.codes, bits), q.scales, q.global_scale)
+
+    def stage_routes(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Copy one layer's top-k expert ids `[T, topk]` into the routes staging (CUDA-graph safe)."""
+        buf = self.route_buffer()
+        if not 0 <= layer < buf.shape[1] or topk_ids.dim() != 2 or topk_ids.shape[1] != buf.shape[2]:
+            raise ValueError(
+                f"routes: layer {layer} of {buf.shape[1]} with ids [T, {buf.shape[2]}] expected, got {topk_ids.shape}"
+            )
+        if topk_ids.shape[0] > self.max_tokens:
+            raise ValueError(f"routes: {topk_ids.shape[0]} rows exceed max_tokens={self.max_tokens}")
+        buf[: topk_ids.shape[0], layer].copy_(topk_ids)
+        self._staged.add(layer)
+
+    def on_forward_end(self, out_cache_loc: torch.Tensor, *, row_start: int = 0, graph_replay: bool = False) -> None:
+        """Send staging rows [row_start, row_start + T) to the host store at KV slots `out_cache_loc` `[T]`.
+
+        In eager mode every captured site and route layer must have been staged since the last call (a hook that
+        did not fire would otherwise ship stale rows); pass `graph_replay=True` after replaying a CUDA graph,
+        whose staging writes run without Python.
+        """
+        if not graph_replay:
+            expected = set(self.layouts) | set(range(self.routes_shape[0] if self.routes_shape else 0))
+            missing = expected - self._staged
+            if missing:
+                self._staged.clear()
+                raise ValueError(f"forward ended without staging {sorted(missing, key=str)}; nothing was captured")
+        self._staged.clear()
+        self.ring.submit(row_start, out_cache_loc)
+
+    def poll(self) -> None:
+        """Move completed copies into the host store without blocking (also done by every `on_forward_end`)."""
+        self.ring.poll()
+
+    def flush(self) -> None:
+        """Wait until every submitted forward is in the host store."""
+        self.ring.flush()
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Mark KV slots freed (request finished or retracted) so a gather through them before they are written
+        again fails instead of returning another request's records."""
+        self.flush()
+        self.written[slots.to("cpu", torch.long)] = False
+
+    def gather(self, slots: torch.Tensor, length: int) -> TrajectoryRecords:
+        """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`."""
+        if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
+        if not 0 <= length <= slots.shape[0]:
+            raise ValueError(f"length {length} is outside [0, {slots.shape[0]}] request slots")
+        self.flush()
+        idx = slots[:length].to("cpu", torch.long)
+        if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
+            raise ValueError(f"slots out of range [0, {self.num_slots}): min {int(idx.min())}, max {int(idx.max())}")
+        unwritten = (~self.written[idx]).nonzero().flatten()
+        if unwritten.numel():
+            raise ValueError(
+                f"{unwritten.numel()} of {length} positions have no captured record (first positions "
+                f"{unwritten[:8].tolist()}, slots {idx[unwritten[:8]].tolist()})"
+            )
+        rows = self.host[idx]
+        records = {}
+        for site, (fmt_name, bits, n) in self.layouts.items():
+            buf = self._buffers(rows, site)
+            gs = None if buf.global_scale is None else buf.global_scale.clone()
+            records[site] = Record(get_format(fmt_name), bits, n, buf.low_bits.clone(), buf.scales.clone(), gs)
+        routes = None
+        if self.routes_shape is not None:
+            routes = self.row.view(rows, "routes", "routes", torch.int32).reshape(length, *self.routes_shape).clone()
+        return TrajectoryRecords(num_tokens=length, records=records, routes=routes)

@@ -1,0 +1,344 @@
+"""On-disk record store: one directory per RL step, zstandard shards of finished trajectories (DESIGN §3).
+
+A rollout worker hands each finished trajectory's records (`TrajectoryRecords`) to a `StepWriter`, which writes
+them as a shard file: a small JSON header (the shard's index: trajectory -> site -> field -> byte range) followed
+by one zstandard frame per (trajectory, site, field), so a reader decompresses only what a micro-batch needs.
+Every frame and the header carry a CRC-32. Shards are written to a temporary name, fsynced and renamed into place,
+so a crash never leaves a half-written shard under a shard name; shard names are unique per writer, so several
+workers (threads or processes, one host or many over a shared file system) write one step concurrently without
+locks. `finalize_step` writes the step's `index.json`; `apply_retention` keeps the last k steps.
+
+Shard layout (all integers little-endian):
+    magic b"TRACEREC" | u32 version | u32 header length H | u32 CRC-32 of header | header JSON (H bytes) | frames
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import threading
+import uuid
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import zstandard
+
+from trace_core.formats import get_format
+from trace_core.records import SITE_KINDS, ModelShape, Record, RecordSpec
+
+MAGIC = b"TRACEREC"
+VERSION = 1
+PREAMBLE = struct.Struct("<8sIII")  # magic, version, header length, header CRC-32
+SHARD_SUFFIX = ".trs"
+INDEX_NAME = "index.json"
+STEP_PREFIX = "step_"
+DEFAULT_LEVEL = 1
+ROUTES = "routes"
+
+Site = tuple[int, str]
+
+
+class StoreError(ValueError):
+    """A record store problem that names the step, shard or trajectory involved."""
+
+
+class CorruptShardError(StoreError):
+    """A shard is truncated, fails its checksum or does not decode."""
+
+
+class MissingRecordError(StoreError, KeyError):
+    """A trajectory (or one of its sites) asked for is not in the step."""
+
+    __str__ = ValueError.__str__
+
+
+def site_key(site: Site) -> str:
+    """File-format name of a site: `"<layer>.<kind>"`."""
+    layer, kind = site
+    if kind not in SITE_KINDS or isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"site must be (layer >= 0, kind in {SITE_KINDS}), got {site!r}")
+    return f"{layer}.{kind}"
+
+
+def parse_site(key: str) -> Site:
+    """Inverse of `site_key`."""
+    layer, _, kind = key.partition(".")
+    if not layer.isdigit() or kind not in SITE_KINDS:
+        raise ValueError(f"malformed site key {key!r}")
+    return int(layer), kind
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """Directory of RL step `step` under the store root."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"RL step must be a non-negative int, got {step!r}")
+    return Path(root) / f"{STEP_PREFIX}{step:08d}"
+
+
+SiteLayout = tuple[str, int, int]  # (format name, bits, elements per row)
+
+
+def site_layout(spec: RecordSpec, shape: ModelShape) -> dict[Site, SiteLayout]:
+    """(format, bits, row width) of every site `spec` captures: MoE input rows are `hidden` wide, K and V rows
+    `num_kv_heads * head_dim` (all heads of a token)."""
+    out: dict[Site, SiteLayout] = {}
+    for layer, kind in spec.sites():
+        if kind == "moe_in":
+            out[(layer, kind)] = (get_format(spec.moe_format).name, spec.bits, shape.hidden)
+        else:
+            out[(layer, kind)] = (get_format(spec.kv_format).name, spec.bits, shape.num_kv_heads * shape.head_dim)
+    for site, (fmt, _, n) in out.items():
+        if n <= 0 or n % get_format(fmt).block:
+            raise ValueError(f"site {site}: width {n} is not a positive multiple of the {fmt} block")
+    return out
+
+
+@dataclass(frozen=True)
+class TrajectoryRecords:
+    """Everything recorded for one trajectory: per-site records of positions [0, num_tokens) and R3 routes.
+
+    Attributes:
+        num_tokens: rows every record and the routes hold.
+        records: site (layer, kind) -> `Record` with `[num_tokens, ...]` tensors on the CPU.
+        routes: int32 `[num_tokens, moe_layers, topk]` expert ids, or None when routes are not recorded.
+    """
+
+    num_tokens: int
+    records: Mapping[Site, Record]
+    routes: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {self.num_tokens!r}")
+        for site, rec in self.records.items():
+            site_key(site)
+            if not isinstance(rec, Record):
+                raise ValueError(f"site {site}: expected a Record, got {type(rec).__name__}")
+            if tuple(rec.scales.shape[:-1]) != (self.num_tokens,):
+                raise ValueError(f"site {site}: record rows {tuple(rec.scales.shape[:-1])} != ({self.num_tokens},)")
+            gs = rec.global_scale
+            if gs is not None and tuple(gs.shape) != (self.num_tokens, 1):
+                raise ValueError(f"site {site}: global_scale must be per row [{self.num_tokens}, 1], got {gs.shape}")
+        r = self.routes
+        if r is not None and (r.dtype != torch.int32 or r.dim() != 3 or r.shape[0] != self.num_tokens):
+            raise ValueError(f"routes must be int32 [{self.num_tokens}, moe_layers, topk], got {r.dtype} {r.shape}")
+
+
+def _fields(rec: Record) -> dict[str, torch.Tensor]:
+    out = {"low_bits": rec.low_bits, "scales": rec.scales}
+    if rec.global_scale is not None:
+        out["global_scale"] = rec.global_scale.to(torch.float32)
+    return out
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu").contiguous().numpy().tobytes()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEFAULT_LEVEL) -> bytes:
+    """Serialize trajectories into one shard's bytes (preamble, header, zstandard frames)."""
+    cctx = zstandard.ZstdCompressor(level=level)
+    frames: list[bytes] = []
+    offset = 0
+    header: dict = {"version": VERSION, "trajectories": {}}
+
+    def add(tensor: torch.Tensor) -> dict:
+        nonlocal offset
+        raw = _to_bytes(tensor)
+        frame = cctx.compress(raw)
+        frames.append(frame)
+        entry = {"offset": offset, "length": len(frame), "raw": len(raw), "crc": zlib.crc32(frame)}
+        offset += len(frame)
+        return entry
+
+    for traj, tr in trajectories.items():
+        sites = {}
+        for site, rec in tr.records.items():
+            fields = {name: add(t) for name, t in _fields(rec).items()}
+            sites[site_key(site)] = {"fmt": rec.fmt.name, "bits": rec.bits, "n": rec.n, "fields": fields}
+        entry: dict = {"num_tokens": tr.num_tokens, "sites": sites}
+        if tr.routes is not None:
+            entry[ROUTES] = {"shape": list(tr.routes.shape[1:]), **add(tr.routes)}
+        header["trajectories"][traj] = entry
+    header["payload_bytes"] = offset
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return PREAMBLE.pack(MAGIC, VERSION, len(head), zlib.crc32(head)) + head + b"".join(frames)
+
+
+def read_header(path: Path) -> dict:
+    """Parse and check a shard's header; raise `CorruptShardError` naming the shard on any damage."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            pre = f.read(PREAMBLE.size)
+            if len(pre) < PREAMBLE.size:
+                raise CorruptShardError(f"shard {path} is truncated: {len(pre)} bytes, no complete preamble")
+            magic, version, hlen, hcrc = PREAMBLE.unpack(pre)
+            if magic != MAGIC:
+                raise CorruptShardError(f"shard {path} is not a TRACE record shard (bad magic {magic!r})")
+            if version != VERSION:
+                raise CorruptShardError(f"shard {path} has format version {version}, this reader reads {VERSION}")
+            head = f.read(hlen)
+    except OSError as e:
+        raise StoreError(f"cannot read shard {path}: {e}") from e
+    if len(head) < hlen:
+        raise CorruptShardError(f"shard {path} is truncated inside its header ({len(head)} of {hlen} bytes)")
+    if zlib.crc32(head) != hcrc:
+        raise CorruptShardError(f"shard {path} header fails its CRC-32 check")
+    header = json.loads(head)
+    header["data_start"] = PREAMBLE.size + hlen
+    if size < header["data_start"] + header["payload_bytes"]:
+        raise CorruptShardError(
+            f"shard {path} is truncated: {size} bytes, header promises {header['data_start'] + header['payload_bytes']}"
+        )
+    return header
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file, fsync and rename: readers see all of it or nothing."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+@dataclass
+class WriterStats:
+    """What a `StepWriter` wrote: shards, trajectories, raw (uncompressed) and on-disk bytes."""
+
+    shards: int = 0
+    trajectories: int = 0
+    raw_bytes: int = 0
+    disk_bytes: int = 0
+
+
+@dataclass
+class StepWriter:
+    """Writes shards of finished trajectories into one step directory; safe to run in many workers at once.
+
+    Shard names are `<writer id>-<sequence>.trs`, with a writer id unique per host, process and writer object, so
+    concurrent writers never touch the same file. Writing a trajectory id twice within a step is caught by the
+    reader's index (it names both shards).
+    """
+
+    root: str | os.PathLike
+    step: int
+    level: int = DEFAULT_LEVEL
+    writer_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    stats: WriterStats = field(default_factory=WriterStats)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.writer_id) or self.writer_id.startswith("."):
+            raise ValueError(f"writer_id {self.writer_id!r} must be a plain file-name token")
+        self.dir = step_dir(self.root, self.step)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def write(self, trajectories: Mapping[str | int, TrajectoryRecords]) -> Path:
+        """Write one shard holding `trajectories` (id -> records); returns its path."""
+        if not trajectories:
+            raise ValueError("write() needs at least one trajectory")
+        if (self.dir / INDEX_NAME).exists():
+            raise StoreError(f"step directory {self.dir} is finalized; no more shards may be added")
+        named = {}
+        for traj, tr in trajectories.items():
+            if not isinstance(tr, TrajectoryRecords):
+                raise ValueError(f"trajectory {traj!r}: expected TrajectoryRecords, got {type(tr).__name__}")
+            named[str(traj)] = tr
+        if len(named) != len(trajectories):
+            raise ValueError("trajectory ids collide once converted to str")
+        data = encode_shard(named, self.level)
+        with self._lock:
+            name = f"{self.writer_id}-{self._seq:06d}{SHARD_SUFFIX}"
+            self._seq += 1
+        path = self.dir / name
+        atomic_write(path, data)
+        with self._lock:
+            self.stats.shards += 1
+            self.stats.trajectories += len(named)
+            self.stats.disk_bytes += len(data)
+            self.stats.raw_bytes += sum(_raw_bytes(tr) for tr in named.values())
+        return path
+
+
+def _raw_bytes(tr: TrajectoryRecords) -> int:
+    total = sum(t.numel() * t.element_size() for rec in tr.records.values() for t in _fields(rec).values())
+    return total + (tr.routes.numel() * 4 if tr.routes is not None else 0)
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    """Complete shards of a step directory; temporary files of unfinished writes are ignored."""
+    return sorted(p for p in directory.glob(f"*{SHARD_SUFFIX}") if not p.name.startswith("."))
+
+
+def build_index(directory: Path) -> dict[str, str]:
+    """Trajectory id -> shard file name, from the shards' headers; a trajectory in two shards is an error."""
+    index: dict[str, str] = {}
+    for path in shard_paths(directory):
+        for traj in read_header(path)["trajectories"]:
+            if traj in index:
+                raise StoreError(f"trajectory {traj!r} of {directory} is in two shards: {index[traj]} and {path.name}")
+            index[traj] = path.name
+    return index
+
+
+def finalize_step(root: str | os.PathLike, step: int) -> Path:
+    """Write the step's `index.json` (trajectory -> shard) once all writers are done; later writes are refused."""
+    directory = step_dir(root, step)
+    if not directory.is_dir():
+        raise StoreError(f"step directory {directory} does not exist")
+    path = directory / INDEX_NAME
+    atomic_write(path, json.dumps({"version": VERSION, "shards": build_index(directory)}).encode())
+    return path
+
+
+def list_steps(root: str | os.PathLike) -> list[int]:
+    """RL steps present under the store root, oldest first."""
+    pattern = re.compile(rf"{STEP_PREFIX}(\d+)")
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := pattern.fullmatch(p.name)))
+
+
+def apply_retention(root: str | os.PathLike, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+    """Delete all but the newest `keep_last` steps (and never those in `protect`); returns the deleted steps."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    steps = list_steps(root)
+    keep = set(steps[-keep_last:]) | set(protect)
+    removed = [s for s in steps if s not in keep]
+    for s in removed:
+        shutil.rmtree(step_dir(root, s))
+    return removed
+
+
+def check_format(name: str, where: str) -> None:
+    """Raise `CorruptShardError` if a shard names an unknown format."""
+    try:
+        get_format(name)
+    except ValueError as e:
+        raise CorruptShardError(f"{where}: {e}") from e

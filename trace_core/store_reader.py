@@ -1,0 +1,311 @@
+"""Trainer-side loader of the record store: dense per-site tensors for a micro-batch of (trajectory, token range).
+
+`RecordReader.load` returns, for each site, one `Record` of shape `[B, T, n]` (B trajectories, T = longest range
+or `pad_to`) and a has-record mask `[B, T]` that is False on padding rows and on rows whose record is missing
+under the "rtn" policy, so the guided kernel rounds exactly those rows by RTN. Reads are streaming and memory
+bounded: only the frames of the requested trajectories and sites are read and decompressed, and decompressed
+frames sit in an LRU cache of at most `cache_bytes`. Missing trajectories follow an explicit policy: "error"
+raises `MissingRecordError`; "rtn" marks their rows as having no record and counts them in `stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zstandard
+
+from trace_core.formats import get_format
+from trace_core.records import Record, packed_len
+from trace_core.store import (
+    INDEX_NAME,
+    ROUTES,
+    CorruptShardError,
+    MissingRecordError,
+    Site,
+    SiteLayout,
+    StoreError,
+    build_index,
+    check_format,
+    parse_site,
+    read_header,
+    site_key,
+    step_dir,
+)
+
+POLICIES = ("error", "rtn")
+_DTYPES = {"low_bits": (torch.uint8, np.uint8), "scales": (torch.uint8, np.uint8)}
+_DTYPES["global_scale"] = (torch.float32, np.float32)
+_DTYPES[ROUTES] = (torch.int32, np.int32)
+
+
+@dataclass
+class ReaderStats:
+    """Counters a trainer reports: rows served with a record, rows that fall back to RTN for a missing record
+    (`fallback_rows`, by trajectory in `missing`), frames read and bytes read from disk / decompressed."""
+
+    rows: int = 0
+    fallback_rows: int = 0
+    missing: dict[str, int] = field(default_factory=dict)
+    frames_read: int = 0
+    disk_bytes: int = 0
+    raw_bytes: int = 0
+    cache_hits: int = 0
+
+
+@dataclass(frozen=True)
+class MicroBatchRecords:
+    """Records of a micro-batch, padded to `[B, T]` rows.
+
+    Attributes:
+        records: site -> `Record` with `[B, T, ...]` tensors (nvfp4 global scale `[B, T, 1]`, 1.0 on rows without
+            a record).
+        has_record: site -> bool `[B, T]`; False on padding and on missing records (RTN fallback rows).
+        routes: int32 `[B, T, moe_layers, topk]` or None when no trajectory of the batch recorded routes.
+        has_routes: bool `[B, T]` rows whose routes were recorded.
+    """
+
+    records: dict[Site, Record]
+    has_record: dict[Site, torch.Tensor]
+    routes: torch.Tensor | None
+    has_routes: torch.Tensor
+
+
+class _LRU:
+    """Decompressed frames keyed by (shard, trajectory, site, field), bounded by total bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.size = capacity, 0
+        self.items: OrderedDict[tuple, np.ndarray] = OrderedDict()
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        arr = self.items.get(key)
+        if arr is not None:
+            self.items.move_to_end(key)
+        return arr
+
+    def discard(self, key: tuple) -> None:
+        arr = self.items.pop(key, None)
+        if arr is not None:
+            self.size -= arr.nbytes
+
+    def put(self, key: tuple, arr: np.ndarray) -> None:
+        if arr.nbytes > self.capacity:
+            return
+        self.items[key] = arr
+        self.size += arr.nbytes
+        while self.size > self.capacity:
+            _, old = self.items.popitem(last=False)
+            self.size -= old.nbytes
+
+
+class RecordReader:
+    """Reads one step's records for training micro-batches (see module docstring)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        step: int,
+        *,
+        missing: str = "error",
+        cache_bytes: int = 256 << 20,
+        layout: Mapping[Site, SiteLayout] | None = None,
+    ) -> None:
+        if missing not in POLICIES:
+            raise ValueError(f"missing-record policy must be one of {POLICIES}, got {missing!r}")
+        self.dir = step_dir(root, step)
+        if not self.dir.is_dir():
+            raise StoreError(f"record store has no step {step} (no directory {self.dir})")
+        self.missing = missing
+        self.layout = None if layout is None else dict(sorted(layout.items()))
+        self.stats = ReaderStats()
+        self._cache = _LRU(cache_bytes)
+        self._headers: dict[str, dict] = {}
+        self._dctx = zstandard.ZstdDecompressor()
+        self._lock = threading.Lock()
+        self.index = self._load_index()
+
+    def _load_index(self) -> dict[str, str]:
+        path = self.dir / INDEX_NAME
+        if not path.exists():
+            return build_index(self.dir)
+        try:
+            index = json.loads(path.read_bytes())["shards"]
+        except (ValueError, KeyError) as e:
+            raise CorruptShardError(f"step index {path} does not parse: {e}") from e
+        for shard in set(index.values()):
+            if not (self.dir / shard).exists():
+                raise StoreError(f"step index {path} lists shard {shard}, which is missing")
+        return index
+
+    def trajectories(self) -> list[str]:
+        return sorted(self.index)
+
+    def _header(self, shard: str) -> dict:
+        if shard not in self._headers:
+            self._headers[shard] = read_header(self.dir / shard)
+        return self._headers[shard]
+
+    def _entry(self, traj: str) -> tuple[str, dict] | None:
+        shard = self.index.get(traj)
+        if shard is None:
+            return None
+        entry = self._header(shard)["trajectories"].get(traj)
+        if entry is None:
+            raise CorruptShardError(f"shard {self.dir / shard} lacks trajectory {traj!r} that the step index lists")
+        return shard, entry
+
+    def _frame(self, shard: str, traj: str, name: str, kind: str, meta: dict) -> np.ndarray:
+        """One decompressed frame as a flat numpy array, checked against its CRC-32 and raw length."""
+        key = (shard, traj, name, kind)
+        with self._lock:
+            arr = self._cache.get(key)
+            if arr is not None:
+                self.stats.cache_hits += 1
+                return arr
+        path = self.dir / shard
+        start = self._header(shard)["data_start"] + meta["offset"]
+        where = f"shard {path}, trajectory {traj!r}, {name} {kind}"
+        with open(path, "rb") as f:
+            f.seek(start)
+            frame = f.read(meta["length"])
+        if len(frame) != meta["length"]:
+            raise CorruptShardError(f"{where}: truncated ({len(frame)} of {meta['length']} bytes)")
+        if zlib.crc32(frame) != meta["crc"]:
+            raise CorruptShardError(f"{where}: CRC-32 mismatch, the shard is corrupt")
+        try:
+            raw = self._dctx.decompress(frame, max_output_size=meta["raw"])
+        except zstandard.ZstdError as e:
+            raise CorruptShardError(f"{where}: zstandard cannot decode it ({e})") from e
+        if len(raw) != meta["raw"]:
+            raise CorruptShardError(f"{where}: decodes to {len(raw)} bytes, header says {meta['raw']}")
+        arr = np.frombuffer(raw, dtype=_DTYPES[kind][1])
+        with self._lock:
+            self.stats.frames_read += 1
+            self.stats.disk_bytes += len(frame)
+            self.stats.raw_bytes += len(raw)
+            self._cache.put(key, arr)
+        return arr
+
+    def load(self, batch: Sequence[tuple[str | int, int, int]], *, pad_to: int | None = None) -> MicroBatchRecords:
+        """Records of positions [start, end) of each (trajectory, start, end), padded to `[B, T]`."""
+        if not batch:
+            raise ValueError("load() needs a non-empty micro-batch")
+        batch = [(str(t), s, e) for t, s, e in batch]
+        for traj, start, end in batch:
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+                raise ValueError(f"trajectory {traj!r}: token range [{start}, {end}) is invalid")
+        longest = max(e - s for _, s, e in batch)
+        t = longest if pad_to is None else pad_to
+        if t < longest:
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest range ({longest} tokens)")
+        entries = [self._lookup(traj, start, end) for traj, start, end in batch]
+        layout = self._site_layout([e for e in entries if e is not None])
+        b = len(batch)
+        records, has_record = {}, {}
+        for site, (fmt_name, bits, n) in layout.items():
+            fmt = get_format(fmt_name)
+            low = torch.zeros(b, t, packed_len(n, bits), dtype=torch.uint8)
+            scales = torch.zeros(b, t, n // fmt.block, dtype=torch.uint8)
+            gs = torch.ones(b, t, 1, dtype=torch.float32) if fmt.has_global_scale else None
+            mask = torch.zeros(b, t, dtype=torch.bool)
+            for i, ((traj, start, end), entry) in enumerate(zip(batch, entries, strict=True)):
+                meta = entry and entry[1]["sites"].get(site_key(site))
+                if meta is None:
+                    self._fallback(traj, end - start)
+                    continue
+                shard = entry[0]
+                rows = end - start
+                fields = meta["fields"]
+                low[i, :rows] = self._rows(shard, traj, site, "low_bits", fields, start, end, low.shape[-1])
+                scales[i, :rows] = self._rows(shard, traj, site, "scales", fields, start, end, scales.shape[-1])
+                if gs is not None:
+                    gs[i, :rows, 0] = self._rows(shard, traj, site, "global_scale", fields, start, end, 1)[:, 0]
+                mask[i, :rows] = True
+                self.stats.rows += rows
+            records[site] = Record(fmt=fmt, bits=bits, n=n, low_bits=low, scales=scales, global_scale=gs)
+            has_record[site] = mask
+        routes, has_routes = self._routes(batch, entries, t)
+        return MicroBatchRecords(records=records, has_record=has_record, routes=routes, has_routes=has_routes)
+
+    def _lookup(self, traj: str, start: int, end: int) -> tuple[str, dict] | None:
+        found = self._entry(traj)
+        if found is None:
+            if self.missing == "error":
+                raise MissingRecordError(f"trajectory {traj!r} has no records in {self.dir}")
+            return None
+        if end > found[1]["num_tokens"]:
+            raise ValueError(
+                f"trajectory {traj!r} has {found[1]['num_tokens']} recorded tokens; range [{start}, {end}) exceeds it"
+            )
+        return found
+
+    def _fallback(self, traj: str, rows: int) -> None:
+        if self.missing == "error":
+            raise MissingRecordError(f"trajectory {traj!r} in {self.dir} lacks a site the micro-batch needs")
+        self.stats.fallback_rows += rows
+        self.stats.missing[traj] = self.stats.missing.get(traj, 0) + rows
+
+    def _site_layout(self, entries: list[tuple[str, dict]]) -> dict[Site, SiteLayout]:
+        """Site -> (format, bits, width): the reader's `layout` if given, else the union of the batch's sites;
+        every trajectory's record of a site must agree with it."""
+        layout: dict[Site, SiteLayout] = dict(self.layout or {})
+        for shard, entry in entries:
+            for key, meta in entry["sites"].items():
+                where = f"shard {self.dir / shard}, site {key}"
+                check_format(meta["fmt"], where)
+                site, found = parse_site(key), (meta["fmt"], meta["bits"], meta["n"])
+                if self.layout is not None and site not in self.layout:
+                    continue
+                if layout.setdefault(site, found) != found:
+                    raise StoreError(f"{where}: (format, bits, width) {found} differs from {layout[site]} expected")
+        return dict(sorted(layout.items()))
+
+    def _rows(self, shard: str, traj: str, site: Site, kind: str, fields: dict, start: int, end: int, width: int):
+        if kind not in fields:
+            raise CorruptShardError(f"shard {self.dir / shard}, trajectory {traj!r}, site {site_key(site)}: no {kind}")
+        arr = self._frame(shard, traj, site_key(site), kind, fields[kind])
+        if arr.size % width:
+            raise CorruptShardError(f"shard {self.dir / shard}, trajectory {traj!r}, site {site_key(site)}: bad {kind}")
+        return torch.from_numpy(arr.reshape(-1, width)[start:end].copy())
+
+    def _routes(self, batch, entries, t: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        b = len(batch)
+        has = torch.zeros(b, t, dtype=torch.bool)
+        shapes = {tuple(e[1][ROUTES]["shape"]) for e in entries if e is not None and ROUTES in e[1]}
+        if not shapes:
+            return None, has
+        if len(shapes) > 1:
+            raise StoreError(f"routes of the micro-batch disagree in [moe_layers, topk]: {sorted(shapes)}")
+        (shape,) = shapes
+        routes = torch.zeros(b, t, *shape, dtype=torch.int32)
+        for i, ((traj, start, end), entry) in enumerate(zip(batch, entries, strict=True)):
+            if entry is None or ROUTES not in entry[1]:
+                continue
+            arr = self._frame(entry[0], traj, ROUTES, ROUTES, entry[1][ROUTES])
+            routes[i, : end - start] = torch.from_numpy(arr.reshape(-1, *shape)[start:end].copy())
+            has[i, : end - start] = True
+        return routes, has
+
+    def verify(self) -> int:
+        """Read and check every frame of the step (bypassing the cache); returns the number of frames checked."""
+        count = 0
+        for traj, shard in sorted(self.index.items()):
+            entry = self._header(shard)["trajectories"][traj]
+            for key, meta in entry["sites"].items():
+                for kind, fmeta in meta["fields"].items():
+                    self._cache.discard((shard, traj, key, kind))
+                    self._frame(shard, traj, key, kind, fmeta)
+                    count += 1
+            if ROUTES in entry:
+                self._cache.discard((shard, traj, ROUTES, ROUTES))
+                self._frame(shard, traj, ROUTES, ROUTES, entry[ROUTES])
+                count += 1
+        return count
