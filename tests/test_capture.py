@@ -1,0 +1,191 @@
+"""Record capture on the CPU path: staging -> host store keyed by KV slot -> gather per request.
+
+A small driver plays the rollout engine: every token row's activations derive from a content seed, so a row's
+expected record is the reference quantizer's output on that row alone (all formats here quantize row-independently:
+block scales, and nvfp4 with a per-token scale).
+"""
+
+import pytest
+import torch
+
+from trace_core.capture import RecordCapturer
+from trace_core.formats import format_names, get_format
+from trace_core.quant import quantize
+from trace_core.records import SITE_KINDS, ModelShape, Record, RecordSpec, pack_low_bits
+from trace_core.store import TrajectoryRecords
+
+SHAPE = ModelShape(hidden=64, num_kv_heads=2, head_dim=32)
+ROUTES = (3, 2)
+
+
+def row_input(seed: int, width: int, site_salt: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + site_salt)
+    return torch.randn(width, generator=gen) * (1 + seed % 5)
+
+
+def quantize_rows(fmt_name: str, x: torch.Tensor):
+    fmt = get_format(fmt_name)
+    return quantize(x, fmt, **({"per_token": True} if fmt.has_global_scale else {}))
+
+
+def site_rows(site, seeds, width):
+    return torch.stack([row_input(s, width, site[0] * 3 + SITE_KINDS.index(site[1])) for s in seeds])
+
+
+class Driver:
+    """Runs forwards of token rows (KV slot, content seed) through a capturer, as an engine would."""
+
+    def __init__(self, cap: RecordCapturer) -> None:
+        self.cap = cap
+
+    def forward(self, rows: list[tuple[int, int]]) -> None:
+        slots = torch.tensor([s for s, _ in rows], dtype=torch.int64)
+        seeds = [seed for _, seed in rows]
+        for site, (fmt_name, _, n) in self.cap.layouts.items():
+            self.cap.stage_quantized(site, quantize_rows(fmt_name, site_rows(site, seeds, n)))
+        if self.cap.routes_shape:
+            for layer in range(ROUTES[0]):
+                self.cap.stage_routes(layer, expected_routes(seeds)[:, layer])
+        self.cap.on_forward_end(slots)
+
+    def expected(self, seeds: list[int]) -> TrajectoryRecords:
+        records = {}
+        for site, (fmt_name, bits, n) in self.cap.layouts.items():
+            q = quantize_rows(fmt_name, site_rows(site, seeds, n))
+            records[site] = Record.from_quantized(q, bits)
+        routes = expected_routes(seeds) if self.cap.routes_shape else None
+        return TrajectoryRecords(len(seeds), records, routes)
+
+
+def expected_routes(seeds: list[int]) -> torch.Tensor:
+    return torch.stack([(seed * 7 + 3 * torch.arange(6)).to(torch.int32).view(*ROUTES) for seed in seeds])
+
+
+def assert_same(got: TrajectoryRecords, want: TrajectoryRecords) -> None:
+    assert got.num_tokens == want.num_tokens and set(got.records) == set(want.records)
+    for site, rec in want.records.items():
+        g = got.records[site]
+        assert (g.fmt, g.bits, g.n) == (rec.fmt, rec.bits, rec.n)
+        assert torch.equal(g.low_bits, rec.low_bits), site
+        assert torch.equal(g.scales, rec.scales), site
+        if rec.global_scale is None:
+            assert g.global_scale is None
+        else:
+            assert torch.equal(g.global_scale, rec.global_scale.reshape(-1, 1)), site
+    if want.routes is None:
+        assert got.routes is None
+    else:
+        assert torch.equal(got.routes, want.routes)
+
+
+def make(fmt: str = "nvfp4", bits: int = 1, *, routes=ROUTES, max_tokens=16, num_slots=64, **kw) -> RecordCapturer:
+    spec = RecordSpec(bits=bits, moe_layers=(1, 3), attn_layers=(2,), moe_format=fmt, kv_format=kw.pop("kv", "kv_fp4"))
+    return RecordCapturer(spec, SHAPE, max_tokens=max_tokens, num_slots=num_slots, routes=routes, **kw)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("fmt", format_names())
+def test_round_trip_chunked_prefill_then_decode(fmt, bits):
+    cap = make(fmt, bits, kv=fmt)
+    drv = Driver(cap)
+    seeds = list(range(100, 111))  # 11 tokens: prompt 7 in chunks of 4 + 3, then 4 decode steps
+    slots = [40, 41, 42, 43, 20, 21, 22, 5, 6, 7, 8]
+    drv.forward(list(zip(slots[:4], seeds[:4], strict=True)))
+    drv.forward(list(zip(slots[4:7], seeds[4:7], strict=True)))
+    for i in range(7, 11):
+        drv.forward([(slots[i], seeds[i]), (0, 999)])  # a padded decode row writes the dummy slot 0
+    got = cap.gather(torch.tensor(slots, dtype=torch.int32), 10)
+    assert_same(got, drv.expected(seeds[:10]))
+    assert got.records[(2, "k")].code_bits().shape == (10, 64)
+    row_bytes = cap.row.row_bytes
+    assert cap.stats.forwards == 6 and cap.stats.rows == 15 and cap.stats.bytes == 15 * row_bytes
+
+
+def test_row_bytes_match_the_record_spec_accounting():
+    cap = make("nvfp4", 1, routes=None)
+    # moe_in: 64 * 1.5 / 8 + 4 (token scale) = 16; k, v: 64 * 1.5 / 8 = 12 each.
+    assert cap.row.row_bytes == 2 * 16 + 2 * 12
+
+
+def test_prefix_sharing_requests_read_the_shared_slots():
+    cap = make()
+    drv = Driver(cap)
+    prompt = [1, 2, 3, 4, 5]
+    drv.forward([(10 + i, s) for i, s in enumerate(prompt)] + [(15, 50)])  # request A: prompt + 1 token
+    # Request B hits the radix cache for the 5 prompt slots and prefills only its own token.
+    drv.forward([(30, 60)])
+    drv.forward([(16, 51), (31, 61)])  # one decode step for both
+    a = cap.gather(torch.tensor([10, 11, 12, 13, 14, 15, 16]), 7)
+    b = cap.gather(torch.tensor([10, 11, 12, 13, 14, 30, 31]), 7)
+    assert_same(a, drv.expected(prompt + [50, 51]))
+    assert_same(b, drv.expected(prompt + [60, 61]))
+
+
+def test_retraction_frees_slots_that_a_later_request_reuses():
+    cap = make()
+    drv = Driver(cap)
+    drv.forward([(8, 1), (9, 2), (10, 3)])  # request A prefilled, then retracted
+    cap.release(torch.tensor([8, 9, 10]))
+    with pytest.raises(ValueError, match="3 of 3 positions have no captured record"):
+        cap.gather(torch.tensor([8, 9, 10]), 3)
+    drv.forward([(9, 70), (10, 71)])  # request B gets two of the freed slots
+    drv.forward([(20, 1), (21, 2), (22, 3), (8, 72)])  # A re-prefilled elsewhere; B's third token
+    assert_same(cap.gather(torch.tensor([9, 10, 8]), 3), drv.expected([70, 71, 72]))
+    assert_same(cap.gather(torch.tensor([20, 21, 22]), 3), drv.expected([1, 2, 3]))
+
+
+def test_static_scale_is_repeated_per_row_and_kernels_may_write_views_directly():
+    cap = make("nvfp4", 2, routes=None, sites=[(1, "moe_in")])
+    x = torch.randn(3, 64)
+    q = quantize(x, "nvfp4", global_scale=torch.tensor(50.0))
+    cap.stage_quantized((1, "moe_in"), q)
+    cap.on_forward_end(torch.tensor([4, 5, 6]))
+    got = cap.gather(torch.tensor([4, 5, 6]), 3).records[(1, "moe_in")]
+    assert torch.equal(got.global_scale, torch.full((3, 1), 50.0))
+    assert torch.equal(got.low_bits, pack_low_bits(q.codes, 2))
+    buf = cap.site_buffers((1, "moe_in"))  # a kernel writes straight into the fixed staging views
+    assert buf.low_bits.shape == (16, 16) and buf.scales.shape == (16, 4) and buf.global_scale.shape == (16, 1)
+    buf.low_bits[:2].fill_(0xA5)
+    buf.scales[:2].fill_(7)
+    buf.global_scale[:2].fill_(3.0)
+    cap.on_forward_end(torch.tensor([4, 7]), graph_replay=True)
+    got = cap.gather(torch.tensor([4, 7]), 2).records[(1, "moe_in")]
+    assert (got.low_bits == 0xA5).all() and (got.scales == 7).all() and (got.global_scale == 3.0).all()
+
+
+def test_a_site_that_was_not_staged_fails_the_forward_loudly():
+    cap = make(routes=None)
+    cap.stage_quantized((1, "moe_in"), quantize_rows("nvfp4", torch.randn(2, 64)))
+    with pytest.raises(ValueError, match=r"without staging \[\(2, 'k'\), \(2, 'v'\), \(3, 'moe_in'\)\]"):
+        cap.on_forward_end(torch.tensor([1, 2]))
+    assert cap.stats.forwards == 0 and not cap.written.any()
+
+
+def test_bad_inputs_are_named():
+    cap = make(routes=None)
+    with pytest.raises(ValueError, match="not captured by the record spec"):
+        make(sites=[(7, "moe_in")])
+    with pytest.raises(ValueError, match="exceed max_tokens=16"):
+        cap.stage((1, "moe_in"), torch.zeros(17, 8, dtype=torch.uint8), torch.zeros(17, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"scales must be uint8 \[2, 4\]"):
+        cap.stage((1, "moe_in"), torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 5, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="global_scale presence"):
+        cap.stage((1, "moe_in"), torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="expected kv_fp4 codes"):
+        cap.stage_quantized((2, "k"), quantize(torch.randn(2, 64), "mxfp4"))
+    with pytest.raises(ValueError, match="built without routes"):
+        cap.stage_routes(0, torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="length 5 is outside"):
+        cap.gather(torch.tensor([1, 2]), 5)
+    with pytest.raises(ValueError, match="slots out of range"):
+        cap.gather(torch.tensor([1, 64]), 2)
+
+
+def test_out_of_range_out_cache_loc_is_rejected_and_nothing_is_written():
+    cap = make(routes=None)
+    drv = Driver(cap)
+    with pytest.raises(ValueError, match=r"KV slots out of range \[0, 64\)"):
+        drv.forward([(3, 1), (64, 2)])
+    assert not cap.written.any()
+    drv.forward([(3, 1)])
+    assert_same(cap.gather(torch.tensor([3]), 1), drv.expected([1]))
