@@ -1,0 +1,260 @@
+"""Install TRACE on a megatron-core 0.19.2 model with hooks (no file patch) and drive it per micro-batch.
+
+Sites and how they are reached (docs/megatron.md says why no hunk is needed):
+- MoE input: `MoELayer.preprocess(hidden, probs, routing_map)` runs right after the router and right before the
+  dispatcher; an instance wrapper fake-quantizes `hidden` there (the router has seen BF16, shared experts too).
+- K / V: a forward-pre-hook on `core_attention` (K after QK-norm and RoPE, V final).
+- Expert weights: the expert linears' `_forward_impl(input, weight, ...)` gets the STE fake-quantized weight.
+- FC2 input: the experts run with probabilities 1 (pre-hook) and the output is scaled by the probabilities after
+  FC2 (forward hook), as SGLang does; a forward-pre-hook on each expert's `linear_fc2` fake-quantizes its input.
+- R3: each router's `RouterReplay` gets the rollout's routes.
+
+Per micro-batch, call `begin_microbatch(rows, source)` before the forward and `forward_done()` after it; activation
+recomputation in the backward then replays the same micro-batch's records and routes (FIFO, as `RouterReplay`).
+`end_step()` returns the step's metrics and clears all state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_trace.config import TraceConfig, check_megatron_config
+from megatron_trace.r3 import replay_indices
+from megatron_trace.rows import TokenRows
+from megatron_trace.sites import SiteNumerics
+from megatron_trace.source import RolloutSource, Site, SiteRows, take_columns
+
+Tap = Callable[[Site, TokenRows, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class _MicroBatchState:
+    attn_rows: TokenRows
+    moe_rows: TokenRows
+    records: dict[Site, SiteRows] = field(default_factory=dict)
+
+
+def _parallel() -> tuple[int, int, bool]:
+    """(tp rank, tp size) of the attention tensor-parallel group; single rank when Megatron is not initialised."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, False
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(), True
+
+
+class TraceSession:
+    """TRACE hooks on one model chunk (a GPTModel or anything with `.decoder.layers` of TransformerLayers)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TraceConfig, *, tap: Tap | None = None):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.moe.experts import SequentialMLP
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.cfg = cfg
+        self.config = model.config
+        check_megatron_config(self.config, cfg)
+        self.numerics = SiteNumerics(cfg)
+        self.tap = tap
+        self._handles: list = []
+        self._restore: list[tuple[object, str]] = []
+        self._queues: dict[tuple[str, int], list[_MicroBatchState]] = {}
+        self._current: _MicroBatchState | None = None
+        self._replaying_backward = False
+        self._placeholder_rows = 0
+        self.tp_rank, self.tp_size, _ = _parallel()
+        self.sequence_parallel = bool(self.config.sequence_parallel)
+        self.moe_layers: dict[int, torch.nn.Module] = {}
+        self.attn_layers: dict[int, torch.nn.Module] = {}
+        for layer in model.decoder.layers:
+            layer_id = layer.layer_number - 1
+            attn = getattr(layer, "self_attention", None)
+            if attn is not None and hasattr(attn, "core_attention"):
+                self.attn_layers[layer_id] = attn
+            if isinstance(layer.mlp, MoELayer):
+                self.moe_layers[layer_id] = layer.mlp
+        if cfg.replay_routes and not self.moe_layers:
+            raise ValueError("R3 requested but the model has no MoE layers")
+        # A pipeline stage holds some layers only (layer numbers are global): keep the sites this chunk has.
+        present = {(i, "moe_in") for i in self.moe_layers} | {(i, k) for i in self.attn_layers for k in ("k", "v")}
+        self.numerics.captured &= present
+        self.sites = present
+        if not cfg.quantized:
+            return
+        for layer_id, moe in self.moe_layers.items():
+            if not isinstance(moe.experts, SequentialMLP):
+                raise NotImplementedError(
+                    f"layer {layer_id}: experts {type(moe.experts).__name__}; weight and FC2-input fake quant are "
+                    "wired for SequentialMLP (local spec, or TE spec with moe_grouped_gemm=False)"
+                )
+            self._wrap(moe, "preprocess", self._moe_preprocess(layer_id, moe.preprocess))
+            self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
+            self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
+            for expert in moe.experts.local_experts:
+                for lin in (expert.linear_fc1, expert.linear_fc2):
+                    if type(lin) not in (ColumnParallelLinear, RowParallelLinear):
+                        raise NotImplementedError(f"expert linear {type(lin).__name__}: only Megatron's local linears")
+                    self._wrap(lin, "_forward_impl", self._weight_fq(lin._forward_impl))
+                self._handles.append(expert.linear_fc2.register_forward_pre_hook(self._fc2_input))
+        for layer_id, attn in self.attn_layers.items():
+            hook = self._kv_hook(layer_id, attn)
+            self._handles.append(attn.core_attention.register_forward_pre_hook(hook, with_kwargs=True))
+
+    # ----------------------------------------------------------------- installation helpers
+    def _wrap(self, obj: object, name: str, fn: Callable) -> None:
+        self._restore.append((obj, name))
+        setattr(obj, name, fn)
+
+    def remove(self) -> None:
+        """Remove every hook and wrapper; the model behaves as before `TraceSession`."""
+        for h in self._handles:
+            h.remove()
+        for obj, name in self._restore:
+            delattr(obj, name)
+        self._handles.clear()
+        self._restore.clear()
+        self.end_step()
+
+    # ----------------------------------------------------------------- per micro-batch driving
+    def begin_microbatch(self, rows: TokenRows, source: RolloutSource | None = None) -> None:
+        """Set the token identity (all rows of the micro-batch, `[s, b]` order) and the rollout source."""
+        moe_rows = rows.chunk(self.tp_rank, self.tp_size) if self.sequence_parallel else rows
+        state = _MicroBatchState(attn_rows=rows, moe_rows=moe_rows)
+        wanted = set(self.numerics.captured)
+        if source is not None and self.cfg.measure and self.cfg.quantized:
+            wanted |= set(self.cfg.spec.sites()) & self.sites
+        if wanted and source is None:
+            raise ValueError(f"trace mode needs a RolloutSource for the captured sites {sorted(wanted)}")
+        for site in sorted(wanted):
+            site_rows = source.records(site, moe_rows if site[1] == "moe_in" else rows)
+            if site[1] != "moe_in" and self.tp_size > 1:
+                site_rows = self._local_heads(site_rows)
+            state.records[site] = site_rows
+        if self.cfg.replay_routes:
+            self._set_routes(moe_rows, source)
+        self._current = state
+        self._replaying_backward = False
+        for key in [("moe", i) for i in self.moe_layers] + [("attn", i) for i in self.attn_layers]:
+            self._queues.setdefault(key, []).append(state)
+
+    def forward_done(self) -> None:
+        """The forward of the current micro-batch finished: recomputation in its backward replays from the FIFO."""
+        self._replaying_backward = True
+        if self.cfg.replay_routes:
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            for moe in self.moe_layers.values():
+                moe.router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def end_step(self) -> dict[str, float]:
+        """Metrics of the step (site counters, R3 placeholders); clears records, routes and counters."""
+        out = self.numerics.metrics()
+        if self.cfg.replay_routes:
+            out["r3/placeholder_rows"] = float(self._placeholder_rows)
+            for moe in self.moe_layers.values():
+                moe.router.router_replay.clear_indices()
+                moe.router.router_replay.clear_router_replay_action()
+        self.numerics.reset()
+        self._queues.clear()
+        self._current = None
+        self._placeholder_rows = 0
+        return out
+
+    def _state(self, key: tuple[str, int]) -> _MicroBatchState:
+        if self._current is None:
+            raise RuntimeError("TRACE site ran outside a micro-batch: call begin_microbatch() before the forward")
+        if not self._replaying_backward:
+            return self._current
+        queue = self._queues.get(key)
+        if not queue:
+            raise RuntimeError(f"recomputation of {key} has no pending micro-batch (forward/backward out of step)")
+        return queue.pop(0)
+
+    def _set_routes(self, rows: TokenRows, source: RolloutSource | None) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if source is None:
+            raise ValueError("R3 needs a RolloutSource with the rollout's routes")
+        for layer_id, moe in self.moe_layers.items():
+            replay = moe.router.router_replay
+            if replay is None:
+                raise ValueError("R3 needs moe_enable_routing_replay=True when the model is built")
+            routes, has = source.routes(layer_id, rows)
+            idx, placeholders = replay_indices(
+                layer_id, routes, has, rows, self.config.num_moe_experts, self.config.moe_router_topk
+            )
+            self._placeholder_rows += placeholders
+            replay.set_target_indices(idx)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _local_heads(self, site_rows: SiteRows) -> SiteRows:
+        groups = self.config.num_query_groups or self.config.num_attention_heads
+        if groups % self.tp_size:
+            raise NotImplementedError(f"{groups} KV heads replicated over TP {self.tp_size}: record slicing undefined")
+        width = site_rows.record.n // self.tp_size
+        rec = take_columns(site_rows.record, self.tp_rank * width, (self.tp_rank + 1) * width)
+        return SiteRows(rec, site_rows.has_record)
+
+    # ----------------------------------------------------------------- the sites
+    def _site(self, site: Site, rows: TokenRows, state: _MicroBatchState, x2d: torch.Tensor) -> torch.Tensor:
+        if x2d.shape[0] != len(rows):
+            raise ValueError(
+                f"site {site}: activation has {x2d.shape[0]} rows but the micro-batch identity has {len(rows)}"
+            )
+        y2d = self.numerics.activation(site, x2d, state.records.get(site))
+        if self.tap is not None:
+            self.tap(site, rows, x2d, y2d)
+        return y2d
+
+    def _moe_preprocess(self, layer_id: int, original: Callable) -> Callable:
+        def preprocess(hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+            state = self._state(("moe", layer_id))
+            x2d = hidden_states.reshape(-1, hidden_states.shape[-1])
+            y2d = self._site((layer_id, "moe_in"), state.moe_rows, state, x2d)
+            return original(y2d.view(hidden_states.shape), probs, routing_map)
+
+        return preprocess
+
+    def _kv_hook(self, layer_id: int, attn: torch.nn.Module) -> Callable:
+        def hook(module, args, kwargs):
+            if kwargs.get("packed_seq_params") is not None:
+                raise NotImplementedError("packed THD sequences: TRACE maps BSHD micro-batch rows only")
+            state = self._state(("attn", layer_id))
+            query, key, value, *rest = args
+            out = []
+            for kind, t in (("k", key), ("v", value)):
+                y = self._site((layer_id, kind), state.attn_rows, state, t.reshape(t.shape[0] * t.shape[1], -1))
+                out.append(y.view(t.shape))
+            return (query, out[0], out[1], *rest), kwargs
+
+        return hook
+
+    def _probs_to_one(self, module, args):
+        hidden, tokens_per_expert, probs = args
+        module._trace_probs = probs
+        return hidden, tokens_per_expert, torch.ones_like(probs)
+
+    def _probs_after_fc2(self, module, args, output):
+        out, bias = output
+        if bias is not None:
+            raise NotImplementedError("expert bias with probabilities applied after FC2")
+        probs = module._trace_probs
+        del module._trace_probs
+        return (out * probs.unsqueeze(-1)).to(out.dtype), None
+
+    def _fc2_input(self, module, args):
+        x, *rest = args
+        return (self.numerics.fc2_input(x), *rest)
+
+    def _weight_fq(self, original: Callable) -> Callable:
+        def forward_impl(*args, **kwargs):
+            if "weight" in kwargs:
+                kwargs["weight"] = self.numerics.weight(kwargs["weight"])
+            else:
+                args = (args[0], self.numerics.weight(args[1]), *args[2:])
+            return original(*args, **kwargs)
+
+        return forward_impl

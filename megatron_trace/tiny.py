@@ -1,0 +1,90 @@
+"""A tiny Qwen3-MoE-shaped GPTModel (local spec, SequentialMLP): the model CPU tests, the GPU smoke test and the
+step benchmark build. Qwen3-MoE architecture: RMSNorm, QK-norm, SwiGLU experts, softmax top-k renormalised over the
+chosen experts (`norm_topk_prob`), no biases, untied embeddings, RoPE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TinyMoEConfig:
+    """Dimensions of the tiny model (defaults keep a CPU forward + backward well under a second)."""
+
+    vocab: int = 128
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    experts: int = 4
+    topk: int = 2
+    expert_ffn: int = 32
+    max_seq: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+
+def transformer_config(cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, routing_replay: bool = True):
+    """Megatron TransformerConfig for `cfg` with the settings TRACE needs (no fusions, no aux loss, replay on)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.layers,
+        hidden_size=cfg.hidden,
+        num_attention_heads=cfg.heads,
+        num_query_groups=cfg.kv_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.expert_ffn,
+        moe_ffn_hidden_size=cfg.expert_ffn,
+        num_moe_experts=cfg.experts,
+        moe_router_topk=cfg.topk,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_token_dispatcher_type="allgather",
+        moe_enable_routing_replay=routing_replay,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+    )
+
+
+def build_tiny_moe(cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, seed: int = 0, routing_replay=True):
+    """A GPTModel with MoE in every layer. Needs `megatron_trace.cpu.init_single_rank()` (or torchrun) first."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.experts, qk_layernorm=True, normalization="RMSNorm")
+    model = GPTModel(
+        config=transformer_config(cfg, dtype=dtype, routing_replay=routing_replay),
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab,
+        max_sequence_length=cfg.max_seq,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(device="cuda" if torch.cuda.is_available() else "cpu", dtype=dtype)
