@@ -167,7 +167,8 @@ def test_per_tensor_per_token_and_static_global_scales():
     assert per_tensor.global_scale.item() == torch.tensor(2688.0) / x.abs().max()
     per_token = quantize(x, NVFP4, per_token=True)
     amax = x.abs().amax(-1, keepdim=True)
-    assert torch.equal(per_token.global_scale, torch.where(amax > 0, 2688.0 / amax, torch.ones_like(amax)))
+    s_enc = torch.full_like(amax, 2688.0) / amax  # IEEE division
+    assert torch.equal(per_token.global_scale, torch.where(amax > 0, s_enc, torch.ones_like(amax)))
     for r in range(4):  # per-token rows are independent of each other
         alone = quantize(x[r : r + 1], NVFP4, per_token=True)
         assert torch.equal(alone.codes[0], per_token.codes[r]) and torch.equal(alone.scales[0], per_token.scales[r])
@@ -176,6 +177,14 @@ def test_per_tensor_per_token_and_static_global_scales():
     static_rows = quantize(x, NVFP4, global_scale=per_token.global_scale)
     assert torch.equal(static_rows.codes, per_token.codes)
     assert not torch.equal(per_token.codes, per_tensor.codes)
+
+
+def test_global_scale_is_an_ieee_division():
+    # amax = 7 * 2^-11: 2688 / amax = 786432 exactly; reciprocal-then-multiply would give 786432.0625.
+    x = torch.zeros(1, 16)
+    x[0, 0] = 7 * 2.0**-11
+    assert quantize(x, NVFP4).global_scale.item() == 786432.0
+    assert quantize(x, NVFP4, per_token=True).global_scale.item() == 786432.0
 
 
 def test_global_scale_errors():

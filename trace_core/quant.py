@@ -74,8 +74,14 @@ def _nvfp4_global_scale(xf: torch.Tensor, global_scale: float | torch.Tensor | N
         if s_enc.numel() and not bool((torch.isfinite(s_enc) & (s_enc > 0)).all()):
             raise ValueError("global_scale must be finite and positive")
         return s_enc
-    amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax()
-    s_enc = torch.clamp(NVFP4_AMAX_TO_SENC / amax, max=FLT_MAX)
+    return nvfp4_global_scale(xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax())
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """FP32 `S_enc = min(2688 / amax, FLT_MAX)`, 1 where amax is 0."""
+    amax = amax.float()
+    # tensor / tensor is an IEEE division; `scalar / tensor` would be reciprocal-then-multiply, an ulp off
+    s_enc = torch.clamp(torch.full_like(amax, NVFP4_AMAX_TO_SENC) / amax, max=FLT_MAX)
     return torch.where(amax > 0, s_enc, torch.ones_like(s_enc))
 
 
@@ -106,8 +112,8 @@ def scale_factors(
     if fmt.scale is ScaleKind.E4M3:
         if global_scale is None:
             raise ValueError(f"{fmt.name} needs a global scale, got None")
-        decode = scales.view(torch.float8_e4m3fn).float() * (1.0 / global_scale)
-        return decode, torch.clamp(1.0 / decode, max=FLT_MAX)
+        decode = scales.view(torch.float8_e4m3fn).float() * torch.reciprocal(global_scale)
+        return decode, torch.clamp(torch.reciprocal(decode), max=FLT_MAX)
     e = scales.float() - E8M0_BIAS
     return torch.exp2(e), torch.exp2(-e)
 
