@@ -54,7 +54,10 @@ class TraceSession:
         from megatron.core.transformer.moe.experts import SequentialMLP
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
+        if getattr(model, "_trace_session", None) is not None:
+            raise RuntimeError("a TraceSession is already installed on this model; remove() it first")
         self.cfg = cfg
+        self.model = model
         self.config = model.config
         check_megatron_config(self.config, cfg)
         self.numerics = SiteNumerics(cfg)
@@ -82,6 +85,7 @@ class TraceSession:
         present = {(i, "moe_in") for i in self.moe_layers} | {(i, k) for i in self.attn_layers for k in ("k", "v")}
         self.numerics.captured &= present
         self.sites = present
+        model._trace_session = self
         if not cfg.quantized:
             return
         for layer_id, moe in self.moe_layers.items():
@@ -117,6 +121,7 @@ class TraceSession:
         self._handles.clear()
         self._restore.clear()
         self.end_step()
+        self.model._trace_session = None
 
     # ----------------------------------------------------------------- per micro-batch driving
     def begin_microbatch(self, rows: TokenRows, source: RolloutSource | None = None) -> None:

@@ -28,8 +28,11 @@ class TinyMoEConfig:
     norm_eps: float = 1e-6
 
 
-def transformer_config(cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, routing_replay: bool = True):
-    """Megatron TransformerConfig for `cfg` with the settings TRACE needs (no fusions, no aux loss, replay on)."""
+def transformer_config(
+    cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, routing_replay: bool = True, **overrides
+):
+    """Megatron TransformerConfig for `cfg` with the settings TRACE needs (no fusions, no aux loss, replay on);
+    `overrides` set further TransformerConfig fields (recomputation, parallelism)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -66,11 +69,15 @@ def transformer_config(cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+        **overrides,
     )
 
 
-def build_tiny_moe(cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, seed: int = 0, routing_replay=True):
-    """A GPTModel with MoE in every layer. Needs `megatron_trace.cpu.init_single_rank()` (or torchrun) first."""
+def build_tiny_moe(
+    cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, seed: int = 0, routing_replay: bool = True, **overrides
+):
+    """A GPTModel with MoE in every layer, deterministic in `seed`. Needs `megatron_trace.cpu.init_single_rank()`
+    (or torchrun) first; `overrides` go to `transformer_config`."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -79,7 +86,7 @@ def build_tiny_moe(cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, se
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts, qk_layernorm=True, normalization="RMSNorm")
     model = GPTModel(
-        config=transformer_config(cfg, dtype=dtype, routing_replay=routing_replay),
+        config=transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, **overrides),
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab,
         max_sequence_length=cfg.max_seq,

@@ -1,0 +1,260 @@
+"""Trainer-side FP4 sites on a tiny Megatron GPTModel with MoE (local spec, SequentialMLP, gloo, one CPU rank).
+
+The rollout side is emulated independently: the same model in `qat` mode, with a capture tap that turns each
+site's input into records through `trace_core.quant.quantize` + `Record.from_quantized`. The trainer then runs with
+perturbed weights (the engine-to-engine difference) and a different micro-batch layout, and every captured site's
+output must equal `trace_core.guided.guided_round` of its input under those records, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.cpu import init_single_rank
+from megatron_trace.emulate import emulate_rollout
+from megatron_trace.rows import PAD, TokenRows, pack_microbatch
+from megatron_trace.session import TraceSession
+from megatron_trace.sites import SiteNumerics
+from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+from trace_core.guided import GuidanceStats, guided_round
+from trace_core.quant import dequantize, quantize
+from trace_core.records import Record, RecordSpec
+
+CFG = TinyMoEConfig()
+ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron():
+    init_single_rank()
+
+
+def trajectories(n: int = 5, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(9, 25, (n,), generator=g).tolist()
+    return [(i, torch.randint(0, CFG.vocab, (length,), generator=g)) for i, length in enumerate(lengths)]
+
+
+def perturb(model: torch.nn.Module, rel: float = 2e-3, seed: int = 1) -> None:
+    """The trainer's weights differ slightly from the rollout's, as two engines' BF16 numerics do."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((torch.randn(p.shape, generator=g) * rel * p.float().abs().mean()).to(p.dtype))
+
+
+def fmt_of(kind: str) -> str:
+    return "nvfp4" if kind == "moe_in" else "kv_fp4"
+
+
+def rollout_rows(model, trajs, spec: RecordSpec) -> dict:
+    """Independent rollout capture: {(site, traj, pos): rollout-side Quantized of that token row}."""
+    table = {}
+
+    def tap(site, rows, x, y):
+        per_token = site[1] == "moe_in"
+        q = quantize(x.detach(), fmt_of(site[1]), per_token=per_token)
+        assert torch.equal(y, dequantize(q, x.dtype)), f"qat site {site} is not RTN"
+        for i in range(len(rows)):
+            if rows.traj[i] != PAD:
+                table[(site, int(rows.traj[i]), int(rows.pos[i]))] = quantize(
+                    x[i : i + 1].detach(), fmt_of(site[1]), per_token=per_token
+                )
+
+    session = TraceSession(model, TraceConfig(mode="qat", spec=spec, replay_routes=False), tap=tap)
+    mb = pack_microbatch(trajs)
+    session.begin_microbatch(mb.rows)
+    with torch.no_grad():
+        model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    session.remove()
+    return table
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_guided_sites_equal_guided_round_of_rollout_records(bits):
+    spec = RecordSpec(bits=bits, moe_layers=(0, 1), attn_layers=(0, 1))
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    trajs = trajectories()
+    expected_records = rollout_rows(model, trajs, spec)
+    # Rollout batches differ from the trainer's: other grouping, order and padding.
+    source = emulate_rollout(
+        model, [pack_microbatch(trajs[:3]), pack_microbatch(trajs[3:])], spec, num_trajectories=5, max_positions=32
+    )
+    perturb(model)
+    taps = []
+    session = TraceSession(model, TraceConfig(mode="trace", spec=spec), tap=lambda *a: taps.append(a))
+    mb = pack_microbatch([trajs[4], trajs[1], trajs[2]], seq_len=28)
+    session.begin_microbatch(mb.rows, source)
+    model(mb.input_ids, mb.position_ids, mb.attention_mask).float().sum().backward()
+    session.forward_done()
+    metrics = session.end_step()
+    session.remove()
+
+    assert {t[0] for t in taps} == set(spec.sites())
+    redirected = 0
+    for site, rows, x, y in taps:
+        for i in range(len(rows)):
+            xi, yi = x[i : i + 1].detach(), y[i : i + 1].detach()
+            if rows.traj[i] == PAD:
+                rtn = dequantize(quantize(xi, fmt_of(site[1]), per_token=site[1] == "moe_in"), xi.dtype)
+                assert torch.equal(yi, rtn), f"{site}: padding row is not RTN"
+                continue
+            q = expected_records[(site, int(rows.traj[i]), int(rows.pos[i]))]
+            stats = GuidanceStats()
+            want = guided_round(xi, Record.from_quantized(q, bits), bits, stats=stats)
+            assert torch.equal(yi, want), f"{site} row {i}: trainer value differs from guided_round"
+            redirected += stats.redirected
+    assert redirected > 0, "the perturbation should move some elements across a rounding boundary"
+    pad_rows = int((mb.rows.traj == PAD).sum())
+    assert metrics["trace/L0.moe_in/rtn_fallback"] == pad_rows * CFG.hidden
+    assert metrics["trace/L1.k/rtn_fallback"] == pad_rows * CFG.kv_heads * CFG.head_dim
+    assert metrics["trace/rtn_fallback"] == pad_rows * 2 * (CFG.hidden + 2 * CFG.kv_heads * CFG.head_dim)
+
+
+def test_trace_reproduces_rollout_logits_and_cuts_code_flips():
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    trajs = trajectories(4, seed=3)
+    mb = pack_microbatch(trajs)
+    source = emulate_rollout(model, [mb], ALL_SITES, num_trajectories=4, max_positions=32)
+    # Rollout logits: qat sites with native routing.
+    session = TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES, replay_routes=False))
+    session.begin_microbatch(mb.rows)
+    with torch.no_grad():
+        rollout_logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    session.remove()
+    # Same weights: guided rounding picks the rollout's codes, R3 its routes, so the logits agree exactly on every
+    # token the rollout routed (final tokens carry placeholder routes, padding is not compared).
+    session = TraceSession(model, TraceConfig(mode="trace", spec=ALL_SITES))
+    session.begin_microbatch(mb.rows, source)
+    with torch.no_grad():
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    session.remove()
+    routed = (mb.valid & ~mb.rows.last.view(-1, len(trajs)).t()).bool()
+    assert torch.equal(logits[routed], rollout_logits[routed])
+
+    perturb(model)
+    flip = {}
+    for mode in ("qat", "trace"):
+        s = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES))
+        s.begin_microbatch(mb.rows, source)
+        with torch.no_grad():
+            model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        flip[mode] = s.end_step()
+        s.remove()
+    for site in ALL_SITES.sites():
+        key = f"trace/L{site[0]}.{site[1]}/code_flip_rate"
+        assert flip["qat"][key] > flip["trace"][key], key
+    assert "trace/L0.moe_in/rtn_fallback" not in flip["qat"]
+
+
+def test_uncaptured_sites_use_rtn_and_need_no_record():
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    trajs = trajectories(2, seed=5)
+    spec = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,))
+    source = emulate_rollout(model, [pack_microbatch(trajs)], spec, num_trajectories=2, max_positions=32)
+    taps = []
+    session = TraceSession(model, TraceConfig(mode="trace", spec=spec), tap=lambda *a: taps.append(a))
+    mb = pack_microbatch(trajs)
+    session.begin_microbatch(mb.rows, source)
+    with torch.no_grad():
+        model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    metrics = session.end_step()
+    for site, _, x, y in taps:
+        if site[0] == 0:
+            rtn = dequantize(quantize(x, fmt_of(site[1]), per_token=site[1] == "moe_in"), x.dtype)
+            assert torch.equal(y, rtn), site
+    assert "trace/L0.moe_in/rtn_fallback" not in metrics and "trace/L1.moe_in/rtn_fallback" in metrics
+
+
+def test_ste_gradients_are_identity_at_every_site():
+    numerics = SiteNumerics(TraceConfig(mode="qat", spec=ALL_SITES))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g, dtype=torch.float32).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    for fn in (
+        lambda t: numerics.activation((0, "moe_in"), t, None),
+        lambda t: numerics.activation((0, "k"), t, None),
+        numerics.weight,
+        numerics.fc2_input,
+    ):
+        x.grad = None
+        y = fn(x)
+        assert not torch.equal(y, x), "fake quant should change a random tensor"
+        y.backward(grad)
+        assert torch.equal(x.grad, grad)
+
+
+def test_bf16_mode_leaves_the_model_untouched():
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    mb = pack_microbatch(trajectories(2))
+    with torch.no_grad():
+        ref = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    session = TraceSession(model, TraceConfig(mode="bf16", spec=ALL_SITES, replay_routes=False))
+    session.begin_microbatch(mb.rows)
+    with torch.no_grad():
+        out = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    assert torch.equal(out, ref)
+
+
+def test_qat_trains_experts_through_the_fake_quant_and_recompute_matches():
+    """QAT with probabilities after FC2 gives every expert weight a gradient, and MoE + core-attention
+    recomputation (two micro-batches, records replayed from the FIFO) gives the same gradients as none."""
+    trajs = trajectories(4, seed=7)
+    mbs = [pack_microbatch(trajs[:2]), pack_microbatch(trajs[2:])]
+    grads = []
+    for overrides in ({}, {"recompute_granularity": "selective", "recompute_modules": ["moe", "core_attn"]}):
+        model = build_tiny_moe(CFG, dtype=torch.float32, **overrides)
+        source = emulate_rollout(model, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
+        perturb(model)
+        session = TraceSession(model, TraceConfig(mode="trace", spec=ALL_SITES))
+        for mb in mbs:
+            session.begin_microbatch(mb.rows, source)
+            out = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+            session.forward_done()
+            out.square().mean().backward()
+        assert all(not q for q in session._queues.values()) or not overrides
+        session.end_step()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        if "local_experts" in name:
+            assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_trace_needs_records_and_matching_rows():
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    trajs = trajectories(2)
+    mb = pack_microbatch(trajs)
+    source = emulate_rollout(model, [mb], ALL_SITES, num_trajectories=2, max_positions=32)
+    session = TraceSession(model, TraceConfig(mode="trace", spec=ALL_SITES, replay_routes=False))
+    with pytest.raises(ValueError, match="RolloutSource"):
+        session.begin_microbatch(mb.rows, None)
+    wrong = pack_microbatch(trajs, seq_len=mb.input_ids.shape[1] + 2)
+    session.begin_microbatch(wrong.rows, source)  # identity of a longer batch than the one fed
+    with pytest.raises(ValueError, match="rows"), torch.no_grad():
+        model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    with pytest.raises(RuntimeError, match="already"):
+        TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES, replay_routes=False))
+    session.remove()
+    s = TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES, replay_routes=False))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="begin_microbatch"):
+        model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    s.remove()
+
+
+def test_row_identity_follows_megatron_order_and_sequence_parallel_chunks():
+    mb = pack_microbatch([(7, torch.arange(3)), (2, torch.arange(5))])
+    # rows are [s, b]: (s0,b0) (s0,b1) (s1,b0) ...
+    assert mb.rows.traj.tolist() == [7, 2, 7, 2, 7, 2, PAD, 2, PAD, 2]
+    assert mb.rows.pos.tolist() == [0, 0, 1, 1, 2, 2, 0, 3, 0, 4]
+    assert mb.rows.last.tolist() == [False, False, False, False, True, False, False, False, False, True]
+    assert bool(mb.attention_mask[0, 0, 0, 4]) and not bool(mb.attention_mask[1, 0, 4, 4])
+    assert mb.rows.chunk(1, 2).traj.tolist() == [2, PAD, 2, PAD, 2]
+    with pytest.raises(ValueError, match="chunks"):
+        mb.rows.chunk(0, 3)
+    with pytest.raises(ValueError, match="distinct"):
+        pack_microbatch([(1, torch.arange(3)), (1, torch.arange(2))])
+    with pytest.raises(ValueError, match="int64"):
+        TokenRows(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=bool))
