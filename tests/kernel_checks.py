@@ -1,0 +1,81 @@
+"""Bit-exact checks of the FP4 kernels against the `trace_core` reference, shared by the GPU tests and the
+Triton-interpreter test on CPU. `quantize_fn` / `guided_fn` take the same arguments as
+`ops.triton_quantize_record` / `ops.triton_guided`, so either the custom ops or the raw launchers can be checked."""
+
+from __future__ import annotations
+
+import torch
+
+from trace_core.formats import FP4Format, get_format
+from trace_core.guided import guided_quantize
+from trace_core.kernels import ops
+from trace_core.quant import dequantize, quantize
+from trace_core.records import Record, pack_low_bits
+
+SCALE_MODES = {"nvfp4": ("per_token", "scalar", "row"), "mxfp4": ("none",), "mxfp4_ocp": ("none",), "kv_fp4": ("none",)}
+
+
+def make_input(t: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """Rows spanning many decades, with a zero block, -0.0, exact boundaries and outliers."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=gen) * torch.logspace(-3, 3, max(t, 1))[:t, None]
+    if t > 2 and d >= 32:
+        x[0, :16] = 0.0
+        x[1, 3] = -0.0
+        x[2, :8] = torch.tensor([6.0, 0.25, 0.75, 2.5, 5.0, -1.25, -3.5, 60.0])
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype).to(device)
+
+
+def scale_kwargs(mode: str, x: torch.Tensor) -> dict:
+    if mode == "per_token":
+        return {"per_token": True}
+    if mode == "scalar":  # static per-layer scale calibrated on a tenth of the amax: blocks saturate
+        return {"global_scale": torch.tensor(2688.0, device=x.device) / (0.1 * x.float().abs().max() + 1e-30)}
+    if mode == "row":
+        return {"global_scale": torch.full((x.shape[0], 1), 97.0, device=x.device)}
+    return {}
+
+
+def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int, mode: str, device: str, quantize_fn):
+    """quantize-and-record (and the no-record variant) equal the reference bit for bit."""
+    fmt = get_format(fmt)
+    x = make_input(t, d, dtype, device)
+    kwargs = scale_kwargs(mode, x)
+    q = quantize(x, fmt, **kwargs)
+    per_token = mode == "per_token"
+    gs = kwargs.get("global_scale")
+    out = torch.full_like(x, float("nan"))
+    low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
+    quantize_fn(x, fmt, bits, gs, per_token, out, low, scales, token)
+    assert torch.equal(out, dequantize(q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}: output differs"
+    assert torch.equal(low, pack_low_bits(q.codes, bits)), f"{fmt.name} {dtype} {mode} b={bits}: record bits differ"
+    assert torch.equal(scales, q.scales), f"{fmt.name} {dtype} {mode}: scale bytes differ"
+    if per_token:
+        assert torch.equal(token, q.global_scale), f"{fmt.name} {dtype}: token scales differ"
+    plain = torch.full_like(x, float("nan"))
+    quantize_fn(x, fmt, 0, gs, per_token, plain, None, None, None)
+    assert torch.equal(plain, out), f"{fmt.name} {dtype} {mode}: no-record output differs"
+
+
+def check_guided(
+    fmt: FP4Format | str, t: int, d: int, dtype, record_bits: int, bits: int, mode: str, device, guided_fn
+):
+    """Guided fake-quant from a record equals `guided_quantize` + `dequantize`, redirected counts included."""
+    fmt = get_format(fmt)
+    rollout = make_input(t, d, dtype, device, seed=1)
+    q = quantize(rollout, fmt, **scale_kwargs(mode, rollout))
+    rec = Record.from_quantized(q, record_bits)
+    gen = torch.Generator().manual_seed(2)
+    noise = torch.randn(t, d, generator=gen).to(device) * rollout.float().abs().amax(-1, keepdim=True) * 0.02
+    train = (rollout.float() + noise).to(dtype)
+    gs = rec.global_scale.float().contiguous() if rec.global_scale is not None else None
+    has = torch.arange(t, device=device) % 3 != 1
+    for mask in (None, has):
+        out, redirected = guided_fn(train, fmt.name, bits, record_bits, rec.low_bits, rec.scales, gs, mask)
+        ref_q, ref_redirected = guided_quantize(train, rec, bits)
+        if mask is not None:
+            ref_redirected &= mask.unsqueeze(-1)
+        assert torch.equal(out, dequantize(ref_q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}/{record_bits}: differs"
+        assert int(redirected) == int(ref_redirected.sum()), f"{fmt.name} b={bits}: redirected count differs"

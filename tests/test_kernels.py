@@ -1,0 +1,111 @@
+"""Kernel entry points on CPU (the custom ops dispatch to the reference there) and the Triton kernels themselves
+under the Triton interpreter (`TRITON_INTERPRET=1`, small shapes, in a subprocess because the flag is read when
+triton compiles a kernel's launcher)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import kernel_checks
+from trace_core import guided as ref_guided
+from trace_core.e2m1 import pack_fp4
+from trace_core.guided import GuidanceStats
+from trace_core.kernels import (
+    guided_fake_quant,
+    ops,
+    quantize_nvfp4_weight,
+    quantize_record,
+    record_buffers,
+    rtn_fake_quant,
+)
+from trace_core.quant import quantize
+from trace_core.records import Record
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_ocp", "kv_fp4"])
+def test_cpu_dispatch_writes_the_reference_record(fmt):
+    for mode in kernel_checks.SCALE_MODES[fmt]:
+        for bits in (1, 4):
+            kernel_checks.check_quantize_record(fmt, 7, 64, torch.bfloat16, bits, mode, "cpu", _op_quantize)
+
+
+def _op_quantize(x, fmt, bits, gs, per_token, out, low, scales, token):
+    quantize_record(x, fmt, bits, global_scale=gs, per_token=per_token, out=out, low_bits=low, scales=scales,
+                    token_scale=token if low is not None else None)  # fmt: skip
+
+
+def test_guided_fake_quant_matches_guided_round_with_fallback_rows():
+    x = kernel_checks.make_input(9, 64, torch.bfloat16, "cpu")
+    roll = quantize(kernel_checks.make_input(9, 64, torch.bfloat16, "cpu", seed=3), "nvfp4", per_token=True)
+    rec = Record.from_quantized(roll, 2)
+    has = torch.tensor([True, False, True] * 3)
+    ours, theirs = GuidanceStats(), GuidanceStats()
+    out = guided_fake_quant(x, rec, 1, has_record=has, stats=ours)
+    assert torch.equal(out, ref_guided.guided_round(x, rec, 1, has_record=has, stats=theirs))
+    assert (ours.guided, ours.rtn_fallback, ours.redirected) == (theirs.guided, theirs.rtn_fallback, theirs.redirected)
+    assert ours.rtn_fallback == 3 * 64
+
+
+def test_straight_through_gradients():
+    x = kernel_checks.make_input(4, 32, torch.float32, "cpu").requires_grad_(True)
+    rec = Record.from_quantized(quantize(x.detach(), "kv_fp4"), 1)
+    g = torch.randn_like(x)
+    (guided_fake_quant(x, rec, 1, stats=GuidanceStats()) * g).sum().backward()
+    assert torch.equal(x.grad, g)
+    x.grad = None
+    (rtn_fake_quant(x, "nvfp4", per_token=True) * g).sum().backward()
+    assert torch.equal(x.grad, g)
+
+
+def test_nvfp4_weight_export_matches_the_reference():
+    w = kernel_checks.make_input(24, 96, torch.bfloat16, "cpu")
+    packed, scales, gs = quantize_nvfp4_weight(w)
+    q = quantize(w, "nvfp4")
+    assert torch.equal(packed, pack_fp4(q.codes)) and torch.equal(scales, q.scales)
+    assert torch.equal(gs, q.global_scale)
+
+
+def test_bad_input_is_named():
+    x = torch.randn(4, 32)
+    low, scales, token = record_buffers(4, 32, "nvfp4", 1, "cpu", per_token=True)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_record(x.view(2, 2, 32), "nvfp4", 1, per_token=True, low_bits=low, scales=scales, token_scale=token)
+    with pytest.raises(ValueError, match="multiple of the nvfp4 block 16"):
+        quantize_record(x[:, :24], "nvfp4", 1, per_token=True, out=torch.empty(4, 24))
+    with pytest.raises(ValueError, match="low_bits buffer must be torch.uint8 \\(4, 4\\)"):
+        quantize_record(x, "nvfp4", 1, per_token=True, low_bits=low[:, :3], scales=scales, token_scale=token)
+    with pytest.raises(ValueError, match="needs a token_scale buffer"):
+        quantize_record(x, "nvfp4", 1, per_token=True, low_bits=low, scales=scales)
+    with pytest.raises(ValueError, match="static global_scale"):
+        quantize_record(x, "nvfp4", 1, out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="nothing to write"):
+        quantize_record(x, "nvfp4", 1, per_token=True)
+    with pytest.raises(ValueError, match="unit last stride"):
+        quantize_record(x.t().contiguous().t(), "nvfp4", 1, per_token=True, out=torch.empty_like(x))
+    rec = Record.from_quantized(quantize(x, "nvfp4", per_token=True), 1)
+    with pytest.raises(ValueError, match="cannot guide with 2"):
+        guided_fake_quant(x, rec, 2)
+    with pytest.raises(ValueError, match="does not match input shape"):
+        guided_fake_quant(x[:2], rec, 1)
+
+
+@pytest.mark.slow
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernel_interpret"], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "checked" in proc.stdout
+
+
+def test_launch_shape_respects_blocks():
+    for fmt in ("nvfp4", "mxfp4"):
+        rb, chunk, _ = ops._launch_shape(ops.get_format(fmt), 16 if fmt == "nvfp4" else 32)
+        assert chunk % ops.get_format(fmt).block == 0 and chunk % 8 == 0 and rb >= 1

@@ -1,0 +1,117 @@
+"""The Triton kernels on the GPU, bit for bit (`atol=0`) against the reference, through the public custom ops."""
+
+import pytest
+import torch
+
+from tests import kernel_checks
+from trace_core.e2m1 import pack_fp4
+from trace_core.guided import GuidanceStats, guided_round
+from trace_core.kernels import (
+    guided_fake_quant,
+    ops,
+    quantize_nvfp4_weight,
+    quantize_record,
+    record_buffers,
+    rtn_fake_quant,
+)
+from trace_core.quant import dequantize, quantize
+from trace_core.records import Record
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(0, 64), (1, 64), (37, 544), (130, 7168)]  # T = 0 and 1; D not a multiple of the 512-column chunk
+
+
+def _via_op(x, fmt, bits, gs, per_token, out, low, scales, token):
+    quantize_record(x, fmt, bits, global_scale=gs, per_token=per_token, out=out, low_bits=low, scales=scales,
+                    token_scale=token if low is not None else None)  # fmt: skip
+
+
+def _guided_via_op(x, fmt, bits, record_bits, low, scales, gs, has):
+    return ops._guided_op(x, fmt, bits, record_bits, low, scales, gs, has)
+
+
+@pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quantize_record_is_bit_exact(fmt, dtype, shape):
+    for mode in kernel_checks.SCALE_MODES[fmt]:
+        for bits in (1, 2, 3, 4) if dtype == torch.bfloat16 else (1, 4):  # every bit width on the engines' dtype
+            kernel_checks.check_quantize_record(fmt, *shape, dtype, bits, mode, "cuda", _via_op)
+
+
+@pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+def test_guided_is_bit_exact(fmt, dtype, shape):
+    # every (record bits, guidance bits) pair on bf16; the extremes on the other dtypes (each pair compiles anew)
+    pairs = [(r, b) for r in (1, 2, 3, 4) for b in range(1, r + 1)] if dtype == torch.bfloat16 else [(1, 1), (4, 4)]
+    for mode in kernel_checks.SCALE_MODES[fmt]:
+        for record_bits, bits in pairs:
+            kernel_checks.check_guided(fmt, *shape, dtype, record_bits, bits, mode, "cuda", _guided_via_op)
+
+
+def test_guided_wrapper_matches_guided_round_with_fallback_rows():
+    x = kernel_checks.make_input(33, 2048, torch.bfloat16, "cuda")
+    roll = quantize(kernel_checks.make_input(33, 2048, torch.bfloat16, "cuda", seed=3), "nvfp4", per_token=True)
+    rec = Record.from_quantized(roll, 1)
+    has = torch.arange(33, device="cuda") % 4 != 0
+    ours, theirs = GuidanceStats(), GuidanceStats()
+    assert torch.equal(
+        guided_fake_quant(x, rec, 1, has_record=has, stats=ours), guided_round(x, rec, 1, has_record=has, stats=theirs)
+    )
+    assert (ours.guided, ours.rtn_fallback, ours.redirected) == (theirs.guided, theirs.rtn_fallback, theirs.redirected)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4", "mxfp4"])
+def test_rtn_fake_quant_and_gradient(fmt):
+    x = kernel_checks.make_input(64, 1024, torch.bfloat16, "cuda").requires_grad_(True)
+    kwargs = {"per_token": True} if fmt == "nvfp4" else {}
+    y = rtn_fake_quant(x, fmt, **kwargs)
+    assert torch.equal(y, dequantize(quantize(x.detach(), fmt, **kwargs), torch.bfloat16))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+
+
+def test_nvfp4_weight_export():
+    w = kernel_checks.make_input(256, 2048, torch.bfloat16, "cuda")
+    packed, scales, gs = quantize_nvfp4_weight(w)
+    q = quantize(w, "nvfp4")
+    assert torch.equal(packed, pack_fp4(q.codes)) and torch.equal(scales, q.scales) and torch.equal(gs, q.global_scale)
+
+
+def test_quantize_record_inside_a_captured_cuda_graph():
+    t, d = 64, 2048
+    x = torch.zeros(t, d, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(x)
+    low, scales, token = record_buffers(t, d, "nvfp4", 1, "cuda", per_token=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernel) outside the capture
+        quantize_record(x, "nvfp4", 1, per_token=True, out=out, low_bits=low, scales=scales, token_scale=token)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quantize_record(x, "nvfp4", 1, per_token=True, out=out, low_bits=low, scales=scales, token_scale=token)
+    for seed in range(3):
+        x.copy_(kernel_checks.make_input(t, d, torch.bfloat16, "cuda", seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        q = quantize(x, "nvfp4", per_token=True)
+        assert torch.equal(out, dequantize(q, torch.bfloat16)) and torch.equal(scales, q.scales)
+        assert torch.equal(token, q.global_scale)
+
+
+def test_ops_under_torch_compile():
+    x = kernel_checks.make_input(16, 512, torch.bfloat16, "cuda")
+    rec = Record.from_quantized(quantize(x, "kv_fp4"), 1)
+
+    @torch.compile(fullgraph=True)
+    def step(x, low, scales):
+        y = torch.ops.trace_core.fake_quant(x, "kv_fp4", None, False)
+        z, _ = torch.ops.trace_core.guided_fake_quant(x, "kv_fp4", 1, 1, low, scales, None, None)
+        return y + z
+
+    expected = dequantize(quantize(x, "kv_fp4"), torch.bfloat16) * 2
+    assert torch.equal(step(x, rec.low_bits, rec.scales), expected)

@@ -1,0 +1,385 @@
+"""FP4 kernels as torch custom ops: CUDA runs the Triton kernels, every other device runs the reference.
+
+Ops (namespace `trace_core`), all on 2-D `[T, D]` inputs with a unit last stride:
+- `quantize_record`: fake-quantized output and/or the record (packed low-b code bits, scale bytes, FP32 token
+  scale) written into caller-provided buffers, so addresses stay fixed under CUDA-graph capture;
+- `fake_quant`: RTN quantize-dequantize, straight-through backward;
+- `guided_fake_quant`: guided rounding from a record, straight-through backward.
+They are registered with `torch.library`, so they trace under `torch.compile` and capture in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs: the reference serves every device
+    triton = None
+
+from trace_core.formats import FP4Format, ScaleKind, get_format
+from trace_core.guided import GLOBAL_STATS, GuidanceStats, guided_quantize
+from trace_core.quant import FLOAT_DTYPES, dequantize, nvfp4_global_scale, quantize
+from trace_core.records import Record, check_bits, pack_low_bits, packed_len
+
+FORMAT_IDS = {"nvfp4": 0, "mxfp4": 1, "mxfp4_ocp": 2, "kv_fp4": 3}
+SCALE_NONE, SCALE_SCALAR, SCALE_ROW, SCALE_PER_TOKEN = 0, 1, 2, 3
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here (CUDA device and triton importable)."""
+    return triton is not None and torch.cuda.is_available()
+
+
+def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bool) -> int:
+    if fmt.scale is ScaleKind.E8M0:
+        return SCALE_NONE
+    if per_token:
+        return SCALE_PER_TOKEN
+    return SCALE_SCALAR if global_scale.dim() == 0 else SCALE_ROW
+
+
+def _launch_shape(fmt: FP4Format, d: int) -> tuple[int, int, int]:
+    """(rows per program, chunk columns, warps)."""
+    chunk = max(fmt.block, min(512, triton_next_pow2(d)))
+    return 4, chunk, 4
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _dummy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(1, dtype=dtype, device=x.device)
+
+
+def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
+    """Launch the quantize-and-record kernel (arguments already validated; see `quantize_record`)."""
+    from trace_core.kernels import triton_fp4 as k
+
+    t, d = x.shape
+    if t == 0:
+        return
+    mode = _scale_mode(fmt, global_scale, per_token)
+    rb, chunk, warps = _launch_shape(fmt, d)
+    n_chunks = triton.cdiv(d, chunk)
+    per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
+    grid = (triton.cdiv(t, rb), n_chunks // per_prog)
+    record = low_bits is not None
+    k._quantize_record_kernel[grid](
+        x,
+        out if out is not None else _dummy(x, x.dtype),
+        low_bits if record else _dummy(x, torch.uint8),
+        scales if record else _dummy(x, torch.uint8),
+        global_scale if global_scale is not None else _dummy(x, torch.float32),
+        token_scale if token_scale is not None else _dummy(x, torch.float32),
+        t,
+        d,
+        x.stride(0),
+        out.stride(0) if out is not None else 0,
+        low_bits.stride(0) if record else 0,
+        scales.stride(0) if record else 0,
+        per_prog,
+        FMT=FORMAT_IDS[fmt.name],
+        SCALE_MODE=mode,
+        BITS=bits if record else 0,
+        WRITE_OUT=out is not None,
+        BLOCK=fmt.block,
+        RB=rb,
+        C=chunk,
+        num_warps=warps,
+    )
+
+
+def _quantize_record_reference(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
+    q = quantize(x, fmt, global_scale=global_scale, per_token=per_token)
+    if out is not None:
+        out.copy_(dequantize(q, x.dtype))
+    if low_bits is not None:
+        low_bits.copy_(pack_low_bits(q.codes, bits))
+        scales.copy_(q.scales)
+        if token_scale is not None:
+            token_scale.copy_(q.global_scale.reshape(token_scale.shape))
+
+
+@torch.library.custom_op("trace_core::quantize_record", mutates_args=("out", "low_bits", "scales", "token_scale"))
+def _quantize_record_op(
+    x: torch.Tensor,
+    fmt: str,
+    bits: int,
+    global_scale: torch.Tensor | None,
+    per_token: bool,
+    out: torch.Tensor | None,
+    low_bits: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    token_scale: torch.Tensor | None,
+) -> None:
+    _quantize_record_reference(x, get_format(fmt), bits, global_scale, per_token, out, low_bits, scales, token_scale)
+
+
+@_quantize_record_op.register_kernel("cuda")
+def _(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
+    triton_quantize_record(x, get_format(fmt), bits, global_scale, per_token, out, low_bits, scales, token_scale)
+
+
+@_quantize_record_op.register_fake
+def _(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
+    return None
+
+
+def _check_2d(x: torch.Tensor, fmt: FP4Format, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{what} must be a 2-D [T, D] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what} dtype {x.dtype} is not supported; use one of {FLOAT_DTYPES}")
+    if x.shape[1] == 0 or x.shape[1] % fmt.block:
+        raise ValueError(
+            f"{what} shape {tuple(x.shape)}: D must be a non-zero multiple of the {fmt.name} block {fmt.block}"
+        )
+    if x.stride(1) != 1:
+        raise ValueError(f"{what} must have a unit last stride, got strides {x.stride()}")
+
+
+def _check_buffer(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, x: torch.Tensor, name: str) -> None:
+    if buf.dtype != dtype or tuple(buf.shape) != shape or buf.device != x.device:
+        raise ValueError(
+            f"{name} buffer must be {dtype} {shape} on {x.device}, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+        )
+    if buf.dim() == 2 and buf.stride(1) != 1:
+        raise ValueError(f"{name} buffer must have a unit last stride, got strides {buf.stride()}")
+
+
+def _global_scale_tensor(x: torch.Tensor, fmt: FP4Format, global_scale, per_token: bool) -> torch.Tensor | None:
+    if fmt.scale is ScaleKind.E8M0:
+        if global_scale is not None or per_token:
+            raise ValueError(f"{fmt.name} has E8M0 block scales only; global_scale / per_token do not apply")
+        return None
+    if per_token:
+        if global_scale is not None:
+            raise ValueError("pass either global_scale (static scale) or per_token=True, not both")
+        return None
+    if global_scale is None:
+        raise ValueError("nvfp4 kernels need a static global_scale (0-d or [T, 1]) or per_token=True")
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    if gs.dim() and tuple(gs.shape) != (x.shape[0], 1):
+        raise ValueError(f"global_scale shape {tuple(gs.shape)} must be scalar or {(x.shape[0], 1)}")
+    return gs.contiguous()
+
+
+def record_buffers(t: int, d: int, fmt: FP4Format | str, bits: int, device, per_token: bool = False):
+    """Allocate (low_bits, scales, token_scale) record buffers for `t` rows of width `d`."""
+    fmt = get_format(fmt)
+    low = torch.empty(t, packed_len(d, check_bits(bits)), dtype=torch.uint8, device=device)
+    scales = torch.empty(t, d // fmt.block, dtype=torch.uint8, device=device)
+    token = torch.empty(t, 1, dtype=torch.float32, device=device) if per_token else None
+    return low, scales, token
+
+
+def quantize_record(
+    x: torch.Tensor,
+    fmt: FP4Format | str,
+    bits: int,
+    *,
+    global_scale: float | torch.Tensor | None = None,
+    per_token: bool = False,
+    out: torch.Tensor | None = None,
+    low_bits: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    token_scale: torch.Tensor | None = None,
+) -> None:
+    """Fake-quantize `x` into `out` and/or write its record into `low_bits`, `scales` (and `token_scale` for
+    per-token nvfp4). Pass `low_bits=None` for the no-record variant (uncaptured layers)."""
+    fmt = get_format(fmt)
+    _check_2d(x, fmt, "quantize_record input")
+    gs = _global_scale_tensor(x, fmt, global_scale, per_token)
+    t, d = x.shape
+    if out is not None:
+        _check_buffer(out, (t, d), x.dtype, x, "out")
+    if low_bits is not None:
+        check_bits(bits)
+        if scales is None:
+            raise ValueError("a record needs a scales buffer next to low_bits")
+        _check_buffer(low_bits, (t, packed_len(d, bits)), torch.uint8, x, "low_bits")
+        _check_buffer(scales, (t, d // fmt.block), torch.uint8, x, "scales")
+        if per_token and fmt.has_global_scale:
+            if token_scale is None:
+                raise ValueError("a per-token nvfp4 record needs a token_scale buffer [T, 1]")
+            _check_buffer(token_scale, (t, 1), torch.float32, x, "token_scale")
+    elif out is None:
+        raise ValueError("quantize_record has nothing to write: pass out and/or low_bits + scales")
+    _quantize_record_op(x, fmt.name, bits, gs, per_token, out, low_bits, scales, token_scale)
+
+
+@torch.library.custom_op("trace_core::fake_quant", mutates_args=())
+def _fake_quant_op(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, per_token: bool) -> torch.Tensor:
+    return dequantize(quantize(x, fmt, global_scale=global_scale, per_token=per_token), x.dtype)
+
+
+@_fake_quant_op.register_kernel("cuda")
+def _(x, fmt, global_scale, per_token):
+    out = torch.empty_like(x)
+    triton_quantize_record(x, get_format(fmt), 0, global_scale, per_token, out, None, None, None)
+    return out
+
+
+@_fake_quant_op.register_fake
+def _(x, fmt, global_scale, per_token):
+    return torch.empty_like(x)
+
+
+def _identity_backward(ctx, grad, *rest):
+    return grad, None, None, None
+
+
+_fake_quant_op.register_autograd(_identity_backward)
+
+
+def rtn_fake_quant(
+    x: torch.Tensor, fmt: FP4Format | str, *, global_scale: float | torch.Tensor | None = None, per_token: bool = False
+) -> torch.Tensor:
+    """RTN quantize-dequantize of a `[T, D]` tensor with a straight-through backward (kernel twin of
+    `trace_core.guided.rtn_fake_quant`)."""
+    fmt = get_format(fmt)
+    _check_2d(x, fmt, "rtn_fake_quant input")
+    if fmt.has_global_scale and global_scale is None and not per_token:
+        global_scale = quantize_global_scale(x)
+    return _fake_quant_op(x.contiguous(), fmt.name, _global_scale_tensor(x, fmt, global_scale, per_token), per_token)
+
+
+def quantize_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor nvfp4 `S_enc = 2688 / amax` (1 when amax is 0), as the reference computes it."""
+    return nvfp4_global_scale(x.detach().abs().amax())
+
+
+@torch.library.custom_op("trace_core::guided_fake_quant", mutates_args=())
+def _guided_op(
+    x: torch.Tensor,
+    fmt: str,
+    bits: int,
+    record_bits: int,
+    low_bits: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    has_record: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    f = get_format(fmt)
+    rec = Record(fmt=f, bits=record_bits, n=x.shape[1], low_bits=low_bits, scales=scales, global_scale=global_scale)
+    guided, redirected = guided_quantize(x, rec, bits)
+    if has_record is not None:
+        redirected &= has_record.unsqueeze(-1)
+    return dequantize(guided, x.dtype), redirected.sum().to(torch.int32)
+
+
+def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record):
+    """Launch the guided fake-quant kernel; returns (output, redirected-element count)."""
+    from trace_core.kernels import triton_fp4 as k
+
+    f = get_format(fmt)
+    out = torch.empty_like(x)
+    redirected = torch.zeros((), dtype=torch.int32, device=x.device)
+    t, d = x.shape
+    if t == 0:
+        return out, redirected
+    rb, chunk, warps = _launch_shape(f, d)
+    k._guided_kernel[(triton.cdiv(t, rb), triton.cdiv(d, chunk))](
+        x,
+        out,
+        low_bits,
+        scales,
+        global_scale if global_scale is not None else _dummy(x, torch.float32),
+        has_record if has_record is not None else _dummy(x, torch.bool),
+        redirected,
+        t,
+        d,
+        x.stride(0),
+        out.stride(0),
+        low_bits.stride(0),
+        scales.stride(0),
+        FMT=FORMAT_IDS[f.name],
+        SCALE_MODE=_scale_mode(f, global_scale, False),
+        BITS=bits,
+        RECORD_BITS=record_bits,
+        HAS_MASK=has_record is not None,
+        BLOCK=f.block,
+        RB=rb,
+        C=chunk,
+        num_warps=warps,
+    )
+    return out, redirected
+
+
+@_guided_op.register_kernel("cuda")
+def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record):
+    return triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record)
+
+
+@_guided_op.register_fake
+def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record):
+    return torch.empty_like(x), x.new_empty((), dtype=torch.int32)
+
+
+def _guided_backward(ctx, grad, _redirected):
+    return grad, None, None, None, None, None, None, None
+
+
+_guided_op.register_autograd(_guided_backward)
+
+
+def _fallback_rtn(rows: torch.Tensor, fmt: FP4Format, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """RTN of rows without a record, under the reference's rule (`trace_core.guided._fallback_rtn`)."""
+    if global_scale is None:
+        return rtn_fake_quant(rows, fmt)
+    if global_scale.dim():
+        return rtn_fake_quant(rows, fmt, per_token=True)
+    return rtn_fake_quant(rows, fmt, global_scale=global_scale)
+
+
+def guided_fake_quant(
+    x: torch.Tensor,
+    record: Record,
+    bits: int,
+    *,
+    has_record: torch.Tensor | None = None,
+    stats: GuidanceStats | None = None,
+) -> torch.Tensor:
+    """Kernel twin of `trace_core.guided.guided_round` for `[T, D]` inputs: same values, same fallback rule for
+    rows without a record, same counts in `stats` (default `GLOBAL_STATS`)."""
+    check_bits(bits)
+    if not isinstance(record, Record):
+        raise ValueError(f"guided_fake_quant needs a Record, got {type(record).__name__}")
+    _check_2d(x, record.fmt, "guided_fake_quant input")
+    if tuple(record.shape) != tuple(x.shape):
+        raise ValueError(f"record shape {tuple(record.shape)} does not match input shape {tuple(x.shape)}")
+    if bits > record.bits:
+        raise ValueError(f"record keeps {record.bits} code bits, cannot guide with {bits}")
+    if has_record is not None and (has_record.dtype != torch.bool or tuple(has_record.shape) != (x.shape[0],)):
+        raise ValueError(
+            f"has_record must be bool of shape {(x.shape[0],)}, got {has_record.dtype} {tuple(has_record.shape)}"
+        )
+    stats = GLOBAL_STATS if stats is None else stats
+    gs = record.global_scale
+    gs = gs.to(torch.float32).contiguous() if gs is not None else None
+    out, redirected = _guided_op(
+        x.contiguous(), record.fmt.name, bits, record.bits, record.low_bits, record.scales, gs, has_record
+    )
+    fallback = 0
+    if has_record is not None:
+        missing = (~has_record).nonzero().flatten()
+        if missing.numel():
+            fallback = missing.numel() * x.shape[1]
+            out = out.index_copy(0, missing, _fallback_rtn(x[missing], record.fmt, gs))
+    stats.guided += x.numel() - fallback
+    stats.rtn_fallback += fallback
+    stats.redirected += int(redirected)
+    return out
+
+
+def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 export of a weight `[N, K]` (blocks of 16 along K, one per-tensor global scale): packed codes
+    uint8 `[N, K/2]` (element 2i in the low nibble), E4M3 scale bytes `[N, K/16]`, FP32 `S_enc` (0-d)."""
+    _check_2d(w, get_format("nvfp4"), "nvfp4 weight")
+    gs = quantize_global_scale(w)
+    low, scales, _ = record_buffers(w.shape[0], w.shape[1], "nvfp4", 4, w.device)
+    quantize_record(w.contiguous(), "nvfp4", 4, global_scale=gs, low_bits=low, scales=scales)
+    return low, scales, gs
+
