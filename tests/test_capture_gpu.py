@@ -1,0 +1,125 @@
+"""Record capture on CUDA: async ring under back-to-back forwards, staging writes inside a CUDA graph, and
+backpressure when the copy consumer is slow. Each test checks the gathered bytes against the CPU path or the
+tensors that were staged."""
+
+import pytest
+import torch
+
+from tests.test_capture import Driver, assert_same, make
+
+pytestmark = pytest.mark.gpu
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: makes the side stream (the copy consumer) slow
+
+
+class CudaDriver(Driver):
+    """Same forwards as `Driver`, with every staged tensor produced on the GPU."""
+
+    def forward(self, rows):
+        slots = torch.tensor([s for s, _ in rows], dtype=torch.int64, device="cuda")
+        seeds = [seed for _, seed in rows]
+        cpu = self.expected(seeds)
+        for site, rec in cpu.records.items():
+            gs = None if rec.global_scale is None else rec.global_scale.cuda()
+            self.cap.stage(site, rec.low_bits.cuda(), rec.scales.cuda(), gs)
+        if self.cap.routes_shape:
+            for layer in range(self.cap.routes_shape[0]):
+                self.cap.stage_routes(layer, cpu.routes[:, layer].cuda())
+        self.cap.on_forward_end(slots)
+
+
+def schedule(num_forwards: int, gen: torch.Generator) -> list[list[tuple[int, int]]]:
+    """Forwards of 1..64 rows over distinct slots, each row with its own content seed; slots are reused late."""
+    out, seed = [], 0
+    for f in range(num_forwards):
+        n = int(torch.randint(1, 65, (1,), generator=gen))
+        base = (f * 64) % 4000 + 1
+        out.append([(base + i, seed + i) for i in range(n)])
+        seed += n
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 2, 8])
+def test_async_copies_are_correct_under_back_to_back_forwards(depth):
+    gen = torch.Generator().manual_seed(depth)
+    forwards = schedule(120, gen)  # 120 * 64 > 4000 slots: later forwards overwrite earlier slots
+    gpu = CudaDriver(make(device="cuda", ring_depth=depth, num_slots=4096, max_tokens=64))
+    cpu = Driver(make(num_slots=4096, max_tokens=64))
+    for rows in forwards:
+        gpu.forward(rows)
+        cpu.forward(rows)
+    latest: dict[int, int] = {}
+    for rows in forwards:
+        latest.update(rows)
+    slots = torch.tensor(sorted(latest))
+    assert_same(gpu.cap.gather(slots, len(slots)), cpu.expected([latest[s] for s in sorted(latest)]))
+    assert torch.equal(gpu.cap.host, cpu.cap.host) and torch.equal(gpu.cap.written, cpu.cap.written)
+    assert gpu.cap.stats.bytes == cpu.cap.stats.bytes and gpu.cap.stats.forwards == 120
+
+
+def test_staging_writes_inside_a_captured_cuda_graph():
+    cap = make(device="cuda", ring_depth=2, num_slots=256, max_tokens=32, sites=[(1, "moe_in")], routes=(3, 2))
+    x = torch.zeros(32, 8, device="cuda")  # the graph's static input
+    staging_ptr = cap.staging.data_ptr()
+
+    def body():
+        low = (x * 7).to(torch.uint8)
+        scales = (x[:, :4] + 1).to(torch.uint8)
+        cap.stage((1, "moe_in"), low, scales, x[:, :1] * 0.5 + 2)
+        ids = x[:, :2].to(torch.int32)
+        for layer in range(3):
+            cap.stage_routes(layer, ids + layer)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    cap._staged.clear()
+    assert cap.staging.data_ptr() == staging_ptr
+    expected = {}
+    for step in range(6):
+        values = torch.randint(0, 30, (32, 8), device="cuda").float()
+        x.copy_(values)
+        graph.replay()
+        slots = torch.arange(32, device="cuda") + 32 * step + 1
+        cap.on_forward_end(slots, graph_replay=True)
+        expected[step] = (values.cpu(), slots.cpu())
+    for values, slots in expected.values():
+        got = cap.gather(slots, 32)
+        rec = got.records[(1, "moe_in")]
+        assert torch.equal(rec.low_bits, (values * 7).to(torch.uint8))
+        assert torch.equal(rec.scales, (values[:, :4] + 1).to(torch.uint8))
+        assert torch.equal(rec.global_scale, values[:, :1] * 0.5 + 2)
+        for layer in range(3):
+            assert torch.equal(got.routes[:, layer], values[:, :2].to(torch.int32) + layer)
+
+
+def test_backpressure_waits_for_a_slow_consumer_and_never_overwrites_unread_rows():
+    gpu = CudaDriver(make(device="cuda", ring_depth=2, num_slots=4096, max_tokens=64))
+    cpu = Driver(make(num_slots=4096, max_tokens=64))
+    forwards = [[(100 * f + i + 1, 1000 * f + i) for i in range(16)] for f in range(6)]
+    with torch.cuda.stream(gpu.cap.ring.side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the D2H consumer is busy: copies queue behind this
+    for rows in forwards:
+        gpu.forward(rows)
+        cpu.forward(rows)
+    stats = gpu.cap.stats
+    assert stats.stalls >= 1 and stats.stall_s > 0.01  # the third forward found both entries in flight
+    for rows in forwards:
+        slots = torch.tensor([s for s, _ in rows])
+        assert_same(gpu.cap.gather(slots, len(rows)), cpu.expected([seed for _, seed in rows]))
+
+
+def test_gather_waits_for_copies_in_flight():
+    gpu = CudaDriver(make(device="cuda", ring_depth=4, num_slots=512, max_tokens=64))
+    with torch.cuda.stream(gpu.cap.ring.side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    gpu.forward([(5, 1), (6, 2), (7, 3)])
+    assert gpu.cap.stats.waits == 0
+    got = gpu.cap.gather(torch.tensor([5, 6, 7], device="cuda"), 3)
+    assert gpu.cap.stats.waits == 1 and gpu.cap.stats.wait_s > 0
+    assert_same(got, Driver(gpu.cap).expected([1, 2, 3]))
