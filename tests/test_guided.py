@@ -196,3 +196,11 @@ def test_bad_input_is_named():
         guided_round(train, roll, 1, has_record=torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="Quantized or a Record"):
         guided_round(train, roll.codes, 1)
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+def test_zero_rows(fmt):
+    x = torch.zeros(0, 2 * fmt.block, dtype=torch.bfloat16)
+    roll = quantize(x, fmt, **({"per_token": True} if fmt.has_global_scale else {}))
+    out = guided_round(x, Record.from_quantized(roll, 1), 1, stats=GuidanceStats())
+    assert out.shape == x.shape and out.dtype == x.dtype

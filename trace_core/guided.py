@@ -160,7 +160,7 @@ def guided_quantize(x: torch.Tensor, rollout: Quantized | Record, bits: int) -> 
     fmt = _check_rollout(x, rollout, bits)
     c = _rollout_bits(rollout, bits)
     _, encode = scale_factors(fmt, rollout.scales, rollout.global_scale)
-    blocks = x.detach().float().reshape(*x.shape[:-1], -1, fmt.block)
+    blocks = x.detach().float().reshape(*x.shape[:-1], x.shape[-1] // fmt.block, fmt.block)
     z = torch.clamp(blocks * encode.unsqueeze(-1), -e2m1.E2M1_MAX, e2m1.E2M1_MAX)
     codes, rtn_codes = guided_codes(z, c.reshape(z.shape), bits, fmt)
     guided = Quantized(codes=codes.reshape(x.shape), scales=rollout.scales, global_scale=rollout.global_scale, fmt=fmt)

@@ -46,7 +46,7 @@ def pack_low_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     stream = ((low.unsqueeze(-1) >> bit_idx) & 1).reshape(*low.shape[:-1], n * bits)
     stream = torch.nn.functional.pad(stream, (0, packed_len(n, bits) * 8 - n * bits))
     weights = 1 << torch.arange(8, device=codes.device, dtype=torch.int32)
-    return (stream.reshape(*stream.shape[:-1], -1, 8) * weights).sum(dim=-1).to(torch.uint8)
+    return (stream.reshape(*stream.shape[:-1], packed_len(n, bits), 8) * weights).sum(dim=-1).to(torch.uint8)
 
 
 def unpack_low_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ def unpack_low_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             f"(expected last dimension {packed_len(n, bits)})"
         )
     bit_idx = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> bit_idx) & 1).reshape(*packed.shape[:-1], -1)
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> bit_idx) & 1).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
     stream = stream[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (stream * weights).sum(dim=-1).to(torch.uint8)
