@@ -1,0 +1,287 @@
+"""Benchmark of the record capture path and the record store; every ratio is measured against a baseline in the
+same run.
+
+  1. capture overhead: a simulated rollout forward (per layer, a BF16 GEMM sized like a Qwen3-30B-A3B MoE layer's
+     expert traffic: all experts' weights read at decode, top-k experts' FLOPs at prefill) with and without record
+     capture (per captured layer a `stage` copy of the MoE-input record and the route ids, then `on_forward_end`);
+  2. device-to-host bytes/s of the capture ring (device snapshot, side-stream D2H, host scatter by KV slot) against
+     a plain pinned `copy_` of the same bytes;
+  3. record store write / read MB/s against writing / reading the same raw bytes as plain files (both fsynced;
+     reads hit the page cache); zstandard compression ratio per field (b = 1 bits, scale bytes, token scales,
+     routes) on synthetic activations with outlier channels.
+
+    python bench/capture.py --out capture.json              # GPU, paper-scale shapes
+    python bench/capture.py --small --device cpu            # CPU smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trace_core.capture import RecordCapturer
+from trace_core.quant import quantize
+from trace_core.records import ModelShape, Record, RecordSpec
+from trace_core.store import StepWriter, TrajectoryRecords, read_header, shard_paths
+from trace_core.store_reader import RecordReader
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synthetic_activations(rows: int, hidden: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Gaussian activations with log-normal per-channel (outlier channels) and per-token magnitudes."""
+    channel = torch.exp(1.5 * torch.randn(hidden, generator=gen))
+    token = torch.exp(0.5 * torch.randn(rows, 1, generator=gen))
+    return (torch.randn(rows, hidden, generator=gen) * channel * token).to(device)
+
+
+def records_for(spec: RecordSpec, hidden: int, rows: int, seed: int, device: torch.device) -> dict:
+    """Reference-quantizer records of every MoE site for `rows` tokens (on `device`)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in spec.moe_layers:
+        q = quantize(synthetic_activations(rows, hidden, gen, device), spec.moe_format, per_token=True)
+        out[(layer, "moe_in")] = Record.from_quantized(q, spec.bits)
+    return out
+
+
+class SimulatedForward:
+    """Per layer `x += (x @ W)[:, :hidden]`, W sized so a layer moves the bytes (decode) or does the FLOPs
+    (prefill) of a routed-expert layer: experts * 3 * moe_inter columns at decode, topk * 3 * moe_inter at prefill."""
+
+    def __init__(self, args, tokens: int, decode: bool, device: torch.device, dtype: torch.dtype) -> None:
+        cols = (args.experts if decode else args.topk) * 3 * args.moe_inter
+        self.w = torch.randn(args.hidden, cols, device=device, dtype=dtype) * 0.01
+        self.x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
+        self.layers, self.hidden = args.layers, args.hidden
+
+    def __call__(self, on_layer=None) -> None:
+        x = self.x
+        for layer in range(self.layers):
+            x = x + (x @ self.w)[:, : self.hidden]
+            if on_layer is not None:
+                on_layer(layer)
+
+
+def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    moe_layers = tuple(range(args.layers))
+    spec = RecordSpec.default(moe_layers=moe_layers, attn_layers=(), bits=args.bits)
+    shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
+    cap = RecordCapturer(
+        spec, shape, max_tokens=tokens, num_slots=4 * tokens + 1, routes=(args.layers, args.topk), device=device
+    )
+    recs = records_for(spec, args.hidden, tokens, 0, device)
+    ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
+    fwd = SimulatedForward(args, tokens, decode, device, dtype)
+    step = [0]
+
+    def on_layer(layer: int) -> None:
+        cap.stage_routes(layer, ids)
+        rec = recs.get((layer, "moe_in"))
+        if rec is not None:
+            cap.stage((layer, "moe_in"), rec.low_bits, rec.scales, rec.global_scale)
+
+    def plain() -> None:
+        fwd()
+
+    def captured() -> None:
+        fwd(on_layer)
+        base = (step[0] % 4) * tokens + 1
+        step[0] += 1
+        cap.on_forward_end(torch.arange(base, base + tokens, device=device))
+
+    def timed(fn) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / args.iters
+
+    for fn in (plain, captured):  # warm-up
+        timed(fn)
+    base_t, cap_t = [], []
+    for _ in range(args.repeats):
+        base_t.append(timed(plain))
+        cap_t.append(timed(captured))
+    cap.flush()
+    b, c = statistics.median(base_t), statistics.median(cap_t)
+    return {
+        "tokens": tokens,
+        "forward_ms": b * 1e3,
+        "captured_ms": c * 1e3,
+        "overhead_pct": 100 * (c - b) / b,
+        "bytes_per_forward": tokens * cap.row.row_bytes,
+        "stalls": cap.stats.stalls,
+        "waits": cap.stats.waits,
+    }
+
+
+def bench_d2h(args, device: torch.device, tokens: int) -> dict:
+    spec = RecordSpec.default(moe_layers=tuple(range(args.layers)), attn_layers=(), bits=args.bits)
+    shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
+    cap = RecordCapturer(
+        spec, shape, max_tokens=tokens, num_slots=4 * tokens + 1, routes=(args.layers, args.topk), device=device
+    )
+    cap.staging.random_(0, 256)
+    nbytes = tokens * cap.row.row_bytes
+    src = cap.staging[:tokens]
+    pinned = torch.empty(src.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    slots = [torch.arange(k * tokens + 1, (k + 1) * tokens + 1, device=device) for k in range(4)]
+
+    def plain() -> None:
+        pinned.copy_(src, non_blocking=True)
+
+    def ring() -> None:
+        cap.on_forward_end(slots[ring.k % 4], graph_replay=True)
+        ring.k += 1
+
+    ring.k = 0
+
+    def rate(fn, finish) -> float:
+        fn()
+        finish()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        finish()
+        return nbytes * args.iters / (time.perf_counter() - t0)
+
+    plain_bps = statistics.median(rate(plain, lambda: sync(device)) for _ in range(args.repeats))
+    ring_bps = statistics.median(rate(ring, cap.flush) for _ in range(args.repeats))
+    return {"bytes_per_forward": nbytes, "pinned_copy_GBps": plain_bps / 1e9, "ring_GBps": ring_bps / 1e9}
+
+
+def _write_raw(directory: Path, blobs: list[bytes]) -> float:
+    directory.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for i, blob in enumerate(blobs):
+        with open(directory / f"raw-{i}.bin", "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def bench_store(args, device: torch.device, work: Path) -> dict:
+    spec = RecordSpec.default(moe_layers=tuple(range(args.layers)), attn_layers=(), bits=args.bits)
+    trajs = {}
+    for i in range(args.trajectories):
+        recs = {
+            s: Record(r.fmt, r.bits, r.n, r.low_bits.cpu(), r.scales.cpu(), r.global_scale.cpu())
+            for s, r in records_for(spec, args.hidden, args.traj_tokens, 100 + i, device).items()
+        }
+        routes = torch.randint(0, args.experts, (args.traj_tokens, args.layers, args.topk), dtype=torch.int32)
+        trajs[f"traj{i}"] = TrajectoryRecords(args.traj_tokens, recs, routes)
+    blobs = []
+    for tr in trajs.values():
+        parts = [t.numpy().tobytes() for r in tr.records.values() for t in (r.low_bits, r.scales, r.global_scale)]
+        blobs.append(b"".join(parts) + tr.routes.numpy().tobytes())
+    raw_bytes = sum(len(b) for b in blobs)
+    raw_write = _write_raw(work / "raw", blobs)
+    writer = StepWriter(work / "store", 0, level=args.level)
+    t0 = time.perf_counter()
+    for name, tr in trajs.items():
+        writer.write({name: tr})
+    store_write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(len(blobs)):
+        (work / "raw" / f"raw-{i}.bin").read_bytes()
+    raw_read = time.perf_counter() - t0
+    reader = RecordReader(work / "store", 0, cache_bytes=1 << 20)
+    t0 = time.perf_counter()
+    for name in trajs:
+        reader.load([(name, 0, args.traj_tokens)])
+    store_read = time.perf_counter() - t0
+    ratios: dict[str, list[int]] = {}
+    for path in shard_paths(work / "store" / "step_00000000"):
+        for entry in read_header(path)["trajectories"].values():
+            frames = [(k, m) for s in entry["sites"].values() for k, m in s["fields"].items()]
+            for kind, meta in frames + [("routes", entry["routes"])]:
+                acc = ratios.setdefault(kind, [0, 0])
+                acc[0], acc[1] = acc[0] + meta["raw"], acc[1] + meta["length"]
+    mb = raw_bytes / 1e6
+    return {
+        "raw_MB": mb,
+        "disk_MB": writer.stats.disk_bytes / 1e6,
+        "raw_write_MBps": mb / raw_write,
+        "store_write_MBps": mb / store_write,
+        "raw_read_MBps": mb / raw_read,
+        "store_read_MBps": mb / store_read,
+        "compression_ratio": {k: raw / disk for k, (raw, disk) in ratios.items()},
+    }
+
+
+def table(result: dict) -> str:
+    rows = ["| measurement | value | baseline (same run) | ratio |", "|---|---|---|---|"]
+    for name, r in result["overhead"].items():
+        rows.append(
+            f"| capture, {name} ({r['tokens']} tokens, {r['bytes_per_forward'] / 1e6:.2f} MB) | "
+            f"{r['captured_ms']:.3f} ms | {r['forward_ms']:.3f} ms forward | +{r['overhead_pct']:.2f} % |"
+        )
+    d = result["d2h"]
+    rows.append(
+        f"| D2H ring ({d['bytes_per_forward'] / 1e6:.1f} MB/forward) | {d['ring_GBps']:.2f} GB/s | "
+        f"{d['pinned_copy_GBps']:.2f} GB/s pinned copy | {d['ring_GBps'] / d['pinned_copy_GBps']:.2f} |"
+    )
+    s = result["store"]
+    rows.append(
+        f"| store write ({s['raw_MB']:.0f} MB) | {s['store_write_MBps']:.0f} MB/s | {s['raw_write_MBps']:.0f} MB/s raw "
+        f"| {s['store_write_MBps'] / s['raw_write_MBps']:.2f} |"
+    )
+    rows.append(
+        f"| store read | {s['store_read_MBps']:.0f} MB/s | {s['raw_read_MBps']:.0f} MB/s raw "
+        f"| {s['store_read_MBps'] / s['raw_read_MBps']:.2f} |"
+    )
+    for kind, ratio in s["compression_ratio"].items():
+        rows.append(f"| zstd ratio, {kind} | {ratio:.3f} | 1.0 uncompressed | |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke check")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--bits", type=int, default=1)
+    p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    big = dict(hidden=2048, layers=48, experts=128, topk=8, moe_inter=768, decode=64, prefill=8192)
+    small = dict(hidden=256, layers=4, experts=16, topk=4, moe_inter=64, decode=8, prefill=256)
+    for k, v in (small if args.small else big).items():
+        setattr(args, k, v)
+    args.trajectories, args.traj_tokens = (4, 256) if args.small else (16, 4096)
+    if args.small:
+        args.iters, args.repeats = min(args.iters, 3), min(args.repeats, 2)
+    device = torch.device(args.device)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "config": {k: getattr(args, k) for k in (*big, "bits", "level", "trajectories", "traj_tokens")},
+        "overhead": {
+            "decode": bench_overhead(args, device, args.decode, decode=True),
+            "prefill": bench_overhead(args, device, args.prefill, decode=False),
+        },
+        "d2h": bench_d2h(args, device, args.prefill),
+    }
+    with tempfile.TemporaryDirectory() as work:
+        result["store"] = bench_store(args, device, Path(work))
+    print(table(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
