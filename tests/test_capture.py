@@ -10,6 +10,7 @@ import torch
 
 from trace_core.capture import RecordCapturer
 from trace_core.formats import format_names, get_format
+from trace_core.kernels import quantize_record
 from trace_core.quant import quantize
 from trace_core.records import SITE_KINDS, ModelShape, Record, RecordSpec, pack_low_bits
 from trace_core.store import TrajectoryRecords
@@ -143,12 +144,13 @@ def test_static_scale_is_repeated_per_row_and_kernels_may_write_views_directly()
     got = cap.gather(torch.tensor([4, 5, 6]), 3).records[(1, "moe_in")]
     assert torch.equal(got.global_scale, torch.full((3, 1), 50.0))
     assert torch.equal(got.low_bits, pack_low_bits(q.codes, 2))
-    buf = cap.site_buffers((1, "moe_in"))  # a kernel writes straight into the fixed staging views
-    assert buf.low_bits.shape == (16, 16) and buf.scales.shape == (16, 4) and buf.global_scale.shape == (16, 1)
+    assert cap.site_buffers((1, "moe_in")).low_bits.shape == (16, 16)  # [max_tokens, packed bytes]
+    buf = cap.staging_rows((1, "moe_in"), 2)  # a kernel writes straight into the fixed staging views
+    assert buf.low_bits.shape == (2, 16) and buf.scales.shape == (2, 4) and buf.global_scale.shape == (2, 1)
     buf.low_bits[:2].fill_(0xA5)
     buf.scales[:2].fill_(7)
     buf.global_scale[:2].fill_(3.0)
-    cap.on_forward_end(torch.tensor([4, 7]), graph_replay=True)
+    cap.on_forward_end(torch.tensor([4, 7]))
     got = cap.gather(torch.tensor([4, 7]), 2).records[(1, "moe_in")]
     assert (got.low_bits == 0xA5).all() and (got.scales == 7).all() and (got.global_scale == 3.0).all()
 
@@ -189,3 +191,16 @@ def test_out_of_range_out_cache_loc_is_rejected_and_nothing_is_written():
     assert not cap.written.any()
     drv.forward([(3, 1)])
     assert_same(cap.gather(torch.tensor([3]), 1), drv.expected([1]))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_the_quantize_record_kernel_op_writes_into_staging_rows(fmt):
+    cap = make(fmt, 1, routes=None, sites=[(3, "moe_in")])
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    per_token = get_format(fmt).has_global_scale
+    buf = cap.staging_rows((3, "moe_in"), 5)
+    views = {"low_bits": buf.low_bits, "scales": buf.scales, "token_scale": buf.global_scale}
+    quantize_record(x, fmt, 1, per_token=per_token, **views)
+    cap.on_forward_end(torch.arange(10, 15))
+    want = Record.from_quantized(quantize_rows(fmt, x), 1)
+    assert_same(cap.gather(torch.arange(10, 15), 5), TrajectoryRecords(5, {(3, "moe_in"): want}))

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from tests.test_capture import Driver, assert_same, make
+from trace_core.kernels import quantize_record
+from trace_core.quant import quantize
+from trace_core.records import Record
 
 pytestmark = pytest.mark.gpu
 
@@ -123,3 +126,40 @@ def test_gather_waits_for_copies_in_flight():
     got = gpu.cap.gather(torch.tensor([5, 6, 7], device="cuda"), 3)
     assert gpu.cap.stats.waits == 1 and gpu.cap.stats.wait_s > 0
     assert_same(got, Driver(gpu.cap).expected([1, 2, 3]))
+
+
+def test_quantize_record_kernel_writes_staging_rows_inside_a_cuda_graph():
+    cap = make(device="cuda", ring_depth=2, num_slots=512, max_tokens=64, sites=[(1, "moe_in"), (3, "moe_in")])
+    x = torch.zeros(48, 64, device="cuda", dtype=torch.bfloat16)
+
+    def body():
+        for site in cap.layouts:
+            buf = cap.staging_rows(site, x.shape[0])
+            views = {"low_bits": buf.low_bits, "scales": buf.scales, "token_scale": buf.global_scale}
+            quantize_record(x * (site[0] + 1), "nvfp4", 1, per_token=True, **views)
+        for layer in range(3):
+            cap.stage_routes(layer, torch.full((x.shape[0], 2), layer, device="cuda", dtype=torch.int32))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    inputs = []
+    for step in range(4):
+        x.copy_(torch.randn(48, 64, device="cuda"))
+        graph.replay()
+        slots = torch.arange(48, device="cuda") + 48 * step + 1
+        cap.on_forward_end(slots, graph_replay=True)
+        inputs.append((x.cpu(), slots.cpu()))
+    for values, slots in inputs:
+        got = cap.gather(slots, 48)
+        for layer in (1, 3):
+            q = quantize(values * (layer + 1), "nvfp4", per_token=True)
+            want = Record.from_quantized(q, 1)
+            rec = got.records[(layer, "moe_in")]
+            assert torch.equal(rec.low_bits, want.low_bits) and torch.equal(rec.scales, want.scales)
+            assert torch.equal(rec.global_scale, want.global_scale)

@@ -143,6 +143,16 @@ class RecordCapturer:
         """Staging views of `site` (`[max_tokens, ...]`, fixed addresses) for a kernel to write rows into."""
         return self._buffers(self.staging, site)
 
+    def staging_rows(self, site: Site, rows: int) -> SiteBuffers:
+        """Staging views of rows [0, rows) of `site` for a kernel to write into (e.g. the `out`-style buffers of
+        `trace_core.kernels.quantize_record`); the site counts as staged for this forward. CUDA-graph safe."""
+        if not 0 <= rows <= self.max_tokens:
+            raise ValueError(f"site {site}: {rows} rows outside [0, max_tokens={self.max_tokens}]")
+        buf = self.site_buffers(site)
+        self._staged.add(site)
+        gs = None if buf.global_scale is None else buf.global_scale[:rows]
+        return SiteBuffers(low_bits=buf.low_bits[:rows], scales=buf.scales[:rows], global_scale=gs)
+
     def route_buffer(self) -> torch.Tensor:
         """Staging view of the routes, int32 `[max_tokens, route_layers, topk]`."""
         if self.routes_shape is None:
