@@ -32,7 +32,8 @@ def scale_kwargs(mode: str, x: torch.Tensor) -> dict:
     if mode == "per_token":
         return {"per_token": True}
     if mode == "scalar":  # static per-layer scale calibrated on a tenth of the amax: blocks saturate
-        return {"global_scale": torch.tensor(2688.0, device=x.device) / (0.1 * x.float().abs().max() + 1e-30)}
+        amax = x.float().abs().amax() if x.numel() else torch.ones((), device=x.device)
+        return {"global_scale": torch.tensor(2688.0, device=x.device) / (0.1 * amax + 1e-30)}
     if mode == "row":
         return {"global_scale": torch.full((x.shape[0], 1), 97.0, device=x.device)}
     return {}

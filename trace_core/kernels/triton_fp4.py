@@ -16,20 +16,20 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 # Format ids (constexpr): must match ops.FORMAT_IDS.
-NVFP4: tl.constexpr = 0
-MXFP4: tl.constexpr = 1
-MXFP4_OCP: tl.constexpr = 2
-KV_FP4: tl.constexpr = 3
+NVFP4 = tl.constexpr(0)
+MXFP4 = tl.constexpr(1)
+MXFP4_OCP = tl.constexpr(2)
+KV_FP4 = tl.constexpr(3)
 # Global-scale modes for nvfp4.
-SCALE_NONE: tl.constexpr = 0  # E8M0 formats
-SCALE_SCALAR: tl.constexpr = 1  # one static / per-tensor S_enc
-SCALE_ROW: tl.constexpr = 2  # one static S_enc per row
-SCALE_PER_TOKEN: tl.constexpr = 3  # S_enc computed from each row's amax
+SCALE_NONE = tl.constexpr(0)  # E8M0 formats
+SCALE_SCALAR = tl.constexpr(1)  # one static / per-tensor S_enc
+SCALE_ROW = tl.constexpr(2)  # one static S_enc per row
+SCALE_PER_TOKEN = tl.constexpr(3)  # S_enc computed from each row's amax
 
 # The interpreter (TRITON_INTERPRET=1, CPU tests) has no libdevice; numpy's log2 stands in for it there.
-INTERPRET: tl.constexpr = os.environ.get("TRITON_INTERPRET", "0") == "1"
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
-ONE_SIXTH: tl.constexpr = 0.1666666716337204  # fp32(1/6)
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1/6)
 
 
 @triton.jit
