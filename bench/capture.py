@@ -225,27 +225,24 @@ def bench_store(args, device: torch.device, work: Path) -> dict:
 
 def table(result: dict) -> str:
     rows = ["| measurement | value | baseline (same run) | ratio |", "|---|---|---|---|"]
-    for name, r in result["overhead"].items():
+    for name, r in result.get("overhead", {}).items():
         rows.append(
             f"| capture, {name} ({r['tokens']} tokens, {r['bytes_per_forward'] / 1e6:.2f} MB) | "
             f"{r['captured_ms']:.3f} ms | {r['forward_ms']:.3f} ms forward | +{r['overhead_pct']:.2f} % |"
         )
-    d = result["d2h"]
-    rows.append(
-        f"| D2H ring ({d['bytes_per_forward'] / 1e6:.1f} MB/forward) | {d['ring_GBps']:.2f} GB/s | "
-        f"{d['pinned_copy_GBps']:.2f} GB/s pinned copy | {d['ring_GBps'] / d['pinned_copy_GBps']:.2f} |"
-    )
-    s = result["store"]
-    rows.append(
-        f"| store write ({s['raw_MB']:.0f} MB) | {s['store_write_MBps']:.0f} MB/s | {s['raw_write_MBps']:.0f} MB/s raw "
-        f"| {s['store_write_MBps'] / s['raw_write_MBps']:.2f} |"
-    )
-    rows.append(
-        f"| store read | {s['store_read_MBps']:.0f} MB/s | {s['raw_read_MBps']:.0f} MB/s raw "
-        f"| {s['store_read_MBps'] / s['raw_read_MBps']:.2f} |"
-    )
-    for kind, ratio in s["compression_ratio"].items():
-        rows.append(f"| zstd ratio, {kind} | {ratio:.3f} | 1.0 uncompressed | |")
+    if d := result.get("d2h"):
+        rows.append(
+            f"| D2H ring ({d['bytes_per_forward'] / 1e6:.1f} MB/forward) | {d['ring_GBps']:.2f} GB/s | "
+            f"{d['pinned_copy_GBps']:.2f} GB/s pinned copy | {d['ring_GBps'] / d['pinned_copy_GBps']:.2f} |"
+        )
+    if s := result.get("store"):
+        for op in ("write", "read"):
+            store, raw = s[f"store_{op}_MBps"], s[f"raw_{op}_MBps"]
+            rows.append(
+                f"| store {op} ({s['raw_MB']:.0f} MB) | {store:.0f} MB/s | {raw:.0f} MB/s raw | {store / raw:.2f} |"
+            )
+        for kind, ratio in s["compression_ratio"].items():
+            rows.append(f"| zstd ratio, {kind} | {ratio:.3f} | 1.0 uncompressed | |")
     return "\n".join(rows)
 
 
@@ -258,26 +255,36 @@ def main() -> None:
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--parts", default="overhead,d2h,store", help="comma-separated subset of overhead,d2h,store")
+    p.add_argument("--trajectories", type=int, help="store part: trajectories written (default 16; small: 4)")
+    p.add_argument("--traj-tokens", type=int, help="store part: tokens per trajectory (default 4096; small: 256)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"overhead", "d2h", "store"}:
+        raise ValueError(f"--parts must name overhead, d2h and/or store, got {args.parts!r}")
     big = dict(hidden=2048, layers=48, experts=128, topk=8, moe_inter=768, decode=64, prefill=8192)
     small = dict(hidden=256, layers=4, experts=16, topk=4, moe_inter=64, decode=8, prefill=256)
     for k, v in (small if args.small else big).items():
         setattr(args, k, v)
-    args.trajectories, args.traj_tokens = (4, 256) if args.small else (16, 4096)
+    args.trajectories = args.trajectories or (4 if args.small else 16)
+    args.traj_tokens = args.traj_tokens or (256 if args.small else 4096)
     if args.small:
         args.iters, args.repeats = min(args.iters, 3), min(args.repeats, 2)
     device = torch.device(args.device)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "config": {k: getattr(args, k) for k in (*big, "bits", "level", "trajectories", "traj_tokens")},
-        "overhead": {
+    }
+    if "overhead" in parts:
+        result["overhead"] = {
             "decode": bench_overhead(args, device, args.decode, decode=True),
             "prefill": bench_overhead(args, device, args.prefill, decode=False),
-        },
-        "d2h": bench_d2h(args, device, args.prefill),
-    }
-    with tempfile.TemporaryDirectory() as work:
-        result["store"] = bench_store(args, device, Path(work))
+        }
+    if "d2h" in parts:
+        result["d2h"] = bench_d2h(args, device, args.prefill)
+    if "store" in parts:
+        with tempfile.TemporaryDirectory() as work:
+            result["store"] = bench_store(args, device, Path(work))
     print(table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
