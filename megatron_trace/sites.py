@@ -4,7 +4,9 @@
   `trace` mode, RTN elsewhere; per-token NVFP4 scale for the MoE input, KV_FP4 per 16 elements of a head vector.
 - Routed-expert weights: NVFP4 RTN with one global scale per expert matrix (gate and up share it: they are one
   FC1 matrix); FC2 input: NVFP4 RTN with a per-token scale. Both straight-through.
-Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site.
+Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site. The
+fake-quant runs through `trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere), the kernel twins
+of `guided_round` / `rtn_fake_quant`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from megatron_trace.config import Mode, TraceConfig
 from megatron_trace.source import Site, SiteRows, take_rows
 from trace_core import metrics
-from trace_core.guided import GuidanceStats, guided_quantize, guided_round, rtn_fake_quant
+from trace_core.guided import GuidanceStats, guided_quantize
+from trace_core.kernels import guided_fake_quant, rtn_fake_quant
 from trace_core.quant import quantize
 from trace_core.records import low_bits_mask
 
@@ -59,7 +62,7 @@ class SiteNumerics:
                     f"site {site}: record rows {tuple(rows.record.shape)} do not match the activation "
                     f"{tuple(x.shape)} (micro-batch rows or head slicing disagree)"
                 )
-            y = guided_round(x, rows.record, rows.record.bits, has_record=rows.has_record, stats=stats.guidance)
+            y = guided_fake_quant(x, rows.record, rows.record.bits, has_record=rows.has_record, stats=stats.guidance)
         else:
             y = rtn_fake_quant(x, fmt, per_token=per_token)
         if self.cfg.measure and rows is not None:

@@ -1,0 +1,139 @@
+"""Trainer step time of a small Megatron MoE under bf16, qat and trace (H200 or any CUDA GPU; CPU for a smoke run).
+
+One step = forward + backward + Adam update over `--microbatches` micro-batches, with R3 replaying the emulated
+rollout's routes in every mode (so routing cost is identical). `trace` also fetches the records of the latter half of
+the MoE and attention layers (b = `--bits`) per micro-batch. Prints a table and writes JSON to `--out`.
+
+    python bench/megatron_step.py --out megatron_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.cpu import init_single_rank
+from megatron_trace.emulate import emulate_rollout
+from megatron_trace.rows import pack_microbatch
+from megatron_trace.session import TraceSession
+from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+from trace_core.records import RecordSpec
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--expert-ffn", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4, help="trajectories per micro-batch")
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--bits", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--modes", default="bf16,qat,trace")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    args = parse()
+    init_single_rank()
+    cfg = TinyMoEConfig(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        experts=args.experts,
+        topk=args.topk,
+        expert_ffn=args.expert_ffn,
+        max_seq=args.seq,
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_tiny_moe(cfg, dtype=torch.bfloat16)
+    n = args.batch * args.microbatches
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.seq // 2, args.seq + 1, (n,), generator=g).tolist()
+    trajs = [(i, torch.randint(0, cfg.vocab, (length,), generator=g)) for i, length in enumerate(lengths)]
+    mbs = [pack_microbatch(trajs[i : i + args.batch], seq_len=args.seq).to(device) for i in range(0, n, args.batch)]
+    layers = tuple(range(cfg.layers))
+    spec = RecordSpec.default(layers, layers, bits=args.bits)
+    t0 = time.perf_counter()
+    source = emulate_rollout(model, mbs, spec, num_trajectories=n, max_positions=args.seq)
+    sync()
+    emulate_s = time.perf_counter() - t0
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+
+    modes = args.modes.split(",")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    fallback: dict[str, float] = {}
+    # Modes interleave step by step, so clock and thermal drift hit all of them alike.
+    for it in range(args.warmup + args.iters):
+        for mode in modes:
+            session = TraceSession(model, TraceConfig(mode=mode, spec=spec, measure=False))
+            sync()
+            start = time.perf_counter()
+            for mb in mbs:
+                session.begin_microbatch(mb.rows, source)
+                logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+                session.forward_done()
+                loss = torch.log_softmax(logits.float(), -1)[..., 0][mb.valid].mean()
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            metrics = session.end_step()
+            sync()
+            if it >= args.warmup:
+                times[mode].append(time.perf_counter() - start)
+            fallback[mode] = metrics.get("trace/rtn_fallback", 0.0)
+            session.remove()
+    results = {
+        m: {
+            "step_ms_median": 1e3 * statistics.median(t),
+            "step_ms_min": 1e3 * min(t),
+            "rtn_fallback_elements": fallback[m],
+        }
+        for m, t in times.items()
+    }
+    ref = results.get("qat", {}).get("step_ms_median")
+    tokens = sum(int(mb.valid.sum()) for mb in mbs)
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or 'cpu'}")
+    print(f"model: {cfg}; {tokens} tokens / step in {len(mbs)} micro-batches; rollout emulation {emulate_s:.2f} s")
+    print(f"{'mode':<8}{'step ms (median)':>18}{'min':>10}{'vs qat':>9}{'tok/s':>12}")
+    for mode, r in results.items():
+        ratio = f"{r['step_ms_median'] / ref:.3f}" if ref else "-"
+        tps = tokens / (r["step_ms_median"] / 1e3)
+        print(f"{mode:<8}{r['step_ms_median']:>18.2f}{r['step_ms_min']:>10.2f}{ratio:>9}{tps:>12.0f}")
+    if args.out:
+        payload = {
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "args": vars(args),
+            "tokens_per_step": tokens,
+            "results": results,
+        }
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
