@@ -39,6 +39,8 @@ def init_single_rank(seed: int = 1234) -> None:
     if not torch.cuda.is_available():
         install_cpu_shims()
     if not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
