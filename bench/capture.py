@@ -73,13 +73,19 @@ class SimulatedForward:
                 on_layer(layer)
 
 
-def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dict:
+def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_thread: bool = True) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     moe_layers = tuple(range(args.layers))
     spec = RecordSpec.default(moe_layers=moe_layers, attn_layers=(), bits=args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
     cap = RecordCapturer(
-        spec, shape, max_tokens=tokens, num_slots=4 * tokens + 1, routes=(args.layers, args.topk), device=device
+        spec,
+        shape,
+        max_tokens=tokens,
+        num_slots=4 * tokens + 1,
+        routes=(args.layers, args.topk),
+        device=device,
+        drain_thread=drain_thread,
     )
     recs = records_for(spec, args.hidden, tokens, 0, device)
     ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
@@ -115,7 +121,7 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dic
     for _ in range(args.repeats):
         base_t.append(timed(plain))
         cap_t.append(timed(captured))
-    cap.flush()
+    cap.close()
     b, c = statistics.median(base_t), statistics.median(cap_t)
     return {
         "tokens": tokens,
@@ -280,6 +286,9 @@ def main() -> None:
             "decode": bench_overhead(args, device, args.decode, decode=True),
             "prefill": bench_overhead(args, device, args.prefill, decode=False),
         }
+        if device.type == "cuda":  # host scatter on the scheduler thread instead of the drain thread
+            result["overhead"]["decode, inline drain"] = bench_overhead(args, device, args.decode, True, False)
+            result["overhead"]["prefill, inline drain"] = bench_overhead(args, device, args.prefill, False, False)
     if "d2h" in parts:
         result["d2h"] = bench_d2h(args, device, args.prefill)
     if "store" in parts:

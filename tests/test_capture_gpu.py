@@ -42,11 +42,12 @@ def schedule(num_forwards: int, gen: torch.Generator) -> list[list[tuple[int, in
     return out
 
 
+@pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
 @pytest.mark.parametrize("depth", [1, 2, 8])
-def test_async_copies_are_correct_under_back_to_back_forwards(depth):
+def test_async_copies_are_correct_under_back_to_back_forwards(depth, drain_thread):
     gen = torch.Generator().manual_seed(depth)
     forwards = schedule(120, gen)  # 120 * 64 > 4000 slots: later forwards overwrite earlier slots
-    gpu = CudaDriver(make(device="cuda", ring_depth=depth, num_slots=4096, max_tokens=64))
+    gpu = CudaDriver(make(device="cuda", ring_depth=depth, num_slots=4096, max_tokens=64, drain_thread=drain_thread))
     cpu = Driver(make(num_slots=4096, max_tokens=64))
     for rows in forwards:
         gpu.forward(rows)
@@ -58,6 +59,7 @@ def test_async_copies_are_correct_under_back_to_back_forwards(depth):
     assert_same(gpu.cap.gather(slots, len(slots)), cpu.expected([latest[s] for s in sorted(latest)]))
     assert torch.equal(gpu.cap.host, cpu.cap.host) and torch.equal(gpu.cap.written, cpu.cap.written)
     assert gpu.cap.stats.bytes == cpu.cap.stats.bytes and gpu.cap.stats.forwards == 120
+    gpu.cap.close()
 
 
 def test_staging_writes_inside_a_captured_cuda_graph():
@@ -101,8 +103,9 @@ def test_staging_writes_inside_a_captured_cuda_graph():
             assert torch.equal(got.routes[:, layer], values[:, :2].to(torch.int32) + layer)
 
 
-def test_backpressure_waits_for_a_slow_consumer_and_never_overwrites_unread_rows():
-    gpu = CudaDriver(make(device="cuda", ring_depth=2, num_slots=4096, max_tokens=64))
+@pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
+def test_backpressure_waits_for_a_slow_consumer_and_never_overwrites_unread_rows(drain_thread):
+    gpu = CudaDriver(make(device="cuda", ring_depth=2, num_slots=4096, max_tokens=64, drain_thread=drain_thread))
     cpu = Driver(make(num_slots=4096, max_tokens=64))
     forwards = [[(100 * f + i + 1, 1000 * f + i) for i in range(16)] for f in range(6)]
     with torch.cuda.stream(gpu.cap.ring.side):
@@ -117,8 +120,9 @@ def test_backpressure_waits_for_a_slow_consumer_and_never_overwrites_unread_rows
         assert_same(gpu.cap.gather(slots, len(rows)), cpu.expected([seed for _, seed in rows]))
 
 
-def test_gather_waits_for_copies_in_flight():
-    gpu = CudaDriver(make(device="cuda", ring_depth=4, num_slots=512, max_tokens=64))
+@pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
+def test_gather_waits_for_copies_in_flight(drain_thread):
+    gpu = CudaDriver(make(device="cuda", ring_depth=4, num_slots=512, max_tokens=64, drain_thread=drain_thread))
     with torch.cuda.stream(gpu.cap.ring.side):
         torch.cuda._sleep(SLEEP_CYCLES)
     gpu.forward([(5, 1), (6, 2), (7, 3)])
@@ -163,3 +167,13 @@ def test_quantize_record_kernel_writes_staging_rows_inside_a_cuda_graph():
             rec = got.records[(layer, "moe_in")]
             assert torch.equal(rec.low_bits, want.low_bits) and torch.equal(rec.scales, want.scales)
             assert torch.equal(rec.global_scale, want.global_scale)
+
+
+@pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
+def test_a_bad_kv_slot_found_while_draining_is_raised_by_the_next_call(drain_thread):
+    gpu = CudaDriver(make(device="cuda", ring_depth=2, num_slots=64, max_tokens=64, drain_thread=drain_thread))
+    gpu.forward([(3, 1), (64, 2)])  # slot 64 is outside the host store; only the drain can see it
+    with pytest.raises(ValueError, match=r"KV slots out of range \[0, 64\)"):
+        gpu.cap.flush()
+    gpu.forward([(5, 7)])
+    assert_same(gpu.cap.gather(torch.tensor([5]), 1), Driver(gpu.cap).expected([7]))

@@ -85,6 +85,8 @@ class RecordCapturer:
         routes: `(route_layers, topk)` to capture R3 routes, layer ids 0..route_layers-1; None to skip.
         device: where staging lives; CUDA uses the async ring, CPU writes the host store synchronously.
         ring_depth: forwards whose copies may be in flight at once (CUDA).
+        drain_thread: scatter finished copies into the host store on a background thread (CUDA), keeping that
+            CPU work off the scheduler thread; otherwise the calling thread does it in `on_forward_end`/`flush`.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class RecordCapturer:
         routes: tuple[int, int] | None = None,
         device: torch.device | str = "cpu",
         ring_depth: int = 4,
+        drain_thread: bool = True,
     ) -> None:
         if max_tokens < 1 or num_slots < 1:
             raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
@@ -117,7 +120,9 @@ class RecordCapturer:
         self.host = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8)
         self.written = torch.zeros(num_slots, dtype=torch.bool)
         if self.device.type == "cuda":
-            self.ring: AsyncHostRing | SyncHostRing = AsyncHostRing(self.staging, self.host, self.written, ring_depth)
+            self.ring: AsyncHostRing | SyncHostRing = AsyncHostRing(
+                self.staging, self.host, self.written, ring_depth, drain_thread
+            )
         elif self.device.type == "cpu":
             self.ring = SyncHostRing(self.staging, self.host, self.written)
         else:
@@ -225,6 +230,10 @@ class RecordCapturer:
     def flush(self) -> None:
         """Wait until every submitted forward is in the host store."""
         self.ring.flush()
+
+    def close(self) -> None:
+        """Finish every copy in flight and stop the drain thread; the host store stays readable."""
+        self.ring.close()
 
     def release(self, slots: torch.Tensor) -> None:
         """Mark KV slots freed (request finished or retracted) so a gather through them before they are written

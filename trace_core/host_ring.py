@@ -13,6 +13,7 @@ reused by a later forward always ends with the later rows. A full ring makes `su
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -75,11 +76,22 @@ class SyncHostRing:
     def flush(self) -> None:
         """Nothing is ever in flight on the CPU path."""
 
+    def close(self) -> None:
+        """Nothing to stop on the CPU path."""
+
 
 class AsyncHostRing:
-    """CUDA path: device snapshot ring + side-stream D2H into a pinned host ring (see module docstring)."""
+    """CUDA path: device snapshot ring + side-stream D2H into a pinned host ring (see module docstring).
 
-    def __init__(self, staging: torch.Tensor, store: torch.Tensor, written: torch.Tensor, depth: int) -> None:
+    With `drain_thread`, a background thread waits for the copies and scatters them into the host store, so the
+    scheduler thread spends no CPU time on it (the scatter releases the GIL); otherwise `submit`, `poll` and
+    `flush` drain completed copies on the calling thread. An error while draining (e.g. a KV slot out of range)
+    is raised by the next `submit` or `flush`.
+    """
+
+    def __init__(
+        self, staging: torch.Tensor, store: torch.Tensor, written: torch.Tensor, depth: int, drain_thread: bool
+    ) -> None:
         if depth < 1:
             raise ValueError(f"ring depth must be >= 1, got {depth}")
         self.staging, self.store, self.written = staging, store, written
@@ -92,54 +104,111 @@ class AsyncHostRing:
         self.side = torch.cuda.Stream(device=dev)
         self.events = [torch.cuda.Event() for _ in range(depth)]
         self.free = deque(range(depth))
-        self.pending: deque[tuple[int, int, torch.cuda.Event]] = deque()  # (entry, rows, copy-done event)
+        self.pending: deque[tuple[int, int]] = deque()  # (entry, rows), oldest first
         self.stats = RingStats()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = None
+        if drain_thread:
+            self._thread = threading.Thread(target=self._drain_loop, name="trace-record-drain", daemon=True)
+            self._thread.start()
 
     def submit(self, start: int, slots: torch.Tensor) -> None:
         """Queue rows [start, start + len(slots)) of the staging buffer for the host store at `slots`."""
         rows = slots.shape[0]
         _check_submit(self.staging, start, rows, slots)
         self.poll()
-        if not self.free:
-            t0 = time.perf_counter()
-            self._drain_oldest()
-            self.stats.stalls += 1
-            self.stats.stall_s += time.perf_counter() - t0
-        entry = self.free.popleft()
+        with self._cv:
+            if not self.free:
+                t0 = time.perf_counter()
+                while not self.free:
+                    if self._thread is None:
+                        self._drain_oldest()
+                    else:
+                        self._cv.wait()
+                self.stats.stalls += 1
+                self.stats.stall_s += time.perf_counter() - t0
+            entry = self.free.popleft()
         compute = torch.cuda.current_stream(self.staging.device)
         self.dev_rows[entry, :rows].copy_(self.staging[start : start + rows])
         self.dev_slots[entry, :rows].copy_(slots)
         self.side.wait_stream(compute)
-        done = self.events[entry]
         with torch.cuda.stream(self.side):
             self.host_rows[entry, :rows].copy_(self.dev_rows[entry, :rows], non_blocking=True)
             self.host_slots[entry, :rows].copy_(self.dev_slots[entry, :rows], non_blocking=True)
-            done.record(self.side)
-        self.pending.append((entry, rows, done))
-        self.stats.forwards += 1
-        self.stats.rows += rows
-        self.stats.bytes += rows * self.staging.shape[1]
+            self.events[entry].record(self.side)
+        with self._cv:
+            self.pending.append((entry, rows))
+            self.stats.forwards += 1
+            self.stats.rows += rows
+            self.stats.bytes += rows * self.staging.shape[1]
+            self._cv.notify_all()
+
+    def _scatter_entry(self, entry: int, rows: int) -> None:
+        self.events[entry].synchronize()
+        _scatter(self.store, self.written, self.host_slots[entry, :rows], self.host_rows[entry, :rows])
 
     def _drain_oldest(self) -> None:
-        entry, rows, done = self.pending.popleft()
-        done.synchronize()
+        """Calling-thread drain (caller holds the lock): wait for the oldest copy and scatter it."""
+        entry, rows = self.pending[0]
         try:
-            _scatter(self.store, self.written, self.host_slots[entry, :rows], self.host_rows[entry, :rows])
+            self._scatter_entry(entry, rows)
         finally:
+            self.pending.popleft()
             self.free.append(entry)
+
+    def _drain_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.pending and not self._closed:
+                    self._cv.wait()
+                if not self.pending:
+                    return
+                entry, rows = self.pending[0]
+            try:
+                self._scatter_entry(entry, rows)
+            except BaseException as e:  # surfaced by the next submit / flush
+                with self._cv:
+                    self._error = self._error or e
+            with self._cv:
+                self.pending.popleft()
+                self.free.append(entry)
+                self._cv.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def poll(self) -> None:
         """Move every completed copy, oldest first, into the host store; never blocks."""
-        while self.pending and self.pending[0][2].query():
-            self._drain_oldest()
+        with self._cv:
+            self._raise_error()
+            if self._thread is None:
+                while self.pending and self.events[self.pending[0][0]].query():
+                    self._drain_oldest()
 
     def flush(self) -> None:
         """Wait for every copy in flight and move it into the host store (a counted wait if any was in flight)."""
         self.poll()
-        if not self.pending:
-            return
-        t0 = time.perf_counter()
-        while self.pending:
-            self._drain_oldest()
-        self.stats.waits += 1
-        self.stats.wait_s += time.perf_counter() - t0
+        with self._cv:
+            if self.pending:
+                t0 = time.perf_counter()
+                while self.pending:
+                    if self._thread is None:
+                        self._drain_oldest()
+                    else:
+                        self._cv.wait()
+                self.stats.waits += 1
+                self.stats.wait_s += time.perf_counter() - t0
+            self._raise_error()
+
+    def close(self) -> None:
+        """Drain what is in flight and stop the drain thread."""
+        self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()

@@ -3,10 +3,11 @@
 A rollout worker hands each finished trajectory's records (`TrajectoryRecords`) to a `StepWriter`, which writes
 them as a shard file: a small JSON header (the shard's index: trajectory -> site -> field -> byte range) followed
 by one zstandard frame per (trajectory, site, field), so a reader decompresses only what a micro-batch needs.
-Every frame and the header carry a CRC-32. Shards are written to a temporary name, fsynced and renamed into place,
-so a crash never leaves a half-written shard under a shard name; shard names are unique per writer, so several
-workers (threads or processes, one host or many over a shared file system) write one step concurrently without
-locks. `finalize_step` writes the step's `index.json`; `apply_retention` keeps the last k steps.
+Every frame carries zstandard's content checksum (XXH64) and the header a CRC-32. Shards are written to a
+temporary name, fsynced and renamed into place, so a crash never leaves a half-written shard under a shard name;
+shard names are unique per writer, so several workers (threads or processes, one host or many over a shared file
+system) write one step concurrently without locks. `finalize_step` writes the step's `index.json`;
+`apply_retention` keeps the last k steps.
 
 Shard layout (all integers little-endian):
     magic b"TRACEREC" | u32 version | u32 header length H | u32 CRC-32 of header | header JSON (H bytes) | frames
@@ -138,10 +139,6 @@ def _fields(rec: Record) -> dict[str, torch.Tensor]:
     return out
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu").contiguous().numpy().tobytes()
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -150,19 +147,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEFAULT_LEVEL) -> bytes:
-    """Serialize trajectories into one shard's bytes (preamble, header, zstandard frames)."""
-    cctx = zstandard.ZstdCompressor(level=level)
+def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEFAULT_LEVEL) -> list[bytes]:
+    """Serialize trajectories into one shard: the preamble plus header, then one zstandard frame per field.
+
+    Frames carry zstandard's content checksum (XXH64 of the decompressed bytes, verified on every decode); the
+    header carries a CRC-32 in the preamble.
+    """
+    cctx = zstandard.ZstdCompressor(level=level, write_checksum=True)
     frames: list[bytes] = []
     offset = 0
     header: dict = {"version": VERSION, "trajectories": {}}
 
     def add(tensor: torch.Tensor) -> dict:
         nonlocal offset
-        raw = _to_bytes(tensor)
-        frame = cctx.compress(raw)
+        raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+        frame = cctx.compress(memoryview(raw))
         frames.append(frame)
-        entry = {"offset": offset, "length": len(frame), "raw": len(raw), "crc": zlib.crc32(frame)}
+        entry = {"offset": offset, "length": len(frame), "raw": raw.nbytes}
         offset += len(frame)
         return entry
 
@@ -177,7 +178,7 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
         header["trajectories"][traj] = entry
     header["payload_bytes"] = offset
     head = json.dumps(header, separators=(",", ":")).encode()
-    return PREAMBLE.pack(MAGIC, VERSION, len(head), zlib.crc32(head)) + head + b"".join(frames)
+    return [PREAMBLE.pack(MAGIC, VERSION, len(head), zlib.crc32(head)) + head, *frames]
 
 
 def read_header(path: Path) -> dict:
@@ -209,12 +210,12 @@ def read_header(path: Path) -> dict:
     return header
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file, fsync and rename: readers see all of it or nothing."""
+def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write `chunks` to `path` through a temporary file, fsync and rename: readers see all of it or nothing."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -270,16 +271,16 @@ class StepWriter:
             named[str(traj)] = tr
         if len(named) != len(trajectories):
             raise ValueError("trajectory ids collide once converted to str")
-        data = encode_shard(named, self.level)
+        chunks = encode_shard(named, self.level)
         with self._lock:
             name = f"{self.writer_id}-{self._seq:06d}{SHARD_SUFFIX}"
             self._seq += 1
         path = self.dir / name
-        atomic_write(path, data)
+        atomic_write(path, chunks)
         with self._lock:
             self.stats.shards += 1
             self.stats.trajectories += len(named)
-            self.stats.disk_bytes += len(data)
+            self.stats.disk_bytes += sum(len(c) for c in chunks)
             self.stats.raw_bytes += sum(_raw_bytes(tr) for tr in named.values())
         return path
 
@@ -311,7 +312,7 @@ def finalize_step(root: str | os.PathLike, step: int) -> Path:
     if not directory.is_dir():
         raise StoreError(f"step directory {directory} does not exist")
     path = directory / INDEX_NAME
-    atomic_write(path, json.dumps({"version": VERSION, "shards": build_index(directory)}).encode())
+    atomic_write(path, [json.dumps({"version": VERSION, "shards": build_index(directory)}).encode()])
     return path
 
 
