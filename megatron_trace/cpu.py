@@ -1,4 +1,5 @@
-"""Run megatron-core 0.19.2 on a CPU-only machine (single rank, gloo): the CUDA shims CI and the embedded default use.
+"""Run megatron-core 0.19.2 on a CPU-only machine (gloo): the CUDA shims CI and the embedded default use, and the
+process-group / parallel-state setup for one rank or a torchrun launch.
 
 Megatron calls `torch.cuda.current_device()` and the CUDA RNG state functions in code paths that are otherwise
 device-agnostic (rotary embedding, router gating, the RNG tracker forked by `DotProductAttention`). On a machine
@@ -31,20 +32,27 @@ def install_cpu_shims() -> None:
     _INSTALLED = True
 
 
-def init_single_rank(seed: int = 1234) -> None:
-    """Initialise torch.distributed (gloo on CPU, nccl on GPU) with one rank and Megatron's parallel state (TP = PP
-    = EP = 1), plus Megatron's model-parallel RNG. Idempotent."""
-    from megatron.core import parallel_state, tensor_parallel
+def init_megatron(tensor_parallel: int = 1, expert_parallel: int = 1, seed: int = 1234) -> None:
+    """Initialise torch.distributed (gloo on CPU, nccl on GPU; torchrun's environment if present, else one rank)
+    and Megatron's parallel state and model-parallel RNG. Idempotent."""
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as tp
 
     if not torch.cuda.is_available():
         install_cpu_shims()
     if not torch.distributed.is_initialized():
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
+    tp.model_parallel_cuda_manual_seed(seed)
+
+
+def init_single_rank(seed: int = 1234) -> None:
+    """`init_megatron` with TP = PP = EP = 1."""
+    init_megatron(seed=seed)
