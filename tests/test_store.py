@@ -4,15 +4,20 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from trace_core.capture import RecordCapturer
 from trace_core.formats import format_names, get_format
-from trace_core.quant import quantize
+from trace_core.guided import GuidanceStats, guided_round
+from trace_core.quant import dequantize, quantize
 from trace_core.records import ModelShape, Record, RecordSpec
 from trace_core.store import (
     CorruptShardError,
@@ -290,3 +295,69 @@ def test_bad_writer_input_is_rejected_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="plain file-name token"):
         StepWriter(tmp_path, 0, writer_id="../x")
     assert shard_paths(step_dir(tmp_path, 0)) == []
+
+
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=4),
+    extra_pad=st.integers(0, 3),
+    bits=st.integers(1, 4),
+)
+@settings(max_examples=25, deadline=None)
+def test_any_micro_batch_of_ranges_round_trips(lengths, picks, extra_pad, bits):
+    with tempfile.TemporaryDirectory() as root:
+        trs = {f"t{i}": trajectory(10 + i, n, "nvfp4", bits) for i, n in enumerate(lengths)}
+        StepWriter(root, 0).write(trs)
+        batch = []
+        for i, a, b in picks:
+            name = f"t{i % len(lengths)}"
+            n = trs[name].num_tokens
+            start, end = sorted((min(a, n), min(b, n)))
+            batch.append((name, start, end))
+        pad = max(e - s for _, s, e in batch) + extra_pad
+        mb = RecordReader(root, 0).load(batch, pad_to=pad)
+        for row, (name, start, end) in enumerate(batch):
+            assert_rows(mb, row, trs[name], start, end)
+
+
+def test_static_global_scale_is_stored_per_row(tmp_path):
+    q = quantize(torch.randn(6, 64), "nvfp4", global_scale=torch.tensor(123.0))
+    tr = TrajectoryRecords(6, {(1, "moe_in"): Record.from_quantized(q, 2)})
+    StepWriter(tmp_path, 0).write({"s": tr})
+    rec = RecordReader(tmp_path, 0).load([("s", 0, 6)]).records[(1, "moe_in")]
+    assert torch.equal(rec.global_scale, torch.full((1, 6, 1), 123.0))
+    assert torch.equal(rec.low_bits[0], tr.records[(1, "moe_in")].low_bits)
+
+
+def test_rollout_capture_to_store_to_guided_rounding_reproduces_the_rollout():
+    """End to end: the trainer, given the rollout's activations, rounds every recorded row exactly as the rollout
+    did, and pads with counted RTN rows."""
+    spec = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=())
+    cap = RecordCapturer(spec, SHAPE, max_tokens=16, num_slots=64, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    acts = {site: torch.randn(64, 64, generator=gen) for site in spec.sites()}  # activations by KV slot
+
+    def forward(slots: list[int]) -> None:
+        for site in spec.sites():
+            cap.stage_quantized(site, quantize(acts[site][slots], "nvfp4", per_token=True))
+        cap.on_forward_end(torch.tensor(slots))
+
+    forward([1, 2, 3, 4, 5])  # request a: prompt 1..4 + first token 5
+    forward([6, 7])  # request b: reuses prompt slots 1..4 from the prefix cache, own token at 6; a decodes 7
+    requests = {"a": [1, 2, 3, 4, 5, 7], "b": [1, 2, 3, 4, 6]}
+    with tempfile.TemporaryDirectory() as root:
+        writer = StepWriter(root, 0)
+        for name, slots in requests.items():
+            writer.write({name: cap.gather(torch.tensor(slots), len(slots))})
+        finalize_step(root, 0)
+        mb = RecordReader(root, 0).load([("a", 0, 6), ("b", 0, 5)], pad_to=6)
+    stats = GuidanceStats()
+    for site in spec.sites():
+        x = torch.zeros(2, 6, 64)
+        for row, slots in enumerate(requests.values()):
+            x[row, : len(slots)] = acts[site][slots]
+        out = guided_round(x, mb.records[site], 1, has_record=mb.has_record[site], stats=stats)
+        for row, slots in enumerate(requests.values()):
+            rollout = dequantize(quantize(acts[site][slots], "nvfp4", per_token=True))
+            assert torch.equal(out[row, : len(slots)], rollout)
+    assert stats.rtn_fallback == 2 * 64  # one padding row of b, per site

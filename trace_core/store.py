@@ -107,7 +107,8 @@ class TrajectoryRecords:
 
     Attributes:
         num_tokens: rows every record and the routes hold.
-        records: site (layer, kind) -> `Record` with `[num_tokens, ...]` tensors on the CPU.
+        records: site (layer, kind) -> `Record` with `[num_tokens, ...]` tensors (an nvfp4 global scale per row
+            `[num_tokens, 1]`, or 0-d for a static scale).
         routes: int32 `[num_tokens, moe_layers, topk]` expert ids, or None when routes are not recorded.
     """
 
@@ -125,17 +126,18 @@ class TrajectoryRecords:
             if tuple(rec.scales.shape[:-1]) != (self.num_tokens,):
                 raise ValueError(f"site {site}: record rows {tuple(rec.scales.shape[:-1])} != ({self.num_tokens},)")
             gs = rec.global_scale
-            if gs is not None and tuple(gs.shape) != (self.num_tokens, 1):
-                raise ValueError(f"site {site}: global_scale must be per row [{self.num_tokens}, 1], got {gs.shape}")
+            if gs is not None and gs.dim() and tuple(gs.shape) != (self.num_tokens, 1):
+                raise ValueError(f"site {site}: global_scale must be 0-d or [{self.num_tokens}, 1], got {gs.shape}")
         r = self.routes
         if r is not None and (r.dtype != torch.int32 or r.dim() != 3 or r.shape[0] != self.num_tokens):
             raise ValueError(f"routes must be int32 [{self.num_tokens}, moe_layers, topk], got {r.dtype} {r.shape}")
 
 
 def _fields(rec: Record) -> dict[str, torch.Tensor]:
+    """The tensors stored for a record; a static (0-d) global scale is stored once per row like a token scale."""
     out = {"low_bits": rec.low_bits, "scales": rec.scales}
     if rec.global_scale is not None:
-        out["global_scale"] = rec.global_scale.to(torch.float32)
+        out["global_scale"] = rec.global_scale.to(torch.float32).expand(rec.scales.shape[0], 1)
     return out
 
 

@@ -76,6 +76,23 @@ class MicroBatchRecords:
     routes: torch.Tensor | None
     has_routes: torch.Tensor
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatchRecords:
+        """The same records on `device` (e.g. the trainer's GPU)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        records = {
+            site: Record(r.fmt, r.bits, r.n, move(r.low_bits), move(r.scales), move(r.global_scale))
+            for site, r in self.records.items()
+        }
+        return MicroBatchRecords(
+            records=records,
+            has_record={site: move(m) for site, m in self.has_record.items()},
+            routes=move(self.routes),
+            has_routes=move(self.has_routes),
+        )
+
 
 class _LRU:
     """Decompressed frames keyed by (shard, trajectory, site, field), bounded by total bytes."""
