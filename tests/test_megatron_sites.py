@@ -184,6 +184,9 @@ def test_ste_gradients_are_identity_at_every_site():
         assert not torch.equal(y, x), "fake quant should change a random tensor"
         y.backward(grad)
         assert torch.equal(x.grad, grad)
+    # Experts that receive no token give zero-row inputs.
+    empty = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert numerics.fc2_input(empty).shape == (0, 64) and numerics.activation((1, "v"), empty, None).shape == (0, 64)
 
 
 def test_bf16_mode_leaves_the_model_untouched():
