@@ -16,19 +16,29 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: makes the side stream (the cop
 
 
 class CudaDriver(Driver):
-    """Same forwards as `Driver`, with every staged tensor produced on the GPU."""
+    """Same forwards as `Driver`, with every staged tensor on the GPU; `prepare` builds a forward's tensors ahead
+    so that `run` can submit forwards back to back with no host work in between."""
+
+    def prepare(self, rows):
+        slots = torch.tensor([s for s, _ in rows], dtype=torch.int64, device="cuda")
+        cpu = self.expected([seed for _, seed in rows])
+        staged = {
+            site: [None if t is None else t.cuda() for t in (r.low_bits, r.scales, r.global_scale)]
+            for site, r in cpu.records.items()
+        }
+        return slots, staged, None if cpu.routes is None else cpu.routes.cuda()
+
+    def run(self, prepared):
+        slots, staged, routes = prepared
+        for site, tensors in staged.items():
+            self.cap.stage(site, *tensors)
+        if routes is not None:
+            for layer in range(routes.shape[1]):
+                self.cap.stage_routes(layer, routes[:, layer])
+        self.cap.on_forward_end(slots)
 
     def forward(self, rows):
-        slots = torch.tensor([s for s, _ in rows], dtype=torch.int64, device="cuda")
-        seeds = [seed for _, seed in rows]
-        cpu = self.expected(seeds)
-        for site, rec in cpu.records.items():
-            gs = None if rec.global_scale is None else rec.global_scale.cuda()
-            self.cap.stage(site, rec.low_bits.cuda(), rec.scales.cuda(), gs)
-        if self.cap.routes_shape:
-            for layer in range(self.cap.routes_shape[0]):
-                self.cap.stage_routes(layer, cpu.routes[:, layer].cuda())
-        self.cap.on_forward_end(slots)
+        self.run(self.prepare(rows))
 
 
 def schedule(num_forwards: int, gen: torch.Generator) -> list[list[tuple[int, int]]]:
@@ -49,8 +59,11 @@ def test_async_copies_are_correct_under_back_to_back_forwards(depth, drain_threa
     forwards = schedule(120, gen)  # 120 * 64 > 4000 slots: later forwards overwrite earlier slots
     gpu = CudaDriver(make(device="cuda", ring_depth=depth, num_slots=4096, max_tokens=64, drain_thread=drain_thread))
     cpu = Driver(make(num_slots=4096, max_tokens=64))
+    prepared = [gpu.prepare(rows) for rows in forwards]
+    torch.cuda.synchronize()
+    for p in prepared:  # back to back: each forward's staging writes follow the previous forward's submit at once
+        gpu.run(p)
     for rows in forwards:
-        gpu.forward(rows)
         cpu.forward(rows)
     latest: dict[int, int] = {}
     for rows in forwards:
