@@ -3,7 +3,8 @@
 A `RolloutSource` answers, for the token rows of a micro-batch (`TokenRows`), the record of a site as a
 `trace_core.records.Record` with one row per token plus a `has_record` mask, and the routes of an MoE layer. The
 record store plugs in by implementing the two methods; `TensorRolloutSource` is the in-memory implementation
-(tests, benchmarks, the embedded default).
+(tests, benchmarks, the embedded default), and `source_from_store` serves a micro-batch loaded from the record
+store (`trace_core.store_reader`) through it.
 
 Sites are `(layer, kind)` with `layer` the 0-based decoder layer id (Megatron's `layer_number - 1`, the HF / SGLang
 layer index) and kind in `trace_core.records.SITE_KINDS`.
@@ -11,6 +12,7 @@ layer index) and kind in `trace_core.records.SITE_KINDS`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -141,3 +143,25 @@ class TensorRolloutSource:
         idx, has = self._routes[layer]
         flat, inside = self._index(rows.to(has.device), tuple(idx.shape[:2]))
         return idx.reshape(-1, idx.shape[-1])[flat], has.reshape(-1)[flat] & inside
+
+
+def source_from_store(batch_records, moe_layers: Sequence[int]) -> TensorRolloutSource:
+    """A `RolloutSource` over one micro-batch loaded from the record store (`trace_core.store_reader.
+    RecordReader.load(...)`, a `MicroBatchRecords` of `[B, T]` rows for ranges starting at position 0).
+
+    Trajectory ids of this source are the batch slots 0..B-1: pack the micro-batch with the same slots. `routes`
+    axis 2 follows `moe_layers` (the rollout's MoE-layer order). Each slot's final recorded row is served without
+    a route: the rollout never routes a trajectory's final token, so whatever the store holds there is padding.
+    """
+    records = {site: (rec, batch_records.has_record[site]) for site, rec in batch_records.records.items()}
+    routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if batch_records.routes is not None:
+        r = batch_records.routes
+        if r.shape[2] != len(moe_layers):
+            raise ValueError(f"store routes hold {r.shape[2]} MoE layers, moe_layers names {len(moe_layers)}")
+        has = batch_records.has_routes.clone()
+        lengths = has.sum(dim=1)
+        slots = (lengths > 0).nonzero().flatten()
+        has[slots, lengths[slots] - 1] = False
+        routes = {layer: (r[:, :, j].long(), has) for j, layer in enumerate(moe_layers)}
+    return TensorRolloutSource(records, routes)

@@ -261,3 +261,47 @@ def test_row_identity_follows_megatron_order_and_sequence_parallel_chunks():
         pack_microbatch([(1, torch.arange(3)), (1, torch.arange(2))])
     with pytest.raises(ValueError, match="int64"):
         TokenRows(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=bool))
+
+
+def test_records_through_the_store_drive_the_trainer_like_in_memory_records(tmp_path):
+    """Rollout records written with the record store's StepWriter and loaded with its RecordReader (in another
+    order, trajectory ids replaced by batch slots) give the trainer exactly the values in-memory records give."""
+    from megatron_trace.source import source_from_store
+    from trace_core.store import StepWriter, TrajectoryRecords, finalize_step
+    from trace_core.store_reader import RecordReader
+
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    trajs = trajectories(3, seed=11)
+    spec = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(0, 1))
+    source = emulate_rollout(model, [pack_microbatch(trajs)], spec, num_trajectories=3, max_positions=32)
+    shard = {}
+    for t, ids in trajs:
+        n = len(ids)
+        rows = TokenRows(torch.full((n,), t), torch.arange(n), torch.arange(n) == n - 1)
+        records = {site: source.records(site, rows).record for site in spec.sites()}
+        routes = torch.stack([source.routes(layer, rows)[0] for layer in (0, 1)], dim=1).to(torch.int32)
+        shard[t] = TrajectoryRecords(num_tokens=n, records=records, routes=routes)
+    StepWriter(tmp_path, 0).write(shard)
+    finalize_step(tmp_path, 0)
+    order = [2, 0, 1]
+    loaded = RecordReader(tmp_path, 0).load([(order[j], 0, len(trajs[order[j]][1])) for j in range(3)], pad_to=30)
+    store_source = source_from_store(loaded, moe_layers=(0, 1))
+    perturb(model)
+
+    outputs = []
+    for src, mb in (
+        (source, pack_microbatch([trajs[k] for k in order], seq_len=30)),
+        (store_source, pack_microbatch([(j, trajs[k][1]) for j, k in enumerate(order)], seq_len=30)),
+    ):
+        taps = []
+        session = TraceSession(model, TraceConfig(mode="trace", spec=spec), tap=lambda *a, taps=taps: taps.append(a[3]))
+        session.begin_microbatch(mb.rows, src)
+        with torch.no_grad():
+            logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        metrics = session.end_step()
+        session.remove()
+        outputs.append((logits, taps, metrics))
+    (la, ta, ma), (lb, tb, mb_metrics) = outputs
+    assert len(ta) == len(tb) and all(torch.equal(a, b) for a, b in zip(ta, tb, strict=True))
+    assert torch.equal(la, lb)
+    assert ma == mb_metrics and ma["trace/L1.moe_in/redirected"] > 0
