@@ -39,7 +39,7 @@ class Driver:
     def __init__(self, cap: RecordCapturer) -> None:
         self.cap = cap
 
-    def forward(self, rows: list[tuple[int, int]]) -> None:
+    def forward(self, rows: list[tuple[int, int]]) -> int:
         slots = torch.tensor([s for s, _ in rows], dtype=torch.int64)
         seeds = [seed for _, seed in rows]
         for site, (fmt_name, _, n) in self.cap.layouts.items():
@@ -47,7 +47,7 @@ class Driver:
         if self.cap.routes_shape:
             for layer in range(ROUTES[0]):
                 self.cap.stage_routes(layer, expected_routes(seeds)[:, layer])
-        self.cap.on_forward_end(slots)
+        return self.cap.on_forward_end(slots)
 
     def expected(self, seeds: list[int]) -> TrajectoryRecords:
         records = {}
@@ -93,9 +93,9 @@ def test_round_trip_chunked_prefill_then_decode(fmt, bits):
     slots = [40, 41, 42, 43, 20, 21, 22, 5, 6, 7, 8]
     drv.forward(list(zip(slots[:4], seeds[:4], strict=True)))
     drv.forward(list(zip(slots[4:7], seeds[4:7], strict=True)))
-    for i in range(7, 11):
-        drv.forward([(slots[i], seeds[i]), (0, 999)])  # a padded decode row writes the dummy slot 0
-    got = cap.gather(torch.tensor(slots, dtype=torch.int32), 10)
+    ids = [drv.forward([(slots[i], seeds[i]), (0, 999)]) for i in range(7, 11)]  # padded rows hit dummy slot 0
+    assert ids == [2, 3, 4, 5]
+    got = cap.gather(torch.tensor(slots, dtype=torch.int32), 10, after_forward=ids[-2])
     assert_same(got, drv.expected(seeds[:10]))
     assert got.records[(2, "k")].code_bits().shape == (10, 64)
     row_bytes = cap.row.row_bytes

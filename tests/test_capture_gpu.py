@@ -35,10 +35,10 @@ class CudaDriver(Driver):
         if routes is not None:
             for layer in range(routes.shape[1]):
                 self.cap.stage_routes(layer, routes[:, layer])
-        self.cap.on_forward_end(slots)
+        return self.cap.on_forward_end(slots)
 
     def forward(self, rows):
-        self.run(self.prepare(rows))
+        return self.run(self.prepare(rows))
 
 
 def schedule(num_forwards: int, gen: torch.Generator) -> list[list[tuple[int, int]]]:
@@ -190,3 +190,22 @@ def test_a_bad_kv_slot_found_while_draining_is_raised_by_the_next_call(drain_thr
         gpu.cap.flush()
     gpu.forward([(5, 7)])
     assert_same(gpu.cap.gather(torch.tensor([5]), 1), Driver(gpu.cap).expected([7]))
+
+
+@pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
+def test_gather_after_a_forward_does_not_wait_for_the_next_forward_in_flight(drain_thread):
+    gpu = CudaDriver(make(device="cuda", ring_depth=4, num_slots=512, max_tokens=64, drain_thread=drain_thread))
+    want = Driver(gpu.cap).expected([1, 2])
+    first = gpu.forward([(5, 1), (6, 2)])
+    gpu.cap.flush(first)
+    later = gpu.prepare([(7, 3)])
+    torch.cuda._sleep(SLEEP_CYCLES)  # the next forward is still computing (overlap scheduler)
+    second = gpu.run(later)
+    assert (first, second) == (0, 1)
+    waits = gpu.cap.stats.waits
+    got = gpu.cap.gather(torch.tensor([5, 6]), 2, after_forward=first)
+    assert not torch.cuda.current_stream().query()  # gather returned while the next forward still runs
+    assert gpu.cap.stats.waits == waits
+    assert_same(got, want)
+    assert_same(gpu.cap.gather(torch.tensor([5, 6, 7]), 3, after_forward=second), Driver(gpu.cap).expected([1, 2, 3]))
+    assert gpu.cap.stats.waits == waits + 1

@@ -207,8 +207,9 @@ class RecordCapturer:
         buf[: topk_ids.shape[0], layer].copy_(topk_ids)
         self._staged.add(layer)
 
-    def on_forward_end(self, out_cache_loc: torch.Tensor, *, row_start: int = 0, graph_replay: bool = False) -> None:
-        """Send staging rows [row_start, row_start + T) to the host store at KV slots `out_cache_loc` `[T]`.
+    def on_forward_end(self, out_cache_loc: torch.Tensor, *, row_start: int = 0, graph_replay: bool = False) -> int:
+        """Send staging rows [row_start, row_start + T) to the host store at KV slots `out_cache_loc` `[T]`;
+        returns the forward id (0, 1, ...) to pass as `after_forward` to `gather` / `release`.
 
         In eager mode every captured site and route layer must have been staged since the last call (a hook that
         did not fire would otherwise ship stale rows); pass `graph_replay=True` after replaying a CUDA graph,
@@ -221,33 +222,37 @@ class RecordCapturer:
                 self._staged.clear()
                 raise ValueError(f"forward ended without staging {sorted(missing, key=str)}; nothing was captured")
         self._staged.clear()
-        self.ring.submit(row_start, out_cache_loc)
+        return self.ring.submit(row_start, out_cache_loc)
 
     def poll(self) -> None:
         """Move completed copies into the host store without blocking (also done by every `on_forward_end`)."""
         self.ring.poll()
 
-    def flush(self) -> None:
-        """Wait until every submitted forward is in the host store."""
-        self.ring.flush()
+    def flush(self, upto: int | None = None) -> None:
+        """Wait until forwards up to id `upto` (default: every submitted forward) are in the host store."""
+        self.ring.flush(upto)
 
     def close(self) -> None:
         """Finish every copy in flight and stop the drain thread; the host store stays readable."""
         self.ring.close()
 
-    def release(self, slots: torch.Tensor) -> None:
+    def release(self, slots: torch.Tensor, after_forward: int | None = None) -> None:
         """Mark KV slots freed (request finished or retracted) so a gather through them before they are written
-        again fails instead of returning another request's records."""
-        self.flush()
+        again fails instead of returning another request's records. `after_forward` as in `gather`."""
+        self.flush(after_forward)
         self.written[slots.to("cpu", torch.long)] = False
 
-    def gather(self, slots: torch.Tensor, length: int) -> TrajectoryRecords:
-        """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`."""
+    def gather(self, slots: torch.Tensor, length: int, after_forward: int | None = None) -> TrajectoryRecords:
+        """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`.
+
+        `after_forward`: id of the last forward that wrote the request's rows (the batch whose results are being
+        processed). Only copies up to it are waited for, so a forward already launched by an overlap scheduler is
+        not; default: wait for every submitted forward."""
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
         if not 0 <= length <= slots.shape[0]:
             raise ValueError(f"length {length} is outside [0, {slots.shape[0]}] request slots")
-        self.flush()
+        self.flush(after_forward)
         idx = slots[:length].to("cpu", torch.long)
         if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
             raise ValueError(f"slots out of range [0, {self.num_slots}): min {int(idx.min())}, max {int(idx.max())}")

@@ -62,18 +62,20 @@ class SyncHostRing:
         self.staging, self.store, self.written = staging, store, written
         self.stats = RingStats()
 
-    def submit(self, start: int, slots: torch.Tensor) -> None:
+    def submit(self, start: int, slots: torch.Tensor) -> int:
+        """Write rows [start, start + len(slots)) into the host store at `slots`; returns the forward id."""
         rows = slots.shape[0]
         _check_submit(self.staging, start, rows, slots)
         _scatter(self.store, self.written, slots.long(), self.staging[start : start + rows])
         self.stats.forwards += 1
         self.stats.rows += rows
         self.stats.bytes += rows * self.staging.shape[1]
+        return self.stats.forwards - 1
 
     def poll(self) -> None:
         """Nothing is ever in flight on the CPU path."""
 
-    def flush(self) -> None:
+    def flush(self, upto: int | None = None) -> None:
         """Nothing is ever in flight on the CPU path."""
 
     def close(self) -> None:
@@ -104,7 +106,7 @@ class AsyncHostRing:
         self.side = torch.cuda.Stream(device=dev)
         self.events = [torch.cuda.Event() for _ in range(depth)]
         self.free = deque(range(depth))
-        self.pending: deque[tuple[int, int]] = deque()  # (entry, rows), oldest first
+        self.pending: deque[tuple[int, int, int]] = deque()  # (entry, rows, forward id), oldest first
         self.stats = RingStats()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
@@ -114,8 +116,9 @@ class AsyncHostRing:
             self._thread = threading.Thread(target=self._drain_loop, name="trace-record-drain", daemon=True)
             self._thread.start()
 
-    def submit(self, start: int, slots: torch.Tensor) -> None:
-        """Queue rows [start, start + len(slots)) of the staging buffer for the host store at `slots`."""
+    def submit(self, start: int, slots: torch.Tensor) -> int:
+        """Queue rows [start, start + len(slots)) of the staging buffer for the host store at `slots`; returns the
+        forward id (0, 1, ...) that `flush(upto=...)` waits for."""
         rows = slots.shape[0]
         _check_submit(self.staging, start, rows, slots)
         self.poll()
@@ -139,11 +142,13 @@ class AsyncHostRing:
             self.host_slots[entry, :rows].copy_(self.dev_slots[entry, :rows], non_blocking=True)
             self.events[entry].record(self.side)
         with self._cv:
-            self.pending.append((entry, rows))
+            forward = self.stats.forwards
+            self.pending.append((entry, rows, forward))
             self.stats.forwards += 1
             self.stats.rows += rows
             self.stats.bytes += rows * self.staging.shape[1]
             self._cv.notify_all()
+        return forward
 
     def _scatter_entry(self, entry: int, rows: int) -> None:
         self.events[entry].synchronize()
@@ -151,7 +156,7 @@ class AsyncHostRing:
 
     def _drain_oldest(self) -> None:
         """Calling-thread drain (caller holds the lock): wait for the oldest copy and scatter it."""
-        entry, rows = self.pending[0]
+        entry, rows, _ = self.pending[0]
         try:
             self._scatter_entry(entry, rows)
         finally:
@@ -165,7 +170,7 @@ class AsyncHostRing:
                     self._cv.wait()
                 if not self.pending:
                     return
-                entry, rows = self.pending[0]
+                entry, rows, _ = self.pending[0]
             try:
                 self._scatter_entry(entry, rows)
             except BaseException as e:  # surfaced by the next submit / flush
@@ -189,13 +194,19 @@ class AsyncHostRing:
                 while self.pending and self.events[self.pending[0][0]].query():
                     self._drain_oldest()
 
-    def flush(self) -> None:
-        """Wait for every copy in flight and move it into the host store (a counted wait if any was in flight)."""
+    def flush(self, upto: int | None = None) -> None:
+        """Wait until the copies of forwards up to id `upto` (default: all submitted) are in the host store; a
+        counted wait if any was still in flight. Later forwards keep running: under an overlap scheduler the
+        forward already launched is not waited for."""
         self.poll()
         with self._cv:
-            if self.pending:
+
+            def needed() -> bool:
+                return bool(self.pending) and (upto is None or self.pending[0][2] <= upto)
+
+            if needed():
                 t0 = time.perf_counter()
-                while self.pending:
+                while needed():
                     if self._thread is None:
                         self._drain_oldest()
                     else:
