@@ -124,8 +124,8 @@ def main() -> None:
     compiled = {}
     if not args.no_compile:
         compiled = {
-            "quant": torch.compile(reference_quantize_record, dynamic=True),
-            "guided": torch.compile(reference_guided, dynamic=True),
+            "quant": torch.compile(reference_quantize_record),
+            "guided": torch.compile(reference_guided),
         }
     rows = [run_case(fmt, t, d, compiled) for fmt in FORMATS for t in ts for d in ds]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}\n")
