@@ -5,10 +5,13 @@ expected record is the reference quantizer's output on that row alone (all forma
 block scales, and nvfp4 with a per-token scale).
 """
 
+import threading
+
 import pytest
 import torch
 
 from trace_core.capture import RecordCapturer
+from trace_core.drain import DrainQueue
 from trace_core.formats import format_names, get_format
 from trace_core.kernels import quantize_record
 from trace_core.quant import quantize
@@ -204,3 +207,72 @@ def test_the_quantize_record_kernel_op_writes_into_staging_rows(fmt):
     cap.on_forward_end(torch.arange(10, 15))
     want = Record.from_quantized(quantize_rows(fmt, x), 1)
     assert_same(cap.gather(torch.arange(10, 15), 5), TrajectoryRecords(5, {(3, "moe_in"): want}))
+
+
+def test_gather_async_and_release_are_ordered_after_earlier_forwards_on_the_cpu_path():
+    cap = make(routes=None)
+    drv = Driver(cap)
+    drv.forward([(5, 1), (6, 2)])
+    future = cap.gather_async(torch.tensor([5, 6]), 2)
+    cap.release(torch.tensor([5, 6]))
+    drv.forward([(5, 8)])
+    assert_same(future.result(timeout=0), drv.expected([1, 2]))
+    with pytest.raises(ValueError, match=r"1 of 2 positions have no captured record \(first positions \[1\]"):
+        cap.gather(torch.tensor([5, 6]), 2)
+    assert cap.gather_async(torch.tensor([6]), 1).exception(timeout=0) is not None
+
+
+class TestDrainQueue:
+    """The ordered job queue behind the CUDA ring, driven with plain jobs on the CPU."""
+
+    def test_thread_runs_jobs_in_order_and_waits_only_up_to_a_tag(self):
+        q = DrainQueue(thread=True)
+        gate, order = threading.Event(), []
+        q.put(lambda: order.append(0), 0)
+        q.put(lambda: (gate.wait(5), order.append(1)), 1)  # a copy still in flight
+        late = q.put(lambda: order.append(2) or "done", 2, report=False)
+        q.wait_upto(0)
+        assert order == [0]
+        assert not q.wait_upto(0) and not late.done()  # job 0 is done; job 1 still blocks job 2
+        with q.cv:
+            assert q.busy_upto(1) and q.busy_upto(None)
+        gate.set()
+        assert late.result(timeout=5) == "done" and order == [0, 1, 2]
+        q.close()
+        assert q.completed == 3
+
+    def test_inline_poll_runs_only_ready_jobs_and_wait_runs_the_rest(self):
+        q = DrainQueue(thread=False)
+        ready, order = [False], []
+        q.put(lambda: order.append("copy"), 0, ready=lambda: ready[0])
+        q.put(lambda: order.append("gather"), 0)
+        q.poll()
+        assert order == []  # the head's copy is not done: nothing may overtake it
+        ready[0] = True
+        q.poll()
+        assert order == ["copy", "gather"]
+        q.put(lambda: order.append("blocking copy"), 1, ready=lambda: False)
+        assert q.wait_upto(1) and order[-1] == "blocking copy"
+        with pytest.raises(RuntimeError, match="no queued job can satisfy"):
+            q.wait_for(lambda: False)
+
+    @pytest.mark.parametrize("thread", [True, False])
+    def test_errors_reach_the_future_and_reported_ones_the_next_wait(self, thread):
+        q = DrainQueue(thread=thread)
+
+        def fail():
+            raise ValueError("KV slots out of range")
+
+        quiet = q.put(fail, 0, report=False)
+        q.poll()  # inline: runs the job; an unreported failure is the future holder's business
+        assert isinstance(quiet.exception(timeout=5), ValueError)
+        q.poll()
+        q.put(fail, 1)
+        with pytest.raises(ValueError, match="KV slots out of range"):
+            q.wait_upto(None)
+        q.wait_upto(None)  # raised once
+        ok = q.put(lambda: 7, 2)
+        q.close()
+        assert ok.result(timeout=0) == 7
+        with pytest.raises(RuntimeError, match="closed"):
+            q.put(lambda: None, 3)

@@ -209,3 +209,18 @@ def test_gather_after_a_forward_does_not_wait_for_the_next_forward_in_flight(dra
     assert_same(got, want)
     assert_same(gpu.cap.gather(torch.tensor([5, 6, 7]), 3, after_forward=second), Driver(gpu.cap).expected([1, 2, 3]))
     assert gpu.cap.stats.waits == waits + 1
+
+
+@pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
+def test_gather_async_sees_earlier_forwards_and_not_a_later_reuse_of_the_slots(drain_thread):
+    gpu = CudaDriver(make(device="cuda", ring_depth=2, num_slots=512, max_tokens=64, drain_thread=drain_thread))
+    with torch.cuda.stream(gpu.cap.ring.side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copies of the first forward are still in flight at finish
+    gpu.forward([(5, 1), (6, 2)])
+    future = gpu.cap.gather_async(torch.tensor([5, 6], device="cuda"), 2)
+    assert future.done() != drain_thread  # the drain thread does the copy; inline, gather_async waits
+    gpu.cap.release(torch.tensor([5, 6]))
+    gpu.forward([(5, 8), (6, 9)])  # the freed slots are reused by the next request
+    assert_same(future.result(timeout=30), Driver(gpu.cap).expected([1, 2]))
+    assert_same(gpu.cap.gather(torch.tensor([5, 6]), 2), Driver(gpu.cap).expected([8, 9]))
+    gpu.cap.close()

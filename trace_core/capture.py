@@ -17,6 +17,7 @@ One scheduler thread drives a capturer; it is not thread-safe.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -236,11 +237,26 @@ class RecordCapturer:
         """Finish every copy in flight and stop the drain thread; the host store stays readable."""
         self.ring.close()
 
-    def release(self, slots: torch.Tensor, after_forward: int | None = None) -> None:
-        """Mark KV slots freed (request finished or retracted) so a gather through them before they are written
-        again fails instead of returning another request's records. `after_forward` as in `gather`."""
-        self.flush(after_forward)
-        self.written[slots.to("cpu", torch.long)] = False
+    def release(self, slots: torch.Tensor) -> None:
+        """Mark KV slots freed (the slots handed back to the KV allocator, not those the prefix cache keeps) so a
+        gather through them before they are written again fails instead of returning another request's records.
+        Ordered after every forward submitted so far; does not wait on the CUDA path with a drain thread."""
+        idx = self._host_slots(slots, slots.shape[0] if slots.dim() == 1 else -1)
+
+        def clear() -> None:
+            self.written[idx] = False
+
+        self.ring.run_after(clear)
+
+    def _host_slots(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
+        if not 0 <= length <= slots.shape[0]:
+            raise ValueError(f"length {length} is outside [0, {slots.shape[0]}] request slots")
+        idx = slots[:length].to("cpu", torch.long)
+        if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
+            raise ValueError(f"slots out of range [0, {self.num_slots}): min {int(idx.min())}, max {int(idx.max())}")
+        return idx
 
     def gather(self, slots: torch.Tensor, length: int, after_forward: int | None = None) -> TrajectoryRecords:
         """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`.
@@ -248,14 +264,19 @@ class RecordCapturer:
         `after_forward`: id of the last forward that wrote the request's rows (the batch whose results are being
         processed). Only copies up to it are waited for, so a forward already launched by an overlap scheduler is
         not; default: wait for every submitted forward."""
-        if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
-        if not 0 <= length <= slots.shape[0]:
-            raise ValueError(f"length {length} is outside [0, {slots.shape[0]}] request slots")
+        idx = self._host_slots(slots, length)
         self.flush(after_forward)
-        idx = slots[:length].to("cpu", torch.long)
-        if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
-            raise ValueError(f"slots out of range [0, {self.num_slots}): min {int(idx.min())}, max {int(idx.max())}")
+        return self._read(idx)
+
+    def gather_async(self, slots: torch.Tensor, length: int) -> Future:
+        """`gather` as a future: the copy out of the host store runs on the drain thread, after every forward
+        submitted so far, so the scheduler thread neither waits nor copies (at once on the other paths)."""
+        idx = self._host_slots(slots, length)
+        return self.ring.run_after(lambda: self._read(idx))
+
+    def _read(self, idx: torch.Tensor) -> TrajectoryRecords:
+        """The records of host-store rows `idx`, as views of one gathered copy."""
+        length = idx.shape[0]
         unwritten = (~self.written[idx]).nonzero().flatten()
         if unwritten.numel():
             raise ValueError(
@@ -266,9 +287,8 @@ class RecordCapturer:
         records = {}
         for site, (fmt_name, bits, n) in self.layouts.items():
             buf = self._buffers(rows, site)
-            gs = None if buf.global_scale is None else buf.global_scale.clone()
-            records[site] = Record(get_format(fmt_name), bits, n, buf.low_bits.clone(), buf.scales.clone(), gs)
+            records[site] = Record(get_format(fmt_name), bits, n, buf.low_bits, buf.scales, buf.global_scale)
         routes = None
         if self.routes_shape is not None:
-            routes = self.row.view(rows, "routes", "routes", torch.int32).reshape(length, *self.routes_shape).clone()
+            routes = self.row.view(rows, "routes", "routes", torch.int32).view(length, *self.routes_shape)
         return TrajectoryRecords(num_tokens=length, records=records, routes=routes)

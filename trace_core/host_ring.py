@@ -6,19 +6,23 @@ by side), and the host store is `[num_slots, row_bytes]`. After each forward, `A
      forward's stream (a short device-to-device copy), so the next forward may overwrite the staging buffer;
   2. on a side stream that waits for (1), copies that entry into the matching pinned host entry (async D2H) and
      records a CUDA event.
-Entries whose event has completed are scattered into the host store in submission order (`poll`), so a slot
-reused by a later forward always ends with the later rows. A full ring makes `submit` wait for the oldest copy
+Entries whose event has completed are scattered into the host store in submission order (`trace_core.drain`),
+so a slot reused by a later forward always ends with the later rows. A full ring makes `submit` wait for the oldest copy
 (a counted stall): unread rows are never overwritten. `SyncHostRing` is the same interface for CPU tensors.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from trace_core.drain import DrainQueue
 
 
 @dataclass
@@ -56,7 +60,9 @@ def _scatter(store: torch.Tensor, written: torch.Tensor, slots: torch.Tensor, ro
 
 
 class SyncHostRing:
-    """CPU path: `submit` writes the rows into the host store at once."""
+    """CPU path: `submit` writes the rows into the host store at once; jobs run at once."""
+
+    threaded = False
 
     def __init__(self, staging: torch.Tensor, store: torch.Tensor, written: torch.Tensor) -> None:
         self.staging, self.store, self.written = staging, store, written
@@ -72,6 +78,15 @@ class SyncHostRing:
         self.stats.bytes += rows * self.staging.shape[1]
         return self.stats.forwards - 1
 
+    def run_after(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` now (every submitted forward is already in the host store); its result or error in a future."""
+        future: Future = Future()
+        try:
+            future.set_result(fn())
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
     def poll(self) -> None:
         """Nothing is ever in flight on the CPU path."""
 
@@ -85,10 +100,10 @@ class SyncHostRing:
 class AsyncHostRing:
     """CUDA path: device snapshot ring + side-stream D2H into a pinned host ring (see module docstring).
 
-    With `drain_thread`, a background thread waits for the copies and scatters them into the host store, so the
-    scheduler thread spends no CPU time on it (the scatter releases the GIL); otherwise `submit`, `poll` and
-    `flush` drain completed copies on the calling thread. An error while draining (e.g. a KV slot out of range)
-    is raised by the next `submit` or `flush`.
+    The host-side work (wait for a copy, scatter it by KV slot) runs as jobs of a `DrainQueue`, in submission
+    order: on a background thread with `drain_thread` (the scheduler thread spends no CPU time on it; the scatter
+    releases the GIL), else on the calling thread in `submit`, `poll` and `flush`. An error while draining (e.g.
+    a KV slot out of range) is raised by the next `submit`, `poll` or `flush`.
     """
 
     def __init__(
@@ -105,33 +120,25 @@ class AsyncHostRing:
         self.host_slots = torch.empty(depth, max_tokens, dtype=torch.int64, pin_memory=True)
         self.side = torch.cuda.Stream(device=dev)
         self.events = [torch.cuda.Event() for _ in range(depth)]
-        self.free = deque(range(depth))
-        self.pending: deque[tuple[int, int, int]] = deque()  # (entry, rows, forward id), oldest first
+        self.queue = DrainQueue(drain_thread, "trace-record-drain")
+        self.free = deque(range(depth))  # ring entries not in flight; guarded by queue.cv
         self.stats = RingStats()
-        self._cv = threading.Condition()
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = None
-        if drain_thread:
-            self._thread = threading.Thread(target=self._drain_loop, name="trace-record-drain", daemon=True)
-            self._thread.start()
+
+    @property
+    def threaded(self) -> bool:
+        return self.queue.threaded
 
     def submit(self, start: int, slots: torch.Tensor) -> int:
         """Queue rows [start, start + len(slots)) of the staging buffer for the host store at `slots`; returns the
         forward id (0, 1, ...) that `flush(upto=...)` waits for."""
         rows = slots.shape[0]
         _check_submit(self.staging, start, rows, slots)
-        self.poll()
-        with self._cv:
-            if not self.free:
-                t0 = time.perf_counter()
-                while not self.free:
-                    if self._thread is None:
-                        self._drain_oldest()
-                    else:
-                        self._cv.wait()
-                self.stats.stalls += 1
-                self.stats.stall_s += time.perf_counter() - t0
+        self.queue.poll()
+        t0 = time.perf_counter()
+        if self.queue.wait_for(lambda: bool(self.free)):
+            self.stats.stalls += 1
+            self.stats.stall_s += time.perf_counter() - t0
+        with self.queue.cv:
             entry = self.free.popleft()
         compute = torch.cuda.current_stream(self.staging.device)
         self.dev_rows[entry, :rows].copy_(self.staging[start : start + rows])
@@ -141,85 +148,43 @@ class AsyncHostRing:
             self.host_rows[entry, :rows].copy_(self.dev_rows[entry, :rows], non_blocking=True)
             self.host_slots[entry, :rows].copy_(self.dev_slots[entry, :rows], non_blocking=True)
             self.events[entry].record(self.side)
-        with self._cv:
-            forward = self.stats.forwards
-            self.pending.append((entry, rows, forward))
-            self.stats.forwards += 1
-            self.stats.rows += rows
-            self.stats.bytes += rows * self.staging.shape[1]
-            self._cv.notify_all()
+        forward = self.stats.forwards
+        self.stats.forwards += 1
+        self.stats.rows += rows
+        self.stats.bytes += rows * self.staging.shape[1]
+        self.queue.put(lambda: self._scatter_entry(entry, rows), forward, ready=self.events[entry].query)
         return forward
 
     def _scatter_entry(self, entry: int, rows: int) -> None:
-        self.events[entry].synchronize()
-        _scatter(self.store, self.written, self.host_slots[entry, :rows], self.host_rows[entry, :rows])
-
-    def _drain_oldest(self) -> None:
-        """Calling-thread drain (caller holds the lock): wait for the oldest copy and scatter it."""
-        entry, rows, _ = self.pending[0]
         try:
-            self._scatter_entry(entry, rows)
+            self.events[entry].synchronize()
+            _scatter(self.store, self.written, self.host_slots[entry, :rows], self.host_rows[entry, :rows])
         finally:
-            self.pending.popleft()
-            self.free.append(entry)
-
-    def _drain_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self.pending and not self._closed:
-                    self._cv.wait()
-                if not self.pending:
-                    return
-                entry, rows, _ = self.pending[0]
-            try:
-                self._scatter_entry(entry, rows)
-            except BaseException as e:  # surfaced by the next submit / flush
-                with self._cv:
-                    self._error = self._error or e
-            with self._cv:
-                self.pending.popleft()
+            with self.queue.cv:
                 self.free.append(entry)
-                self._cv.notify_all()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+    def run_after(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` once every forward submitted so far is in the host store, before any later one is; on the
+        drain thread (returns at once) or, inline, now."""
+        future = self.queue.put(fn, self.stats.forwards - 1, report=False)
+        if not self.threaded:
+            self.queue.wait_for(future.done)
+        return future
 
     def poll(self) -> None:
         """Move every completed copy, oldest first, into the host store; never blocks."""
-        with self._cv:
-            self._raise_error()
-            if self._thread is None:
-                while self.pending and self.events[self.pending[0][0]].query():
-                    self._drain_oldest()
+        self.queue.poll()
 
     def flush(self, upto: int | None = None) -> None:
         """Wait until the copies of forwards up to id `upto` (default: all submitted) are in the host store; a
         counted wait if any was still in flight. Later forwards keep running: under an overlap scheduler the
         forward already launched is not waited for."""
-        self.poll()
-        with self._cv:
-
-            def needed() -> bool:
-                return bool(self.pending) and (upto is None or self.pending[0][2] <= upto)
-
-            if needed():
-                t0 = time.perf_counter()
-                while needed():
-                    if self._thread is None:
-                        self._drain_oldest()
-                    else:
-                        self._cv.wait()
-                self.stats.waits += 1
-                self.stats.wait_s += time.perf_counter() - t0
-            self._raise_error()
+        self.queue.poll()
+        t0 = time.perf_counter()
+        if self.queue.wait_upto(upto):
+            self.stats.waits += 1
+            self.stats.wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Drain what is in flight and stop the drain thread."""
-        self.flush()
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        self.queue.close()
