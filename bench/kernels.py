@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 import triton
 import triton.testing
 
 from trace_core.guided import GuidanceStats, guided_quantize
-from trace_core.kernels import guided_fake_quant, quantize_record, record_buffers, rtn_fake_quant
+from trace_core.kernels import guided_fake_quant, ops, quantize_record, record_buffers, rtn_fake_quant
 from trace_core.quant import dequantize, quantize
 from trace_core.records import Record, pack_low_bits
 
@@ -114,12 +115,43 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tune(t: int = 65536, d: int = 4096) -> None:
+    """Sweep the program tile (rows x chunk, warps) for both kernels; prints GB/s per configuration."""
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    results = []
+    for fmt, kwargs in FORMATS.items():
+        low, scales, token = record_buffers(t, d, fmt, BITS, "cuda", per_token=bool(kwargs))
+        moved = 4 * x.numel() + low.numel() + scales.numel()
+        for rows in (1, 2, 4, 8, 16):
+            for chunk in (256, 512, 1024, 2048):
+                for warps in (2, 4, 8):
+                    if rows * chunk > 16384:
+                        continue
+                    ops.LAUNCH.update(rows=rows, chunk=chunk, warps=warps)
+                    quantize_record(x, fmt, BITS, out=out, low_bits=low, scales=scales, token_scale=token, **kwargs)
+                    rec = Record(quantize(x[:1], fmt, **kwargs).fmt, BITS, d, low, scales, token)
+                    t_q = bench_ms(
+                        partial(quantize_record, x, fmt, BITS, out=out, low_bits=low, scales=scales,
+                                token_scale=token, **kwargs)
+                    )  # fmt: skip
+                    t_g = bench_ms(partial(guided_fake_quant, x, rec, BITS, stats=GuidanceStats()))
+                    results.append((fmt, rows, chunk, warps, moved / t_q / 1e6, moved / t_g / 1e6))
+    for r in sorted(results, key=lambda r: (r[0], -r[4] - r[5])):
+        fmt, rows, chunk, warps, gq, gg = r
+        print(f"{fmt:<7} rows={rows:<3} chunk={chunk:<5} warps={warps}  quant+record {gq:6.0f} GB/s, guided {gg:6.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="T in {64, 4096}, D = 4096 only")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--tune", action="store_true", help="sweep the kernels' program tile instead")
     args = parser.parse_args()
+    if args.tune:
+        tune()
+        return
     ts, ds = ((64, 4096), (4096,)) if args.quick else ((1, 64, 4096, 65536), (2048, 4096, 7168))
     compiled = {}
     if not args.no_compile:

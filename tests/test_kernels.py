@@ -46,7 +46,11 @@ def test_guided_fake_quant_matches_guided_round_with_fallback_rows():
     ours, theirs = GuidanceStats(), GuidanceStats()
     out = guided_fake_quant(x, rec, 1, has_record=has, stats=ours)
     assert torch.equal(out, ref_guided.guided_round(x, rec, 1, has_record=has, stats=theirs))
-    assert (ours.guided, ours.rtn_fallback, ours.redirected) == (theirs.guided, theirs.rtn_fallback, theirs.redirected)
+    assert (ours.guided, ours.rtn_fallback, int(ours.redirected)) == (
+        theirs.guided,
+        theirs.rtn_fallback,
+        theirs.redirected,
+    )
     assert ours.rtn_fallback == 3 * 64
 
 

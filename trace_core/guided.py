@@ -46,11 +46,12 @@ _TABLES = {b: _outer_candidate_tables(b) for b in (1, 2, 3)}
 @dataclass
 class GuidanceStats:
     """Element counts of guided-rounding calls; `rtn_fallback` counts elements rounded by RTN for want of a
-    record, `redirected` counts guided elements whose choice differs from RTN."""
+    record, `redirected` counts guided elements whose choice differs from RTN. The kernel path accumulates
+    `redirected` as a 0-d device tensor so that counting never syncs the host; `int()` reads it."""
 
     guided: int = 0
     rtn_fallback: int = 0
-    redirected: int = 0
+    redirected: int | torch.Tensor = 0
 
     def reset(self) -> None:
         self.guided = self.rtn_fallback = self.redirected = 0

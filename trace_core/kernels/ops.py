@@ -39,10 +39,14 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
     return SCALE_SCALAR if global_scale.dim() == 0 else SCALE_ROW
 
 
+LAUNCH = {"rows": 4, "chunk": 512, "warps": 4}
+"""Tile of one program: rows x chunk columns, and its warps (tuned on H200 with `bench/kernels.py --tune`)."""
+
+
 def _launch_shape(fmt: FP4Format, d: int) -> tuple[int, int, int]:
     """(rows per program, chunk columns, warps)."""
-    chunk = max(fmt.block, min(512, triton_next_pow2(d)))
-    return 4, chunk, 4
+    chunk = max(fmt.block, min(LAUNCH["chunk"], triton_next_pow2(d)))
+    return LAUNCH["rows"], chunk, LAUNCH["warps"]
 
 
 def triton_next_pow2(n: int) -> int:
@@ -276,19 +280,20 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
 
     f = get_format(fmt)
     out = torch.empty_like(x)
-    redirected = torch.zeros((), dtype=torch.int32, device=x.device)
     t, d = x.shape
     if t == 0:
-        return out, redirected
+        return out, torch.zeros((), dtype=torch.int32, device=x.device)
     rb, chunk, warps = _launch_shape(f, d)
-    k._guided_kernel[(triton.cdiv(t, rb), triton.cdiv(d, chunk))](
+    grid = (triton.cdiv(t, rb), triton.cdiv(d, chunk))
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    k._guided_kernel[grid](
         x,
         out,
         low_bits,
         scales,
         global_scale if global_scale is not None else _dummy(x, torch.float32),
         has_record if has_record is not None else _dummy(x, torch.bool),
-        redirected,
+        partial,
         t,
         d,
         x.stride(0),
@@ -305,7 +310,7 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         C=chunk,
         num_warps=warps,
     )
-    return out, redirected
+    return out, partial.sum(dtype=torch.int32)
 
 
 @_guided_op.register_kernel("cuda")
@@ -370,7 +375,7 @@ def guided_fake_quant(
             out = out.index_copy(0, missing, _fallback_rtn(x[missing], record.fmt, gs))
     stats.guided += x.numel() - fallback
     stats.rtn_fallback += fallback
-    stats.redirected += int(redirected)
+    stats.redirected += redirected  # a device tensor: no host sync until the count is read
     return out
 
 
@@ -382,4 +387,3 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     low, scales, _ = record_buffers(w.shape[0], w.shape[1], "nvfp4", 4, w.device)
     quantize_record(w.contiguous(), "nvfp4", 4, global_scale=gs, low_bits=low, scales=scales)
     return low, scales, gs
-

@@ -292,4 +292,7 @@ def _guided_kernel(
     if HAS_MASK:
         counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None]
     redirected = tl.where(tl.reshape(counted, (RB, NB, BLOCK)), (k != rtn).to(tl.int32), 0)
-    tl.atomic_add(redirect_ptr, tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0))
+    # one partial count per program (a single atomic counter would serialize every program on one address)
+    tl.store(
+        redirect_ptr + pid_r * tl.num_programs(1) + pid_c, tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0)
+    )
