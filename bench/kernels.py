@@ -123,9 +123,9 @@ def tune(t: int = 65536, d: int = 4096) -> None:
     for fmt, kwargs in FORMATS.items():
         low, scales, token = record_buffers(t, d, fmt, BITS, "cuda", per_token=bool(kwargs))
         moved = 4 * x.numel() + low.numel() + scales.numel()
-        for rows in (1, 2, 4, 8, 16):
-            for chunk in (256, 512, 1024, 2048):
-                for warps in (2, 4, 8):
+        for rows in (1, 2, 4, 8):
+            for chunk in (512, 1024, 2048):
+                for warps in (4, 8):
                     if rows * chunk > 16384:
                         continue
                     ops.LAUNCH.update(rows=rows, chunk=chunk, warps=warps)
