@@ -166,7 +166,19 @@ def bench_d2h(args, device: torch.device, tokens: int) -> dict:
 
     plain_bps = statistics.median(rate(plain, lambda: sync(device)) for _ in range(args.repeats))
     ring_bps = statistics.median(rate(ring, cap.flush) for _ in range(args.repeats))
-    return {"bytes_per_forward": nbytes, "pinned_copy_GBps": plain_bps / 1e9, "ring_GBps": ring_bps / 1e9}
+    request = torch.randperm(4 * tokens)[:tokens] + 1  # a finished request's slots, scattered over the store
+    gather_s = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        cap.gather(request, tokens)
+        gather_s.append(time.perf_counter() - t0)
+    cap.close()
+    return {
+        "bytes_per_forward": nbytes,
+        "pinned_copy_GBps": plain_bps / 1e9,
+        "ring_GBps": ring_bps / 1e9,
+        "gather_ms": statistics.median(gather_s) * 1e3,
+    }
 
 
 def _write_raw(directory: Path, blobs: list[bytes]) -> float:
@@ -240,6 +252,10 @@ def table(result: dict) -> str:
         rows.append(
             f"| D2H ring ({d['bytes_per_forward'] / 1e6:.1f} MB/forward) | {d['ring_GBps']:.2f} GB/s | "
             f"{d['pinned_copy_GBps']:.2f} GB/s pinned copy | {d['ring_GBps'] / d['pinned_copy_GBps']:.2f} |"
+        )
+        rows.append(
+            f"| gather of a finished {result['config']['prefill']}-token request (host copy; `gather_async` moves it "
+            f"to the drain thread) | {d['gather_ms']:.2f} ms | | |"
         )
     if s := result.get("store"):
         for op in ("write", "read"):

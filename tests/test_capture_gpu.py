@@ -12,7 +12,7 @@ from trace_core.records import Record
 
 pytestmark = pytest.mark.gpu
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: makes the side stream (the copy consumer) slow
+SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of GPU time: makes the side stream (the copy consumer) slow
 
 
 class CudaDriver(Driver):
