@@ -169,6 +169,14 @@ def test_a_flipped_byte_inside_any_frame_fails_the_load_that_needs_it(tmp_path, 
         reader.load([("t", 0, 64)])
 
 
+def test_a_shard_removed_under_an_open_reader_is_named(tmp_path):
+    shard = StepWriter(tmp_path, 2).write({"t": trajectory(4, 5)})
+    reader = RecordReader(tmp_path, 2)
+    shard.unlink()
+    with pytest.raises(StoreError, match=f"shard {shard}, trajectory 't', .*cannot read the shard"):
+        reader.load([("t", 0, 5)])
+
+
 def test_duplicate_trajectory_across_shards_names_both(tmp_path):
     a = StepWriter(tmp_path, 0, writer_id="w0").write({"x": trajectory(1, 3)})
     b = StepWriter(tmp_path, 0, writer_id="w1").write({"x": trajectory(2, 3)})

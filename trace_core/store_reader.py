@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,9 +39,7 @@ from trace_core.store import (
 )
 
 POLICIES = ("error", "rtn")
-_DTYPES = {"low_bits": (torch.uint8, np.uint8), "scales": (torch.uint8, np.uint8)}
-_DTYPES["global_scale"] = (torch.float32, np.float32)
-_DTYPES[ROUTES] = (torch.int32, np.int32)
+_DTYPES = {"low_bits": np.uint8, "scales": np.uint8, "global_scale": np.float32, ROUTES: np.int32}
 
 
 @dataclass
@@ -123,7 +120,8 @@ class _LRU:
 
 
 class RecordReader:
-    """Reads one step's records for training micro-batches (see module docstring)."""
+    """Reads one step's records for training micro-batches (see module docstring). Not thread-safe: use one reader
+    per loader thread or process."""
 
     def __init__(
         self,
@@ -145,7 +143,6 @@ class RecordReader:
         self._cache = _LRU(cache_bytes)
         self._headers: dict[str, dict] = {}
         self._dctx = zstandard.ZstdDecompressor()
-        self._lock = threading.Lock()
         self.index = self._load_index()
 
     def _load_index(self) -> dict[str, str]:
@@ -179,19 +176,21 @@ class RecordReader:
         return shard, entry
 
     def _frame(self, shard: str, traj: str, name: str, kind: str, meta: dict) -> np.ndarray:
-        """One decompressed frame as a flat numpy array, checked against its CRC-32 and raw length."""
+        """One decompressed frame as a flat numpy array, checked against its checksum and raw length."""
         key = (shard, traj, name, kind)
-        with self._lock:
-            arr = self._cache.get(key)
-            if arr is not None:
-                self.stats.cache_hits += 1
-                return arr
+        arr = self._cache.get(key)
+        if arr is not None:
+            self.stats.cache_hits += 1
+            return arr
         path = self.dir / shard
         start = self._header(shard)["data_start"] + meta["offset"]
         where = f"shard {path}, trajectory {traj!r}, {name} {kind}"
-        with open(path, "rb") as f:
-            f.seek(start)
-            frame = f.read(meta["length"])
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                frame = f.read(meta["length"])
+        except OSError as e:
+            raise StoreError(f"{where}: cannot read the shard ({e})") from e
         if len(frame) != meta["length"]:
             raise CorruptShardError(f"{where}: truncated ({len(frame)} of {meta['length']} bytes)")
         try:
@@ -200,12 +199,11 @@ class RecordReader:
             raise CorruptShardError(f"{where}: corrupt frame, fails its checksum or does not decode ({e})") from e
         if len(raw) != meta["raw"]:
             raise CorruptShardError(f"{where}: decodes to {len(raw)} bytes, header says {meta['raw']}")
-        arr = np.frombuffer(raw, dtype=_DTYPES[kind][1])
-        with self._lock:
-            self.stats.frames_read += 1
-            self.stats.disk_bytes += len(frame)
-            self.stats.raw_bytes += len(raw)
-            self._cache.put(key, arr)
+        arr = np.frombuffer(raw, dtype=_DTYPES[kind])
+        self.stats.frames_read += 1
+        self.stats.disk_bytes += len(frame)
+        self.stats.raw_bytes += len(raw)
+        self._cache.put(key, arr)
         return arr
 
     def load(self, batch: Sequence[tuple[str | int, int, int]], *, pad_to: int | None = None) -> MicroBatchRecords:
