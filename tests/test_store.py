@@ -171,10 +171,14 @@ def test_a_flipped_byte_inside_any_frame_fails_the_load_that_needs_it(tmp_path, 
 
 def test_a_shard_removed_under_an_open_reader_is_named(tmp_path):
     shard = StepWriter(tmp_path, 2).write({"t": trajectory(4, 5)})
-    reader = RecordReader(tmp_path, 2)
+    fresh = RecordReader(tmp_path, 2)
+    warm = RecordReader(tmp_path, 2, cache_bytes=0)
+    warm.load([("t", 0, 5)])  # header parsed, no frame cached
     shard.unlink()
+    with pytest.raises(StoreError, match=f"cannot read shard {shard}"):
+        fresh.load([("t", 0, 5)])
     with pytest.raises(StoreError, match=f"shard {shard}, trajectory 't', .*cannot read the shard"):
-        reader.load([("t", 0, 5)])
+        warm.load([("t", 0, 5)])
 
 
 def test_duplicate_trajectory_across_shards_names_both(tmp_path):
