@@ -161,9 +161,25 @@ def test_static_scale_is_repeated_per_row_and_kernels_may_write_views_directly()
 def test_a_site_that_was_not_staged_fails_the_forward_loudly():
     cap = make(routes=None)
     cap.stage_quantized((1, "moe_in"), quantize_rows("nvfp4", torch.randn(2, 64)))
-    with pytest.raises(ValueError, match=r"without staging \[\(2, 'k'\), \(2, 'v'\), \(3, 'moe_in'\)\]"):
+    with pytest.raises(ValueError, match=r"rows \[0, 2\) but \[\(3, 'moe_in'\), \(2, 'k'\), \(2, 'v'\)\]"):
         cap.on_forward_end(torch.tensor([1, 2]))
-    assert cap.stats.forwards == 0 and not cap.written.any()
+    Driver(cap).forward([(1, 1), (2, 2)])
+    cap.stage_quantized((1, "moe_in"), quantize_rows("nvfp4", torch.randn(3, 64)))  # every site short of rows [1, 4)
+    for site in [(3, "moe_in"), (2, "k"), (2, "v")]:
+        cap.stage_quantized(site, quantize_rows(cap.layouts[site][0], torch.randn(2, 64)))
+    with pytest.raises(ValueError, match=r"rows \[1, 4\) but .* staged \[3, 2, 2, 2\] rows"):
+        cap.on_forward_end(torch.tensor([5, 6, 7]), row_start=1)
+    assert cap.stats.forwards == 1 and cap.written.sum() == 2
+
+
+def test_row_start_selects_this_ranks_rows_of_the_staging_buffer():
+    cap = make(routes=None)
+    drv = Driver(cap)
+    seeds = [40, 41, 42, 43, 44]  # 5 rows staged (all DP ranks' tokens); this rank owns rows 2..4
+    for site, (fmt_name, _, n) in cap.layouts.items():
+        cap.stage_quantized(site, quantize_rows(fmt_name, site_rows(site, seeds, n)))
+    cap.on_forward_end(torch.tensor([30, 31, 32]), row_start=2)
+    assert_same(cap.gather(torch.tensor([30, 31, 32]), 3), drv.expected(seeds[2:]))
 
 
 def test_bad_inputs_are_named():

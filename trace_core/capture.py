@@ -4,13 +4,14 @@ Follows SGLang's routed-experts capturer (row-indexed static GPU buffer written 
 indexed by KV slot, gather through the request's slots at finish), made asynchronous (DESIGN §3):
   * every captured site writes its record rows (packed low code bits, block scale bytes and, for nvfp4, the FP32
     token scale) into views of one staging buffer `[max_tokens, row_bytes]` allocated once: fixed addresses, a
-    `copy_` per write, so writes are CUDA-graph safe (`stage`, or a kernel writing into `site_buffers` directly);
+    `copy_` per write, so writes are CUDA-graph safe (`stage`, or a kernel writing into `staging_rows` directly);
     R3 routes `[tokens, route_layers, topk]` int32 live in the same rows;
   * `on_forward_end(out_cache_loc)` hands rows [0, T) to the host ring (`trace_core.host_ring`), which lands them
     in the host store at row `out_cache_loc[i]`;
-  * `gather(slots, length)` returns the request's `TrajectoryRecords` for positions [0, length) from the slots of
-    its `req_to_token` row. Prefix-cache hits, chunked prefill and retraction need nothing special: a slot holds
-    whatever the last forward that wrote it computed.
+  * `gather(slots, length)` (or `gather_async`, which copies on the drain thread) returns the request's
+    `TrajectoryRecords` for positions [0, length) from the slots of its `req_to_token` row. Prefix-cache hits,
+    chunked prefill and retraction need nothing special: a slot holds whatever the last forward that wrote it
+    computed.
 One scheduler thread drives a capturer; it is not thread-safe.
 """
 
@@ -128,7 +129,7 @@ class RecordCapturer:
             self.ring = SyncHostRing(self.staging, self.host, self.written)
         else:
             raise ValueError(f"capture runs on CUDA or CPU, got device {self.device}")
-        self._staged: set[Site | int] = set()
+        self._staged: dict[Site | int, int] = {}  # site or route layer -> rows staged in this forward
 
     @property
     def stats(self) -> RingStats:
@@ -155,7 +156,7 @@ class RecordCapturer:
         if not 0 <= rows <= self.max_tokens:
             raise ValueError(f"site {site}: {rows} rows outside [0, max_tokens={self.max_tokens}]")
         buf = self.site_buffers(site)
-        self._staged.add(site)
+        self._staged[site] = rows
         gs = None if buf.global_scale is None else buf.global_scale[:rows]
         return SiteBuffers(low_bits=buf.low_bits[:rows], scales=buf.scales[:rows], global_scale=gs)
 
@@ -178,15 +179,15 @@ class RecordCapturer:
             if src.dtype != torch.uint8 or tuple(src.shape) != (rows, dst.shape[1]):
                 want = f"uint8 [{rows}, {dst.shape[1]}]"
                 raise ValueError(f"site {site}: {name} must be {want}, got {src.dtype} {tuple(src.shape)}")
-        buf.low_bits[:rows].copy_(low_bits)
-        buf.scales[:rows].copy_(scales)
         if (global_scale is None) != (buf.global_scale is None):
             raise ValueError(f"site {site}: global_scale presence must match the format {self.layouts[site][0]}")
+        if global_scale is not None and global_scale.dim() and tuple(global_scale.shape) != (rows, 1):
+            raise ValueError(f"site {site}: global_scale must be 0-d or [{rows}, 1], got {global_scale.shape}")
+        buf.low_bits[:rows].copy_(low_bits)
+        buf.scales[:rows].copy_(scales)
         if global_scale is not None:
-            if global_scale.dim() and tuple(global_scale.shape) != (rows, 1):
-                raise ValueError(f"site {site}: global_scale must be 0-d or [{rows}, 1], got {global_scale.shape}")
             buf.global_scale[:rows].copy_(global_scale.expand(rows, 1))
-        self._staged.add(site)
+        self._staged[site] = rows
 
     def stage_quantized(self, site: Site, q: Quantized) -> None:
         """Reference path: stage a `Quantized` `[T, n]` from `trace_core.quant.quantize` (packs its low bits)."""
@@ -206,23 +207,26 @@ class RecordCapturer:
         if topk_ids.shape[0] > self.max_tokens:
             raise ValueError(f"routes: {topk_ids.shape[0]} rows exceed max_tokens={self.max_tokens}")
         buf[: topk_ids.shape[0], layer].copy_(topk_ids)
-        self._staged.add(layer)
+        self._staged[layer] = topk_ids.shape[0]
 
     def on_forward_end(self, out_cache_loc: torch.Tensor, *, row_start: int = 0, graph_replay: bool = False) -> int:
         """Send staging rows [row_start, row_start + T) to the host store at KV slots `out_cache_loc` `[T]`;
-        returns the forward id (0, 1, ...) to pass as `after_forward` to `gather` / `release`.
+        returns the forward id (0, 1, ...) to pass as `after_forward` to `gather` / `flush`.
 
-        In eager mode every captured site and route layer must have been staged since the last call (a hook that
-        did not fire would otherwise ship stale rows); pass `graph_replay=True` after replaying a CUDA graph,
-        whose staging writes run without Python.
+        In eager mode every captured site and route layer must have staged at least row_start + T rows since the
+        last call (a hook that did not fire would otherwise ship stale rows); pass `graph_replay=True` after
+        replaying a CUDA graph, whose staging writes run without Python.
         """
+        staged, self._staged = self._staged, {}
         if not graph_replay:
-            expected = set(self.layouts) | set(range(self.routes_shape[0] if self.routes_shape else 0))
-            missing = expected - self._staged
-            if missing:
-                self._staged.clear()
-                raise ValueError(f"forward ended without staging {sorted(missing, key=str)}; nothing was captured")
-        self._staged.clear()
+            need = row_start + out_cache_loc.shape[0]
+            expected = list(self.layouts) + list(range(self.routes_shape[0] if self.routes_shape else 0))
+            short = [key for key in expected if staged.get(key, 0) < need]
+            if short:
+                raise ValueError(
+                    f"forward ended with rows [{row_start}, {need}) but {short} (site, or route layer) staged "
+                    f"{[staged.get(k, 0) for k in short]} rows; nothing was captured"
+                )
         return self.ring.submit(row_start, out_cache_loc)
 
     def poll(self) -> None:
