@@ -200,6 +200,10 @@ def test_bad_inputs_are_named():
         cap.gather(torch.tensor([1, 2]), 5)
     with pytest.raises(ValueError, match="slots out of range"):
         cap.gather(torch.tensor([1, 64]), 2)
+    with pytest.raises(ValueError, match=r"slots out of range \[0, 64\): min -1"):
+        cap.release(torch.tensor([-1, 3]))
+    with pytest.raises(ValueError, match="slots must be a 1-D int tensor"):
+        cap.gather_async(torch.tensor([[1, 2]]), 2)
 
 
 def test_out_of_range_out_cache_loc_is_rejected_and_nothing_is_written():

@@ -17,7 +17,7 @@ One scheduler thread drives a capturer; it is not thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -245,38 +245,59 @@ class RecordCapturer:
         """Mark KV slots freed (the slots handed back to the KV allocator, not those the prefix cache keeps) so a
         gather through them before they are written again fails instead of returning another request's records.
         Ordered after every forward submitted so far; does not wait on the CUDA path with a drain thread."""
-        idx = self._host_slots(slots, slots.shape[0] if slots.dim() == 1 else -1)
+        resolve = self._slot_index(slots, slots.shape[0] if slots.dim() == 1 else -1)
 
         def clear() -> None:
-            self.written[idx] = False
+            self.written[resolve()] = False
 
-        self.ring.run_after(clear)
+        self.ring.run_after(clear, report=True)
 
-    def _host_slots(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+    def _slot_index(self, slots: torch.Tensor, length: int) -> Callable[[], torch.Tensor]:
+        """Check `slots[:length]` and start moving it to the host; the returned function waits for the move and
+        returns the int64 CPU index. A CUDA tensor is copied on the current stream into pinned memory, so only the
+        function's caller (the drain thread, for `gather_async`) waits for that stream."""
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
         if not 0 <= length <= slots.shape[0]:
             raise ValueError(f"length {length} is outside [0, {slots.shape[0]}] request slots")
-        idx = slots[:length].to("cpu", torch.long)
-        if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
-            raise ValueError(f"slots out of range [0, {self.num_slots}): min {int(idx.min())}, max {int(idx.max())}")
-        return idx
+        if slots.device.type == "cuda":
+            host = torch.empty(length, dtype=slots.dtype, pin_memory=True)
+            host.copy_(slots[:length], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = slots[:length], None
+
+        def resolve() -> torch.Tensor:
+            if copied is not None:
+                copied.synchronize()
+            idx = host.long()
+            if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
+                lo, hi = int(idx.min()), int(idx.max())
+                raise ValueError(f"slots out of range [0, {self.num_slots}): min {lo}, max {hi}")
+            return idx
+
+        if copied is None:
+            resolve()  # CPU slots: bad input fails here, on the caller's thread
+        return resolve
 
     def gather(self, slots: torch.Tensor, length: int, after_forward: int | None = None) -> TrajectoryRecords:
         """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`.
 
         `after_forward`: id of the last forward that wrote the request's rows (the batch whose results are being
         processed). Only copies up to it are waited for, so a forward already launched by an overlap scheduler is
-        not; default: wait for every submitted forward."""
-        idx = self._host_slots(slots, length)
+        not; default: wait for every submitted forward. Pass `slots` on the CPU to avoid waiting for the current
+        CUDA stream."""
+        idx = self._slot_index(slots, length)()
         self.flush(after_forward)
         return self._read(idx)
 
     def gather_async(self, slots: torch.Tensor, length: int) -> Future:
-        """`gather` as a future: the copy out of the host store runs on the drain thread, after every forward
-        submitted so far, so the scheduler thread neither waits nor copies (at once on the other paths)."""
-        idx = self._host_slots(slots, length)
-        return self.ring.run_after(lambda: self._read(idx))
+        """`gather` as a future: the slot transfer and the copy out of the host store run on the drain thread,
+        after every forward submitted so far, so the scheduler thread neither waits nor copies (at once on the
+        other paths)."""
+        resolve = self._slot_index(slots, length)
+        return self.ring.run_after(lambda: self._read(resolve()))
 
     def _read(self, idx: torch.Tensor) -> TrajectoryRecords:
         """The records of host-store rows `idx`, as views of one gathered copy."""

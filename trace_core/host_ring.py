@@ -78,13 +78,16 @@ class SyncHostRing:
         self.stats.bytes += rows * self.staging.shape[1]
         return self.stats.forwards - 1
 
-    def run_after(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` now (every submitted forward is already in the host store); its result or error in a future."""
+    def run_after(self, fn: Callable[[], Any], report: bool = False) -> Future:
+        """Run `fn` now (every submitted forward is already in the host store); its result or error in a future.
+        With `report`, an error is raised here too."""
         future: Future = Future()
         try:
             future.set_result(fn())
         except Exception as e:
             future.set_exception(e)
+            if report:
+                raise
         return future
 
     def poll(self) -> None:
@@ -163,10 +166,11 @@ class AsyncHostRing:
             with self.queue.cv:
                 self.free.append(entry)
 
-    def run_after(self, fn: Callable[[], Any]) -> Future:
+    def run_after(self, fn: Callable[[], Any], report: bool = False) -> Future:
         """Run `fn` once every forward submitted so far is in the host store, before any later one is; on the
-        drain thread (returns at once) or, inline, now."""
-        future = self.queue.put(fn, self.stats.forwards - 1, report=False)
+        drain thread (returns at once) or, inline, now. With `report`, an error is also raised by the next
+        `submit`, `poll` or `flush` (or here, inline)."""
+        future = self.queue.put(fn, self.stats.forwards - 1, report=report)
         if not self.threaded:
             self.queue.wait_for(future.done)
         return future
