@@ -113,6 +113,10 @@ def test_layout_mismatch_and_bad_ranges_are_named(tmp_path):
     reader = RecordReader(tmp_path, 0)
     with pytest.raises(StoreError, match=r"site 1.moe_in: \(format, bits, width\) \('nvfp4', 2, 64\) differs"):
         reader.load([("a", 0, 6), ("b", 0, 6)])
+    expect_b2 = RecordReader(tmp_path, 0, layout={(1, "moe_in"): ("nvfp4", 2, 64)})
+    with pytest.raises(StoreError, match=r"site 1.moe_in: .* \('nvfp4', 1, 64\) differs from \('nvfp4', 2, 64\)"):
+        expect_b2.load([("a", 0, 6)])
+    assert set(expect_b2.load([("b", 0, 6)]).records) == {(1, "moe_in")}  # sites outside the layout are skipped
     with pytest.raises(ValueError, match=r"trajectory 'a' has 6 recorded tokens; range \[2, 9\) exceeds it"):
         reader.load([("a", 2, 9)])
     with pytest.raises(ValueError, match="pad_to=3 is shorter"):
