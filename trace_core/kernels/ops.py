@@ -39,7 +39,7 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
     return SCALE_SCALAR if global_scale.dim() == 0 else SCALE_ROW
 
 
-LAUNCH = {"rows": 4, "chunk": 512, "warps": 4}
+LAUNCH = {"rows": 1, "chunk": 2048, "warps": 4}
 """Tile of one program: rows x chunk columns, and its warps (tuned on H200 with `bench/kernels.py --tune`)."""
 
 
