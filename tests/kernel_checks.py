@@ -39,6 +39,15 @@ def scale_kwargs(mode: str, x: torch.Tensor) -> dict:
     return {}
 
 
+def _strided_record_buffers(t, d, fmt, bits, device, per_token):
+    """Record buffers as views into wider rows, like a staging buffer that holds several sites per token."""
+    low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
+    wide = [torch.zeros(t, b.shape[1] + 3, dtype=b.dtype, device=device)[:, 1 : 1 + b.shape[1]] for b in (low, scales)]
+    if token is not None:
+        token = torch.zeros(t, 3, dtype=torch.float32, device=device)[:, 1:2]
+    return wide[0], wide[1], token
+
+
 def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int, mode: str, device: str, quantize_fn):
     """quantize-and-record (and the no-record variant) equal the reference bit for bit."""
     fmt = get_format(fmt)
@@ -48,7 +57,7 @@ def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int
     per_token = mode == "per_token"
     gs = kwargs.get("global_scale")
     out = torch.full_like(x, float("nan"))
-    low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
+    low, scales, token = _strided_record_buffers(t, d, fmt, bits, device, per_token)
     quantize_fn(x, fmt, bits, gs, per_token, out, low, scales, token)
     assert torch.equal(out, dequantize(q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}: output differs"
     assert torch.equal(low, pack_low_bits(q.codes, bits)), f"{fmt.name} {dtype} {mode} b={bits}: record bits differ"

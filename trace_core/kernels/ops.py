@@ -83,6 +83,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         out.stride(0) if out is not None else 0,
         low_bits.stride(0) if record else 0,
         scales.stride(0) if record else 0,
+        token_scale.stride(0) if token_scale is not None else 0,
         per_prog,
         FMT=FORMAT_IDS[fmt.name],
         SCALE_MODE=mode,
@@ -365,7 +366,14 @@ def guided_fake_quant(
     gs = record.global_scale
     gs = gs.to(torch.float32).contiguous() if gs is not None else None
     out, redirected = _guided_op(
-        x.contiguous(), record.fmt.name, bits, record.bits, record.low_bits, record.scales, gs, has_record
+        x.contiguous(),
+        record.fmt.name,
+        bits,
+        record.bits,
+        record.low_bits,
+        record.scales,
+        gs,
+        has_record.contiguous() if has_record is not None else None,
     )
     fallback = 0
     if has_record is not None:

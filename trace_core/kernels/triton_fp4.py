@@ -173,7 +173,7 @@ def _block_scales(amax_blk, s_enc, FMT: tl.constexpr):
 @triton.jit
 def _quantize_record_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
-    T, D, x_stride, out_stride, rec_stride, scale_stride, chunks_per_prog,
+    T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
     BLOCK: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
 ):  # fmt: skip
@@ -194,7 +194,7 @@ def _quantize_record_kernel(
             amax_row = tl.maximum(amax_row, tl.max(tl.abs(x), axis=1))
         s_enc = tl.where(amax_row > 0, tl.minimum(tl.math.div_rn(2688.0, amax_row), FLT_MAX), 1.0)
         if BITS > 0:
-            tl.store(tok_ptr + rows, s_enc, mask=row_mask)
+            tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
         s_enc = s_enc[:, None]
     elif SCALE_MODE == SCALE_ROW:
         s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
