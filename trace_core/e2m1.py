@@ -30,23 +30,19 @@ def round_magnitude(a: torch.Tensor, rounding: Rounding) -> torch.Tensor:
 
     NEAREST_EVEN sends a tie to the even index (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4), as `cvt.rn.satfinite`;
     TIES_UP sends it to the larger magnitude, as SGLang's KV quantizer `sum(|x| >= bounds)`.
+    The index is the number of bounds below `a`: strictly below for a bound whose lower neighbour is even under
+    NEAREST_EVEN (so the tie stays there), at or below otherwise.
     """
-    k = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
-    for j, bound in enumerate(BOUNDS):
-        lower_is_even = j % 2 == 0
-        if rounding is Rounding.NEAREST_EVEN and lower_is_even:
-            k += a > bound
-        else:
-            k += a >= bound
-    return k
+    bounds = _table(BOUNDS, a.device)
+    if rounding is Rounding.TIES_UP:
+        return torch.bucketize(a, bounds, right=True)
+    even_lower, odd_lower = bounds[0::2].contiguous(), bounds[1::2].contiguous()
+    return torch.bucketize(a, even_lower, right=False) + torch.bucketize(a, odd_lower, right=True)
 
 
 def floor_index(a: torch.Tensor) -> torch.Tensor:
     """Index of the largest E2M1 magnitude `<= a` (a >= 0), as int64."""
-    k = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
-    for m in MAGNITUDES[1:]:
-        k += a >= m
-    return k
+    return torch.bucketize(a, _table(MAGNITUDES[1:], a.device), right=True)
 
 
 def magnitudes(k: torch.Tensor) -> torch.Tensor:
