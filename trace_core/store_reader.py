@@ -236,10 +236,10 @@ class RecordReader:
                 shard = entry[0]
                 rows = end - start
                 fields = meta["fields"]
-                low[i, :rows] = self._rows(shard, traj, site, "low_bits", fields, start, end, low.shape[-1])
-                scales[i, :rows] = self._rows(shard, traj, site, "scales", fields, start, end, scales.shape[-1])
+                self._rows(shard, traj, site, "low_bits", fields, start, end, low[i, :rows])
+                self._rows(shard, traj, site, "scales", fields, start, end, scales[i, :rows])
                 if gs is not None:
-                    gs[i, :rows, 0] = self._rows(shard, traj, site, "global_scale", fields, start, end, 1)[:, 0]
+                    self._rows(shard, traj, site, "global_scale", fields, start, end, gs[i, :rows])
                 mask[i, :rows] = True
                 self.stats.rows += rows
             records[site] = Record(fmt=fmt, bits=bits, n=n, low_bits=low, scales=scales, global_scale=gs)
@@ -280,13 +280,15 @@ class RecordReader:
                     raise StoreError(f"{where}: (format, bits, width) {found} differs from {layout[site]} expected")
         return dict(sorted(layout.items()))
 
-    def _rows(self, shard: str, traj: str, site: Site, kind: str, fields: dict, start: int, end: int, width: int):
+    def _rows(self, shard: str, traj: str, site: Site, kind: str, fields: dict, start: int, end: int, out):
+        """Copy rows [start, end) of one field into `out` (a `[rows, width]` tensor view), one copy, no temporary."""
         if kind not in fields:
             raise CorruptShardError(f"shard {self.dir / shard}, trajectory {traj!r}, site {site_key(site)}: no {kind}")
         arr = self._frame(shard, traj, site_key(site), kind, fields[kind])
+        width = out.shape[-1]
         if arr.size % width:
             raise CorruptShardError(f"shard {self.dir / shard}, trajectory {traj!r}, site {site_key(site)}: bad {kind}")
-        return torch.from_numpy(arr.reshape(-1, width)[start:end].copy())
+        out.numpy()[...] = arr.reshape(-1, width)[start:end]
 
     def _routes(self, batch, entries, t: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         b = len(batch)
