@@ -1,0 +1,112 @@
+"""Typed RL configuration: defaults, a JSON or TOML file, then `key=value` command-line overrides, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("bf16", "qat", "trace")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """One RL run on the embedded engine.
+
+    mode: bf16 (BF16 rollout + BF16 trainer), qat (FP4 rollout + RTN QAT) or trace (FP4 rollout + guided QAT).
+    prompts_per_step x group_size trajectories per step; GRPO normalizes rewards within each group.
+    async_lag: rollout batches generated ahead of the trainer (0 = synchronous); each trained batch is at most
+    `max_version_diff` policy versions old, enforced by the trainer. With async_lag > 0 the train / rollout
+    log-prob metrics include the policy change since the rollout, not only the engine mismatch.
+    """
+
+    mode: str = "trace"
+    model_dir: str = "runs/tiny-model"
+    out_dir: str = "runs/rl"
+    steps: int = 25
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    lr: float = 2e-4
+    record_bits: int = 1
+    record_all_layers: bool = False
+    max_version_diff: int = 3
+    async_lag: int = 0
+    rollout_workers: int = 2
+    max_restarts: int = 3
+    checkpoint_every: int = 5
+    keep_record_steps: int = 4
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.mode not in MODES:
+            errors.append(f"mode={self.mode!r} is not one of {MODES}")
+        positive = ("steps", "prompts_per_step", "max_new_tokens", "rollout_workers", "checkpoint_every")
+        errors += [f"{k}={getattr(self, k)} must be >= 1" for k in positive if getattr(self, k) < 1]
+        if self.group_size < 2:
+            errors.append(f"group_size={self.group_size} must be >= 2 (GRPO normalizes within a group)")
+        if not 1 <= self.record_bits <= 4:
+            errors.append(f"record_bits={self.record_bits} must be in 1..4")
+        if self.temperature <= 0 or self.lr <= 0:
+            errors.append(f"temperature={self.temperature} and lr={self.lr} must be > 0")
+        if self.max_version_diff < 0 or self.async_lag < 0 or self.max_restarts < 0:
+            errors.append("max_version_diff, async_lag and max_restarts must be >= 0")
+        if self.async_lag > self.max_version_diff:
+            errors.append(f"async_lag={self.async_lag} exceeds max_version_diff={self.max_version_diff}")
+        if self.keep_record_steps < self.async_lag + 1:
+            errors.append(f"keep_record_steps={self.keep_record_steps} must hold the async_lag + 1 pending steps")
+        if self.device not in ("cpu", "cuda"):
+            errors.append(f"device={self.device!r} must be cpu or cuda")
+        if errors:
+            raise ConfigError("invalid RL config: " + "; ".join(errors))
+
+    def replace(self, **changes: Any) -> RLConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    if isinstance(value, str) and kind is not str:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(f"{name}={value!r} is not a boolean")
+            return value.lower() in ("true", "1")
+        try:
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a {kind.__name__}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name}={value!r} must be a {kind.__name__}")
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:
+    """Defaults, then the file (`.json` or `.toml`), then `key=value` overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        text = path.read_text()
+        values = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must be key=value")
+        values[key.strip()] = value.strip()
+    types = {f.name: type(f.default) for f in dataclasses.fields(RLConfig)}
+    unknown = sorted(set(values) - set(types))
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}; known: {sorted(types)}")
+    return RLConfig(**{k: _coerce(k, v, types[k]) for k, v in values.items()})

@@ -1,0 +1,223 @@
+"""Embedded reference engine: transformers `Qwen3MoeForCausalLM` in BF16 with the FP4 numerics of the SGLang side.
+
+FP4 mode (DESIGN §4, emulated NVFP4 W4A4 + FP4 KV):
+- routed-expert weights are quantize-dequantized to NVFP4 (one global scale per expert matrix, gate and up as one
+  FC1 matrix) at load and at every weight update;
+- the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes the
+  record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets NVFP4 RTN;
+- K (after QK-norm and RoPE) and V are quantize-dequantized to `kv_fp4` as they enter the KV cache, with records
+  of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
+Both modes stage every MoE layer's top-k routes for R3. Generation is batched with a KV cache; prompts share one
+length, so token (b, position p) lives in KV slot `b * max_len + p` of the capturer's host store.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, Qwen3MoeForCausalLM
+
+from trace_core.capture import RecordCapturer
+from trace_core.formats import KV_FP4, NVFP4
+from trace_core.kernels import quantize_record, rtn_fake_quant
+from trace_core.records import ModelShape, RecordSpec
+from trace_core.store import TrajectoryRecords
+
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class WorkerDied(RuntimeError):
+    """The rollout worker was killed while generating."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled response: `tokens` = prompt + response `[L]`, rollout log-probs of the response tokens `[R]`."""
+
+    tokens: torch.Tensor
+    prompt_len: int
+    logprobs: torch.Tensor
+    records: TrajectoryRecords | None  # None once the records live only in the store
+
+    @property
+    def response(self) -> torch.Tensor:
+        return self.tokens[self.prompt_len :]
+
+
+class _FP4Cache(DynamicCache):
+    """A DynamicCache whose `update` passes K and V through the engine's KV site first."""
+
+    def __init__(self, site: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], config):
+        super().__init__(config=config)
+        self._site = site
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        key_states, value_states = self._site(layer_idx, key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+
+class EmbeddedEngine:
+    """Batched sampling with records and routes. `fp4=False` is the BF16 rollout (routes only)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        fp4: bool,
+        spec: RecordSpec,
+        max_batch: int,
+        max_len: int,
+        device: str = "cpu",
+    ):
+        self.model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+        c = self.model.config
+        self.fp4, self.device, self.max_len, self.max_batch = fp4, torch.device(device), max_len, max_batch
+        self.spec = spec if fp4 else RecordSpec(bits=spec.bits)
+        shape = ModelShape(hidden=c.hidden_size, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        self.capturer = RecordCapturer(
+            self.spec,
+            shape,
+            max_tokens=max_batch * max_len,
+            num_slots=max_batch * max_len,
+            routes=(c.num_hidden_layers, c.num_experts_per_tok),
+            device=device,
+        )
+        self.captured = set(self.spec.sites())
+        self.version = 0
+        self.alive = True
+        for i, layer in enumerate(self.model.model.layers):
+            layer.mlp.experts.forward = self._experts_forward(i, layer.mlp.experts)
+        if fp4:
+            self._quantize_experts()
+
+    # ----------------------------------------------------------------- weights
+    @torch.no_grad()
+    def _quantize_experts(self) -> None:
+        for layer in self.model.model.layers:
+            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                for e in range(w.shape[0]):
+                    w[e] = rtn_fake_quant(w[e], NVFP4)
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load HF Qwen3-MoE checkpoint tensors (`megatron_trace.export.export_hf`, BF16) as policy `version`."""
+        if version <= self.version:
+            raise ValueError(f"weight update to version {version} is not newer than the engine's {self.version}")
+        params = self.model.state_dict()
+        experts: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+        loaded = set()
+        for name, t in tensors.items():
+            m = EXPERT.fullmatch(name)
+            if m:
+                experts.setdefault(m[1], {}).setdefault(m[3], []).append((int(m[2]), t))
+            elif name in params:
+                if params[name].shape != t.shape:
+                    raise ValueError(f"{name}: shape {tuple(t.shape)}, engine has {tuple(params[name].shape)}")
+                params[name].copy_(t)
+                loaded.add(name)
+            else:
+                raise KeyError(f"weight {name} has no parameter in the engine")
+        for prefix, parts in experts.items():
+            stack = {k: torch.stack([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in parts.items()}
+            params[f"{prefix}.gate_up_proj"].copy_(torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1))
+            params[f"{prefix}.down_proj"].copy_(stack["down_proj"])
+            loaded |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"weight update misses {sorted(missing)[:4]} ({len(missing)} tensors)")
+        if self.fp4:
+            self._quantize_experts()
+        self.version = version
+
+    # ----------------------------------------------------------------- FP4 sites
+    def _activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
+        """Quantize-dequantize rows `[T, width]`; the record goes to staging when the site is captured."""
+        moe = site[1] == "moe_in"
+        fmt = NVFP4 if moe else KV_FP4
+        out = torch.empty_like(x2d)
+        if site in self.captured:
+            buf = self.capturer.staging_rows(site, x2d.shape[0])
+            quantize_record(
+                x2d, fmt, self.spec.bits, per_token=moe, out=out,
+                low_bits=buf.low_bits, scales=buf.scales, token_scale=buf.global_scale,
+            )  # fmt: skip
+        else:
+            quantize_record(x2d, fmt, self.spec.bits, per_token=moe, out=out)
+        return out
+
+    def _kv_site(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for kind, t in (("k", k), ("v", v)):
+            b, h, s, d = t.shape
+            rows = t.transpose(1, 2).reshape(b * s, h * d).contiguous()
+            out.append(self._activation((layer, kind), rows).view(b, s, h, d).transpose(1, 2))
+        return out[0], out[1]
+
+    def _experts_forward(self, layer: int, experts: torch.nn.Module) -> Callable:
+        def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+            self.capturer.stage_routes(layer, top_k_index)
+            if self.fp4:
+                hidden = self._activation((layer, "moe_in"), hidden.contiguous())
+            out = torch.zeros_like(hidden)
+            for e in top_k_index.unique().tolist():
+                token, slot = torch.where(top_k_index == e)
+                gate, up = F.linear(hidden[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+                h = experts.act_fn(gate) * up
+                if self.fp4:
+                    h = rtn_fake_quant(h.contiguous(), NVFP4, per_token=True)
+                y = F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+            return out
+
+        return forward
+
+    # ----------------------------------------------------------------- generation
+    def _forward(self, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+        if not self.alive:
+            raise WorkerDied("rollout engine was killed")
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        b, s = ids.shape
+        slots = (torch.arange(b)[:, None] * self.max_len + start + torch.arange(s)).reshape(-1)
+        self.capturer.on_forward_end(slots.to(self.device))
+        if not self.alive:
+            raise WorkerDied("rollout engine was killed")
+        return logits[:, -1].float()
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: torch.Tensor, max_new: int, *, eos: int, seed: int, temperature: float = 1.0
+    ) -> list[Trajectory]:
+        """Sample one response per prompt row (`[B, P]`, one length) until EOS or `max_new` tokens."""
+        b, p = prompts.shape
+        if b > self.max_batch or p + max_new > self.max_len:
+            raise ValueError(f"batch {b} x {p}+{max_new} tokens exceeds the engine ({self.max_batch} x {self.max_len})")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        cache = _FP4Cache(self._kv_site, self.model.config) if self.fp4 else DynamicCache(config=self.model.config)
+        logits = self._forward(prompts.to(self.device), cache, 0)
+        tokens, logps = [], []
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        for t in range(max_new):
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            tokens.append(tok)
+            logps.append(logp.gather(1, tok[:, None]).squeeze(1))
+            done |= tok == eos
+            # Every sampled token is fed back once, so each trajectory has records (and routes) at all positions.
+            logits = self._forward(tok[:, None], cache, p + t)
+            if bool(done.all()):
+                break
+        self.capturer.flush()
+        tokens_bt, logps_bt = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
+        out = []
+        for i in range(b):
+            ends = (tokens_bt[i] == eos).nonzero()
+            r = int(ends[0]) + 1 if ends.numel() else tokens_bt.shape[1]
+            full = torch.cat([prompts[i].cpu(), tokens_bt[i, :r]])
+            records = self.capturer.gather(torch.arange(len(full)) + i * self.max_len, len(full))
+            out.append(Trajectory(full, p, logps_bt[i, :r], records))
+        self.capturer.release(torch.arange(b * self.max_len))
+        return out
