@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(PY) -m pip install -q -e '.[sglang-cpu]'
+	$(PY) scripts/sglang_patches.py apply
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,217 @@
+"""`TraceCapturer`: SGLang's routed-experts (R3) capturer seam, taken over to capture TRACE records.
+
+SGLang already calls its global experts capturer at the three moments record capture needs: `capture(layer_id,
+topk_ids)` in every MoE layer's top-k (inside CUDA graphs), `on_forward_end(forward_batch, ...)` after every
+forward, and `get_routed_experts(...)` for every finished request just before its KV is released. The patched
+`RoutedExpertsCapturer.create` returns a `TraceCapturer` when `--trace-mode` is not off, which
+  * stages the MoE-input records (written by the FusedMoE hook, `moe_input`) and the routes of every MoE layer in a
+    `trace_core.capture.RecordCapturer` (fixed staging rows; on CUDA an async pinned host ring keyed by KV slot, so
+    R3's synchronous device-to-host copy is gone);
+  * at request finish (`finish_request`, called by the patched `maybe_collect_routed_experts` with the request)
+    gathers the request's MoE records and routes by its slots, reads its K/V records out of the FP4 KV pool, hands
+    them to the record store on a writer thread and returns the handle `meta_info["trace"]` carries;
+  * still answers `get_routed_experts` in R3's format (`[seqlen - 1, num_hidden_layers, topk]` int32) when
+    `--enable-return-routed-experts` is on.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
+
+from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
+from sglang_trace.kv import gather_kv_records, request_slots
+from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input
+from trace_core.capture import RecordCapturer
+from trace_core.records import ModelShape, Record
+from trace_core.store import StepWriter, TrajectoryRecords
+
+
+@dataclass
+class TraceStats:
+    """Counters a server reports: requests and tokens recorded, store writes done and failed."""
+
+    requests: int = 0
+    tokens: int = 0
+    shards_written: int = 0
+    write_failures: int = 0
+
+
+class TraceCapturer(RoutedExpertsCapturer):
+    """Record capture for one scheduler/TP process (see the module docstring).
+
+    Args:
+        args: validated `--trace-*` settings. layout: the model's layers and widths.
+        kv_pool: the FP4 KV pool (`MHATokenToKVPoolFP4`); None when no k/v site is recorded.
+        max_tokens: most token rows one forward runs (R3's device-buffer rows). num_slots: KV slots + page size.
+        device: where staging lives. return_routes: answer `get_routed_experts` (R3's flag).
+        weights: the emulated expert weights whose completeness every forward checks.
+        tp_rank, tp_group: attention-TP rank and group (K/V shards are gathered over it; rank 0 writes the store).
+    """
+
+    def __init__(
+        self,
+        args: TraceArgs,
+        layout: ModelLayout,
+        *,
+        kv_pool,
+        max_tokens: int,
+        num_slots: int,
+        device: torch.device | str,
+        return_routes: bool,
+        weights: ExpertWeights,
+        tp_rank: int = 0,
+        tp_group=None,
+    ) -> None:
+        if not args.enabled:
+            raise ValueError("TraceCapturer needs --trace-mode other than off")
+        self.args, self.layout, self.weights = args, layout, weights
+        self.spec = model_spec(args, layout)
+        if self.spec.attn_layers and kv_pool is None:
+            raise ValueError("k/v sites are recorded but no FP4 KV pool was given")
+        self.kv_pool, self.kv_kinds = kv_pool, kv_kinds(args)
+        self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
+        shape = ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+        self.records = RecordCapturer(
+            self.spec,
+            shape,
+            max_tokens=max_tokens,
+            num_slots=num_slots,
+            sites=[s for s in self.spec.sites() if s[1] == "moe_in"],
+            routes=(len(layout.moe_layers), layout.topk),
+            device=device,
+        )
+        self.return_routes = return_routes
+        self.tp_rank, self.tp_group = tp_rank, tp_group
+        self.step = args.step
+        self.stats = TraceStats()
+        self._writer = StepWriter(args.store, self.step) if tp_rank == 0 else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store") if tp_rank == 0 else None
+        self._writes: list[Future] = []
+        self._lock = threading.Lock()
+        self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
+
+    # --- forward side -------------------------------------------------------------------------------------------
+
+    def moe_input(self, layer_id: int, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE-input site of FusedMoE layer `layer_id` on its dispatched input `[T, H]`: returns what the
+        experts compute with (emulate-nvfp4: the NVFP4 quantize-dequantized input; native: `x` itself)."""
+        site = (layer_id, "moe_in")
+        rows = self.records.staging_rows(site, x.shape[0]) if site in self.records.layouts else None
+        if self.args.mode == "emulate-nvfp4":
+            return emulate_moe_input(x, self.spec.bits, rows)
+        if rows is not None:
+            if input_scale is None:
+                raise ValueError(f"native MoE-input records of layer {layer_id} need the layer's NVFP4 input scale")
+            native_moe_input(x, self.spec.bits, input_scale, rows)
+        return x
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
+        self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
+
+    def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
+        """After every forward: ship the staged rows to the host store at the batch's KV slots (async on CUDA)."""
+        self.weights.check_complete()
+        if forward_batch.forward_mode.is_idle():
+            return
+        self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph))
+
+    # --- request finish -----------------------------------------------------------------------------------------
+
+    def finish_request(self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool) -> dict | None:
+        """Records of a finished request (positions [0, seqlen - 1)) to the store; returns the handle on the
+        store-writing rank (None elsewhere). Must run before the request's KV is released."""
+        self._raise_failed_writes()
+        slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
+        length = slots.shape[0]
+        gathered = self.records.gather(slots, length)
+        records = dict(gathered.records)
+        if self.spec.attn_layers:
+            kv = gather_kv_records(
+                self.kv_pool,
+                slots,
+                self.spec.attn_layers,
+                self.kv_kinds,
+                self.spec.bits,
+                num_kv_heads=self.layout.num_kv_heads,
+                tp_group=self.tp_group,
+            )
+            records.update({site: _to_cpu(rec) for site, rec in kv.items()})
+        if self.return_routes:
+            self._routes[req_pool_idx] = self._r3_routes(gathered.routes)
+        self.stats.requests += 1
+        self.stats.tokens += length
+        if self._writer is None:
+            return None
+        trajectory = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes)
+        writer, step = self._writer, self.step
+        self._writes.append(self._pool.submit(self._write, writer, rid, trajectory))
+        return {"store": str(writer.root), "step": step, "trajectory": str(rid), "tokens": length}
+
+    def _write(self, writer: StepWriter, rid: str, trajectory: TrajectoryRecords) -> None:
+        try:
+            writer.write({rid: trajectory})
+        except Exception:
+            with self._lock:
+                self.stats.write_failures += 1
+            raise
+        with self._lock:
+            self.stats.shards_written += 1
+
+    def _raise_failed_writes(self) -> None:
+        done = [f for f in self._writes if f.done()]
+        self._writes = [f for f in self._writes if not f.done()]
+        for f in done:
+            f.result()  # re-raises a failed store write on the scheduler thread
+
+    def _r3_routes(self, routes: torch.Tensor) -> torch.Tensor:
+        """Routes of the MoE layers in R3's layout: `[tokens, num_hidden_layers, topk]`, zeros for other layers."""
+        out = torch.zeros(routes.shape[0], self.layout.num_layers, self.layout.topk, dtype=torch.int32)
+        out[:, list(self.layout.moe_layers)] = routes
+        return out
+
+    def get_routed_experts(self, req_pool_idx: int, seqlen: int, req_to_token_pool) -> torch.Tensor | None:
+        """R3's answer for the request `finish_request` just handled (None when R3 is off)."""
+        if not self.return_routes:
+            return None
+        return self._routes.pop(req_pool_idx)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def set_step(self, step: int) -> None:
+        """Later records belong to RL step `step` (after a weight update); writes in flight finish first."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"RL step must be a non-negative int, got {step!r}")
+        if step == self.step:
+            return
+        self.flush()
+        self.step = step
+        if self._writer is not None:
+            self._writer = StepWriter(self.args.store, self.step)
+
+    def flush(self) -> None:
+        """Wait for every store write; re-raise the first failure."""
+        writes, self._writes = self._writes, []
+        for f in writes:
+            f.result()
+
+    def close(self) -> None:
+        self.flush()
+        self.records.close()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def get_host_cache(self):
+        return self.records.host
+
+    def get_device_cache(self):
+        return self.records.staging
+
+
+def _to_cpu(rec: Record) -> Record:
+    return Record(rec.fmt, rec.bits, rec.n, rec.low_bits.cpu(), rec.scales.cpu(), rec.global_scale)

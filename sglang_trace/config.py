@@ -1,0 +1,270 @@
+"""TRACE server arguments for SGLang (`--trace-*`), their validation, and the record spec they select for a model.
+
+The patched `sglang.srt.server_args.ServerArgs` gains the fields in `SERVER_ARGS_FIELDS`, registers the flags
+through `add_cli_args`, and calls `check_server_args` at the start of `__post_init__`, so a bad setting fails when
+the server starts, naming the flag. What needs the model (architecture, layer ids, widths) is checked by
+`model_spec` when the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from trace_core.records import RecordSpec, check_bits
+from trace_core.store import Site
+
+MODES = ("off", "emulate-nvfp4", "native")
+SITE_KINDS = ("moe_in", "k", "v")
+LAYER_PRESETS = ("latter-half", "all")
+
+# Field name -> default, added to ServerArgs by the patch (SGLang keeps every flag as a dataclass field).
+SERVER_ARGS_FIELDS: dict[str, object] = {
+    "trace_mode": "off",
+    "trace_record_bits": 1,
+    "trace_layers": "latter-half",
+    "trace_sites": "moe_in,k,v",
+    "trace_store": None,
+    "trace_step": 0,
+}
+
+# Architectures whose MoE block is one FusedMoE per layer fed by the standard dispatcher.
+DENSE_ATTENTION_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# Hybrid linear-attention models: MoE sites only; their KV pool (HybridLinearKVPool) has no FP4 variant in 0.5.10.post1.
+HYBRID_ARCHS = ("Qwen3NextForCausalLM",)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Register the `--trace-*` flags on SGLang's argument parser."""
+    group = parser.add_argument_group("TRACE rollout records")
+    group.add_argument(
+        "--trace-mode",
+        choices=MODES,
+        default=SERVER_ARGS_FIELDS["trace_mode"],
+        help="Record FP4 rounding outcomes for guided-rounding training. emulate-nvfp4: NVFP4 W4A4 routed experts "
+        "emulated by quantize-dequantize (Hopper, CPU); native: reproduce the codes of a real NVFP4 MoE kernel "
+        "(Blackwell, not validated here); off: SGLang unchanged.",
+    )
+    group.add_argument(
+        "--trace-record-bits",
+        type=int,
+        default=SERVER_ARGS_FIELDS["trace_record_bits"],
+        help="Low code bits kept per element (1..4; 4 = the full code).",
+    )
+    group.add_argument(
+        "--trace-layers",
+        type=str,
+        default=SERVER_ARGS_FIELDS["trace_layers"],
+        help="Layers whose sites are recorded: 'latter-half' (of the MoE and of the attention layers), 'all', or "
+        "layer ids and ranges such as '24-47' or '30,32,40-47'.",
+    )
+    group.add_argument(
+        "--trace-sites",
+        type=str,
+        default=SERVER_ARGS_FIELDS["trace_sites"],
+        help="Comma-separated site kinds to record: moe_in (routed-expert input), k, v (k and v need "
+        "--kv-cache-dtype fp4_e2m1).",
+    )
+    group.add_argument(
+        "--trace-store",
+        type=str,
+        default=SERVER_ARGS_FIELDS["trace_store"],
+        help="Record store root directory (shared with the trainer); required unless --trace-mode off.",
+    )
+    group.add_argument(
+        "--trace-step",
+        type=int,
+        default=SERVER_ARGS_FIELDS["trace_step"],
+        help="RL step the first records are written under; every weight update advances it by one.",
+    )
+
+
+def parse_layers(text: str) -> str | tuple[int, ...]:
+    """A `--trace-layers` value as a preset name or sorted distinct layer ids; ValueError naming the flag."""
+    text = text.strip()
+    if text in LAYER_PRESETS:
+        return text
+    ids: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(
+                f"--trace-layers {text!r}: {part.strip()!r} is not a layer id or range; use {LAYER_PRESETS} or "
+                "ids and ranges like '24-47,50'"
+            ) from None
+        if a < 0 or b < a:
+            raise ValueError(f"--trace-layers {text!r}: range {part.strip()!r} must be non-negative and ascending")
+        ids.extend(range(a, b + 1))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--trace-layers {text!r} names a layer more than once")
+    return tuple(sorted(ids))
+
+
+def parse_sites(text: str) -> tuple[str, ...]:
+    """A `--trace-sites` value as site kinds; ValueError naming unknown or repeated kinds."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in SITE_KINDS]
+    if not kinds or unknown or len(set(kinds)) != len(kinds):
+        raise ValueError(f"--trace-sites {text!r}: use distinct kinds from {SITE_KINDS} (unknown: {unknown})")
+    return kinds
+
+
+@dataclass(frozen=True)
+class TraceArgs:
+    """The validated `--trace-*` settings of one server."""
+
+    mode: str
+    bits: int
+    layers: str | tuple[int, ...]
+    sites: tuple[str, ...]
+    store: str | None
+    step: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def kv_sites(self) -> bool:
+        return self.enabled and ("k" in self.sites or "v" in self.sites)
+
+
+def check_server_args(server_args) -> TraceArgs:
+    """Validate the `--trace-*` fields of a ServerArgs against the rest of its settings; return them parsed.
+
+    Raises ValueError naming the flag and the problem. Settings TRACE does not handle (DP attention, expert
+    parallelism, speculative decoding) are refused rather than recorded wrongly.
+    """
+    mode = server_args.trace_mode
+    if mode not in MODES:
+        raise ValueError(f"--trace-mode {mode!r} is not one of {MODES}")
+    try:
+        bits = check_bits(server_args.trace_record_bits)
+    except ValueError as e:
+        raise ValueError(f"--trace-record-bits: {e}") from None
+    args = TraceArgs(
+        mode=mode,
+        bits=bits,
+        layers=parse_layers(server_args.trace_layers),
+        sites=parse_sites(server_args.trace_sites),
+        store=server_args.trace_store,
+        step=server_args.trace_step,
+    )
+    if isinstance(args.step, bool) or not isinstance(args.step, int) or args.step < 0:
+        raise ValueError(f"--trace-step must be a non-negative integer, got {args.step!r}")
+    if not args.enabled:
+        return args
+    problems = []
+    if not args.store:
+        problems.append("--trace-store is required (the record store root the trainer reads)")
+    if args.kv_sites and server_args.kv_cache_dtype != "fp4_e2m1":
+        problems.append(
+            f"k/v sites need --kv-cache-dtype fp4_e2m1 (got {server_args.kv_cache_dtype!r}); "
+            "or pass --trace-sites moe_in"
+        )
+    if server_args.enable_dp_attention:
+        problems.append("--enable-dp-attention is not supported (MoE rows would mix DP ranks' tokens)")
+    if server_args.ep_size != 1 or server_args.moe_a2a_backend not in (None, "none"):
+        problems.append("expert parallelism (--ep-size > 1 or --moe-a2a-backend) is not supported")
+    if server_args.speculative_algorithm is not None:
+        problems.append("speculative decoding is not supported (draft forwards would write records)")
+    if server_args.pp_size != 1:
+        problems.append("pipeline parallelism is not supported")
+    if mode == "emulate-nvfp4" and server_args.quantization not in (None, "bf16"):
+        problems.append(
+            f"--trace-mode emulate-nvfp4 needs a BF16 checkpoint (it quantizes the experts itself); got "
+            f"--quantization {server_args.quantization}"
+        )
+    if mode == "native" and server_args.quantization not in ("modelopt_fp4",):
+        problems.append(f"--trace-mode native needs --quantization modelopt_fp4, got {server_args.quantization!r}")
+    if problems:
+        raise ValueError("TRACE server arguments: " + "; ".join(problems))
+    return args
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What the records of one model depend on."""
+
+    arch: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    attn_layers: tuple[int, ...]
+    hidden: int
+    num_kv_heads: int
+    head_dim: int
+    topk: int
+
+
+def model_layout(hf_config) -> ModelLayout:
+    """MoE and softmax-attention layer ids and widths of a supported model config; ValueError otherwise."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in DENSE_ATTENTION_ARCHS + HYBRID_ARCHS), None)
+    if arch is None:
+        raise ValueError(
+            f"TRACE does not support architecture {archs}; supported: {DENSE_ATTENTION_ARCHS + HYBRID_ARCHS}"
+        )
+    n = hf_config.num_hidden_layers
+    skip = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    moe = tuple(i for i in range(n) if i not in skip and (i + 1) % step == 0)
+    if arch in HYBRID_ARCHS:
+        attn = tuple(hf_config.full_attention_layer_ids)
+    else:
+        attn = tuple(range(n))
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return ModelLayout(
+        arch=arch,
+        num_layers=n,
+        moe_layers=moe,
+        attn_layers=attn,
+        hidden=hf_config.hidden_size,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=head_dim,
+        topk=hf_config.num_experts_per_tok,
+    )
+
+
+def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
+    """The record spec `args` select on a model: sites, layers and bits; ValueError for layers or sites the model
+    does not have."""
+    if args.kv_sites and layout.arch in HYBRID_ARCHS:
+        raise ValueError(
+            f"{layout.arch}: k/v sites are not supported (SGLang 0.5.10.post1 builds no FP4 KV pool for hybrid "
+            "linear-attention models); pass --trace-sites moe_in"
+        )
+    if args.layers == "all":
+        moe, attn = layout.moe_layers, layout.attn_layers
+    elif args.layers == "latter-half":
+        moe = layout.moe_layers[len(layout.moe_layers) // 2 :]
+        attn = layout.attn_layers[len(layout.attn_layers) // 2 :]
+    else:
+        known = set(layout.moe_layers) | set(layout.attn_layers)
+        unknown = [i for i in args.layers if i not in known]
+        if unknown:
+            raise ValueError(
+                f"--trace-layers names layers {unknown} that {layout.arch} does not have (0..{layout.num_layers - 1})"
+            )
+        moe = tuple(i for i in args.layers if i in layout.moe_layers)
+        attn = tuple(i for i in args.layers if i in layout.attn_layers)
+    for name, width in (("hidden size", layout.hidden), ("head dim", layout.head_dim)):
+        if width % 16:
+            raise ValueError(f"{layout.arch}: {name} {width} is not a multiple of the FP4 block 16")
+    return RecordSpec(
+        bits=args.bits,
+        moe_layers=moe if "moe_in" in args.sites else (),
+        attn_layers=attn if args.kv_sites else (),
+    )
+
+
+def kv_kinds(args: TraceArgs) -> tuple[str, ...]:
+    """The KV site kinds recorded (a RecordSpec always pairs k and v; this narrows to the selected ones)."""
+    return tuple(k for k in ("k", "v") if k in args.sites)
+
+
+def recorded_sites(args: TraceArgs, spec: RecordSpec) -> list[Site]:
+    """The sites actually written for requests: the spec's MoE sites and the selected KV kinds."""
+    kinds = set(kv_kinds(args))
+    return [s for s in spec.sites() if s[1] == "moe_in" or s[1] in kinds]

@@ -1,0 +1,114 @@
+"""The MoE-input site (`moe_in`) and emulated NVFP4 routed-expert weights.
+
+emulate-nvfp4 (Hopper, CPU): the routed experts run BF16 GEMMs on NVFP4 quantize-dequantized operands, so the
+rollout is numerically W4A4 NVFP4. Expert weights are quantize-dequantized as they are loaded (`ExpertWeights`,
+called after every FusedMoE weight-loader write, so the initial load and every `update_weights_from_*` path are
+covered); the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes
+the record into the capturer's staging rows in the same pass (`emulate_moe_input`).
+
+native (Blackwell NVFP4 checkpoints): the MoE kernel quantizes the input itself with the layer's static input
+scale; `native_moe_input` reproduces its codes with the exact-math quantizer and leaves the input untouched.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from trace_core.capture import SiteBuffers
+from trace_core.formats import NVFP4
+from trace_core.kernels import quantize_record, rtn_fake_quant
+from trace_core.quant import nvfp4_global_scale
+
+GATE, UP, DOWN = "w1", "w3", "w2"  # FusedMoE weight-loader shard ids
+
+
+def emulate_moe_input(x: torch.Tensor, bits: int, record: SiteBuffers | None) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of the MoE input `[T, H]` with a per-token global scale; when `record` is given,
+    its staging rows `[T, ...]` receive the record in the same pass. CUDA-graph safe (no host sync)."""
+    out = torch.empty_like(x)
+    if record is None:
+        quantize_record(x, NVFP4, bits, per_token=True, out=out)
+    else:
+        quantize_record(
+            x,
+            NVFP4,
+            bits,
+            per_token=True,
+            out=out,
+            low_bits=record.low_bits,
+            scales=record.scales,
+            token_scale=record.global_scale,
+        )
+    return out
+
+
+def native_moe_input(x: torch.Tensor, bits: int, input_scale: torch.Tensor, record: SiteBuffers) -> None:
+    """Record the codes an NVFP4 MoE kernel produces for `x` `[T, H]` under its static global scale `input_scale`
+    (`S_enc`, FP32 scalar), computed with the exact-math quantizer; `x` is not modified."""
+    quantize_record(
+        x, NVFP4, bits, global_scale=input_scale, low_bits=record.low_bits, scales=record.scales, token_scale=None
+    )
+    record.global_scale.copy_(input_scale.float().reshape(1, 1).expand_as(record.global_scale))
+
+
+@dataclass
+class WeightStats:
+    """Expert matrices quantize-dequantized so far (gate+up counted once per expert)."""
+
+    w13: int = 0
+    w2: int = 0
+
+
+@dataclass
+class ExpertWeights:
+    """Quantize-dequantize routed-expert weights to NVFP4 as the FusedMoE weight loader writes them.
+
+    NVFP4 granularity as the trainer's: blocks of 16 along the input dimension, one global scale per expert matrix,
+    gate and up sharing one (the fused w13). The global scale comes from the full checkpoint tensor the loader
+    receives, so every TP rank uses the same scale for its shard. w13 of an expert is quantized once both its gate
+    and up halves were written since the last quantization (a weight update may send them separately); a half
+    waiting for its partner is reported by `pending` and refused by `check_complete`.
+    """
+
+    stats: WeightStats = field(default_factory=WeightStats)
+    _halves: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    def on_loaded(self, layer, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str, expert_id: int) -> None:
+        """Called after `FusedMoE.weight_loader(param, loaded_weight, name, shard_id, expert_id)` has written."""
+        if param is not layer.w13_weight and param is not layer.w2_weight:
+            return  # biases and scales are not FP4 sites
+        local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local < 0:
+            return  # another rank's expert
+        amax = loaded_weight.detach().abs().amax().float().to(param.device)
+        if shard_id == DOWN:
+            self._qdq(param.data[local], amax)
+            self.stats.w2 += 1
+            return
+        if shard_id not in (GATE, UP):
+            raise ValueError(f"FusedMoE layer {layer.layer_id}: unexpected expert shard id {shard_id!r}")
+        halves = self._halves.setdefault(layer, {}).setdefault(local, {})
+        halves[shard_id] = amax
+        if len(halves) == 2:
+            self._qdq(param.data[local], torch.maximum(halves[GATE], halves[UP]))
+            del self._halves[layer][local]
+            self.stats.w13 += 1
+
+    @staticmethod
+    def _qdq(w: torch.Tensor, amax: torch.Tensor) -> None:
+        w.copy_(rtn_fake_quant(w, NVFP4, global_scale=nvfp4_global_scale(amax)))
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(layer id, local expert) of w13 matrices with only one of gate/up written since their last quantization."""
+        return [(layer.layer_id, e) for layer, experts in self._halves.items() for e in experts]
+
+    def check_complete(self) -> None:
+        """Raise RuntimeError if an expert's w13 is half-updated (it would run unquantized)."""
+        if self.pending():
+            raise RuntimeError(
+                f"routed-expert weights half updated (gate or up missing) for (layer, expert) {self.pending()[:8]}; "
+                "send gate_proj and up_proj of an expert in the same weight update"
+            )
