@@ -201,7 +201,7 @@ class Controller:
         for key in ("mode", "model_dir", "prompts_per_step", "group_size", "seed", "record_bits", "async_lag"):
             if saved[key] != getattr(self.cfg, key):
                 raise ValueError(
-                    f"checkpoint {path} was written with {key}={saved[key]!r}, config has {getattr(self.cfg, key)!r}"
+                    f"checkpoint {path} was written with {key}={saved[key]!r}, the config has {getattr(self.cfg, key)!r}"
                 )
         self.trainer.load_state_dict(state["trainer"])
         self.step, self.history = state["step"], state["history"]

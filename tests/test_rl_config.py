@@ -1,0 +1,44 @@
+"""RL config: defaults, file and command-line overrides, and clear errors for bad values; a missing model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trace_rl.config import ConfigError, RLConfig, load_config
+from trace_rl.controller import Controller
+
+
+def test_file_then_overrides(tmp_path):
+    (tmp_path / "rl.toml").write_text('mode = "qat"\nsteps = 7\nlr = 1\n')
+    cfg = load_config(tmp_path / "rl.toml", ["steps=9", "record_all_layers=true", "temperature=0.5"])
+    assert (cfg.mode, cfg.steps, cfg.lr, cfg.record_all_layers, cfg.temperature) == ("qat", 9, 1.0, True, 0.5)
+    (tmp_path / "rl.json").write_text(json.dumps({"group_size": 4}))
+    assert load_config(tmp_path / "rl.json").group_size == 4
+    assert load_config() == RLConfig() and RLConfig().max_version_diff == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mode=fp8"], "mode='fp8' is not one of"),
+        (["group_size=1"], "group_size=1 must be >= 2"),
+        (["stepz=3"], r"unknown config keys \['stepz'\]"),
+        (["steps=three"], "steps='three' is not a int"),
+        (["record_all_layers=maybe"], "is not a boolean"),
+        (["record_bits=5"], "record_bits=5 must be in 1..4"),
+        (["async_lag=4"], "async_lag=4 exceeds max_version_diff=3"),
+        (["steps"], "must be key=value"),
+    ],
+)
+def test_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_missing_config_file_and_model(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(FileNotFoundError, match="no tiny model"):
+        Controller(RLConfig(model_dir=str(tmp_path), out_dir=str(tmp_path / "out")))
