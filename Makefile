@@ -30,8 +30,9 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# The RL loop on the embedded default (tiny Qwen3-MoE, CPU): BF16, FP4 + QAT and FP4 + TRACE side by side.
 demo: $(STAMP)
-	$(PY) -m trace_core.demo
+	PYTHON=$(PY) scripts/launch_disagg.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

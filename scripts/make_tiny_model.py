@@ -7,7 +7,7 @@ from trace_rl.warmup import make_tiny_model
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="runs/tiny-model", help="output directory")
+    ap.add_argument("--out", default="out/tiny-model", help="output directory")
     ap.add_argument("--digits", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60, help="supervised warm-up steps")
     ap.add_argument("--seed", type=int, default=0)

@@ -28,8 +28,8 @@ class RLConfig:
     """
 
     mode: str = "trace"
-    model_dir: str = "runs/tiny-model"
-    out_dir: str = "runs/rl"
+    model_dir: str = "out/tiny-model"
+    out_dir: str = "out/rl"
     steps: int = 25
     prompts_per_step: int = 8
     group_size: int = 8

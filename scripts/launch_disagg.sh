@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# TRACE RL launcher.
+#
+#   scripts/launch_disagg.sh                      # embedded default: tiny Qwen3-MoE, modes bf16, qat, trace
+#   scripts/launch_disagg.sh CONFIG [key=value]   # the same loop under a JSON / TOML RLConfig file
+#
+# With no arguments it builds the tiny model if needed (out/tiny-model), runs the RL loop in each mode in this
+# process (embedded rollout engine + Megatron trainer on CPU or one GPU), and writes out/rl/: metrics.csv, per-mode
+# metrics.jsonl and checkpoints, PNG plots and the summary table. See docs/rl.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+if [ $# -eq 0 ]; then
+    exec "$PYTHON" -m trace_rl.launch
+fi
+config=$1
+shift
+if [ ! -f "$config" ]; then
+    echo "launch_disagg.sh: config file '$config' not found" >&2
+    exit 2
+fi
+exec "$PYTHON" -m trace_rl.launch --config "$config" "$@"
