@@ -1,0 +1,119 @@
+"""TRACE server arguments in the real, patched `sglang.srt.server_args` (sglang 0.5.10.post1 with
+`patches/sglang/v0.5.10.post1` applied, as `make setup` does), and the record spec they select on real model configs.
+
+`ServerArgs(model_path="dummy")` runs the patched `__post_init__` up to SGLang's dummy-model short-circuit, which is
+after the TRACE check, so validation runs without a model or a GPU.
+"""
+
+import argparse
+import dataclasses
+
+import pytest
+
+server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (patched) and its CPU deps: make setup")
+from sglang.srt.configs.qwen3_next import Qwen3NextConfig  # noqa: E402
+from transformers import Qwen3MoeConfig  # noqa: E402
+
+from sglang_trace.config import SERVER_ARGS_FIELDS, TraceArgs, check_server_args, model_layout, model_spec  # noqa: E402
+
+ServerArgs = server_args.ServerArgs
+
+
+def make(**kw):
+    base = dict(model_path="dummy", trace_mode="emulate-nvfp4", trace_store="/records", kv_cache_dtype="fp4_e2m1")
+    base.update(kw)
+    return ServerArgs(**base)
+
+
+def qwen3_moe(layers=8, **kw):
+    return Qwen3MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        architectures=["Qwen3MoeForCausalLM"],
+        **kw,
+    )
+
+
+def test_patched_server_args_have_trace_fields_with_our_defaults():
+    fields = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    assert {k: fields[k] for k in SERVER_ARGS_FIELDS} == SERVER_ARGS_FIELDS
+    assert ServerArgs(model_path="dummy").trace_mode == "off"
+
+
+def test_cli_flags_parse_into_server_args():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--model-path", "dummy", "--kv-cache-dtype", "fp4_e2m1", "--trace-mode", "emulate-nvfp4"]
+    argv += ["--trace-record-bits", "2", "--trace-layers", "4-7", "--trace-store", "/r", "--trace-step", "3"]
+    sa = ServerArgs.from_cli_args(parser.parse_args(argv))
+    assert (sa.trace_mode, sa.trace_record_bits, sa.trace_layers, sa.trace_store, sa.trace_step) == (
+        "emulate-nvfp4",
+        2,
+        "4-7",
+        "/r",
+        3,
+    )
+    args = check_server_args(sa)
+    assert args == TraceArgs("emulate-nvfp4", 2, (4, 5, 6, 7), ("moe_in", "k", "v"), "/r", 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "dummy", "--trace-mode", "fp4"])  # argparse choices
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(trace_record_bits=5), "--trace-record-bits"),
+        (dict(trace_record_bits=0), "--trace-record-bits"),
+        (dict(trace_layers="a-b"), "--trace-layers 'a-b'"),
+        (dict(trace_layers="7-3"), "ascending"),
+        (dict(trace_layers="1,1"), "more than once"),
+        (dict(trace_sites="moe_in,q"), "--trace-sites"),
+        (dict(trace_store=None), "--trace-store is required"),
+        (dict(kv_cache_dtype="auto"), "--kv-cache-dtype fp4_e2m1"),
+        (dict(trace_mode="native"), "--quantization modelopt_fp4"),
+        (dict(trace_mode="fp8"), "--trace-mode 'fp8'"),
+        (dict(quantization="fp8"), "BF16 checkpoint"),
+        (dict(enable_dp_attention=True), "--enable-dp-attention"),
+        (dict(ep_size=2), "expert parallelism"),
+        (dict(trace_step=-1), "--trace-step"),
+    ],
+)
+def test_bad_trace_args_fail_naming_the_problem(kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make(**kw)
+
+
+def test_moe_only_sites_need_no_fp4_kv_and_off_checks_nothing_else():
+    assert make(trace_sites="moe_in", kv_cache_dtype="auto").trace_sites == "moe_in"
+    assert ServerArgs(model_path="dummy", trace_store=None, kv_cache_dtype="auto").trace_mode == "off"
+
+
+def test_model_spec_latter_half_and_explicit_layers():
+    layout = model_layout(qwen3_moe(layers=8, mlp_only_layers=[0]))
+    assert layout.moe_layers == (1, 2, 3, 4, 5, 6, 7) and layout.attn_layers == tuple(range(8))
+    assert (layout.hidden, layout.num_kv_heads, layout.head_dim, layout.topk) == (64, 2, 32, 2)
+    spec = model_spec(check_server_args(make()), layout)
+    assert spec.bits == 1 and spec.moe_layers == (4, 5, 6, 7) and spec.attn_layers == (4, 5, 6, 7)
+    spec = model_spec(check_server_args(make(trace_layers="0,6-7", trace_record_bits=4)), layout)
+    assert spec.bits == 4 and spec.moe_layers == (6, 7) and spec.attn_layers == (0, 6, 7)
+    with pytest.raises(ValueError, match=r"layers \[8\]"):
+        model_spec(check_server_args(make(trace_layers="6-8")), layout)
+    spec = model_spec(check_server_args(make(trace_sites="moe_in")), layout)
+    assert spec.attn_layers == ()
+
+
+def test_unsupported_model_and_hybrid_kv_are_refused():
+    with pytest.raises(ValueError, match="does not support architecture"):
+        model_layout(Qwen3MoeConfig(architectures=["DeepseekV3ForCausalLM"]))
+    hybrid = Qwen3NextConfig(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3NextForCausalLM"])
+    layout = model_layout(hybrid)
+    assert layout.attn_layers == (3, 7)
+    with pytest.raises(ValueError, match="no FP4 KV pool for hybrid"):
+        model_spec(check_server_args(make()), layout)
+    assert model_spec(check_server_args(make(trace_sites="moe_in")), layout).moe_layers == (4, 5, 6, 7)

@@ -1,0 +1,155 @@
+"""K/V records read from SGLang's real FP4 KV pool (`MHATokenToKVPoolFP4`, sglang 0.5.10.post1, on CPU).
+
+The pool is written through its own `set_kv_buffer` (SGLang's `KVFP4QuantizeUtil`, torch.compile'd as in serving);
+the records `sglang_trace.kv` reads back by a request's `req_to_token` slots must equal `trace_core`'s `kv_fp4`
+quantization of the same K/V bit for bit: low code bits and E8M0 scale bytes.
+
+`set_kv_buffer` imports `cuda_graph_runner` (for `get_is_capture_mode`), whose imports reach the compiled
+`sgl_kernel`; where that package is absent, `tests/sglang_cpu.py` installs an import stand-in. Nothing on the tested
+path calls into it (its placeholders raise if called).
+"""
+
+import pytest
+import torch
+
+from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+install_sgl_kernel_stand_in()
+memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason="sglang and its CPU deps: make setup")
+
+from sglang_trace.kv import gather_kv_records, gather_kv_shard, merge_tp_shards, request_slots  # noqa: E402
+from trace_core.formats import KV_FP4  # noqa: E402
+from trace_core.quant import quantize  # noqa: E402
+from trace_core.records import Record  # noqa: E402
+
+HEADS, HEAD_DIM, LAYERS, SLOTS = 4, 32, 3, 64
+
+
+def fp4_pool(heads: int = HEADS, start_layer: int = 0) -> "memory_pool.MHATokenToKVPoolFP4":
+    return memory_pool.MHATokenToKVPoolFP4(
+        size=SLOTS,
+        page_size=1,
+        dtype=torch.float4_e2m1fn_x2,
+        head_num=heads,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=start_layer,
+        enable_alt_stream=False,
+    )
+
+
+def kv_values(tokens: int, seed: int, heads: int = HEADS) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, heads, HEAD_DIM, generator=gen) * torch.logspace(-2, 2, tokens).view(-1, 1, 1)
+    x[0, 0, :4] = torch.tensor([0.25, -0.0, 2.5, -1.25])  # ties (rounded up) and a negative zero
+    return x.to(torch.bfloat16)
+
+
+def write(pool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    # set_kv_buffer quantizes in place-ish (optional k_scale division); hand it copies
+    pool.set_kv_buffer(None, slots, k.clone(), v.clone(), layer_id_override=layer)
+
+
+def expected(x: torch.Tensor, bits: int) -> Record:
+    q = quantize(x, KV_FP4)  # [L, H, D] codes, [L, H, D/16] scales
+    flat = type(q)(
+        codes=q.codes.reshape(x.shape[0], -1), scales=q.scales.reshape(x.shape[0], -1), global_scale=None, fmt=KV_FP4
+    )
+    return Record.from_quantized(flat, bits)
+
+
+def assert_same(rec: Record, ref: Record) -> None:
+    assert rec.fmt is KV_FP4 and rec.bits == ref.bits and rec.n == ref.n
+    assert torch.equal(rec.low_bits, ref.low_bits)
+    assert torch.equal(rec.scales, ref.scales)
+
+
+@pytest.fixture(scope="module")
+def req_pool():
+    return memory_pool.ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_records_equal_trace_core_kv_fp4_bit_exactly(req_pool, bits):
+    pool = fp4_pool()
+    slots = torch.tensor([5, 9, 3, 17, 40, 41, 2, 30], dtype=torch.int64)  # scattered, as an allocator hands them out
+    k, v = kv_values(8, 1), kv_values(8, 2)
+    for layer in range(LAYERS):
+        write(pool, layer, slots, k * (layer + 1), v)
+    req_pool.req_to_token[1, :8] = slots.to(torch.int32)
+    seqlen = 8  # the request's last position has no KV yet (R3 convention: positions [0, seqlen - 1))
+    got = gather_kv_records(
+        pool, request_slots(req_pool.req_to_token, 1, seqlen), [1, 2], ["k", "v"], bits, num_kv_heads=HEADS
+    )
+    assert sorted(got) == [(1, "k"), (1, "v"), (2, "k"), (2, "v")]
+    assert_same(got[(1, "k")], expected(k[:7] * 2, bits))
+    assert_same(got[(2, "k")], expected(k[:7] * 3, bits))
+    assert_same(got[(2, "v")], expected(v[:7], bits))
+
+
+def test_prefix_sharing_and_slot_reuse_after_retraction(req_pool):
+    pool = fp4_pool()
+    prompt, a_tail, b_tail = kv_values(6, 3), kv_values(3, 4), kv_values(3, 5)
+    prefix = torch.arange(10, 16)
+    write(pool, 0, prefix, prompt, prompt)
+    write(pool, 0, torch.tensor([20, 21, 22]), a_tail, a_tail)
+    write(pool, 0, torch.tensor([23, 24, 25]), b_tail, b_tail)
+    # two GRPO samples of one prompt: the radix cache hands both the prompt's slots
+    req_pool.req_to_token[0, :9] = torch.cat([prefix, torch.tensor([20, 21, 22])]).to(torch.int32)
+    req_pool.req_to_token[2, :9] = torch.cat([prefix, torch.tensor([23, 24, 25])]).to(torch.int32)
+    rec_a = gather_kv_shard(pool, request_slots(req_pool.req_to_token, 0, 10), [0], ["k"], 1)[(0, "k")]
+    rec_b = gather_kv_shard(pool, request_slots(req_pool.req_to_token, 2, 10), [0], ["k"], 1)[(0, "k")]
+    assert_same(rec_a, expected(torch.cat([prompt, a_tail]), 1))
+    assert_same(rec_b, expected(torch.cat([prompt, b_tail]), 1))
+    # request A is retracted: its tail slots are freed and reused by another request before A is recomputed
+    other = kv_values(3, 6)
+    write(pool, 0, torch.tensor([20, 21, 22]), other, other)
+    redo = kv_values(3, 7)
+    write(pool, 0, torch.tensor([30, 31, 32]), redo, redo)  # A's recomputed tail lands in new slots
+    req_pool.req_to_token[0, 6:9] = torch.tensor([30, 31, 32], dtype=torch.int32)
+    rec_a = gather_kv_shard(pool, request_slots(req_pool.req_to_token, 0, 10), [0], ["k"], 1)[(0, "k")]
+    assert_same(rec_a, expected(torch.cat([prompt, redo]), 1))
+
+
+@pytest.mark.parametrize(("tp_size", "kv_heads"), [(2, 4), (4, 2)])
+def test_tp_shards_merge_into_full_width_records(tp_size, kv_heads):
+    """Each attention-TP rank's pool holds its KV heads (replicated when tp_size > heads, as SGLang does)."""
+    x = kv_values(5, 8, heads=kv_heads)
+    local_heads = max(1, kv_heads // tp_size)
+    slots = torch.tensor([1, 2, 3, 4, 5])
+    shards = []
+    for rank in range(tp_size):
+        group = rank // max(1, tp_size // kv_heads)
+        part = x[:, group * local_heads : (group + 1) * local_heads]
+        pool = fp4_pool(heads=local_heads)
+        write(pool, 0, slots, part, part)
+        shards.append(gather_kv_shard(pool, slots, [0], ["k", "v"], 2))
+    merged = merge_tp_shards(shards, tp_size, kv_heads)
+    assert_same(merged[(0, "v")], expected(x, 2))
+
+
+def test_bad_input_is_named():
+    pool = fp4_pool()
+    with pytest.raises(ValueError, match="layer 5 is not in this pool"):
+        gather_kv_shard(pool, torch.tensor([1]), [5], ["k"], 1)
+    with pytest.raises(ValueError, match="record bits"):
+        gather_kv_shard(pool, torch.tensor([1]), [0], ["k"], 5)
+    bf16 = memory_pool.MHATokenToKVPool(
+        size=8,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=32,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    with pytest.raises(ValueError, match="MHATokenToKVPoolFP4"):
+        gather_kv_shard(bf16, torch.tensor([1]), [0], ["k"], 1)
+    with pytest.raises(ValueError, match="no TP group"):
+        gather_kv_records(pool, torch.tensor([1]), [0], ["k"], 1, num_kv_heads=2 * HEADS)
+    with pytest.raises(ValueError, match="expected 2 KV record shards"):
+        merge_tp_shards([{}], 2, 4)

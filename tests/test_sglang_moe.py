@@ -1,0 +1,168 @@
+"""Emulated NVFP4 W4A4 routed experts (`--trace-mode emulate-nvfp4`) in SGLang's real, patched `FusedMoE` on CPU.
+
+What runs for real: `FusedMoE` (sglang 0.5.10.post1 with the TRACE patches) built on a one-process gloo TP group,
+its `weight_loader` (the path the initial load and every `update_weights_from_*` take), its `forward_impl` with
+the standard dispatcher and SGLang's CPU expert path (`moe_forward_native`), and the TRACE site in between. The
+layer module imports the compiled `sgl_kernel`; where it is absent `tests/sglang_cpu.py` installs an import
+stand-in whose placeholders raise if called — none is called on these paths.
+"""
+
+import pytest
+import torch
+
+from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+install_sgl_kernel_stand_in()
+layer_mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
+
+from sglang.srt.layers.moe.routed_experts_capturer import (  # noqa: E402
+    _RoutedExpertsCapturerNoop,
+    set_global_experts_capturer,
+)
+from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+
+from sglang_trace import hooks  # noqa: E402
+from sglang_trace.moe import ExpertWeights, emulate_moe_input  # noqa: E402
+from tests.sglang_cpu import init_cpu_parallel_state  # noqa: E402
+from trace_core.capture import RecordCapturer  # noqa: E402
+from trace_core.quant import dequantize, nvfp4_global_scale, quantize  # noqa: E402
+from trace_core.records import ModelShape, Record, RecordSpec  # noqa: E402
+
+E, H, INTER, TOPK = 4, 64, 32, 2
+
+
+@pytest.fixture(scope="module")
+def emulate_args():
+    init_cpu_parallel_state()
+    args = ServerArgs(
+        model_path="dummy", device="cpu", trace_mode="emulate-nvfp4", trace_store="/unused", trace_sites="moe_in"
+    )
+    set_global_server_args_for_scheduler(args)
+    yield args
+    set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = {}
+    for e in range(E):
+        w[f"{e}.gate"] = (torch.randn(INTER, H, generator=gen) * 0.05).to(torch.bfloat16)
+        w[f"{e}.up"] = (torch.randn(INTER, H, generator=gen) * 0.02 * (e + 1)).to(torch.bfloat16)
+        w[f"{e}.down"] = (torch.randn(H, INTER, generator=gen) * 0.03).to(torch.bfloat16)
+    return w
+
+
+def load(layer, ckpt, experts=range(E), parts=("gate", "up", "down")) -> None:
+    """What Qwen3MoeForCausalLM.load_weights does per expert tensor: the FusedMoE weight loader."""
+    shard = {"gate": ("w13_weight", "w1"), "up": ("w13_weight", "w3"), "down": ("w2_weight", "w2")}
+    for e in experts:
+        for part in parts:
+            name, sid = shard[part]
+            layer.weight_loader(getattr(layer, name), ckpt[f"{e}.{part}"], f"experts.{e}.{name}", sid, e)
+
+
+def nvfp4_qdq(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    q = quantize(w, "nvfp4", global_scale=nvfp4_global_scale(amax))
+    return dequantize(q, w.dtype)
+
+
+def make_layer(layer_id: int = 3):
+    return layer_mod.FusedMoE(
+        num_experts=E,
+        hidden_size=H,
+        intermediate_size=INTER,
+        layer_id=layer_id,
+        top_k=TOPK,
+        params_dtype=torch.bfloat16,
+    )
+
+
+def test_expert_weights_are_nvfp4_at_load_and_after_every_update(emulate_args):
+    layer = make_layer()
+    before = hooks.EXPERT_WEIGHTS.stats.w13
+    for seed in (0, 1):  # initial load, then a weight update through the same loader
+        ckpt = checkpoint(seed)
+        load(layer, ckpt)
+        for e in range(E):
+            gate_up = torch.cat([ckpt[f"{e}.gate"], ckpt[f"{e}.up"]])
+            assert torch.equal(layer.w13_weight.data[e], nvfp4_qdq(gate_up, gate_up.abs().amax().float()))
+            down = ckpt[f"{e}.down"]
+            assert torch.equal(layer.w2_weight.data[e], nvfp4_qdq(down, down.abs().amax().float()))
+    assert hooks.EXPERT_WEIGHTS.stats.w13 - before == 2 * E
+
+
+def test_half_updated_expert_is_reported_and_refused(emulate_args):
+    layer = make_layer(layer_id=5)
+    weights = ExpertWeights()
+    ckpt = checkpoint(2)
+    layer.w13_weight.data[1, :INTER] = ckpt["1.gate"]
+    weights.on_loaded(layer, layer.w13_weight, ckpt["1.gate"], "w1", 1)
+    assert weights.pending() == [(5, 1)]
+    with pytest.raises(RuntimeError, match=r"half updated .*\(5, 1\)"):
+        weights.check_complete()
+    layer.w13_weight.data[1, INTER:] = ckpt["1.up"]
+    weights.on_loaded(layer, layer.w13_weight, ckpt["1.up"], "w3", 1)
+    assert weights.pending() == [] and weights.stats.w13 == 1
+
+
+def test_emulated_input_site_equals_reference_and_writes_record():
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, H, generator=gen) * torch.logspace(-3, 3, 7).view(-1, 1)).to(torch.bfloat16)
+    spec = RecordSpec(bits=1, moe_layers=(3,))
+    cap = RecordCapturer(spec, ModelShape(hidden=H, num_kv_heads=1, head_dim=16), max_tokens=16, num_slots=32)
+    out = emulate_moe_input(x, 1, cap.staging_rows((3, "moe_in"), 7))
+    q = quantize(x, "nvfp4", per_token=True)
+    assert torch.equal(out, dequantize(q, x.dtype))
+    cap.on_forward_end(torch.arange(10, 17))
+    rec = cap.gather(torch.arange(10, 17), 7).records[(3, "moe_in")]
+    ref = Record.from_quantized(q, 1)
+    assert torch.equal(rec.low_bits, ref.low_bits) and torch.equal(rec.scales, ref.scales)
+    assert torch.equal(rec.global_scale, ref.global_scale)
+    assert torch.equal(emulate_moe_input(x, 1, None), out)  # uncaptured layers: same numerics, no record
+
+
+def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_path):
+    """FusedMoE.forward_impl with TRACE on equals the same layer run on the reference-quantized input."""
+    from sglang_trace.capturer import TraceCapturer
+    from sglang_trace.config import ModelLayout, check_server_args
+
+    layer = make_layer(layer_id=1)
+    load(layer, checkpoint(4))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, H, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(6)]).to(torch.int32)
+    topk = StandardTopKOutput(topk_weights=torch.rand(6, TOPK, generator=gen), topk_ids=ids, router_logits=None)
+
+    reference = layer.forward_impl(dequantize(quantize(x, "nvfp4", per_token=True), x.dtype), topk)  # TRACE off
+    unquantized = layer.forward_impl(x, topk)
+    layout = ModelLayout("Qwen3MoeForCausalLM", 2, (0, 1), (0, 1), H, 1, 16, TOPK)
+    args = check_server_args(
+        ServerArgs(
+            model_path="dummy",
+            trace_mode="emulate-nvfp4",
+            trace_store=str(tmp_path),
+            trace_sites="moe_in",
+            trace_record_bits=4,
+        )
+    )
+    cap = TraceCapturer(
+        args,
+        layout,
+        kv_pool=None,
+        max_tokens=8,
+        num_slots=16,
+        device="cpu",
+        return_routes=False,
+        weights=hooks.EXPERT_WEIGHTS,
+    )
+    set_global_experts_capturer(cap)
+    try:
+        traced = layer.forward_impl(x, topk)
+    finally:
+        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+    assert torch.equal(traced, reference)
+    assert not torch.equal(traced, unquantized)
+    staged = cap.records.site_buffers((1, "moe_in"))
+    ref = Record.from_quantized(quantize(x, "nvfp4", per_token=True), 4)
+    assert torch.equal(staged.low_bits[:6], ref.low_bits) and torch.equal(staged.scales[:6], ref.scales)
