@@ -73,7 +73,7 @@ def test_killed_rollout_worker_is_restarted_and_no_record_is_lost(model_dir, tmp
     clean = Controller(_cfg(model_dir, tmp_path / "clean"))
     want = clean.rollout(0)
     ctrl = Controller(_cfg(model_dir, tmp_path / "chaos"))
-    victim = ctrl.workers[1]
+    victim = ctrl.pool.workers[1]
     calls = []
 
     def kill_on_third_forward(module, args, output):
@@ -83,7 +83,7 @@ def test_killed_rollout_worker_is_restarted_and_no_record_is_lost(model_dir, tmp
 
     victim.engine.model.register_forward_hook(kill_on_third_forward)
     got = ctrl.rollout(0)
-    assert got.restarts == 1 and ctrl.workers[1] is not victim and len(calls) == 3
+    assert got.restarts == 1 and ctrl.pool.workers[1] is not victim and len(calls) == 3
     assert len(got.trajectories) == len(want.trajectories) == 16
     reader, ref = RecordReader(ctrl.store, 0), RecordReader(clean.store, 0)
     assert reader.trajectories() == ref.trajectories() == sorted(str(i) for i in range(16))

@@ -41,6 +41,7 @@ class RLConfig:
     max_version_diff: int = 3
     async_lag: int = 0
     rollout_workers: int = 2
+    use_ray: bool = False
     max_restarts: int = 3
     checkpoint_every: int = 5
     keep_record_steps: int = 4

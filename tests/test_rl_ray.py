@@ -1,0 +1,44 @@
+"""The Ray layer: rollout workers as Ray actor processes behind the same interface. A worker process that exits
+mid-request is restarted and the step completes with every record in the store; trajectories equal the
+in-process pool's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_core.store_reader import RecordReader
+from trace_rl.config import RLConfig
+from trace_rl.controller import Controller
+from trace_rl.warmup import make_tiny_model
+
+ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(out, steps=10)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield str(out)
+    ray.shutdown()
+
+
+def test_ray_worker_process_killed_mid_request_is_restarted(model_dir, tmp_path):
+    small = dict(model_dir=model_dir, prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace")
+    ctrl = Controller(RLConfig(out_dir=str(tmp_path / "ray"), use_ray=True, **small))
+    ctrl.out.mkdir(parents=True)
+    victim = ctrl.pool.workers[1]
+    ray.get(victim.exit_after.remote(3))  # the actor process exits during its third forward
+    first = ctrl.train_step()
+    assert first["rollout/restarts"] == 1 and ctrl.pool.workers[1] is not victim
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.version.remote())
+    assert len(RecordReader(ctrl.store, 0).trajectories()) == 16
+    second = ctrl.train_step()
+    assert second["rollout/restarts"] == 0 and ctrl.pool.versions() == [2, 2]
+
+    want = Controller(RLConfig(out_dir=str(tmp_path / "local0"), **small)).rollout(0)
+    got = Controller(RLConfig(out_dir=str(tmp_path / "ray0"), use_ray=True, **small)).rollout(0)
+    for x, y in zip(got.trajectories, want.trajectories, strict=True):
+        assert torch.equal(x.tokens, y.tokens)
