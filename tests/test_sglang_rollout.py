@@ -1,0 +1,234 @@
+"""Record capture through the patched SGLang rollout path on CPU, from forward to record store to handle.
+
+Real SGLang code (0.5.10.post1 with the TRACE patches): `ServerArgs`, `FusedMoE` (weight loader and
+`forward_impl`, CPU expert path), `MHATokenToKVPoolFP4.set_kv_buffer`, `ReqToTokenPool`, the global experts
+capturer seam, `SchedulerOutputProcessorMixin.maybe_collect_routed_experts` (request finish) and
+`SchedulerUpdateWeightsMixin.update_weights_from_disk` (weight update). The scheduler loop, model runner,
+ForwardBatch and top-k layer are not built (they need the GPU stack); the test drives the calls they make with
+plain data holders (`SimpleNamespace`) in their place: `capture(layer_id, topk_ids)` as `select_experts` does,
+`on_forward_end(forward_batch, ...)` as `ModelRunner.forward` does. `sgl_kernel` is an import stand-in where absent
+(`tests/sglang_cpu.py`); nothing here calls it.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.sglang_cpu import init_cpu_parallel_state, install_sgl_kernel_stand_in
+
+install_sgl_kernel_stand_in()
+layer_mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
+
+from sglang.srt.layers.moe.routed_experts_capturer import (  # noqa: E402
+    _RoutedExpertsCapturerNoop,
+    get_global_experts_capturer,
+    set_global_experts_capturer,
+)
+from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput  # noqa: E402
+from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin  # noqa: E402
+from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+from transformers import Qwen3MoeConfig  # noqa: E402
+
+from sglang_trace import hooks  # noqa: E402
+from sglang_trace.capturer import TraceCapturer  # noqa: E402
+from trace_core.quant import quantize  # noqa: E402
+from trace_core.records import Record  # noqa: E402
+from trace_core.store_reader import RecordReader  # noqa: E402
+
+H, KV_HEADS, HEAD_DIM, EXPERTS, TOPK, INTER, LAYERS = 64, 2, 32, 4, 2, 32, 2
+
+
+def qwen3_moe() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        hidden_size=H,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        moe_intermediate_size=INTER,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+class Rollout:
+    """The engine state a scheduler process holds, built from real SGLang parts, plus what each position saw."""
+
+    def __init__(self, store: str) -> None:
+        init_cpu_parallel_state()
+        self.args = ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            kv_cache_dtype="fp4_e2m1",
+            trace_mode="emulate-nvfp4",
+            trace_layers="all",
+            trace_record_bits=1,
+            trace_store=store,
+            enable_return_routed_experts=True,
+        )
+        set_global_server_args_for_scheduler(self.args)
+        self.gen = torch.Generator().manual_seed(0)
+        self.moe = [
+            layer_mod.FusedMoE(
+                num_experts=EXPERTS,
+                hidden_size=H,
+                intermediate_size=INTER,
+                layer_id=i,
+                top_k=TOPK,
+                params_dtype=torch.bfloat16,
+            )
+            for i in range(LAYERS)
+        ]
+        self.load_weights()
+        self.pool = MHATokenToKVPoolFP4(
+            size=64,
+            page_size=1,
+            dtype=torch.float4_e2m1fn_x2,
+            head_num=KV_HEADS,
+            head_dim=HEAD_DIM,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        self.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+        runner = SimpleNamespace(
+            server_args=self.args,
+            model_config=SimpleNamespace(hf_config=qwen3_moe()),
+            token_to_kv_pool=self.pool,
+            max_running_requests=16,
+            max_total_num_tokens=64,
+            page_size=1,
+            device="cpu",
+        )
+        assert hooks.install_capturer(runner)
+        self.capturer: TraceCapturer = get_global_experts_capturer()
+        self.seen: dict[int, dict] = {}  # KV slot -> what the last forward that wrote it computed
+
+    def load_weights(self) -> None:
+        for layer in self.moe:
+            for e in range(EXPERTS):
+                for name, sid, shape in (("w13_weight", "w1", (INTER, H)), ("w13_weight", "w3", (INTER, H))) + (
+                    ("w2_weight", "w2", (H, INTER)),
+                ):
+                    w = (torch.randn(*shape, generator=self.gen) * 0.05).to(torch.bfloat16)
+                    layer.weight_loader(getattr(layer, name), w, name, sid, e)
+
+    def forward(self, slots: list[int], mode: ForwardMode) -> None:
+        """One model forward over rows `slots`: each MoE layer routes and runs its experts, each attention layer
+        writes K/V; then the forward ends, as in ModelRunner.forward."""
+        t = len(slots)
+        loc = torch.tensor(slots, dtype=torch.int64)
+        rows = [dict() for _ in range(t)]
+        for layer in range(LAYERS):
+            x = torch.randn(t, H, generator=self.gen).to(torch.bfloat16) * (layer + 1)
+            ids = torch.stack([torch.randperm(EXPERTS, generator=self.gen)[:TOPK] for _ in range(t)]).to(torch.int32)
+            get_global_experts_capturer().capture(layer_id=layer, topk_ids=ids)
+            topk = StandardTopKOutput(torch.rand(t, TOPK, generator=self.gen), ids, None)
+            self.moe[layer].forward_impl(x, topk)
+            k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=self.gen).to(torch.bfloat16)
+            v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=self.gen).to(torch.bfloat16)
+            self.pool.set_kv_buffer(None, loc, k.clone(), v.clone(), layer_id_override=layer)
+            for r in range(t):
+                rows[r][(layer, "moe_in")] = x[r]
+                rows[r][(layer, "k")] = k[r].reshape(-1)
+                rows[r][(layer, "v")] = v[r].reshape(-1)
+                rows[r][("routes", layer)] = ids[r]
+        for slot, row in zip(slots, rows, strict=True):
+            self.seen[slot] = row
+        batch = SimpleNamespace(forward_mode=mode, out_cache_loc=loc)
+        get_global_experts_capturer().on_forward_end(forward_batch=batch, can_run_graph=False, cuda_graph_batch=None)
+
+    def finish(self, rid: str, req_pool_idx: int, slots: list[int]):
+        """Request finish as the scheduler runs it: req_to_token holds its slots, seqlen = len(slots) + 1 (the
+        last sampled token has no KV yet)."""
+        self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        req = SimpleNamespace(rid=rid, req_pool_idx=req_pool_idx, seqlen=len(slots) + 1, routed_experts=None)
+        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool)
+        SchedulerOutputProcessorMixin.maybe_collect_routed_experts(scheduler, req)
+        return req
+
+
+def expected(rollout: Rollout, slots: list[int], site) -> Record:
+    fmt = "nvfp4" if site[1] == "moe_in" else "kv_fp4"
+    x = torch.stack([rollout.seen[s][site] for s in slots])
+    if fmt == "kv_fp4":
+        return Record.from_quantized(quantize(x, fmt), 1)
+    return Record.from_quantized(quantize(x, fmt, per_token=True), 1)
+
+
+def check_store(rollout: Rollout, step: int, rid: str, slots: list[int]) -> None:
+    rollout.capturer.flush()
+    got = RecordReader(rollout.args.trace_store, step).load([(rid, 0, len(slots))])
+    for site in [(layer, kind) for layer in range(LAYERS) for kind in ("moe_in", "k", "v")]:
+        rec, ref = got.records[site], expected(rollout, slots, site)
+        assert bool(got.has_record[site].all()), site
+        assert torch.equal(rec.low_bits[0], ref.low_bits), site
+        assert torch.equal(rec.scales[0], ref.scales), site
+        if ref.global_scale is not None:
+            assert torch.equal(rec.global_scale[0], ref.global_scale), site
+    routes = torch.stack([torch.stack([rollout.seen[s][("routes", la)] for la in range(LAYERS)]) for s in slots])
+    assert torch.equal(got.routes[0], routes)
+
+
+@pytest.fixture
+def rollout(tmp_path):
+    r = Rollout(str(tmp_path / "records"))
+    yield r
+    r.capturer.close()
+    set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+
+
+def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
+    prompt = [10, 11, 12, 13]
+    rollout.forward(prompt, ForwardMode.EXTEND)  # sample A prefills the prompt
+    rollout.forward([20, 30], ForwardMode.EXTEND)  # A's first output token; B hits the prefix cache, extends one
+    rollout.forward([21, 31], ForwardMode.DECODE)  # both decode in one batch
+    slots_a, slots_b = prompt + [20, 21], prompt + [30, 31]
+    req_a = rollout.finish("traj-A", 0, slots_a)
+    req_b = rollout.finish("traj-B", 1, slots_b)
+    assert req_a.trace_handle == {"store": rollout.args.trace_store, "step": 0, "trajectory": "traj-A", "tokens": 6}
+    # R3's meta_info format is kept: [seqlen - 1, num_hidden_layers, topk] int32
+    assert req_b.routed_experts.shape == (6, LAYERS, TOPK) and req_b.routed_experts.dtype == torch.int32
+    assert torch.equal(req_b.routed_experts[4, 1], rollout.seen[30][("routes", 1)])
+    check_store(rollout, 0, "traj-A", slots_a)
+    check_store(rollout, 0, "traj-B", slots_b)
+    assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
+
+
+def test_retraction_slot_reuse_and_weight_update_step(rollout):
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)  # request A, retracted afterwards: slots 2, 3 go back
+    rollout.forward([2, 3, 7], ForwardMode.EXTEND)  # request C reuses them
+    rollout.forward([4, 5], ForwardMode.EXTEND)  # A recomputed into new slots after its prefix slot 1
+    before = hooks.EXPERT_WEIGHTS.stats.w13
+
+    def reload(recv_req):  # the tp worker's disk update runs the same FusedMoE weight loader
+        rollout.load_weights()
+        return True, "ok"
+
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(update_weights_from_disk=reload))
+    req = UpdateWeightFromDiskReqInput(model_path="unused", weight_version="7", flush_cache=False)
+    assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success
+    assert hooks.EXPERT_WEIGHTS.stats.w13 - before == LAYERS * EXPERTS
+    finished = rollout.finish("traj-A", 0, [1, 4, 5])
+    assert finished.trace_handle["step"] == 7
+    check_store(rollout, 7, "traj-A", [1, 4, 5])
+    rollout.finish("traj-C", 1, [2, 3, 7])
+    check_store(rollout, 7, "traj-C", [2, 3, 7])
+
+
+def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):
+    loc = torch.tensor([3, 4])
+    rollout.capturer.capture(0, torch.zeros(2, TOPK, dtype=torch.int32))  # layer 1 never routed, no MoE input
+    with pytest.raises(ValueError, match="nothing was captured"):
+        rollout.capturer.on_forward_end(
+            SimpleNamespace(forward_mode=ForwardMode.DECODE, out_cache_loc=loc), False, None
+        )
+    with pytest.raises(ValueError, match="no captured record"):
+        rollout.finish("never-run", 2, [40, 41])
