@@ -7,6 +7,7 @@ stack to the installed package, so these tests also check that the tested sglang
 import importlib.util
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ pytest.importorskip("sglang", reason="sglang==0.5.10.post1 is installed by make 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sglang_patches.py"
 _spec = importlib.util.spec_from_file_location("sglang_patches", SCRIPT)
 sp = importlib.util.module_from_spec(_spec)
+sys.modules["sglang_patches"] = sp  # dataclasses resolve their module through sys.modules
 _spec.loader.exec_module(sp)
 
 
