@@ -4,9 +4,10 @@
 #   scripts/launch_disagg.sh                      # embedded default: tiny Qwen3-MoE, modes bf16, qat, trace
 #   scripts/launch_disagg.sh CONFIG [key=value]   # the same loop under a JSON / TOML RLConfig file
 #
-# With no arguments it builds the tiny model if needed (out/tiny-model), runs the RL loop in each mode in this
-# process (embedded rollout engine + Megatron trainer on CPU or one GPU), and writes out/rl/: metrics.csv, per-mode
-# metrics.jsonl and checkpoints, PNG plots and the summary table. See docs/rl.md.
+# With no arguments it builds the tiny model if needed (out/tiny-model), runs the RL loop in each mode (embedded
+# rollout engine + Megatron trainer, CPU or one GPU) and writes out/rl/: metrics.csv, per-mode metrics.jsonl and
+# checkpoints, PNG plots and the summary table. With a config, `use_ray = true` runs the rollout workers as Ray
+# actors (on the cluster named by RAY_ADDRESS if set); SGLang server workers are not wired yet. See docs/rl.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

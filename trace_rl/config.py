@@ -30,12 +30,12 @@ class RLConfig:
     mode: str = "trace"
     model_dir: str = "out/tiny-model"
     out_dir: str = "out/rl"
-    steps: int = 25
-    prompts_per_step: int = 8
+    steps: int = 100
+    prompts_per_step: int = 16
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    lr: float = 2e-4
+    lr: float = 3e-4
     record_bits: int = 1
     record_all_layers: bool = False
     max_version_diff: int = 3

@@ -123,7 +123,8 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(sites))], sites)
     ax.set_ylabel("code-flip rate (recorded bits)")
     ax.set_title("code-flip rate per layer and site")
-    ax.legend()
+    if modes:
+        ax.legend()
     fig.tight_layout()
     paths.append(out / "code_flip_per_layer.png")
     fig.savefig(paths[-1], dpi=100)
