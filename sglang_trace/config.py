@@ -179,6 +179,11 @@ def check_server_args(server_args) -> TraceArgs:
         )
     if mode == "native" and server_args.quantization not in ("modelopt_fp4",):
         problems.append(f"--trace-mode native needs --quantization modelopt_fp4, got {server_args.quantization!r}")
+    if mode == "native" and server_args.moe_runner_backend != "flashinfer_cutlass":
+        problems.append(
+            "--trace-mode native needs --moe-runner-backend flashinfer_cutlass (one static input scale per layer and "
+            f"standard top-k, so codes and routes are observable); got {server_args.moe_runner_backend!r}"
+        )
     if problems:
         raise ValueError("TRACE server arguments: " + "; ".join(problems))
     return args

@@ -65,6 +65,14 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
 
 
+def forward_rows(server_args, max_running_requests: int) -> int:
+    """Most token rows one forward can run: a prefill chunk (the whole prefill budget when chunking is off), a
+    decode batch, or a padded CUDA-graph batch."""
+    chunk = server_args.chunked_prefill_size
+    prefill = chunk if chunk and chunk > 0 else server_args.max_prefill_tokens
+    return max(prefill, max_running_requests, server_args.cuda_graph_max_bs or 0)
+
+
 def install_capturer(model_runner) -> bool:
     """Install a `TraceCapturer` as SGLang's global experts capturer when TRACE is on; True when installed (the
     caller then skips the built-in R3 capturer, whose role it takes over)."""
@@ -86,7 +94,7 @@ def install_capturer(model_runner) -> bool:
         args,
         layout,
         kv_pool=model_runner.token_to_kv_pool if args.kv_sites else None,
-        max_tokens=max(model_runner.server_args.chunked_prefill_size or 0, model_runner.max_running_requests),
+        max_tokens=forward_rows(server_args, model_runner.max_running_requests),
         num_slots=model_runner.max_total_num_tokens + model_runner.page_size,
         device=model_runner.device,
         return_routes=server_args.enable_return_routed_experts,

@@ -77,6 +77,7 @@ def test_cli_flags_parse_into_server_args():
         (dict(trace_store=None), "--trace-store is required"),
         (dict(kv_cache_dtype="auto"), "--kv-cache-dtype fp4_e2m1"),
         (dict(trace_mode="native"), "--quantization modelopt_fp4"),
+        (dict(trace_mode="native", quantization="modelopt_fp4"), "--moe-runner-backend flashinfer_cutlass"),
         (dict(trace_mode="fp8"), "--trace-mode 'fp8'"),
         (dict(quantization="fp8"), "BF16 checkpoint"),
         (dict(enable_dp_attention=True), "--enable-dp-attention"),
@@ -87,6 +88,13 @@ def test_cli_flags_parse_into_server_args():
 def test_bad_trace_args_fail_naming_the_problem(kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make(**kw)
+
+
+def test_native_mode_accepts_the_observable_blackwell_setup():
+    args = check_server_args(
+        make(trace_mode="native", quantization="modelopt_fp4", moe_runner_backend="flashinfer_cutlass")
+    )
+    assert args.mode == "native"
 
 
 def test_moe_only_sites_need_no_fp4_kv_and_off_checks_nothing_else():

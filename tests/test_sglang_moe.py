@@ -23,7 +23,7 @@ from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
 from sglang_trace import hooks  # noqa: E402
-from sglang_trace.moe import ExpertWeights, emulate_moe_input  # noqa: E402
+from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input  # noqa: E402
 from tests.sglang_cpu import init_cpu_parallel_state  # noqa: E402
 from trace_core.capture import RecordCapturer  # noqa: E402
 from trace_core.quant import dequantize, nvfp4_global_scale, quantize  # noqa: E402
@@ -166,3 +166,21 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     staged = cap.records.site_buffers((1, "moe_in"))
     ref = Record.from_quantized(quantize(x, "nvfp4", per_token=True), 4)
     assert torch.equal(staged.low_bits[:6], ref.low_bits) and torch.equal(staged.scales[:6], ref.scales)
+
+
+def test_native_site_reproduces_codes_under_the_static_input_scale():
+    """native: the kernel quantizes with the layer's static `S_enc` (`w13_input_scale_quant`); the record must be the
+    exact-math quantization under that scale, and the input is left as it is."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    s_enc = nvfp4_global_scale(torch.tensor(3.5))
+    spec = RecordSpec(bits=2, moe_layers=(0,))
+    cap = RecordCapturer(spec, ModelShape(hidden=H, num_kv_heads=1, head_dim=16), max_tokens=8, num_slots=8)
+    kept = x.clone()
+    native_moe_input(x, 2, s_enc, cap.staging_rows((0, "moe_in"), 5))
+    assert torch.equal(x, kept)
+    cap.on_forward_end(torch.arange(5))
+    rec = cap.gather(torch.arange(5), 5).records[(0, "moe_in")]
+    ref = Record.from_quantized(quantize(x, "nvfp4", global_scale=s_enc), 2)
+    assert torch.equal(rec.low_bits, ref.low_bits) and torch.equal(rec.scales, ref.scales)
+    assert torch.equal(rec.global_scale, s_enc.expand(5, 1))
