@@ -95,3 +95,7 @@ def test_weight_updates_requantize_and_reject_stale_or_incomplete_weights(model_
         engine.load_weights({k: v for k, v in hf.items() if k != "lm_head.weight"}, version=2)
     with pytest.raises(KeyError, match="no parameter"):
         engine.load_weights(hf | {"model.extra.weight": torch.zeros(1)}, version=2)
+    bad = {k: 3 * v for k, v in hf.items()} | {"model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match="model.norm.weight: update of shape"):
+        engine.load_weights(bad, version=2)
+    assert torch.equal(engine.model.model.layers[0].mlp.experts.gate_up_proj.detach(), w) and engine.version == 1

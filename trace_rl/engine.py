@@ -108,27 +108,30 @@ class EmbeddedEngine:
         if version <= self.version:
             raise ValueError(f"weight update to version {version} is not newer than the engine's {self.version}")
         params = self.model.state_dict()
+        updates: dict[str, torch.Tensor] = {}
         experts: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
-        loaded = set()
         for name, t in tensors.items():
             m = EXPERT.fullmatch(name)
             if m:
                 experts.setdefault(m[1], {}).setdefault(m[3], []).append((int(m[2]), t))
             elif name in params:
-                if params[name].shape != t.shape:
-                    raise ValueError(f"{name}: shape {tuple(t.shape)}, engine has {tuple(params[name].shape)}")
-                params[name].copy_(t)
-                loaded.add(name)
+                updates[name] = t
             else:
                 raise KeyError(f"weight {name} has no parameter in the engine")
         for prefix, parts in experts.items():
             stack = {k: torch.stack([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in parts.items()}
-            params[f"{prefix}.gate_up_proj"].copy_(torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1))
-            params[f"{prefix}.down_proj"].copy_(stack["down_proj"])
-            loaded |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
-        missing = set(params) - loaded
+            if set(stack) != {"gate_proj", "up_proj", "down_proj"}:
+                raise KeyError(f"{prefix}: expert weights {sorted(stack)}, need gate_proj, up_proj and down_proj")
+            updates[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+            updates[f"{prefix}.down_proj"] = stack["down_proj"]
+        missing = set(params) - set(updates)
         if missing:
             raise KeyError(f"weight update misses {sorted(missing)[:4]} ({len(missing)} tensors)")
+        for name, t in updates.items():
+            if params[name].shape != t.shape:
+                raise ValueError(f"{name}: update of shape {tuple(t.shape)}, engine has {tuple(params[name].shape)}")
+        for name, t in updates.items():  # checked in full first: a bad update leaves the engine as it was
+            params[name].copy_(t)
         if self.fp4:
             self._quantize_experts()
         self.version = version
