@@ -30,7 +30,7 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
 
 # Architectures whose MoE block is one FusedMoE per layer fed by the standard dispatcher.
 DENSE_ATTENTION_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-# Hybrid linear-attention models: MoE sites only; their KV pool (HybridLinearKVPool) has no FP4 variant in 0.5.10.post1.
+# Hybrid linear-attention models: k/v sites on the full-attention layers only (their FP4 KV pool is patch 0010).
 HYBRID_ARCHS = ("Qwen3NextForCausalLM",)
 
 
@@ -235,11 +235,6 @@ def model_layout(hf_config) -> ModelLayout:
 def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
     """The record spec `args` select on a model: sites, layers and bits; ValueError for layers or sites the model
     does not have."""
-    if args.kv_sites and layout.arch in HYBRID_ARCHS:
-        raise ValueError(
-            f"{layout.arch}: k/v sites are not supported (SGLang 0.5.10.post1 builds no FP4 KV pool for hybrid "
-            "linear-attention models); pass --trace-sites moe_in"
-        )
     if args.layers == "all":
         moe, attn = layout.moe_layers, layout.attn_layers
     elif args.layers == "latter-half":

@@ -5,7 +5,9 @@ The pool already holds what the rollout attended over: per slot and layer, packe
 finished request's K/V records are therefore read, not recomputed: its slots are `req_to_token[req_pool_idx,
 :seqlen-1]` (the last token's KV may still be in flight under the overlap scheduler, SGLang's R3 convention), and
 the read must happen before the request's KV is released. Under attention TP each rank holds its KV heads; the
-rank shards are concatenated along the head axis (`merge_tp_shards`) into full-width rows.
+rank shards are concatenated along the head axis (`merge_tp_shards`) into full-width rows. Hybrid
+linear-attention models keep their full-attention layers' KV in an FP4 pool inside `HybridLinearKVPool` once patch
+0010 is applied.
 """
 
 from __future__ import annotations
@@ -41,22 +43,34 @@ def request_slots(req_to_token: torch.Tensor, req_pool_idx: int, seqlen: int) ->
     return req_to_token[req_pool_idx, : seqlen - 1]
 
 
+def _layer_index(pool, layer: int) -> tuple[object, int]:
+    """(FP4 pool, buffer index) of model layer `layer`; a hybrid pool keeps full-attention layers in `full_kv_pool`."""
+    mapping = getattr(pool, "full_attention_layer_id_mapping", None)
+    if mapping is not None:
+        if layer not in mapping:
+            raise ValueError(f"layer {layer} is not a full-attention layer of this pool ({sorted(mapping)})")
+        return pool.full_kv_pool, mapping[layer]
+    local = layer - pool.start_layer
+    if not 0 <= local < pool.layer_num:
+        raise ValueError(f"layer {layer} is not in this pool (layers {pool.start_layer}..{pool.end_layer - 1})")
+    return pool, local
+
+
 def gather_kv_shard(
     pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], bits: int
 ) -> dict[Site, Record]:
     """This rank's K/V records of `layers` at KV `slots` `[L]`: rows of `head_num * head_dim` elements.
 
-    Reads the pool's codes and scale bytes (no requantization) and keeps the low `bits` of each code."""
-    check_fp4_pool(pool)
-    slots = slots.to(device=pool.k_buffer[0].device, dtype=torch.int64)
+    Reads the pool's codes and scale bytes (no requantization) and keeps the low `bits` of each code. `pool` is an
+    `MHATokenToKVPoolFP4` or a `HybridLinearKVPool` holding one (patch 0010)."""
+    check_fp4_pool(getattr(pool, "full_kv_pool", pool))
     out: dict[Site, Record] = {}
     for layer in layers:
-        local = layer - pool.start_layer
-        if not 0 <= local < pool.layer_num:
-            raise ValueError(f"layer {layer} is not in this pool (layers {pool.start_layer}..{pool.end_layer - 1})")
+        fp4, local = _layer_index(pool, layer)
+        slots = slots.to(device=fp4.k_buffer[0].device, dtype=torch.int64)
         for kind in kinds:
-            codes_buf = pool.k_buffer if kind == "k" else pool.v_buffer
-            scale_buf = pool.k_scale_buffer if kind == "k" else pool.v_scale_buffer
+            codes_buf = fp4.k_buffer if kind == "k" else fp4.v_buffer
+            scale_buf = fp4.k_scale_buffer if kind == "k" else fp4.v_scale_buffer
             packed = codes_buf[local][slots]  # uint8 [L, H, D/2]
             codes = unpack_fp4(packed).reshape(slots.shape[0], -1)  # [L, H*D]
             scales = scale_buf[local][slots]  # uint8 [L, H*D/16]

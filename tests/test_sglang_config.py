@@ -116,12 +116,13 @@ def test_model_spec_latter_half_and_explicit_layers():
     assert spec.attn_layers == ()
 
 
-def test_unsupported_model_and_hybrid_kv_are_refused():
+def test_unsupported_model_is_refused_and_hybrid_records_full_attention_kv():
     with pytest.raises(ValueError, match="does not support architecture"):
         model_layout(Qwen3MoeConfig(architectures=["DeepseekV3ForCausalLM"]))
     hybrid = Qwen3NextConfig(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3NextForCausalLM"])
     layout = model_layout(hybrid)
-    assert layout.attn_layers == (3, 7)
-    with pytest.raises(ValueError, match="no FP4 KV pool for hybrid"):
-        model_spec(check_server_args(make()), layout)
-    assert model_spec(check_server_args(make(trace_sites="moe_in")), layout).moe_layers == (4, 5, 6, 7)
+    assert layout.attn_layers == (3, 7) and layout.moe_layers == tuple(range(8))
+    spec = model_spec(check_server_args(make()), layout)
+    assert spec.attn_layers == (7,) and spec.moe_layers == (4, 5, 6, 7)
+    with pytest.raises(ValueError, match=r"layers \[9\]"):
+        model_spec(check_server_args(make(trace_layers="7,9")), layout)

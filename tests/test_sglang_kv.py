@@ -153,3 +153,31 @@ def test_bad_input_is_named():
         gather_kv_records(pool, torch.tensor([1]), [0], ["k"], 1, num_kv_heads=2 * HEADS)
     with pytest.raises(ValueError, match="expected 2 KV record shards"):
         merge_tp_shards([{}], 2, 4)
+
+
+def test_hybrid_linear_pool_stores_fp4_and_records_full_attention_layers(req_pool):
+    """Patch 0010: `HybridLinearKVPool` (Qwen3-Next) builds an FP4 pool for its full-attention layers; written
+    through the hybrid pool's own `set_kv_buffer`, read back by model layer id."""
+    from types import SimpleNamespace
+
+    hybrid = memory_pool.HybridLinearKVPool(
+        size=SLOTS,
+        dtype=torch.float4_e2m1fn_x2,
+        page_size=1,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        full_attention_layer_ids=[3, 7],
+        enable_kvcache_transpose=False,
+        device="cpu",
+        mamba_pool=None,
+    )
+    assert type(hybrid.full_kv_pool).__name__ == "MHATokenToKVPoolFP4"
+    k, v = kv_values(5, 9), kv_values(5, 10)
+    slots = torch.tensor([3, 1, 4, 15, 9])
+    layer = SimpleNamespace(layer_id=7)  # RadixAttention: the hybrid pool reads only its layer_id
+    hybrid.set_kv_buffer(layer, slots, k.clone(), v.clone())
+    got = gather_kv_shard(hybrid, slots, [7], ["k", "v"], 1)
+    assert_same(got[(7, "k")], expected(k, 1))
+    assert_same(got[(7, "v")], expected(v, 1))
+    with pytest.raises(ValueError, match="not a full-attention layer"):
+        gather_kv_shard(hybrid, slots, [5], ["k"], 1)
