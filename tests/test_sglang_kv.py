@@ -181,3 +181,36 @@ def test_hybrid_linear_pool_stores_fp4_and_records_full_attention_layers(req_poo
     assert_same(got[(7, "v")], expected(v, 1))
     with pytest.raises(ValueError, match="not a full-attention layer"):
         gather_kv_shard(hybrid, slots, [5], ["k"], 1)
+
+
+def _tp_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    """One attention-TP rank: its pool holds heads [rank * H/world, (rank + 1) * H/world) of the same K/V."""
+    import torch.distributed as dist
+
+    install_sgl_kernel_stand_in()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        local = HEADS // world
+        x = kv_values(6, 11)[:, rank * local : (rank + 1) * local]
+        pool = fp4_pool(heads=local)
+        slots = torch.tensor([7, 3, 9, 1, 2, 8])
+        write(pool, 1, slots, x, x)
+        got = gather_kv_records(pool, slots, [1], ["k"], 1, num_kv_heads=HEADS, tp_group=dist.group.WORLD)
+        if rank == 0:
+            rec = got[(1, "k")]
+            torch.save({"low_bits": rec.low_bits, "scales": rec.scales, "n": rec.n}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kv_records_gathered_over_a_real_tp_group(tmp_path):
+    """Two processes, a gloo process group, each with its half of the KV heads: the all-gathered records equal the
+    full-width reference (what the scheduler does at request finish under --tp 2)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    ref = expected(kv_values(6, 11), 1)
+    assert got["n"] == ref.n
+    assert torch.equal(got["low_bits"], ref.low_bits) and torch.equal(got["scales"], ref.scales)
