@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from trace_core.store import list_steps
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller
@@ -55,13 +56,13 @@ def test_three_modes_end_to_end(model_dir, tmp_path):
 def test_resume_from_checkpoint_gives_the_same_next_step(model_dir, tmp_path):
     cfg = _cfg(model_dir, tmp_path / "a", mode="trace", async_lag=1, checkpoint_every=2, steps=4)
     ctrl = Controller(cfg)
-    ctrl.out.mkdir(parents=True)
     ctrl.train_step(), ctrl.train_step()  # checkpoint after step 2, with step 2's rollout pending (async)
     assert len(ctrl.pending) == 1
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     want = ctrl.train_step()
     resumed = Controller(cfg.replace(out_dir=str(tmp_path / "b")))
     assert resumed.step == 2 and [b.step for b in resumed.pending] == [2]
+    assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 2
     _same(resumed.train_step(), want)
     for p, q in zip(ctrl.trainer.params, resumed.trainer.params, strict=True):
         assert torch.equal(p, q)
@@ -108,3 +109,12 @@ def test_staleness_bound_is_enforced(model_dir, tmp_path):
     rewards = torch.zeros(len(old.trajectories))
     with pytest.raises(StaleRolloutError, match="3 versions behind"):
         ctrl.trainer.step(old.trajectories, rewards, 4, RecordReader(ctrl.store, 9), old.version)
+
+
+def test_restart_without_checkpoint_starts_over(model_dir, tmp_path):
+    cfg = _cfg(model_dir, tmp_path, mode="trace", checkpoint_every=5)
+    first = Controller(cfg).train_step()
+    again = Controller(cfg)  # step 0's records are in the store but no checkpoint covers them
+    assert again.step == 0 and not list_steps(again.store)
+    _same(again.train_step(), first)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1

@@ -27,7 +27,6 @@ def model_dir(tmp_path_factory):
 def test_ray_worker_process_killed_mid_request_is_restarted(model_dir, tmp_path):
     small = dict(model_dir=model_dir, prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace")
     ctrl = Controller(RLConfig(out_dir=str(tmp_path / "ray"), use_ray=True, **small))
-    ctrl.out.mkdir(parents=True)
     victim = ctrl.pool.workers[1]
     ray.get(victim.exit_after.remote(3))  # the actor process exits during its third forward
     first = ctrl.train_step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -18,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from trace_core.records import RecordSpec
-from trace_core.store import apply_retention, finalize_step
+from trace_core.store import apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
@@ -62,11 +63,25 @@ class Controller:
         )
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
         self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, self.spec, self.task)
+        self.out.mkdir(parents=True, exist_ok=True)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
         self.step = 0
         if resume and (self.out / CHECKPOINT).exists():
             self._load_checkpoint()
+        self._discard_unsaved_rollouts()
+        with open(self.out / METRICS, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in self.history)
+
+    def _discard_unsaved_rollouts(self) -> None:
+        """Record-store steps that no checkpoint knows of (a fresh start, or rollouts after the last checkpoint)
+        are regenerated, so their old directories go."""
+        first = self.step + len(self.pending)
+        stale = [s for s in list_steps(self.store) if s >= first] if self.store.exists() else []
+        for s in stale:
+            shutil.rmtree(step_dir(self.store, s))
+        if stale:
+            print(f"discarded record-store steps {stale} of {self.out} (not covered by a checkpoint)")
 
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> RolloutBatch:
@@ -121,7 +136,6 @@ class Controller:
         return metrics
 
     def run(self, desc: str | None = None) -> list[dict]:
-        self.out.mkdir(parents=True, exist_ok=True)
         bar = tqdm(range(self.step, self.cfg.steps), desc=desc or self.cfg.mode, unit="step")
         for _ in bar:
             m = self.train_step()
@@ -176,8 +190,6 @@ class Controller:
         )
         if self.trainer.version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), self.trainer.version)
-        with open(self.out / METRICS, "w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in self.history)
 
 
 def batch_responses(batch: RolloutBatch) -> list[torch.Tensor]:
