@@ -12,7 +12,6 @@ import argparse
 from dataclasses import dataclass
 
 from trace_core.records import RecordSpec, check_bits
-from trace_core.store import Site
 
 MODES = ("off", "emulate-nvfp4", "native")
 SITE_KINDS = ("moe_in", "k", "v")
@@ -262,9 +261,3 @@ def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
 def kv_kinds(args: TraceArgs) -> tuple[str, ...]:
     """The KV site kinds recorded (a RecordSpec always pairs k and v; this narrows to the selected ones)."""
     return tuple(k for k in ("k", "v") if k in args.sites)
-
-
-def recorded_sites(args: TraceArgs, spec: RecordSpec) -> list[Site]:
-    """The sites actually written for requests: the spec's MoE sites and the selected KV kinds."""
-    kinds = set(kv_kinds(args))
-    return [s for s in spec.sites() if s[1] == "moe_in" or s[1] in kinds]
