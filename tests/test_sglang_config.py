@@ -12,7 +12,7 @@ import pytest
 
 server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (patched) and its CPU deps: make setup")
 from sglang.srt.configs.qwen3_next import Qwen3NextConfig  # noqa: E402
-from transformers import Qwen3MoeConfig  # noqa: E402
+from transformers import Qwen2MoeConfig, Qwen3MoeConfig  # noqa: E402
 
 from sglang_trace.config import SERVER_ARGS_FIELDS, TraceArgs, check_server_args, model_layout, model_spec  # noqa: E402
 
@@ -126,3 +126,18 @@ def test_unsupported_model_is_refused_and_hybrid_records_full_attention_kv():
     assert spec.attn_layers == (7,) and spec.moe_layers == (4, 5, 6, 7)
     with pytest.raises(ValueError, match=r"layers \[9\]"):
         model_spec(check_server_args(make(trace_layers="7,9")), layout)
+
+
+def test_qwen2_moe_layout_follows_sparse_step_and_mlp_only_layers():
+    cfg = Qwen2MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        decoder_sparse_step=2,
+        mlp_only_layers=[5],
+        num_experts_per_tok=2,
+        architectures=["Qwen2MoeForCausalLM"],
+    )
+    layout = model_layout(cfg)
+    assert layout.moe_layers == (1, 3) and layout.attn_layers == tuple(range(6)) and layout.head_dim == 16
