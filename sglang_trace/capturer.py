@@ -28,7 +28,7 @@ from sglang_trace.kv import gather_kv_records, request_slots
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input
 from trace_core.capture import RecordCapturer
 from trace_core.records import ModelShape, Record
-from trace_core.store import StepWriter, TrajectoryRecords
+from trace_core.store import Site, StepWriter, TrajectoryRecords
 
 
 @dataclass
@@ -125,13 +125,18 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def finish_request(self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool) -> dict | None:
         """Records of a finished request (positions [0, seqlen - 1)) to the store; returns the handle on the
-        store-writing rank (None elsewhere). Must run before the request's KV is released."""
+        store-writing rank (None elsewhere). Must run before the request's KV is released.
+
+        The scheduler thread only enqueues work: the K/V rows are indexed out of the pool on the current stream
+        (ordered before any reuse of the slots) and copied to pinned memory without waiting; the MoE records and
+        routes are read from the host store on the capture drain thread, after every forward submitted so far;
+        the writer thread waits for both and writes the shard. Only R3's answer (`--enable-return-routed-experts`)
+        is waited for here. A failed gather or write is raised at the next finish or `flush`."""
         self._raise_failed_writes()
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
-        gathered = self.records.gather(slots, length)
-        records = dict(gathered.records)
-        if self.spec.attn_layers:
+        kv: dict = {}
+        if self.spec.attn_layers:  # a collective over attention TP: every rank takes part
             kv = gather_kv_records(
                 self.kv_pool,
                 slots,
@@ -141,21 +146,27 @@ class TraceCapturer(RoutedExpertsCapturer):
                 num_kv_heads=self.layout.num_kv_heads,
                 tp_group=self.tp_group,
             )
-            records.update({site: _to_cpu(rec) for site, rec in kv.items()})
-        if self.return_routes:
-            self._routes[req_pool_idx] = self._r3_routes(gathered.routes)
         self.stats.requests += 1
         self.stats.tokens += length
         if self._writer is None:
-            return None
-        trajectory = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes)
+            return None  # other ranks send no output: neither records nor R3 routes are needed there
+        moe = self.records.gather_async(slots, length)
+        kv, copied = _to_host(kv)
+        if self.return_routes:
+            self._routes[req_pool_idx] = self._r3_routes(moe.result().routes)
         writer, step = self._writer, self.step
-        self._writes.append(self._pool.submit(self._write, writer, rid, trajectory))
+        self._writes.append(self._pool.submit(self._write, writer, rid, length, moe, kv, copied))
         return {"store": str(writer.root), "step": step, "trajectory": str(rid), "tokens": length}
 
-    def _write(self, writer: StepWriter, rid: str, trajectory: TrajectoryRecords) -> None:
+    def _write(
+        self, writer: StepWriter, rid: str, length: int, moe: Future, kv: dict, copied: torch.cuda.Event | None
+    ) -> None:
         try:
-            writer.write({rid: trajectory})
+            gathered = moe.result()
+            if copied is not None:
+                copied.synchronize()
+            records = {**gathered.records, **kv}
+            writer.write({rid: TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes)})
         except Exception:
             with self._lock:
                 self.stats.write_failures += 1
@@ -179,7 +190,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         """R3's answer for the request `finish_request` just handled (None when R3 is off)."""
         if not self.return_routes:
             return None
-        return self._routes.pop(req_pool_idx)
+        return self._routes.pop(req_pool_idx, None)
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -213,5 +224,17 @@ class TraceCapturer(RoutedExpertsCapturer):
         return self.records.staging
 
 
-def _to_cpu(rec: Record) -> Record:
-    return Record(rec.fmt, rec.bits, rec.n, rec.low_bits.cpu(), rec.scales.cpu(), rec.global_scale)
+def _to_host(records: dict[Site, Record]) -> tuple[dict[Site, Record], torch.cuda.Event | None]:
+    """Copies of device records in pinned host memory, started without waiting; the event marks their end."""
+    if not records or next(iter(records.values())).low_bits.device.type != "cuda":
+        return records, None
+    out = {}
+    for site, rec in records.items():
+        low = torch.empty(rec.low_bits.shape, dtype=torch.uint8, pin_memory=True)
+        scales = torch.empty(rec.scales.shape, dtype=torch.uint8, pin_memory=True)
+        low.copy_(rec.low_bits, non_blocking=True)
+        scales.copy_(rec.scales, non_blocking=True)
+        out[site] = Record(rec.fmt, rec.bits, rec.n, low, scales, rec.global_scale)
+    copied = torch.cuda.Event()
+    copied.record()
+    return out, copied

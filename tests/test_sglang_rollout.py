@@ -231,4 +231,15 @@ def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):
             SimpleNamespace(forward_mode=ForwardMode.DECODE, out_cache_loc=loc), False, None
         )
     with pytest.raises(ValueError, match="no captured record"):
-        rollout.finish("never-run", 2, [40, 41])
+        rollout.finish("never-run", 2, [40, 41])  # R3 on: the routes are read at once
+
+
+def test_without_r3_a_failed_gather_is_raised_at_flush(rollout):
+    """With routes not returned, finish only enqueues the gather; its failure is counted and raised at flush."""
+    rollout.capturer.return_routes = False
+    rollout.forward([1, 2], ForwardMode.EXTEND)
+    assert rollout.finish("ok", 0, [1, 2]).trace_handle["tokens"] == 2
+    assert rollout.finish("never-run", 2, [40, 41]).trace_handle["trajectory"] == "never-run"
+    with pytest.raises(ValueError, match="no captured record"):
+        rollout.capturer.flush()
+    assert rollout.capturer.stats.write_failures == 1 and rollout.capturer.stats.shards_written == 1
