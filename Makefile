@@ -40,3 +40,17 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# Container image (docker/Dockerfile, docs/deploy.md), tagged $(IMAGE):<project version>. `docker` needs a Docker
+# engine and runs the static checks first; `docker-check` needs none (CI): static checks, then the Dockerfile's patch
+# step on the pinned sglang wheel.
+IMAGE ?= trace-rl
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+.PHONY: docker docker-check
+
+docker:
+	python3 scripts/check_dockerfile.py --static-only
+	docker build -f docker/Dockerfile -t $(IMAGE):$(IMAGE_VERSION) .
+
+docker-check: $(STAMP)
+	$(PY) scripts/check_dockerfile.py

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# TRACE image entrypoint: one role per container, each mapped to an existing entry point (see docs/deploy.md).
+#
+#   controller [CONFIG] [key=value ...]  scripts/launch_disagg.sh: the RL controller. The Megatron trainer (one rank)
+#                                        runs in this process; with `use_ray = true` the rollout workers are Ray
+#                                        actors on the cluster named by RAY_ADDRESS.
+#   trainer    [CONFIG] [key=value ...]  the same process as `controller`: in this release the trainer lives inside
+#                                        the controller. Start one of the two per job, never both.
+#   rollout    [SGLANG ARGS ...]         python3 -m sglang.launch_server: the patched SGLang 0.5.10.post1 server,
+#                                        TRACE flags --trace-mode, --trace-store, ... (not yet driven by the controller)
+#   ray-head   [RAY START ARGS ...]      ray start --head --block (the node the controller's driver connects to)
+#   ray-worker [RAY START ARGS ...]      ray start --address=$RAY_ADDRESS --block (hosts rollout worker actors)
+#   check                                scripts/sglang_patches.py check: the installed SGLang carries the patch stack
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2
+}
+
+role=${1:-}
+if [ -z "$role" ]; then
+    echo "entrypoint: no role given; use one of: controller trainer rollout ray-head ray-worker check" >&2
+    usage
+    exit 2
+fi
+shift
+
+case "$role" in
+controller)
+    exec scripts/launch_disagg.sh "$@"
+    ;;
+trainer)
+    echo "entrypoint: trainer: the Megatron trainer runs inside the controller process in this release;" \
+        "starting the controller (scripts/launch_disagg.sh)" >&2
+    exec scripts/launch_disagg.sh "$@"
+    ;;
+rollout)
+    exec python3 -m sglang.launch_server "$@"
+    ;;
+ray-head)
+    exec ray start --head --block --port="${RAY_PORT:-6379}" --include-dashboard=false "$@"
+    ;;
+ray-worker)
+    if [ -z "${RAY_ADDRESS:-}" ]; then
+        echo "entrypoint: ray-worker needs RAY_ADDRESS=<head host>:<port> (the ray-head container's address)" >&2
+        exit 2
+    fi
+    exec ray start --address="$RAY_ADDRESS" --block "$@"
+    ;;
+check)
+    exec python3 scripts/sglang_patches.py check
+    ;;
+-h | --help | help)
+    usage
+    ;;
+*)
+    echo "entrypoint: unknown role '$role'; use one of: controller trainer rollout ray-head ray-worker check" >&2
+    usage
+    exit 2
+    ;;
+esac
