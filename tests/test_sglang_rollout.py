@@ -111,12 +111,13 @@ class Rollout:
         self.capturer: TraceCapturer = get_global_experts_capturer()
         self.seen: dict[int, dict] = {}  # KV slot -> what the last forward that wrote it computed
 
-    def load_weights(self) -> None:
+    def load_weights(self, shards: tuple[str, ...] = ("w1", "w3", "w2")) -> None:
+        """Every expert's `shards` through the FusedMoE weight loader (w1 gate, w3 up, w2 down)."""
+        shapes = {"w1": ("w13_weight", (INTER, H)), "w3": ("w13_weight", (INTER, H)), "w2": ("w2_weight", (H, INTER))}
         for layer in self.moe:
             for e in range(EXPERTS):
-                for name, sid, shape in (("w13_weight", "w1", (INTER, H)), ("w13_weight", "w3", (INTER, H))) + (
-                    ("w2_weight", "w2", (H, INTER)),
-                ):
+                for sid in shards:
+                    name, shape = shapes[sid]
                     w = (torch.randn(*shape, generator=self.gen) * 0.05).to(torch.bfloat16)
                     layer.weight_loader(getattr(layer, name), w, name, sid, e)
 
@@ -243,3 +244,22 @@ def test_without_r3_a_failed_gather_is_raised_at_flush(rollout):
     with pytest.raises(ValueError, match="no captured record"):
         rollout.capturer.flush()
     assert rollout.capturer.stats.write_failures == 1 and rollout.capturer.stats.shards_written == 1
+
+
+def test_chunked_update_may_split_gate_and_up_but_no_forward_runs_half_updated(rollout):
+    """A weight update sent in chunks (one update_weights_from_disk per chunk here) may carry an expert's gate and
+    up in different chunks; that is fine until a forward runs in between."""
+    chunks = iter([("w1",), ("w3", "w2")])
+
+    def reload(recv_req):
+        rollout.load_weights(next(chunks))
+        return True, "ok"
+
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(update_weights_from_disk=reload))
+    req = UpdateWeightFromDiskReqInput(model_path="unused", weight_version="2", flush_cache=False)
+    assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success  # gates only
+    with pytest.raises(RuntimeError, match="half updated"):
+        rollout.forward([1], ForwardMode.EXTEND)
+    assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success  # ups and downs
+    rollout.forward([1, 2], ForwardMode.EXTEND)
+    assert rollout.finish("after-update", 0, [1, 2]).trace_handle["step"] == 2
