@@ -16,6 +16,7 @@ forward, and `get_routed_experts(...)` for every finished request just before it
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input
 from trace_core.capture import RecordCapturer
 from trace_core.records import ModelShape, Record
 from trace_core.store import Site, StepWriter, TrajectoryRecords
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -201,6 +204,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         if step == self.step:
             return
         self.flush()
+        logger.info("TRACE step %d done: %s", self.step, self.stats)
         self.step = step
         if self._writer is not None:
             self._writer = StepWriter(self.args.store, self.step)
