@@ -79,14 +79,19 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.kv_pool, self.kv_kinds = kv_pool, kv_kinds(args)
         self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
         shape = ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
-        self.records = RecordCapturer(
-            self.spec,
-            shape,
-            max_tokens=max_tokens,
-            num_slots=num_slots,
-            sites=[s for s in self.spec.sites() if s[1] == "moe_in"],
-            routes=(len(layout.moe_layers), layout.topk),
-            device=device,
+        # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
+        self.records = (
+            RecordCapturer(
+                self.spec,
+                shape,
+                max_tokens=max_tokens,
+                num_slots=num_slots,
+                sites=[s for s in self.spec.sites() if s[1] == "moe_in"],
+                routes=(len(layout.moe_layers), layout.topk),
+                device=device,
+            )
+            if tp_rank == 0
+            else None
         )
         self.return_routes = return_routes
         self.tp_rank, self.tp_group = tp_rank, tp_group
@@ -104,7 +109,9 @@ class TraceCapturer(RoutedExpertsCapturer):
         """The MoE-input site of FusedMoE layer `layer_id` on its dispatched input `[T, H]`: returns what the
         experts compute with (emulate-nvfp4: the NVFP4 quantize-dequantized input; native: `x` itself)."""
         site = (layer_id, "moe_in")
-        rows = self.records.staging_rows(site, x.shape[0]) if site in self.records.layouts else None
+        rows = None
+        if self.records is not None and site in self.records.layouts:
+            rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate-nvfp4":
             return emulate_moe_input(x, self.spec.bits, rows)
         if rows is not None:
@@ -115,12 +122,13 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
-        self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
+        if self.records is not None:
+            self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
         """After every forward: ship the staged rows to the host store at the batch's KV slots (async on CUDA)."""
         self.weights.check_complete()
-        if forward_batch.forward_mode.is_idle():
+        if self.records is None or forward_batch.forward_mode.is_idle():
             return
         self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph))
 
@@ -217,15 +225,16 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def close(self) -> None:
         self.flush()
-        self.records.close()
+        if self.records is not None:
+            self.records.close()
         if self._pool is not None:
             self._pool.shutdown()
 
     def get_host_cache(self):
-        return self.records.host
+        return None if self.records is None else self.records.host
 
     def get_device_cache(self):
-        return self.records.staging
+        return None if self.records is None else self.records.staging
 
 
 def _to_host(records: dict[Site, Record]) -> tuple[dict[Site, Record], torch.cuda.Event | None]:

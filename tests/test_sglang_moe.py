@@ -167,6 +167,26 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     ref = Record.from_quantized(quantize(x, "nvfp4", per_token=True), 4)
     assert torch.equal(staged.low_bits[:6], ref.low_bits) and torch.equal(staged.scales[:6], ref.scales)
 
+    # another TP rank: same numerics, nothing staged (rank 0 keeps the replicated MoE records)
+    other = TraceCapturer(
+        args,
+        layout,
+        kv_pool=None,
+        max_tokens=8,
+        num_slots=16,
+        device="cpu",
+        return_routes=False,
+        weights=hooks.EXPERT_WEIGHTS,
+        tp_rank=1,
+    )
+    set_global_experts_capturer(other)
+    try:
+        assert torch.equal(layer.forward_impl(x, topk), reference)
+        other.capture(1, ids)
+    finally:
+        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+    assert other.records is None and other.get_host_cache() is None
+
 
 def test_native_site_reproduces_codes_under_the_static_input_scale():
     """native: the kernel quantizes with the layer's static `S_enc` (`w13_input_scale_quant`); the record must be the
