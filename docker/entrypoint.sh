@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # TRACE image entrypoint: one role per container, each mapped to an existing entry point (see docs/deploy.md).
 #
-#   controller [CONFIG] [key=value ...]  scripts/launch_disagg.sh: the RL controller. The Megatron trainer (one rank)
-#                                        runs in this process; with `use_ray = true` the rollout workers are Ray
-#                                        actors on the cluster named by RAY_ADDRESS.
-#   trainer    [CONFIG] [key=value ...]  the same process as `controller`: in this release the trainer lives inside
-#                                        the controller. Start one of the two per job, never both.
+#   controller [CONFIG] [key=value ...]  scripts/launch_disagg.sh: the RL controller, which starts the Megatron
+#                                        trainer (one rank); with `use_ray = true` the rollout workers are Ray actors
+#                                        on the local Ray node's cluster (or the one RAY_ADDRESS names).
+#   trainer    [CONFIG] [key=value ...]  the same command as `controller`: the controller starts the trainer in this
+#                                        release. Start one of the two per job, never both.
 #   rollout    [SGLANG ARGS ...]         python3 -m sglang.launch_server: the patched SGLang 0.5.10.post1 server,
 #                                        TRACE flags --trace-mode, --trace-store, ... (not yet driven by the controller)
 #   ray-head   [RAY START ARGS ...]      ray start --head --block (the node the controller's driver connects to)
@@ -31,7 +31,7 @@ controller)
     exec scripts/launch_disagg.sh "$@"
     ;;
 trainer)
-    echo "entrypoint: trainer: the Megatron trainer runs inside the controller process in this release;" \
+    echo "entrypoint: trainer: the controller starts the Megatron trainer in this release;" \
         "starting the controller (scripts/launch_disagg.sh)" >&2
     exec scripts/launch_disagg.sh "$@"
     ;;
