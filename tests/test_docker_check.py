@@ -3,7 +3,9 @@ a message naming the problem; the Dockerfile's patch step runs on the pinned sgl
 """
 
 import importlib.util
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -119,3 +121,31 @@ def test_patch_step_fails_on_a_hunk_that_does_not_apply(tmp_path):
     with pytest.raises(cd.CheckError, match=r"patch step \(Dockerfile line \d+\) failed") as failure:
         cd.run_patch_step(DOCKERFILE, repo)
     assert "0001-server-args.patch: hunk @@ -661 +661 does not match" in str(failure.value)
+
+
+def run_entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """docker/entrypoint.sh with this interpreter's directory first on PATH (its python3 plays the image's)."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [str(REPO / "docker" / "entrypoint.sh"), *args],
+        env={**base, "PATH": path, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_entrypoint_refuses_unknown_or_missing_roles_and_settings():
+    for args in ((), ("bogus",)):
+        done = run_entrypoint(*args)
+        assert done.returncode == 2
+        assert "use one of: controller trainer rollout ray-head ray-worker check" in done.stderr
+    done = run_entrypoint("ray-worker")
+    assert done.returncode == 2 and "ray-worker needs RAY_ADDRESS" in done.stderr
+
+
+def test_entrypoint_check_role_runs_the_patch_check():
+    done = run_entrypoint("check")
+    assert done.returncode == 0, done.stderr
+    assert "0001-server-args.patch: applies and regenerates byte-identically (installed file: patched)" in done.stdout
