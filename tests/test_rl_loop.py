@@ -105,10 +105,10 @@ def test_staleness_bound_is_enforced(model_dir, tmp_path):
     history = ctrl.run()
     assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 2.0, 2.0]
     old = ctrl.rollout(9)
-    old.version = ctrl.trainer.version - 3
+    old.version = ctrl.trainer.policy_version() - 3
     rewards = torch.zeros(len(old.trajectories))
     with pytest.raises(StaleRolloutError, match="3 versions behind"):
-        ctrl.trainer.step(old.trajectories, rewards, 4, RecordReader(ctrl.store, 9), old.version)
+        ctrl.trainer.step(old.trajectories, rewards, 4, str(ctrl.store), 9, old.version)
 
 
 def test_restart_without_checkpoint_starts_over(model_dir, tmp_path):

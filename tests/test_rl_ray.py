@@ -1,6 +1,6 @@
-"""The Ray layer: rollout workers as Ray actor processes behind the same interface. A worker process that exits
-mid-request is restarted and the step completes with every record in the store; trajectories equal the
-in-process pool's."""
+"""The Ray layer: rollout workers and the trainer as Ray actor processes behind the same interfaces. A worker
+process that exits mid-request is restarted and the step completes with every record in the store; trajectories
+equal the in-process pool's."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from trace_core.store_reader import RecordReader
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
+from trace_rl.trainer import RayTrainer
 from trace_rl.warmup import make_tiny_model
 
 ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
@@ -19,7 +20,7 @@ ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this i
 def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     make_tiny_model(out, steps=10)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield str(out)
     ray.shutdown()
 
@@ -36,6 +37,7 @@ def test_ray_worker_process_killed_mid_request_is_restarted(model_dir, tmp_path)
     assert len(RecordReader(ctrl.store, 0).trajectories()) == 16
     second = ctrl.train_step()
     assert second["rollout/restarts"] == 0 and ctrl.pool.versions() == [2, 2]
+    assert isinstance(ctrl.trainer, RayTrainer) and ctrl.trainer.policy_version() == 2
 
     want = Controller(RLConfig(out_dir=str(tmp_path / "local0"), **small)).rollout(0)
     got = Controller(RLConfig(out_dir=str(tmp_path / "ray0"), use_ray=True, **small)).rollout(0)

@@ -24,7 +24,7 @@ from trace_core.store_reader import RecordReader
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
 from trace_rl.task import AdditionTask
-from trace_rl.trainer import MegatronTrainer
+from trace_rl.trainer import MegatronTrainer, RayTrainer
 from trace_rl.warmup import load_megatron_state
 from trace_rl.workers import LocalPool, RayPool, Request
 
@@ -58,7 +58,8 @@ class Controller:
         if self.task.prompt_len + cfg.max_new_tokens > tiny.max_seq:
             raise ValueError(f"prompt + max_new_tokens exceeds the model's max_seq {tiny.max_seq}")
         self.spec = record_spec(tiny.layers, cfg)
-        self.trainer = MegatronTrainer(
+        trainer = RayTrainer if cfg.use_ray else MegatronTrainer
+        self.trainer = trainer(
             tiny, state, mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff
         )
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
@@ -114,9 +115,11 @@ class Controller:
             self.pending.append(self.rollout(self.step + len(self.pending)))
         batch = self.pending.popleft()
         rewards = self.task.reward(batch.operands.repeat_interleave(self.cfg.group_size, 0), batch_responses(batch))
-        reader = RecordReader(self.store, batch.step)
-        metrics = self.trainer.step(batch.trajectories, rewards, self.cfg.group_size, reader, batch.version)
-        self.pool.load_weights(self.trainer.hf_weights(), self.trainer.version)
+        metrics = self.trainer.step(
+            batch.trajectories, rewards, self.cfg.group_size, str(self.store), batch.step, batch.version
+        )
+        version = self.trainer.policy_version()
+        self.pool.load_weights(self.trainer.hf_weights(), version)
         apply_retention(self.store, self.cfg.keep_record_steps, protect=[b.step for b in self.pending])
         metrics |= {
             "step": self.step,
@@ -124,7 +127,6 @@ class Controller:
             "reward/mean": float(rewards.mean()),
             "rollout/response_len": sum(len(t.response) for t in batch.trajectories) / len(batch.trajectories),
             "rollout/restarts": float(batch.restarts),
-            "rollout/records_missing": float(reader.stats.fallback_rows),
             "time/step_s": time.perf_counter() - start,
         }
         self.history.append(metrics)
@@ -188,8 +190,9 @@ class Controller:
             )  # fmt: skip
             for p in state["pending"]
         )
-        if self.trainer.version > 0:
-            self.pool.load_weights(self.trainer.hf_weights(), self.trainer.version)
+        version = self.trainer.policy_version()
+        if version > 0:
+            self.pool.load_weights(self.trainer.hf_weights(), version)
 
 
 def batch_responses(batch: RolloutBatch) -> list[torch.Tensor]:

@@ -79,6 +79,14 @@ class RolloutWorker:
         self.engine.model.register_forward_hook(hook)
 
 
+def init_ray() -> None:
+    """Join the Ray cluster of `RAY_ADDRESS`, or start a new local one (no dashboard)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False)
+
+
 class _Pool:
     def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
         self.cfg, self.spec, self.task = cfg, spec, task
@@ -128,8 +136,7 @@ class RayPool(_Pool):
     def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
         import ray
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        init_ray()
         self._actor = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=0)
         super().__init__(cfg, spec, task)
 
