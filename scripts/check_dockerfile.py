@@ -51,6 +51,8 @@ class CheckError(RuntimeError):
 
 @dataclass(frozen=True)
 class Instruction:
+    """One Dockerfile instruction."""
+
     line: int  # 1-based line of the instruction's first line
     keyword: str  # upper case: FROM, RUN, COPY, ...
     args: str  # continuation lines joined, comment lines inside a continuation dropped
@@ -58,6 +60,8 @@ class Instruction:
 
 @dataclass(frozen=True)
 class PipInstall:
+    """One `pip install` command of a RUN instruction."""
+
     line: int
     packages: tuple[str, ...]  # positional arguments: requirements or local paths
     options: tuple[str, ...]
@@ -142,6 +146,7 @@ def read_pins(repo: Path) -> tuple[str, dict[str, str]]:
 
 
 def _norm(name: str) -> str:
+    """A package name in PEP 503 normal form (megatron_core -> megatron-core)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
