@@ -2,8 +2,8 @@
 # TRACE image entrypoint: one role per container, each mapped to an existing entry point (see docs/deploy.md).
 #
 #   controller [CONFIG] [key=value ...]  scripts/launch_disagg.sh: the RL controller, which starts the Megatron
-#                                        trainer (one rank); with `use_ray = true` the rollout workers are Ray actors
-#                                        on the local Ray node's cluster (or the one RAY_ADDRESS names).
+#                                        trainer (one rank); with `use_ray = true` the rollout workers and the trainer
+#                                        are Ray actors on the cluster RAY_ADDRESS names (else a new local one).
 #   trainer    [CONFIG] [key=value ...]  the same command as `controller`: the controller starts the trainer in this
 #                                        release. Start one of the two per job, never both.
 #   rollout    [SGLANG ARGS ...]         python3 -m sglang.launch_server: the patched SGLang 0.5.10.post1 server,
