@@ -187,7 +187,7 @@ class Controller:
                 p["operands"],
                 [Trajectory(*t, records=None) for t in p["trajectories"]],
                 p["restarts"],
-            )  # fmt: skip
+            )
             for p in state["pending"]
         )
         version = self.trainer.policy_version()

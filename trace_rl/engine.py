@@ -142,14 +142,11 @@ class EmbeddedEngine:
         moe = site[1] == "moe_in"
         fmt = NVFP4 if moe else KV_FP4
         out = torch.empty_like(x2d)
+        record = {}
         if site in self.captured:
             buf = self.capturer.staging_rows(site, x2d.shape[0])
-            quantize_record(
-                x2d, fmt, self.spec.bits, per_token=moe, out=out,
-                low_bits=buf.low_bits, scales=buf.scales, token_scale=buf.global_scale,
-            )  # fmt: skip
-        else:
-            quantize_record(x2d, fmt, self.spec.bits, per_token=moe, out=out)
+            record = {"low_bits": buf.low_bits, "scales": buf.scales, "token_scale": buf.global_scale}
+        quantize_record(x2d, fmt, self.spec.bits, per_token=moe, out=out, **record)
         return out
 
     def _kv_site(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
