@@ -57,7 +57,7 @@ def make_tiny_model(out: str | Path, *, digits: int = 1, steps: int = 60, batch:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}")
     with torch.no_grad():
         ids, mb = _batch(task, 512, gen)
         pred = model(mb.input_ids, mb.position_ids, mb.attention_mask)[:, p - 1 : -1].argmax(-1)
@@ -70,7 +70,7 @@ def make_tiny_model(out: str | Path, *, digits: int = 1, steps: int = 60, batch:
     (out / HF_DIR / "config.json").write_text(json.dumps(config, indent=1))
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     torch.save({"tiny": dataclasses.asdict(cfg), "digits": digits, "state": state}, out / MEGATRON_STATE)
-    summary = {"digits": digits, "steps": steps, "final_loss": float(loss), "teacher_forced_accuracy": accuracy}
+    summary = {"digits": digits, "steps": steps, "final_loss": loss.item(), "teacher_forced_accuracy": accuracy}
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
     return summary
 
