@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("bf16", "qat", "trace")
+ROLLOUT_BACKENDS = ("embedded", "sglang")
 
 
 class ConfigError(ValueError):
@@ -25,6 +26,9 @@ class RLConfig:
     async_lag: rollout batches generated ahead of the trainer (0 = synchronous); each trained batch is at most
     `max_version_diff` policy versions old, enforced by the trainer. With async_lag > 0 the train / rollout
     log-prob metrics include the policy change since the rollout, not only the engine mismatch.
+    rollout_backend: embedded (`EmbeddedEngine` workers, in-process or Ray actors) or sglang (running patched SGLang
+    servers at the comma-separated `sglang_urls`, one rollout worker each; docs/deploy.md); with sglang, `use_ray`
+    moves only the trainer into a Ray actor.
     """
 
     mode: str = "trace"
@@ -47,6 +51,9 @@ class RLConfig:
     keep_record_steps: int = 4
     seed: int = 0
     device: str = "cpu"
+    rollout_backend: str = "embedded"
+    sglang_urls: str = ""
+    sglang_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         errors = []
@@ -68,8 +75,39 @@ class RLConfig:
             errors.append(f"keep_record_steps={self.keep_record_steps} must hold the async_lag + 1 pending steps")
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} must be cpu or cuda")
+        errors += self._sglang_errors()
         if errors:
             raise ConfigError("invalid RL config: " + "; ".join(errors))
+
+    def sglang_url_list(self) -> list[str]:
+        return [u.strip() for u in self.sglang_urls.split(",") if u.strip()]
+
+    def _sglang_errors(self) -> list[str]:
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            return [f"rollout_backend={self.rollout_backend!r} is not one of {ROLLOUT_BACKENDS}"]
+        urls = self.sglang_url_list()
+        if self.rollout_backend == "embedded":
+            return [f"sglang_urls={self.sglang_urls!r} needs rollout_backend='sglang'"] if urls else []
+        errors = []
+        if not urls:
+            errors.append("rollout_backend='sglang' needs sglang_urls (comma-separated http://host:port)")
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            errors.append(f"sglang_urls {bad} must start with http:// or https://")
+        if len(set(urls)) != len(urls):
+            errors.append(f"sglang_urls {urls} name a server twice")
+        if urls and self.rollout_workers != len(urls):
+            errors.append(f"rollout_workers={self.rollout_workers} must equal the {len(urls)} sglang_urls")
+        if self.mode == "bf16":
+            errors.append("mode='bf16' needs rollout_backend='embedded' (a --trace-mode off server records no routes)")
+        if self.async_lag != 0:
+            errors.append(
+                f"async_lag={self.async_lag} needs rollout_backend='embedded': an SGLang server writes records under "
+                "its weight version, which equals the rollout step only when synchronous"
+            )
+        if self.sglang_timeout_s <= 0:
+            errors.append(f"sglang_timeout_s={self.sglang_timeout_s} must be > 0")
+        return errors
 
     def replace(self, **changes: Any) -> RLConfig:
         return dataclasses.replace(self, **changes)

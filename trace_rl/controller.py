@@ -2,7 +2,8 @@
 asynchronous by `async_lag` rollout batches within `max_version_diff`, with checkpoint and resume.
 
 A step's GRPO groups are split into one request per rollout worker (`trace_rl.workers`: in-process, or Ray actors
-with `use_ray`); the trainer runs in the controller's process.
+with `use_ray`; `trace_rl.sglang_worker`: patched SGLang servers with `rollout_backend = "sglang"`); the trainer
+runs in the controller's process (a Ray actor with `use_ray`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ class Controller:
             tiny, state, mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff
         )
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
-        self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, self.spec, self.task)
+        if cfg.rollout_backend == "sglang":
+            from trace_rl.sglang_worker import SGLangPool
+
+            self.pool = SGLangPool(pool_cfg, self.spec, self.task)
+        else:
+            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, self.spec, self.task)
         self.out.mkdir(parents=True, exist_ok=True)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
@@ -153,7 +159,7 @@ class Controller:
                 "version": b.version,
                 "operands": b.operands,
                 "restarts": b.restarts,
-                "trajectories": [(t.tokens, t.prompt_len, t.logprobs) for t in b.trajectories],
+                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded) for t in b.trajectories],
             }
             for b in self.pending
         ]
@@ -185,7 +191,7 @@ class Controller:
                 p["step"],
                 p["version"],
                 p["operands"],
-                [Trajectory(*t, records=None) for t in p["trajectories"]],
+                [Trajectory(*t[:3], None, *t[3:]) for t in p["trajectories"]],
                 p["restarts"],
             )
             for p in state["pending"]

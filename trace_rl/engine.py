@@ -36,12 +36,17 @@ class WorkerDied(RuntimeError):
 
 @dataclass(frozen=True)
 class Trajectory:
-    """One sampled response: `tokens` = prompt + response `[L]`, rollout log-probs of the response tokens `[R]`."""
+    """One sampled response: `tokens` = prompt + response `[L]`, rollout log-probs of the response tokens `[R]`.
+
+    `recorded`: positions [0, recorded) have records in the store; None = all L (the embedded engine feeds every
+    sampled token back; an SGLang server never feeds back the last one, so it records L - 1).
+    """
 
     tokens: torch.Tensor
     prompt_len: int
     logprobs: torch.Tensor
     records: TrajectoryRecords | None  # None once the records live only in the store
+    recorded: int | None = None
 
     @property
     def response(self) -> torch.Tensor:

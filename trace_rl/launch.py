@@ -3,7 +3,9 @@
     python -m trace_rl.launch [--config FILE] [--modes bf16,qat,trace] [key=value ...]
 
 Builds the tiny model first if `model_dir` holds none. Writes, under `out_dir`: one run directory per mode
-(metrics.jsonl, checkpoint, record store), metrics.csv, PNG plots and summary.txt / summary.json.
+(metrics.jsonl, checkpoint, record store), metrics.csv, PNG plots and summary.txt / summary.json. With
+`rollout_backend = "sglang"` one mode runs (the config's, or `--modes`) on the servers of `sglang_urls`, whose
+`--trace-store` must be `<out_dir>/<mode>/records` (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -21,14 +23,24 @@ from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="JSON or TOML file of trace_rl.config.RLConfig fields")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run side by side")
+    ap.add_argument(
+        "--modes",
+        help=f"comma-separated modes to run side by side (default {','.join(MODES)}; the config's mode with sglang)",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     base = load_config(args.config, args.overrides)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    sglang = base.rollout_backend == "sglang"
+    spec = args.modes if args.modes is not None else base.mode if sglang else ",".join(MODES)
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
-        raise ConfigError(f"--modes {args.modes!r}: use a comma-separated subset of {MODES}")
+        raise ConfigError(f"--modes {spec!r}: use a comma-separated subset of {MODES}")
+    if sglang and len(modes) != 1:
+        raise ConfigError(
+            f"--modes {spec!r}: rollout_backend='sglang' runs one mode (the servers' --trace-store is that run's "
+            "record store); run the modes one after another"
+        )
     if not (Path(base.model_dir) / MEGATRON_STATE).exists():
         print(f"building the tiny model in {base.model_dir}")
         print(json.dumps(make_tiny_model(base.model_dir, seed=base.seed), indent=1))

@@ -73,7 +73,18 @@ class MegatronTrainer:
         mb = pack_microbatch([(i, t.tokens) for i, t in enumerate(trajs)])
         s = mb.input_ids.shape[1]
         reader = RecordReader(store, step)
-        recs = reader.load([(i, 0, len(t.tokens)) for i, t in enumerate(trajs)], pad_to=s)
+        spans = [(i, 0, len(t.tokens) if t.recorded is None else t.recorded) for i, t in enumerate(trajs)]
+        recs = reader.load(spans, pad_to=s)
+        for i, t in enumerate(trajs):
+            if t.recorded is None:
+                continue
+            if t.recorded != len(t.tokens) - 1:
+                raise ValueError(f"trajectory {i}: {t.recorded} recorded positions of {len(t.tokens)} tokens")
+            # An SGLang trajectory's final token was never fed back, so nothing is recorded there, while
+            # `source_from_store` serves each trajectory's final recorded row without a route: mark that final
+            # position as the (unused) placeholder row, so every real position keeps its route.
+            if recs.routes is not None:
+                recs.has_routes[i, t.recorded] = True
         source = source_from_store(recs, self.moe_layers)
         mask = torch.zeros(len(trajs), s - 1, dtype=torch.bool)
         logp_rollout = torch.zeros(len(trajs), s - 1)
@@ -99,9 +110,10 @@ class MegatronTrainer:
                 p.copy_(m)
         metrics |= self.session.end_step()
         if "trace/rtn_fallback" in metrics:
-            # Padding rows have no record by construction; what is left fell back on real tokens.
+            # Padding rows, and the never fed back final token of an SGLang trajectory, have no record by
+            # construction; what is left fell back on real tokens.
             width = sum(recs.records[site].n for site in self.session.numerics.captured)
-            pad = int((~mb.valid).sum())
+            pad = int((~mb.valid).sum()) + sum(t.recorded is not None for t in trajs)
             metrics["trace/rtn_fallback_real_tokens"] = metrics["trace/rtn_fallback"] - pad * width
         metrics["rollout/staleness"] = float(staleness)
         metrics["rollout/records_missing"] = float(reader.stats.fallback_rows)
