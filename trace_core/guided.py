@@ -130,15 +130,19 @@ def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, fmt: FP4Format) ->
     return sign_bits | k.to(torch.uint8), sign_bits | rtn.to(torch.uint8)
 
 
+def fallback_scale(rollout_global_scale: torch.Tensor | None) -> dict:
+    """`quantize` scale arguments for rows without a record: per-token dynamic when the rollout scaled per token,
+    else the rollout's per-tensor global scale applied statically (E8M0 formats need neither)."""
+    if rollout_global_scale is None:
+        return {}
+    if rollout_global_scale.dim():
+        return {"per_token": True}
+    return {"global_scale": rollout_global_scale}
+
+
 def _fallback_rtn(x: torch.Tensor, rollout: Quantized | Record) -> torch.Tensor:
-    """RTN for rows without a record: per-token dynamic when the rollout scaled per token, else the rollout's
-    per-tensor global scale applied statically (E8M0 formats need neither)."""
-    gs = rollout.global_scale
-    if gs is None:
-        return dequantize(quantize(x, rollout.fmt), x.dtype)
-    if gs.dim():
-        return dequantize(quantize(x, rollout.fmt, per_token=True), x.dtype)
-    return dequantize(quantize(x, rollout.fmt, global_scale=gs), x.dtype)
+    """RTN for rows without a record, under `fallback_scale`."""
+    return dequantize(quantize(x, rollout.fmt, **fallback_scale(rollout.global_scale)), x.dtype)
 
 
 def _check_rollout(x: torch.Tensor, rollout: Quantized | Record, bits: int) -> FP4Format:

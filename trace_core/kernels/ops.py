@@ -18,7 +18,7 @@ except ImportError:  # CPU-only installs: the reference serves every device
     triton = None
 
 from trace_core.formats import FP4Format, ScaleKind, get_format
-from trace_core.guided import GLOBAL_STATS, GuidanceStats, guided_quantize
+from trace_core.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize
 from trace_core.quant import FLOAT_DTYPES, dequantize, nvfp4_global_scale, quantize
 from trace_core.records import Record, check_bits, pack_low_bits, packed_len
 
@@ -331,15 +331,6 @@ def _guided_backward(ctx, grad, _redirected):
 _guided_op.register_autograd(_guided_backward)
 
 
-def _fallback_rtn(rows: torch.Tensor, fmt: FP4Format, global_scale: torch.Tensor | None) -> torch.Tensor:
-    """RTN of rows without a record, under the reference's rule (`trace_core.guided._fallback_rtn`)."""
-    if global_scale is None:
-        return rtn_fake_quant(rows, fmt)
-    if global_scale.dim():
-        return rtn_fake_quant(rows, fmt, per_token=True)
-    return rtn_fake_quant(rows, fmt, global_scale=global_scale)
-
-
 def guided_fake_quant(
     x: torch.Tensor,
     record: Record,
@@ -380,7 +371,7 @@ def guided_fake_quant(
         missing = (~has_record).nonzero().flatten()
         if missing.numel():
             fallback = missing.numel() * x.shape[1]
-            out = out.index_copy(0, missing, _fallback_rtn(x[missing], record.fmt, gs))
+            out = out.index_copy(0, missing, rtn_fake_quant(x[missing], record.fmt, **fallback_scale(gs)))
     stats.guided += x.numel() - fallback
     stats.rtn_fallback += fallback
     stats.redirected += redirected  # a device tensor: no host sync until the count is read
