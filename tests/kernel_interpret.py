@@ -22,6 +22,21 @@ def main() -> None:
             kernel_checks.check_guided(fmt, 5, d, torch.float32, 4, 1, mode, "cpu", ops.triton_guided)
             kernel_checks.check_quantize_record(fmt, 1, d, torch.float32, 1, mode, "cpu", ops.triton_quantize_record)
             n += 2
+    # small tiles: several chunks per row (the last one partly masked), and per-token nvfp4 rows wider than one
+    # tile (a first pass for the row amax), as on the GPU for rows wider than LAUNCH["row_chunk"]
+    saved = dict(ops.LAUNCH)
+    try:
+        ops.LAUNCH.update(rows=2, chunk=32, row_chunk=32)
+        for fmt, modes in kernel_checks.SCALE_MODES.items():
+            for mode in modes:
+                for bits in (1, 4):
+                    kernel_checks.check_quantize_record(fmt, 5, 160, torch.float32, bits, mode, "cpu",
+                                                        ops.triton_quantize_record)  # fmt: skip
+                    kernel_checks.check_guided(fmt, 5, 160, torch.float32, 4, bits, mode, "cpu", ops.triton_guided)
+                    n += 2
+    finally:
+        ops.LAUNCH.clear()
+        ops.LAUNCH.update(saved)
     print(f"checked {n} kernel configurations")
 
 

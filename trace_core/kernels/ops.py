@@ -39,14 +39,20 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
     return SCALE_SCALAR if global_scale.dim() == 0 else SCALE_ROW
 
 
-LAUNCH = {"rows": 1, "chunk": 2048, "warps": 4}
-"""Tile of one program: rows x chunk columns, and its warps (tuned on H200 with `bench/kernels.py --tune`)."""
+LAUNCH = {"rows": 1, "chunk": 2048, "warps": 4, "row_chunk": 8192}
+"""Tile of one program: rows x chunk columns, and its warps (tuned on H200 with `bench/kernels.py --tune`).
+Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile)."""
 
 
-def _launch_shape(fmt: FP4Format, d: int) -> tuple[int, int, int]:
+def _launch_shape(fmt: FP4Format, d: int, per_token: bool = False) -> tuple[int, int, int]:
     """(rows per program, chunk columns, warps)."""
     chunk = max(fmt.block, min(LAUNCH["chunk"], triton_next_pow2(d)))
-    return LAUNCH["rows"], chunk, LAUNCH["warps"]
+    warps = LAUNCH["warps"]
+    whole = max(fmt.block, triton_next_pow2(d))
+    if per_token and chunk < whole <= LAUNCH["row_chunk"]:
+        warps = min(16, warps * whole // chunk)
+        chunk = whole
+    return LAUNCH["rows"], chunk, warps
 
 
 def triton_next_pow2(n: int) -> int:
@@ -65,7 +71,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     if t == 0:
         return
     mode = _scale_mode(fmt, global_scale, per_token)
-    rb, chunk, warps = _launch_shape(fmt, d)
+    rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     grid = (triton.cdiv(t, rb), n_chunks // per_prog)
@@ -92,6 +98,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         BLOCK=fmt.block,
         RB=rb,
         C=chunk,
+        ONE_PASS=n_chunks == 1,
         num_warps=warps,
     )
 

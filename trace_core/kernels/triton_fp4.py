@@ -30,6 +30,10 @@ SCALE_PER_TOKEN = tl.constexpr(3)  # S_enc computed from each row's amax
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1/6)
+TWO_22 = tl.constexpr(4194304.0)  # 2^22
+TWO_M126 = tl.constexpr(1.1754943508222875e-38)  # 2^-126
+TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126
+SIGN_MASK = tl.constexpr(-2147483648)  # 0x80000000 as int32
 
 
 @triton.jit
@@ -95,63 +99,43 @@ def _e8m0_exponent(amax, FMT: tl.constexpr):
 
 
 @triton.jit
-def _magnitude(k):
-    """E2M1 magnitude of index k (0..7)."""
-    kf = k.to(tl.float32)
-    return tl.where(k < 4, kf * 0.5, tl.where(k < 7, kf - 2.0, 6.0))
-
-
-@triton.jit
-def _round_index(a, TIES_UP: tl.constexpr):
-    """Index of the E2M1 magnitude a >= 0 rounds to (RNE or ties-up), saturating at 7."""
+def _e2m1_round(a, TIES_UP: tl.constexpr):
+    """(q, base): a in [0, 6] rounded to the E2M1 grid (RNE, or ties up), and the binade base whose half is the grid
+    step around a (1 below 2, else 2^floor(log2 a)). FP32 addition rounds a + base * 2^22 to a multiple of that
+    step (its ulp), so one add and one subtract do the rounding; a tie that RNE sent down moves up for TIES_UP."""
+    base = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    big = base * TWO_22
+    q = (a + big) - big
     if TIES_UP:
-        k = (a >= 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a >= 1.25).to(tl.int32)
-        k += (a >= 1.75).to(tl.int32) + (a >= 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a >= 5.0).to(tl.int32)
-    else:
-        k = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-        k += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-    return k
+        q = tl.where(a - q == base * 0.25, q + base * 0.5, q)
+    return q, base
 
 
 @triton.jit
-def _negative(z, FMT: tl.constexpr):
-    """Sign bit of a code: signbit(z) for hardware-like formats, z < 0 for SGLang's KV."""
+def _index(q):
+    """E2M1 index (0..7) of a grid magnitude q: the FP32 bits of q * 2^-126 are index << 22 (0.5 is subnormal)."""
+    return (q * TWO_M126).to(tl.int32, bitcast=True) >> 22
+
+
+@triton.jit
+def _magnitude(k):
+    """E2M1 magnitude of index k (0..7), the inverse of `_index`."""
+    return (k << 22).to(tl.float32, bitcast=True) * TWO_126
+
+
+@triton.jit
+def _with_sign(m, z):
+    """Magnitude m with the sign bit of z."""
+    return (m.to(tl.int32, bitcast=True) | (z.to(tl.int32, bitcast=True) & SIGN_MASK)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code_sign(z, FMT: tl.constexpr):
+    """z with the sign its code takes: SGLang's KV sets it for z < 0 only (-0.0 becomes +0.0); the others keep
+    signbit(z)."""
     if FMT == KV_FP4:
-        neg = z < 0
-    else:
-        neg = z.to(tl.int32, bitcast=True) < 0
-    return neg
-
-
-@triton.jit
-def _store_low_bits(
-    rec_ptr, rows, row_mask, rec_stride, cols0, D, low, BITS: tl.constexpr, RB: tl.constexpr, C: tl.constexpr
-):
-    """Pack low code bits [RB, C] densely (element i at bit i*BITS, LSB first) and store them."""
-    groups = tl.reshape(low, (RB, C // 8, 8))
-    shifts = tl.arange(0, 8) * BITS
-    word = tl.sum(groups << shifts[None, None, :], axis=2)  # [RB, C // 8], at most 32 bits
-    gidx = (cols0 // 8) + tl.arange(0, C // 8)
-    for j in tl.static_range(BITS):
-        byte = ((word >> (8 * j)) & 0xFF).to(tl.uint8)
-        ptrs = rec_ptr + rows[:, None] * rec_stride + gidx[None, :] * BITS + j
-        tl.store(ptrs, byte, mask=row_mask[:, None] & (gidx[None, :] < D // 8))
-
-
-@triton.jit
-def _load_low_bits(
-    rec_ptr, rows, row_mask, rec_stride, cols0, D, BITS: tl.constexpr, RB: tl.constexpr, C: tl.constexpr
-):
-    """Inverse of `_store_low_bits`: low code bits [RB, C] as int32."""
-    gidx = (cols0 // 8) + tl.arange(0, C // 8)
-    word = tl.zeros((RB, C // 8), tl.int32)
-    for j in tl.static_range(BITS):
-        ptrs = rec_ptr + rows[:, None] * rec_stride + gidx[None, :] * BITS + j
-        gmask = row_mask[:, None] & (gidx[None, :] < D // 8)
-        word |= tl.load(ptrs, mask=gmask, other=0).to(tl.int32) << (8 * j)
-    shifts = tl.arange(0, 8) * BITS
-    low = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(low, (RB, C))
+        z = z + 0.0
+    return z
 
 
 @triton.jit
@@ -171,31 +155,62 @@ def _block_scales(amax_blk, s_enc, FMT: tl.constexpr):
 
 
 @triton.jit
+def _token_scale(amax_row):
+    """Per-token nvfp4 S_enc = min(2688 / amax, FLT_MAX), 1 where the row is all zeros."""
+    return tl.where(amax_row > 0, tl.minimum(tl.math.div_rn(2688.0, amax_row), FLT_MAX), 1.0)
+
+
+@triton.jit
+def _tile(NB: tl.constexpr, G: tl.constexpr):
+    """Column offsets [1, NB, G, 8] within a chunk: NB scale blocks of G groups of 8 elements (8 elements fill
+    BITS bytes of the record). Every tensor of the kernels lives in this layout or a reduction of it."""
+    blk = tl.arange(0, NB)[None, :, None, None]
+    grp = tl.arange(0, G)[None, None, :, None]
+    ele = tl.arange(0, 8)[None, None, None, :]
+    return blk * (G * 8) + grp * 8 + ele
+
+
+@triton.jit
+def _group_index(c0, NB: tl.constexpr, G: tl.constexpr):
+    """Index [1, NB, G] of each 8-element group of the chunk starting at column c0, within its row."""
+    return c0 // 8 + tl.arange(0, NB)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+
+
+@triton.jit
 def _quantize_record_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
-    BLOCK: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
+    BLOCK: tl.constexpr, RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
-    """Quantize rows [RB] x columns in chunks of C; write the fake-quantized output and/or the record."""
+    """Quantize rows [RB] x columns in chunks of C; write the fake-quantized output and/or the record.
+
+    x is loaded as [RB, C / BLOCK, BLOCK / 8, 8] and stays in that register layout: block amax and per-token amax
+    are reductions of it, scales broadcast back into it, and the record's bit groups are sums over its last axis.
+    Per-token nvfp4 with ONE_PASS (the row fits in one chunk) reads x once; otherwise a first pass takes the amax.
+    """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * RB + tl.arange(0, RB)
     row_mask = rows < T
     rows64 = rows.to(tl.int64)
     NB: tl.constexpr = C // BLOCK
+    G: tl.constexpr = BLOCK // 8
+    offs = _tile(NB, G)
+    blk = tl.arange(0, NB)[None, :]
+    x_rows = x_ptr + rows64[:, None, None, None] * x_stride
 
     if SCALE_MODE == SCALE_PER_TOKEN:
-        amax_row = tl.zeros((RB,), tl.float32)
-        for c0 in range(0, D, C):
-            cols = c0 + tl.arange(0, C)
-            m = row_mask[:, None] & (cols[None, :] < D)
-            x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax_row = tl.maximum(amax_row, tl.max(tl.abs(x), axis=1))
-        s_enc = tl.where(amax_row > 0, tl.minimum(tl.math.div_rn(2688.0, amax_row), FLT_MAX), 1.0)
-        if BITS > 0:
-            tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
-        s_enc = s_enc[:, None]
+        if not ONE_PASS:
+            amax_row = tl.zeros((RB,), tl.float32)
+            for c0 in range(0, D, C):
+                m = (row_mask[:, None] & (c0 // BLOCK + blk < D // BLOCK))[:, :, None, None]
+                x = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+                amax_row = tl.maximum(amax_row, tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1))
+            s_enc = _token_scale(amax_row)
+            if BITS > 0:
+                tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
+            s_enc = s_enc[:, None]
     elif SCALE_MODE == SCALE_ROW:
         s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
     elif SCALE_MODE == SCALE_SCALAR:
@@ -205,26 +220,35 @@ def _quantize_record_kernel(
 
     for ci in range(chunks_per_prog):
         c0 = (pid_c * chunks_per_prog + ci) * C
-        cols = c0 + tl.arange(0, C)
-        m = row_mask[:, None] & (cols[None, :] < D)
-        x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=m, other=0.0)
-        xf = tl.reshape(x.to(tl.float32), (RB, NB, BLOCK))
-        amax_blk = tl.max(tl.abs(xf), axis=2)
+        bmask = row_mask[:, None] & (c0 // BLOCK + blk < D // BLOCK)  # [RB, NB]; D is a multiple of BLOCK
+        m = bmask[:, :, None, None]
+        x = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+        amax_blk = tl.max(tl.max(tl.abs(x), axis=3), axis=2)
+        if SCALE_MODE == SCALE_PER_TOKEN:
+            if ONE_PASS:
+                s_tok = _token_scale(tl.max(amax_blk, axis=1))
+                if BITS > 0:
+                    tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
+                s_enc = s_tok[:, None]
         decode, encode, byte = _block_scales(amax_blk, s_enc, FMT)
-        z = xf * encode[:, :, None]
-        neg = _negative(z, FMT)
-        k = _round_index(tl.abs(z), FMT == KV_FP4)
+        z = _code_sign(x * encode[:, :, None, None], FMT)
+        q, _ = _e2m1_round(tl.minimum(tl.abs(z), 6.0), FMT == KV_FP4)
         if WRITE_OUT:
-            mag = _magnitude(k) * decode[:, :, None]
-            val = tl.reshape(tl.where(neg, -mag, mag), (RB, C))
-            tl.store(out_ptr + rows64[:, None] * out_stride + cols[None, :], val.to(out_ptr.dtype.element_ty), mask=m)
+            val = _with_sign(q, z) * decode[:, :, None, None]
+            tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
+                     mask=m)  # fmt: skip
         if BITS > 0:
-            bcols = c0 // BLOCK + tl.arange(0, NB)
-            bmask = row_mask[:, None] & (bcols[None, :] < D // BLOCK)
-            tl.store(scale_ptr + rows64[:, None] * scale_stride + bcols[None, :], byte.to(tl.uint8), mask=bmask)
-            code = tl.reshape(k | (neg.to(tl.int32) << 3), (RB, C))
-            low = code & ((1 << BITS) - 1)
-            _store_low_bits(rec_ptr, rows64, row_mask, rec_stride, c0, D, low, BITS, RB, C)
+            tl.store(scale_ptr + rows64[:, None] * scale_stride + c0 // BLOCK + blk, byte.to(tl.uint8), mask=bmask)
+            k = _index(q)
+            if BITS == 4:
+                code = k | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
+            else:
+                code = k & ((1 << BITS) - 1)
+            # element i of a group at bit i * BITS: BITS bytes per group of 8
+            word = tl.sum(code << (tl.arange(0, 8) * BITS)[None, None, None, :], axis=3)
+            rec = rec_ptr + rows64[:, None, None] * rec_stride + _group_index(c0, NB, G) * BITS
+            for j in tl.static_range(BITS):
+                tl.store(rec + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=bmask[:, :, None])
 
 
 @triton.jit
@@ -234,20 +258,22 @@ def _guided_kernel(
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
 ):  # fmt: skip
-    """Guided rounding (DESIGN §2 steps 1-5) of rows [RB] x one chunk of C columns under the record's scales."""
+    """Guided rounding (DESIGN §2 steps 1-5) of rows [RB] x one chunk of C columns under the record's scales, in
+    the [RB, C / BLOCK, BLOCK / 8, 8] layout of `_quantize_record_kernel` (record bit groups unpack by shifts)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * RB + tl.arange(0, RB)
     row_mask = rows < T
     rows64 = rows.to(tl.int64)
     NB: tl.constexpr = C // BLOCK
+    G: tl.constexpr = BLOCK // 8
     c0 = pid_c * C
-    cols = c0 + tl.arange(0, C)
-    m = row_mask[:, None] & (cols[None, :] < D)
+    offs = _tile(NB, G)
+    blk = tl.arange(0, NB)[None, :]
+    bmask = row_mask[:, None] & (c0 // BLOCK + blk < D // BLOCK)
+    m = bmask[:, :, None, None]
 
-    bcols = c0 // BLOCK + tl.arange(0, NB)
-    bmask = row_mask[:, None] & (bcols[None, :] < D // BLOCK)
-    byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + bcols[None, :], mask=bmask, other=0).to(tl.int32)
+    byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + c0 // BLOCK + blk, mask=bmask, other=0).to(tl.int32)
     if FMT == NVFP4:
         if SCALE_MODE == SCALE_SCALAR:
             s_enc = tl.load(gs_ptr)
@@ -259,40 +285,50 @@ def _guided_kernel(
         decode = _pow2(byte - 127)
         encode = _pow2(127 - byte)
 
-    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=m, other=0.0)
-    xf = tl.reshape(x.to(tl.float32), (RB, NB, BLOCK))
-    z = tl.minimum(tl.maximum(xf * encode[:, :, None], -6.0), 6.0)
-    neg = _negative(z, FMT)
+    rec = rec_ptr + rows64[:, None, None] * rec_stride + _group_index(c0, NB, G) * RECORD_BITS
+    word = tl.load(rec, mask=bmask[:, :, None], other=0).to(tl.int32)
+    for j in tl.static_range(1, RECORD_BITS):
+        word |= tl.load(rec + j, mask=bmask[:, :, None], other=0).to(tl.int32) << (8 * j)
+    c = (word[:, :, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, None, :]) & ((1 << BITS) - 1)
+
+    x = tl.load(x_ptr + rows64[:, None, None, None] * x_stride + c0 + offs, mask=m, other=0.0).to(tl.float32)
+    z = _code_sign(tl.minimum(tl.maximum(x * encode[:, :, None, None], -6.0), 6.0), FMT)
     a = tl.abs(z)
-    lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) + (a >= 2.0).to(tl.int32)
-    lo += (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
-    hi = tl.where(_magnitude(lo) == a, lo, tl.minimum(lo + 1, 7))
-    rtn = _round_index(a, FMT == KV_FP4)
-    c = _load_low_bits(rec_ptr, rows64, row_mask, rec_stride, c0, D, RECORD_BITS, RB, C) & ((1 << BITS) - 1)
-    c = tl.reshape(c, (RB, NB, BLOCK))
-    if BITS == 4:
-        sign = tl.where(neg, -1.0, 1.0)
-        q_roll = tl.where((c & 8) != 0, -_magnitude(c & 7), _magnitude(c & 7))
-        d_lo = tl.abs(sign * _magnitude(lo) - q_roll)
-        d_hi = tl.abs(sign * _magnitude(hi) - q_roll)
-        k = tl.where(d_hi < d_lo, hi, lo)
+    q, base = _e2m1_round(a, False)
+    # bracket lo <= a <= hi on the grid (lo == hi on a grid point); RTN, ties up for SGLang's KV
+    d = a - q
+    step = base * 0.5
+    lo = tl.where(d < 0, q - step, q)
+    hi = tl.where(d > 0, q + step, q)
+    if FMT == KV_FP4:
+        rtn = tl.where(d == base * 0.25, hi, q)
+    else:
+        rtn = q
+    if BITS == 1:
+        # lo and hi differ in bit 0 unless equal: take the one whose bit 0 is the rollout's
+        mag = tl.where(((_index(lo) ^ c) & 1) == 0, lo, hi)
+    elif BITS == 4:
+        q_roll = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * TWO_126
+        d_lo = tl.abs(_with_sign(lo, z) - q_roll)
+        d_hi = tl.abs(_with_sign(hi, z) - q_roll)
+        mag = tl.where(d_hi < d_lo, hi, lo)
     else:
         MASK: tl.constexpr = (1 << BITS) - 1
-        below = lo - 1 - ((lo - 1 - c) & MASK)  # largest index < lo with matching low bits (< 0: none)
-        above = hi + 1 + ((c - hi - 1) & MASK)  # smallest index > hi with matching low bits (> 7: none)
-        twice = 2.0 * a
+        k_lo = _index(lo)
+        k_hi = _index(hi)
+        below = k_lo - 1 - ((k_lo - 1 - c) & MASK)  # largest index < lo with matching low bits (< 0: none)
+        above = k_hi + 1 + ((c - k_hi - 1) & MASK)  # smallest index > hi with matching low bits (> 7: none)
         mid = _magnitude(tl.maximum(below, 0)) + _magnitude(tl.minimum(above, 7))
+        twice = 2.0 * a
         outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
         outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
-        k = tl.where((lo & MASK) == c, lo, tl.where((hi & MASK) == c, hi, outer))
-    mag = _magnitude(k) * decode[:, :, None]
-    val = tl.reshape(tl.where(neg, -mag, mag), (RB, C))
-    tl.store(out_ptr + rows64[:, None] * out_stride + cols[None, :], val.to(out_ptr.dtype.element_ty), mask=m)
+        mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
+    val = _with_sign(mag, z) * decode[:, :, None, None]
+    tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty), mask=m)
     counted = m
     if HAS_MASK:
-        counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None]
-    redirected = tl.where(tl.reshape(counted, (RB, NB, BLOCK)), (k != rtn).to(tl.int32), 0)
+        counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None, None]
+    redirected = tl.where(counted & (mag != rtn), 1, 0)
     # one partial count per program (a single atomic counter would serialize every program on one address)
-    tl.store(
-        redirect_ptr + pid_r * tl.num_programs(1) + pid_c, tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0)
-    )
+    total = tl.sum(tl.sum(tl.sum(tl.sum(redirected, axis=3), axis=2), axis=1), axis=0)
+    tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)

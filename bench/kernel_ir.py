@@ -1,0 +1,178 @@
+"""Compile the FP4 Triton kernels for Hopper (sm_90) without a GPU and print static cost indicators.
+
+Per kernel configuration: layout conversions (`convert_layout`) and shared-memory ops (`local_alloc`,
+`local_load`, `local_store`) in the TTGIR, shared memory bytes, PTX instruction count (body lines that are
+instructions), and, when the triton install ships ptxas, registers and spill bytes. The local triton may be newer
+than the GPU's, so the counts are indicative; compare kernel versions with the same triton.
+
+Usage: python bench/kernel_ir.py [--module path/to/triton_fp4.py] [--d 4096] [--rows R --chunk C --warps W]
+       [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trace_core.kernels import ops  # noqa: E402
+
+PTR_TYPES = {
+    "x_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "rec_ptr": "*u8",
+    "scale_ptr": "*u8",
+    "gs_ptr": "*fp32",
+    "tok_ptr": "*fp32",
+    "has_ptr": "*i1",
+    "redirect_ptr": "*i32",
+}
+
+
+def load_module(path: str | None):
+    if path is None:
+        from trace_core.kernels import triton_fp4
+
+        return triton_fp4
+    spec = importlib.util.spec_from_file_location("triton_fp4_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None) -> list[tuple]:
+    """(label, kernel, constexprs, warps) of the representative configurations, tiled as `ops` launches them for
+    rows of width d unless rows / chunk / warps are given."""
+    fid = ops.FORMAT_IDS
+
+    def launch(fmt: str, per_token: bool = False) -> dict:
+        rb, c, w = ops._launch_shape(ops.get_format(fmt), d, per_token=per_token)
+        c = chunk or c
+        return {"RB": rows or rb, "C": c, "ONE_PASS": -(-d // c) == 1, "num_warps": warps or w}
+
+    def quant(fmt: str, mode: int, bits: int) -> dict:
+        tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
+        block = ops.get_format(fmt).block
+        return {**tile, "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block}
+
+    def guided(fmt: str, mode: int, bits: int) -> dict:
+        block = ops.get_format(fmt).block
+        return {**launch(fmt), "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
+                "HAS_MASK": False, "BLOCK": block}  # fmt: skip
+
+    q, g = mod._quantize_record_kernel, mod._guided_kernel
+    return [
+        ("quant nvfp4 per-token b=1", q, quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
+        ("quant nvfp4 per-token no-record", q, quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
+        ("quant kv_fp4 b=1", q, quant("kv_fp4", ops.SCALE_NONE, 1)),
+        ("quant kv_fp4 no-record", q, quant("kv_fp4", ops.SCALE_NONE, 0)),
+        ("quant nvfp4 row b=4", q, quant("nvfp4", ops.SCALE_ROW, 4)),
+        ("quant mxfp4 b=2", q, quant("mxfp4", ops.SCALE_NONE, 2)),
+        ("guided nvfp4 b=1", g, guided("nvfp4", ops.SCALE_ROW, 1)),
+        ("guided kv_fp4 b=1", g, guided("kv_fp4", ops.SCALE_NONE, 1)),
+        ("guided nvfp4 b=2", g, guided("nvfp4", ops.SCALE_ROW, 2)),
+        ("guided nvfp4 b=4", g, guided("nvfp4", ops.SCALE_ROW, 4)),
+    ]
+
+
+def compile_kernel(kernel, constexprs: dict):
+    names = kernel.arg_names
+    warps = constexprs.pop("num_warps")
+    # non-constexpr params the kernel actually declares; keep only constexprs it knows
+    constexprs = {k: v for k, v in constexprs.items() if k in names}
+    signature = {}
+    attrs = {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = PTR_TYPES.get(name, "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name not in ("T", "chunks_per_prog"):  # D = 4096 and the strides of contiguous buffers
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+PTX_SKIP = re.compile(r"^\s*($|//|\.|\{|\}|\$|[A-Za-z_$][\w$]*:)")
+
+
+def stats(compiled) -> dict:
+    ttgir = compiled.asm["ttgir"]
+    ptx = compiled.asm["ptx"]
+    body = ptx[ptx.find(".entry") :]
+    n_ptx = sum(1 for line in body.splitlines() if not PTX_SKIP.match(line))
+    row = {
+        "convert_layout": len(re.findall(r"convert_layout", ttgir)),
+        "local_alloc": len(re.findall(r"local_alloc", ttgir)),
+        "local_load/store": len(re.findall(r"local_(?:load|store)", ttgir)),
+        "shared_B": compiled.metadata.shared,
+        "ptx_instr": n_ptx,
+    }
+    if "cubin" in compiled.asm:
+        try:  # ptxas-reported registers through the kernel binary
+            row.update(ptxas_info(ptx))
+        except Exception as e:  # noqa: BLE001
+            row["ptxas"] = f"unavailable ({e})"
+    return row
+
+
+def ptxas_info(ptx: str) -> dict:
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nv
+
+    try:
+        ptxas = nv.get_ptxas(90).path
+    except TypeError:  # older triton: no arch argument
+        ptxas = nv.get_ptxas().path
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "k.ptx"
+        p.write_text(ptx)
+        out = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(p), "-o", str(Path(d) / "k.o")], capture_output=True,
+                             text=True).stderr  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": int(spill.group(1)) if spill else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", help="a triton_fp4.py to compile instead of the package's (old vs new)")
+    parser.add_argument("--d", type=int, default=4096, help="row width the tiles are chosen for (default 4096)")
+    parser.add_argument("--rows", type=int, help="rows per program (default: as ops launches)")
+    parser.add_argument("--chunk", type=int, help="chunk columns (default: as ops launches)")
+    parser.add_argument("--warps", type=int, help="warps (default: as ops launches)")
+    parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this folder")
+    args = parser.parse_args()
+    mod = load_module(args.module)
+    print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
+    header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_instr", "n_regs",
+              "n_spills"]  # fmt: skip
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for label, kernel, constexprs in configs(mod, args.d, args.rows, args.chunk, args.warps):
+        tile = f"{constexprs['RB']}x{constexprs['C']}/{constexprs['num_warps']}w"
+        compiled = compile_kernel(kernel, dict(constexprs))
+        row = {"tile": tile, **stats(compiled)}
+        print("| " + " | ".join([label] + [str(row.get(h, "-")) for h in header[1:]]) + " |")
+        if args.dump:
+            out = Path(args.dump)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = re.sub(r"\W+", "_", label)
+            (out / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
+            (out / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+
+
+if __name__ == "__main__":
+    main()
