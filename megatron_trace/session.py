@@ -86,6 +86,13 @@ class TraceSession:
         self.numerics.captured &= present
         self.sites = present
         model._trace_session = self
+        # BF16 has no FP4 site; with a tap the activation sites still run (identity) so the tap sees them.
+        if cfg.quantized or tap is not None:
+            for layer_id, moe in self.moe_layers.items():
+                self._wrap(moe, "preprocess", self._moe_preprocess(layer_id, moe.preprocess))
+            for layer_id, attn in self.attn_layers.items():
+                hook = self._kv_hook(layer_id, attn)
+                self._handles.append(attn.core_attention.register_forward_pre_hook(hook, with_kwargs=True))
         if not cfg.quantized:
             return
         for layer_id, moe in self.moe_layers.items():
@@ -94,7 +101,6 @@ class TraceSession:
                     f"layer {layer_id}: experts {type(moe.experts).__name__}; weight and FC2-input fake quant are "
                     "wired for SequentialMLP (local spec, or TE spec with moe_grouped_gemm=False)"
                 )
-            self._wrap(moe, "preprocess", self._moe_preprocess(layer_id, moe.preprocess))
             self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
             self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
             for expert in moe.experts.local_experts:
@@ -103,9 +109,6 @@ class TraceSession:
                         raise NotImplementedError(f"expert linear {type(lin).__name__}: only Megatron's local linears")
                     self._wrap(lin, "_forward_impl", self._weight_fq(lin._forward_impl))
                 self._handles.append(expert.linear_fc2.register_forward_pre_hook(self._fc2_input))
-        for layer_id, attn in self.attn_layers.items():
-            hook = self._kv_hook(layer_id, attn)
-            self._handles.append(attn.core_attention.register_forward_pre_hook(hook, with_kwargs=True))
 
     # ----------------------------------------------------------------- installation helpers
     def _wrap(self, obj: object, name: str, fn: Callable) -> None:
@@ -130,7 +133,7 @@ class TraceSession:
         state = _MicroBatchState(attn_rows=rows, moe_rows=moe_rows)
         wanted = set(self.numerics.captured)
         if source is not None and self.cfg.measure and self.cfg.quantized:
-            wanted |= set(self.cfg.spec.sites()) & self.sites
+            wanted |= set(source.sites()) & self.sites
         if wanted and source is None:
             raise ValueError(f"trace mode needs a RolloutSource for the captured sites {sorted(wanted)}")
         for site in sorted(wanted):

@@ -31,6 +31,7 @@ class SiteStats:
     guidance: GuidanceStats = field(default_factory=GuidanceStats)
     flipped: int = 0
     compared: int = 0
+    distance: torch.Tensor | None = None  # flips by signed-grid distance 0..14 (full-code records only)
 
 
 class SiteNumerics:
@@ -62,7 +63,12 @@ class SiteNumerics:
                     f"site {site}: record rows {tuple(rows.record.shape)} do not match the activation "
                     f"{tuple(x.shape)} (micro-batch rows or head slicing disagree)"
                 )
-            y = guided_fake_quant(x, rows.record, rows.record.bits, has_record=rows.has_record, stats=stats.guidance)
+            bits = self.cfg.spec.bits
+            if rows.record.bits < bits:
+                raise ValueError(
+                    f"site {site}: the rollout recorded {rows.record.bits} code bits, the spec guides with {bits}"
+                )
+            y = guided_fake_quant(x, rows.record, bits, has_record=rows.has_record, stats=stats.guidance)
         else:
             y = rtn_fake_quant(x, fmt, per_token=per_token)
         if self.cfg.measure and rows is not None:
@@ -70,19 +76,22 @@ class SiteNumerics:
         return y
 
     def _count_flips(self, stats: SiteStats, site: Site, x: torch.Tensor, rows: SiteRows, fmt, per_token) -> None:
-        """Code flips of the trainer's codes against the record, on rows that have one (low b bits; b=4: codes)."""
+        """Code flips of the trainer's codes against the record, on rows that have one: the record's low b bits, or
+        whole codes when the rollout kept all 4 (it may keep more bits, at more sites, than the trainer guides with)."""
         has = rows.has_record
         if not bool(has.any()):
             return
         xd = x.detach()[has]
         rec = rows.record
         if site in self.captured:
-            codes = guided_quantize(xd, take_rows(rec, has.nonzero().flatten()), rec.bits)[0].codes
+            codes = guided_quantize(xd, take_rows(rec, has.nonzero().flatten()), self.cfg.spec.bits)[0].codes
         else:
             codes = quantize(xd, fmt, per_token=per_token).codes
         recorded = rec.code_bits()[has]
         if rec.bits == 4:
             flips = metrics.code_flips(codes, recorded)
+            hist = metrics.codebook_distance_histogram(codes, recorded).cpu()
+            stats.distance = hist if stats.distance is None else stats.distance + hist
         else:
             flips = (codes & low_bits_mask(rec.bits)) != recorded
         stats.flipped += int(flips.sum())
@@ -97,7 +106,9 @@ class SiteNumerics:
         return rtn_fake_quant(x, self.cfg.weight_format, per_token=True)
 
     def metrics(self) -> dict[str, float]:
-        """`trace/L{layer}.{kind}/...` counters of the step; `code_flip_rate` only where records were compared."""
+        """`trace/L{layer}.{kind}/...` counters of the step; `code_flip_rate` only where records were compared;
+        `trace/flip_distance/{d}`: flips at distance d on the signed E2M1 grid (paper Fig. 6), over the sites whose
+        records hold whole codes."""
         out: dict[str, float] = {}
         for (layer, kind), s in sorted(self.stats.items()):
             key = f"trace/L{layer}.{kind}"
@@ -107,6 +118,10 @@ class SiteNumerics:
                 out[f"{key}/redirected"] = float(s.guidance.redirected)
             if s.compared:
                 out[f"{key}/code_flip_rate"] = s.flipped / s.compared
+        hists = [s.distance for s in self.stats.values() if s.distance is not None]
+        if hists:
+            total = torch.stack(hists).sum(0)
+            out |= {f"trace/flip_distance/{d}": float(total[d]) for d in range(1, len(total))}
         if self.captured:
             out["trace/rtn_fallback"] = float(sum(s.guidance.rtn_fallback for s in self.stats.values()))
         return out

@@ -50,6 +50,10 @@ class SiteRows:
 class RolloutSource(Protocol):
     """What the trainer asks of the rollout side for each micro-batch."""
 
+    def sites(self) -> list[Site]:
+        """The sites this source holds records for (the rollout may capture more than the trainer guides)."""
+        ...
+
     def records(self, site: Site, rows: TokenRows) -> SiteRows:
         """The site's record for `rows`; rows without one (padding, not captured) have `has_record` False."""
         ...

@@ -305,3 +305,47 @@ def test_records_through_the_store_drive_the_trainer_like_in_memory_records(tmp_
     assert len(ta) == len(tb) and all(torch.equal(a, b) for a, b in zip(ta, tb, strict=True))
     assert torch.equal(la, lb)
     assert ma == mb_metrics and ma["trace/L1.moe_in/redirected"] > 0
+
+
+def test_records_wider_than_the_spec_guide_like_records_of_the_spec_bits():
+    """A rollout that keeps 4 bits (for metrics) guides a b = 1 trainer exactly as a 1-bit capture would, and its
+    code flips then compare whole codes."""
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    trajs = trajectories()
+    mbs = [pack_microbatch(trajs)]
+    wide_spec = RecordSpec(bits=4, moe_layers=(0, 1), attn_layers=(0, 1))
+    wide = emulate_rollout(model, mbs, wide_spec, num_trajectories=5, max_positions=32)
+    narrow = emulate_rollout(model, mbs, ALL_SITES, num_trajectories=5, max_positions=32)
+    perturb(model)
+    outputs, flips = [], []
+    for source in (wide, narrow):
+        taps: list = []
+        session = TraceSession(model, TraceConfig(mode="trace", spec=ALL_SITES), tap=lambda *a, t=taps: t.append(a))
+        session.begin_microbatch(mbs[0].rows, source)
+        with torch.no_grad():
+            model(mbs[0].input_ids, mbs[0].position_ids, mbs[0].attention_mask)
+        metrics = session.end_step()
+        session.remove()
+        outputs.append({t[0]: t[3] for t in taps})
+        flips.append(metrics)
+    assert outputs[0].keys() == outputs[1].keys()
+    for site in outputs[0]:
+        assert torch.equal(outputs[0][site], outputs[1][site]), site
+    assert "trace/flip_distance/1" in flips[0] and "trace/flip_distance/1" not in flips[1]
+
+
+def test_bf16_session_with_a_tap_sees_every_site_unchanged():
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    mb = pack_microbatch(trajectories())
+    taps = []
+    cfg = TraceConfig(mode="bf16", spec=ALL_SITES, replay_routes=False)
+    session = TraceSession(model, cfg, tap=lambda *a: taps.append(a))
+    session.begin_microbatch(mb.rows)
+    with torch.no_grad():
+        tapped = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    session.remove()
+    with torch.no_grad():
+        plain = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    assert {t[0] for t in taps} == set(ALL_SITES.sites())
+    assert all(t[3] is t[2] for t in taps)
+    assert torch.equal(tapped, plain)

@@ -43,10 +43,19 @@ class RolloutBatch:
 
 
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
+    """The trainer's guidance spec."""
     ids = tuple(range(layers))
     if cfg.record_all_layers:
         return RecordSpec(bits=cfg.record_bits, moe_layers=ids, attn_layers=ids)
     return RecordSpec.default(ids, ids, bits=cfg.record_bits)
+
+
+def capture_spec(layers: int, cfg: RLConfig) -> RecordSpec:
+    """What the rollout records: the guidance spec, or 4 bits at every layer with `measure_all_sites`."""
+    if cfg.measure_all_sites:
+        ids = tuple(range(layers))
+        return RecordSpec(bits=4, moe_layers=ids, attn_layers=ids)
+    return record_spec(layers, cfg)
 
 
 class Controller:
@@ -64,12 +73,13 @@ class Controller:
             tiny, state, mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff
         )
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
+        capture = capture_spec(tiny.layers, cfg)
         if cfg.rollout_backend == "sglang":
             from trace_rl.sglang_worker import SGLangPool
 
-            self.pool = SGLangPool(pool_cfg, self.spec, self.task)
+            self.pool = SGLangPool(pool_cfg, capture, self.task)
         else:
-            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, self.spec, self.task)
+            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, self.task)
         self.out.mkdir(parents=True, exist_ok=True)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
@@ -121,19 +131,25 @@ class Controller:
             self.pending.append(self.rollout(self.step + len(self.pending)))
         batch = self.pending.popleft()
         rewards = self.task.reward(batch.operands.repeat_interleave(self.cfg.group_size, 0), batch_responses(batch))
+        rolled = time.perf_counter()
         metrics = self.trainer.step(
             batch.trajectories, rewards, self.cfg.group_size, str(self.store), batch.step, batch.version
         )
+        trained = time.perf_counter()
         version = self.trainer.policy_version()
         self.pool.load_weights(self.trainer.hf_weights(), version)
         apply_retention(self.store, self.cfg.keep_record_steps, protect=[b.step for b in self.pending])
+        synced = time.perf_counter()
         metrics |= {
             "step": self.step,
             "mode": self.cfg.mode,
             "reward/mean": float(rewards.mean()),
             "rollout/response_len": sum(len(t.response) for t in batch.trajectories) / len(batch.trajectories),
             "rollout/restarts": float(batch.restarts),
-            "time/step_s": time.perf_counter() - start,
+            "time/step_s": synced - start,
+            "time/rollout_s": rolled - start,
+            "time/train_s": trained - rolled,
+            "time/sync_s": synced - trained,
         }
         self.history.append(metrics)
         self.step += 1

@@ -7,8 +7,9 @@ FP4 mode (DESIGN §4, emulated NVFP4 W4A4 + FP4 KV):
   record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets NVFP4 RTN;
 - K (after QK-norm and RoPE) and V are quantize-dequantized to `kv_fp4` as they enter the KV cache, with records
   of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
-Both modes stage every MoE layer's top-k routes for R3. Generation is batched with a KV cache; prompts share one
-length, so token (b, position p) lives in KV slot `b * max_len + p` of the capturer's host store.
+Both modes stage every MoE layer's top-k routes for R3; an `ActivationTap` sees every site's rows (analyses).
+Generation is batched with a KV cache; prompts share one length, so token (b, position p) lives in KV slot
+`b * max_len + p` of the capturer's host store.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,16 @@ class Trajectory:
         return self.tokens[self.prompt_len :]
 
 
-class _FP4Cache(DynamicCache):
+class ActivationTap(Protocol):
+    """Sees every site's activation rows in a forward (`x` in, `y` = what the engine uses: FP4 values, or `x` in
+    BF16), then the KV slots of that forward's rows (`[b * s]`, batch-major)."""
+
+    def site(self, site: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def forward_end(self, slots: torch.Tensor) -> None: ...
+
+
+class _SiteCache(DynamicCache):
     """A DynamicCache whose `update` passes K and V through the engine's KV site first."""
 
     def __init__(self, site: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], config):
@@ -94,6 +105,7 @@ class EmbeddedEngine:
         self.captured = set(self.spec.sites())
         self.version = 0
         self.alive = True
+        self.tap: ActivationTap | None = None
         for i, layer in enumerate(self.model.model.layers):
             layer.mlp.experts.forward = self._experts_forward(i, layer.mlp.experts)
         if fp4:
@@ -143,7 +155,14 @@ class EmbeddedEngine:
 
     # ----------------------------------------------------------------- FP4 sites
     def _activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
-        """Quantize-dequantize rows `[T, width]`; the record goes to staging when the site is captured."""
+        """Quantize-dequantize rows `[T, width]` (FP4 mode; BF16 passes them through); the record goes to staging
+        when the site is captured."""
+        out = self._fp4_activation(site, x2d) if self.fp4 else x2d
+        if self.tap is not None:
+            self.tap.site(site, x2d, out)
+        return out
+
+    def _fp4_activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
         moe = site[1] == "moe_in"
         fmt = NVFP4 if moe else KV_FP4
         out = torch.empty_like(x2d)
@@ -165,7 +184,7 @@ class EmbeddedEngine:
     def _experts_forward(self, layer: int, experts: torch.nn.Module) -> Callable:
         def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
             self.capturer.stage_routes(layer, top_k_index)
-            if self.fp4:
+            if self.fp4 or self.tap is not None:
                 hidden = self._activation((layer, "moe_in"), hidden.contiguous())
             out = torch.zeros_like(hidden)
             for e in top_k_index.unique().tolist():
@@ -187,7 +206,10 @@ class EmbeddedEngine:
         logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         b, s = ids.shape
         slots = (torch.arange(b)[:, None] * self.max_len + start + torch.arange(s)).reshape(-1)
-        self.capturer.on_forward_end(slots.to(self.device))
+        slots = slots.to(self.device)
+        self.capturer.on_forward_end(slots)
+        if self.tap is not None:
+            self.tap.forward_end(slots)
         if not self.alive:
             raise WorkerDied("rollout engine was killed")
         return logits[:, -1].float()
@@ -201,7 +223,8 @@ class EmbeddedEngine:
         if b > self.max_batch or p + max_new > self.max_len:
             raise ValueError(f"batch {b} x {p}+{max_new} tokens exceeds the engine ({self.max_batch} x {self.max_len})")
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        cache = _FP4Cache(self._kv_site, self.model.config) if self.fp4 else DynamicCache(config=self.model.config)
+        sites = self.fp4 or self.tap is not None
+        cache = _SiteCache(self._kv_site, self.model.config) if sites else DynamicCache(config=self.model.config)
         logits = self._forward(prompts.to(self.device), cache, 0)
         tokens, logps = [], []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)

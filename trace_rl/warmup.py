@@ -1,4 +1,4 @@
-"""The embedded default model: a tiny Qwen3-MoE (Megatron local spec) warmed up on the addition task.
+"""Models of the RL loop: a Qwen3-MoE (Megatron local spec) of a preset size, warmed up on the addition task.
 
 Random init, then a short supervised warm-up (cross-entropy on the answer tokens, FP32) so that sampled answers
 are sometimes right and RL has signal. Saved twice: the Megatron state (BF16) the trainer starts from, and the HF
@@ -25,31 +25,79 @@ MEGATRON_STATE = "megatron.pt"
 HF_DIR = "hf"
 
 
+PRESETS = {
+    # the embedded default: a CPU forward + backward well under a second
+    "tiny": TinyMoEConfig(vocab=VOCAB, hidden=64, layers=2, experts=4, topk=2, expert_ffn=64, max_seq=32),
+    # the results model (docs/results.md): 165 M parameters, Qwen3-MoE-shaped, one GPU
+    "small": TinyMoEConfig(
+        vocab=VOCAB,
+        hidden=768,
+        layers=8,
+        heads=12,
+        kv_heads=4,
+        head_dim=64,
+        experts=16,
+        topk=4,
+        expert_ffn=512,
+        max_seq=32,
+    ),
+}
+
+
 def tiny_config(task: AdditionTask) -> TinyMoEConfig:
-    return TinyMoEConfig(vocab=VOCAB, hidden=64, layers=2, experts=4, topk=2, expert_ffn=64, max_seq=32)
+    return PRESETS["tiny"]
 
 
-def _batch(task: AdditionTask, n: int, gen: torch.Generator):
+def _batch(task: AdditionTask, n: int, gen: torch.Generator, device: torch.device):
     ops = task.sample(n, gen)
     ids = torch.cat([task.prompts(ops), task.answers(ops)], dim=1)
-    return ids, pack_microbatch(list(enumerate(ids)))
+    return ids.to(device), pack_microbatch(list(enumerate(ids))).to(device)
 
 
-def make_tiny_model(out: str | Path, *, digits: int = 1, steps: int = 60, batch: int = 128, seed: int = 0) -> dict:
-    """Build, warm up and save the tiny model under `out`; returns the warm-up summary."""
+def _accuracy(model, task: AdditionTask, gen: torch.Generator, device: torch.device, n: int = 512) -> float:
+    """Teacher-forced exact-answer accuracy (greedy per position) on `n` fresh problems."""
+    p = task.prompt_len
+    with torch.no_grad():
+        ids, mb = _batch(task, n, gen, device)
+        pred = model(mb.input_ids, mb.position_ids, mb.attention_mask)[:, p - 1 : -1].argmax(-1)
+    return float((pred == ids[:, p:]).all(dim=1).float().mean())
+
+
+def make_tiny_model(
+    out: str | Path,
+    *,
+    digits: int = 1,
+    steps: int = 60,
+    batch: int = 128,
+    seed: int = 0,
+    preset: str = "tiny",
+    lr: float = 3e-3,
+    target_accuracy: float | None = None,
+) -> dict:
+    """Build, warm up and save a model of `preset` under `out`; returns the warm-up summary.
+
+    Warm-up runs `steps` steps, or stops early once the teacher-forced accuracy (checked every 10 steps) reaches
+    `target_accuracy`: RL needs a policy that is sometimes, not always, right. On CUDA when available.
+    """
     if steps < 4:
         raise ValueError(f"warm-up needs at least 4 steps, got {steps}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; use one of {sorted(PRESETS)}")
     init_single_rank(seed)
     task = AdditionTask(digits)
-    cfg = tiny_config(task)
+    cfg = PRESETS[preset]
+    if task.prompt_len + task.answer_len > cfg.max_seq:
+        raise ValueError(f"{digits}-digit addition needs {task.prompt_len + task.answer_len} positions > {cfg.max_seq}")
     model = build_tiny_moe(cfg, dtype=torch.float32, seed=seed, routing_replay=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.3)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.3)
     gen = torch.Generator().manual_seed(seed)
     p = task.prompt_len
     bar = tqdm(range(steps), desc="warm-up", unit="step")
-    for _ in bar:
-        ids, mb = _batch(task, batch, gen)
+    done = 0
+    for i in bar:
+        ids, mb = _batch(task, batch, gen, device)
         logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
         loss = torch.nn.functional.cross_entropy(logits[:, p - 1 : -1].reshape(-1, VOCAB), ids[:, p:].reshape(-1))
         opt.zero_grad()
@@ -57,20 +105,27 @@ def make_tiny_model(out: str | Path, *, digits: int = 1, steps: int = 60, batch:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        done = i + 1
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    with torch.no_grad():
-        ids, mb = _batch(task, 512, gen)
-        pred = model(mb.input_ids, mb.position_ids, mb.attention_mask)[:, p - 1 : -1].argmax(-1)
-        accuracy = float((pred == ids[:, p:]).all(dim=1).float().mean())
+        if target_accuracy is not None and done % 10 == 0 and _accuracy(model, task, gen, device) >= target_accuracy:
+            break
+    accuracy = _accuracy(model, task, gen, device)
     model = model.to(torch.bfloat16)
     out = Path(out)
     (out / HF_DIR).mkdir(parents=True, exist_ok=True)
     save_file(export_hf(model), out / HF_DIR / "model.safetensors")
     config = hf_config(model, rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_seq)
     (out / HF_DIR / "config.json").write_text(json.dumps(config, indent=1))
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = {k: v.cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     torch.save({"tiny": dataclasses.asdict(cfg), "digits": digits, "state": state}, out / MEGATRON_STATE)
-    summary = {"digits": digits, "steps": steps, "final_loss": loss.item(), "teacher_forced_accuracy": accuracy}
+    summary = {
+        "preset": preset,
+        "parameters": sum(t.numel() for t in state.values()),
+        "digits": digits,
+        "steps": done,
+        "final_loss": loss.item(),
+        "teacher_forced_accuracy": accuracy,
+    }
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -1,0 +1,147 @@
+"""The measured results of docs/results.md: build the model, run the RL modes, the same-batch analyses and the step
+timing, then write the raw metrics (CSV / JSON) that `trace_rl.results_report` turns into plots and tables.
+
+    python -m trace_rl.results run OUT [--preset small] [--steps 40] [--device cuda]
+
+Stages, all under OUT: `model/` (warm-up, `warmup.json`); `rl/<run>/` for the runs of `RUNS` (each its own process,
+`--parallel` of them at a time: their per-step metrics are valid side by side, their wall times are not);
+`analysis/analysis.json` (`trace_rl.analysis` on the warmed-up policy, in this process); `timing/` (qat and the
+default TRACE one after the other, alone on the device: the step-time overhead). `raw/` collects the small files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from trace_rl.analysis import analyze, relative_excess
+from trace_rl.task import AdditionTask
+from trace_rl.warmup import make_tiny_model
+
+# name -> config overrides on top of the shared ones; `measure_all_sites` makes the rollout keep whole codes at
+# every site so code flips compare like with like across runs (the trainer still guides with its own spec).
+RUNS = {
+    "bf16": ["mode=bf16"],
+    "qat": ["mode=qat", "measure_all_sites=true"],
+    "trace_full": ["mode=trace", "record_bits=4", "record_all_layers=true"],
+    "trace": ["mode=trace", "measure_all_sites=true"],
+}
+TIMING = {"qat": ["mode=qat"], "trace": ["mode=trace"]}
+
+
+def _launch(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    mode = next(o.split("=", 1)[1] for o in overrides if o.startswith("mode="))
+    cmd = [sys.executable, "-m", "trace_rl.launch", "--modes", mode, f"out_dir={run_dir}", *overrides]
+    # This process's rendezvous port (set by its own trainer set-up) must not leak into the run's.
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    failed = []
+    for name, (proc, log) in procs.items():
+        if proc.wait() != 0:
+            failed.append(name)
+            print(f"--- {name} failed (exit {proc.returncode}); end of {log}:\n" + log.read_text()[-3000:])
+    if failed:
+        raise RuntimeError(f"runs {failed} failed")
+
+
+def run_all(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    model = out / "model"
+    task = AdditionTask(args.digits)
+    if not (model / "warmup.json").exists():
+        summary = make_tiny_model(
+            model,
+            digits=args.digits,
+            steps=args.warmup_steps,
+            batch=args.warmup_batch,
+            seed=args.seed,
+            preset=args.preset,
+            lr=args.warmup_lr,
+            target_accuracy=args.target_accuracy,
+        )
+        print(json.dumps(summary))
+    shared = [
+        f"model_dir={model}",
+        f"device={args.device}",
+        f"steps={args.steps}",
+        f"lr={args.lr}",
+        f"max_new_tokens={task.answer_len + 1}",
+        "rollout_workers=1",
+        f"checkpoint_every={args.steps}",
+        f"seed={args.seed}",
+    ]
+    names = [n for n in RUNS if n in args.runs.split(",")]
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    for name in names:
+        if len(procs) >= args.parallel:
+            _wait({k: procs.pop(k) for k in list(procs)[:1]})
+        (out / "rl").mkdir(parents=True, exist_ok=True)
+        log = out / "rl" / f"{name}.log"
+        procs[name] = (_launch(out / "rl" / name, shared + RUNS[name], log), log)
+    if args.analysis_batches:
+        results = analyze(
+            model,
+            out / "analysis",
+            batches=args.analysis_batches,
+            max_new_tokens=task.answer_len + 1,
+            seed=args.seed,
+            device=args.device,
+        )
+        payload = {"results": results, "relative_excess": relative_excess(results)}
+        (out / "analysis" / "analysis.json").write_text(json.dumps(payload, indent=1))
+    _wait(procs)
+    if args.timing_steps:
+        timing = [f"steps={args.timing_steps}" if o.startswith("steps=") else o for o in shared]
+        timing = [f"checkpoint_every={args.timing_steps}" if o.startswith("checkpoint_every=") else o for o in timing]
+        for name, extra in TIMING.items():
+            log = out / "timing" / f"{name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            _wait({name: (_launch(out / "timing" / name, timing + extra, log), log)})
+    collect(out)
+
+
+def collect(out: Path) -> Path:
+    """Copy the small result files (metrics, summaries, analysis, warm-up) into `out/raw`."""
+    raw = out / "raw"
+    raw.mkdir(exist_ok=True)
+    pairs = [(out / "model" / "warmup.json", "warmup.json"), (out / "analysis" / "analysis.json", "analysis.json")]
+    for kind in ("rl", "timing"):
+        for run in sorted((out / kind).glob("*/metrics.csv")) if (out / kind).exists() else []:
+            pairs.append((run, f"{kind}_{run.parent.name}.csv"))
+    for src, name in pairs:
+        if src.exists():
+            shutil.copy(src, raw / name)
+    return raw
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["run"])
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--warmup-steps", type=int, default=600)
+    ap.add_argument("--warmup-batch", type=int, default=256)
+    ap.add_argument("--warmup-lr", type=float, default=5e-4)
+    ap.add_argument("--target-accuracy", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    ap.add_argument("--lr", type=float, default=2e-5, help="RL learning rate")
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--parallel", type=int, default=4, help="RL runs at a time")
+    ap.add_argument("--analysis-batches", type=int, default=4, help="0 skips the analyses")
+    ap.add_argument("--timing-steps", type=int, default=12, help="0 skips the timing runs")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    run_all(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
