@@ -117,6 +117,8 @@ def stats(compiled) -> dict:
         "local_alloc": len(re.findall(r"local_alloc", ttgir)),
         "local_load/store": len(re.findall(r"local_(?:load|store)", ttgir)),
         "shared_B": compiled.metadata.shared,
+        "ptx_shared_ops": len(re.findall(r"\b(?:ld|st)\.shared", body)),
+        "ptx_bar_sync": len(re.findall(r"\bbar\.sync|barrier\.sync", body)),
         "ptx_instr": n_ptx,
     }
     if "cubin" in compiled.asm:
@@ -158,8 +160,8 @@ def main() -> None:
     args = parser.parse_args()
     mod = load_module(args.module)
     print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
-    header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_instr", "n_regs",
-              "n_spills"]  # fmt: skip
+    header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",
+              "ptx_bar_sync", "ptx_instr", "n_regs", "n_spills"]  # fmt: skip
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, kernel, constexprs in configs(mod, args.d, args.rows, args.chunk, args.warps):
         tile = f"{constexprs['RB']}x{constexprs['C']}/{constexprs['num_warps']}w"

@@ -172,8 +172,12 @@ def _tile(NB: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _group_index(c0, NB: tl.constexpr, G: tl.constexpr):
-    """Index [1, NB, G] of each 8-element group of the chunk starting at column c0, within its row."""
-    return c0 // 8 + tl.arange(0, NB)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    """Index [1, NB, G] of each 8-element group of the chunk starting at column c0, within its row. Declared
+    non-contiguous: the byte loads and stores indexed by it then keep the layout of the tile reduced over its last
+    axis (one byte per thread, consecutive threads on consecutive groups) instead of a wider one that would need
+    a layout conversion through shared memory."""
+    idx = c0 // 8 + tl.arange(0, NB)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    return tl.max_contiguous(idx, [1, 1, 1])
 
 
 @triton.jit
@@ -197,14 +201,13 @@ def _quantize_record_kernel(
     NB: tl.constexpr = C // BLOCK
     G: tl.constexpr = BLOCK // 8
     offs = _tile(NB, G)
-    blk = tl.arange(0, NB)[None, :]
     x_rows = x_ptr + rows64[:, None, None, None] * x_stride
 
     if SCALE_MODE == SCALE_PER_TOKEN:
         if not ONE_PASS:
             amax_row = tl.zeros((RB,), tl.float32)
             for c0 in range(0, D, C):
-                m = (row_mask[:, None] & (c0 // BLOCK + blk < D // BLOCK))[:, :, None, None]
+                m = row_mask[:, None, None, None] & (c0 + offs < D)
                 x = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
                 amax_row = tl.maximum(amax_row, tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1))
             s_enc = _token_scale(amax_row)
@@ -218,10 +221,12 @@ def _quantize_record_kernel(
     else:
         s_enc = 1.0
 
+    first = tl.arange(0, G)[None, None, :] == 0  # one group of each block stores its scale byte
     for ci in range(chunks_per_prog):
         c0 = (pid_c * chunks_per_prog + ci) * C
-        bmask = row_mask[:, None] & (c0 // BLOCK + blk < D // BLOCK)  # [RB, NB]; D is a multiple of BLOCK
-        m = bmask[:, :, None, None]
+        m = row_mask[:, None, None, None] & (c0 + offs < D)
+        gidx = _group_index(c0, NB, G)
+        gmask = row_mask[:, None, None] & (gidx < D // 8)  # D is a multiple of BLOCK, BLOCK of 8
         x = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
         amax_blk = tl.max(tl.max(tl.abs(x), axis=3), axis=2)
         if SCALE_MODE == SCALE_PER_TOKEN:
@@ -238,7 +243,8 @@ def _quantize_record_kernel(
             tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
                      mask=m)  # fmt: skip
         if BITS > 0:
-            tl.store(scale_ptr + rows64[:, None] * scale_stride + c0 // BLOCK + blk, byte.to(tl.uint8), mask=bmask)
+            sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
+            tl.store(sptr, byte.to(tl.uint8)[:, :, None] + tl.zeros((1, 1, G), tl.uint8), mask=gmask & first)
             k = _index(q)
             if BITS == 4:
                 code = k | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
@@ -246,9 +252,9 @@ def _quantize_record_kernel(
                 code = k & ((1 << BITS) - 1)
             # element i of a group at bit i * BITS: BITS bytes per group of 8
             word = tl.sum(code << (tl.arange(0, 8) * BITS)[None, None, None, :], axis=3)
-            rec = rec_ptr + rows64[:, None, None] * rec_stride + _group_index(c0, NB, G) * BITS
+            rec = rec_ptr + rows64[:, None, None] * rec_stride + gidx * BITS
             for j in tl.static_range(BITS):
-                tl.store(rec + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=bmask[:, :, None])
+                tl.store(rec + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=gmask)
 
 
 @triton.jit
@@ -269,30 +275,32 @@ def _guided_kernel(
     G: tl.constexpr = BLOCK // 8
     c0 = pid_c * C
     offs = _tile(NB, G)
-    blk = tl.arange(0, NB)[None, :]
-    bmask = row_mask[:, None] & (c0 // BLOCK + blk < D // BLOCK)
-    m = bmask[:, :, None, None]
+    m = row_mask[:, None, None, None] & (c0 + offs < D)
+    gidx = _group_index(c0, NB, G)
+    gmask = row_mask[:, None, None] & (gidx < D // 8)
 
-    byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + c0 // BLOCK + blk, mask=bmask, other=0).to(tl.int32)
+    # scale factors per group [RB, NB, G] (each group loads its block's byte: no layout conversion to broadcast)
+    sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
+    byte = tl.load(sptr, mask=gmask, other=0).to(tl.int32)
     if FMT == NVFP4:
         if SCALE_MODE == SCALE_SCALAR:
             s_enc = tl.load(gs_ptr)
         else:
-            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None, None]
         decode = _e4m3_decode(byte) * tl.math.div_rn(1.0, s_enc)
         encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
     else:
         decode = _pow2(byte - 127)
         encode = _pow2(127 - byte)
 
-    rec = rec_ptr + rows64[:, None, None] * rec_stride + _group_index(c0, NB, G) * RECORD_BITS
-    word = tl.load(rec, mask=bmask[:, :, None], other=0).to(tl.int32)
+    rec = rec_ptr + rows64[:, None, None] * rec_stride + gidx * RECORD_BITS
+    word = tl.load(rec, mask=gmask, other=0).to(tl.int32)
     for j in tl.static_range(1, RECORD_BITS):
-        word |= tl.load(rec + j, mask=bmask[:, :, None], other=0).to(tl.int32) << (8 * j)
+        word |= tl.load(rec + j, mask=gmask, other=0).to(tl.int32) << (8 * j)
     c = (word[:, :, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, None, :]) & ((1 << BITS) - 1)
 
     x = tl.load(x_ptr + rows64[:, None, None, None] * x_stride + c0 + offs, mask=m, other=0.0).to(tl.float32)
-    z = _code_sign(tl.minimum(tl.maximum(x * encode[:, :, None, None], -6.0), 6.0), FMT)
+    z = _code_sign(tl.minimum(tl.maximum(x * encode[:, :, :, None], -6.0), 6.0), FMT)
     a = tl.abs(z)
     q, base = _e2m1_round(a, False)
     # bracket lo <= a <= hi on the grid (lo == hi on a grid point); RTN, ties up for SGLang's KV
@@ -323,7 +331,7 @@ def _guided_kernel(
         outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
         outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
         mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
-    val = _with_sign(mag, z) * decode[:, :, None, None]
+    val = _with_sign(mag, z) * decode[:, :, :, None]
     tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty), mask=m)
     counted = m
     if HAS_MASK:
