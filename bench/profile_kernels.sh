@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the FP4 Triton kernels on a CUDA GPU (T = 65536, D = 4096, BF16, b = 1).
+# Usage: bash bench/profile_kernels.sh OUT_DIR [PYTHON]
+# Writes OUT_DIR/kernels.ncu-rep, OUT_DIR/details.csv (every metric of the lean section set) and OUT_DIR/summary.txt
+# (per kernel: duration, DRAM throughput, SM / issue activity, occupancy, registers, top stall reasons).
+# Cases, profiled in this order (report IDs 0..4) after one warm-up launch each (--launch-skip 5): quantize-and-record
+# nvfp4 per-token b=1, kv_fp4 b=1, nvfp4 per-token without record, RTN fake-quant (nvfp4 per-token), guided
+# fake-quant (nvfp4 per-token record, b=1). SECTIONS="--set full" profiles every section.
+set -uo pipefail
+OUT=${1:?usage: bench/profile_kernels.sh OUT_DIR [PYTHON]}
+PY=${2:-python}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+if ! command -v ncu >/dev/null; then
+  echo "profile_kernels: ncu (Nsight Compute) is not on PATH; nothing profiled." | tee "$OUT/summary.txt"
+  exit 0
+fi
+DRIVER="$OUT/driver.py"
+cat >"$DRIVER" <<'PY'
+import torch
+
+from trace_core.formats import get_format
+from trace_core.guided import GuidanceStats
+from trace_core.kernels import guided_fake_quant, quantize_record, record_buffers, rtn_fake_quant
+from trace_core.records import Record
+
+t, d = 65536, 4096
+x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+out = torch.empty_like(x)
+low, scales, token = record_buffers(t, d, "nvfp4", 1, "cuda", per_token=True)
+kv_low, kv_scales, _ = record_buffers(t, d, "kv_fp4", 1, "cuda")
+rec = Record(fmt=get_format("nvfp4"), bits=1, n=d, low_bits=low, scales=scales, global_scale=token)
+stats = GuidanceStats()
+cases = {  # one matching kernel launch each, in this order
+    "quant_record_nvfp4_per_token_b1": lambda: quantize_record(
+        x, "nvfp4", 1, per_token=True, out=out, low_bits=low, scales=scales, token_scale=token),
+    "quant_record_kv_fp4_b1": lambda: quantize_record(x, "kv_fp4", 1, out=out, low_bits=kv_low, scales=kv_scales),
+    "quant_no_record_nvfp4_per_token": lambda: quantize_record(x, "nvfp4", 1, per_token=True, out=out),
+    "rtn_fake_quant_nvfp4_per_token": lambda: rtn_fake_quant(x, "nvfp4", per_token=True),
+    "guided_nvfp4_b1": lambda: guided_fake_quant(x, rec, 1, stats=stats),
+}
+for phase in ("warm-up", "profiled"):  # ncu skips the warm-up launches (compilation, first touch)
+    for i, (name, fn) in enumerate(cases.items()):
+        fn()
+        torch.cuda.synchronize()
+        print(f"{phase} launch {i}: {name}", flush=True)
+PY
+REGEX='regex:_quantize_record_kernel|_guided_kernel'
+# Lean section set (about 1 min); pass SECTIONS="--set full" in the environment for everything.
+SECTIONS=${SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+  --section Occupancy --section WarpStateStats --section InstructionStats --section LaunchStats --section SchedulerStats"}
+# shellcheck disable=SC2086
+if ! ncu --clock-control none -k "$REGEX" --launch-skip 5 --launch-count 5 $SECTIONS -f -o "$OUT/kernels" \
+     env PYTHONPATH=. "$PY" "$DRIVER" >"$OUT/ncu.log" 2>&1; then
+  if grep -qiE "ERR_NVGPUCTRPERM|permission|not supported|counters" "$OUT/ncu.log"; then
+    echo "profile_kernels: ncu could not read GPU performance counters (see $OUT/ncu.log);" \
+         "run as root or enable NVreg_RestrictProfilingToAdminUsers=0. Nothing profiled." | tee "$OUT/summary.txt"
+    exit 0
+  fi
+  echo "profile_kernels: ncu failed, see $OUT/ncu.log" | tee "$OUT/summary.txt"
+  tail -20 "$OUT/ncu.log"
+  exit 0
+fi
+if [ ! -f "$OUT/kernels.ncu-rep" ]; then
+  echo "profile_kernels: ncu wrote no report (counters unavailable?), see $OUT/ncu.log" | tee "$OUT/summary.txt"
+  exit 0
+fi
+ncu --import "$OUT/kernels.ncu-rep" --page details --csv >"$OUT/details.csv" 2>>"$OUT/ncu.log"
+"$PY" - "$OUT/details.csv" >"$OUT/summary.txt" <<'PY'
+import csv
+import sys
+from collections import defaultdict
+
+wanted = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Executed Ipc Active",
+          "Issue Slots Busy", "Achieved Occupancy", "Registers Per Thread", "Executed Instructions",
+          "Shared Memory Configuration Size", "Block Size", "Grid Size", "Warp Cycles Per Issued Instruction")
+rows = defaultdict(dict)
+with open(sys.argv[1]) as f:
+    for r in csv.DictReader(f):
+        key = (r.get("ID"), r.get("Kernel Name", "")[:40])
+        if r.get("Metric Name") in wanted:
+            rows[key][r["Metric Name"]] = f'{r["Metric Value"]} {r.get("Metric Unit", "")}'.strip()
+for (kid, name), m in rows.items():
+    print(f"[{kid}] {name}")
+    for k in wanted:
+        if k in m:
+            print(f"    {k:<36} {m[k]}")
+PY
+grep "^profiled" "$OUT/ncu.log" >>"$OUT/summary.txt"
+cat "$OUT/summary.txt"
+echo "profile_kernels: full report $OUT/kernels.ncu-rep, all metrics $OUT/details.csv"
