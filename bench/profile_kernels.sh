@@ -51,7 +51,7 @@ SECTIONS=${SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --
   --section Occupancy --section WarpStateStats --section InstructionStats --section LaunchStats --section SchedulerStats"}
 # shellcheck disable=SC2086
 if ! ncu --clock-control none -k "$REGEX" --launch-skip 5 --launch-count 5 $SECTIONS -f -o "$OUT/kernels" \
-     env PYTHONPATH=. "$PY" "$DRIVER" >"$OUT/ncu.log" 2>&1; then
+     env PYTHONPATH=".:${PYTHONPATH:-}" "$PY" "$DRIVER" >"$OUT/ncu.log" 2>&1; then
   if grep -qiE "ERR_NVGPUCTRPERM|permission|not supported|counters" "$OUT/ncu.log"; then
     echo "profile_kernels: ncu could not read GPU performance counters (see $OUT/ncu.log);" \
          "run as root or enable NVreg_RestrictProfilingToAdminUsers=0. Nothing profiled." | tee "$OUT/summary.txt"
