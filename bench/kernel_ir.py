@@ -53,8 +53,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     rows of width d unless rows / chunk / warps are given."""
     fid = ops.FORMAT_IDS
 
-    def launch(fmt: str, per_token: bool = False) -> dict:
-        rb, c, w = ops._launch_shape(ops.get_format(fmt), d, per_token=per_token)
+    def launch(fmt: str, kernel: str = "quant", per_token: bool = False) -> dict:
+        rb, c, w = ops._launch_shape(ops.get_format(fmt), d, kernel, per_token=per_token)
         c = chunk or c
         return {"RB": rows or rb, "C": c, "ONE_PASS": -(-d // c) == 1, "num_warps": warps or w}
 
@@ -65,7 +65,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
 
     def guided(fmt: str, mode: int, bits: int) -> dict:
         block = ops.get_format(fmt).block
-        return {**launch(fmt), "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
+        return {**launch(fmt, "guided"), "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
                 "HAS_MASK": False, "BLOCK": block}  # fmt: skip
 
     q, g = mod._quantize_record_kernel, mod._guided_kernel

@@ -14,6 +14,7 @@ Usage: python bench/kernels.py [--out results.json] [--quick]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from functools import partial
 
@@ -34,11 +35,25 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def graph_ms(fn) -> float:
+    """Median time of `fn` replayed from a CUDA graph: the kernels alone, without Python dispatch (as inside
+    SGLang's and Megatron's CUDA graphs). `fn` runs once first, outside the capture (compilation, allocations)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
 def copy_gbps(nbytes: int) -> float:
-    """Device-to-device copy bandwidth (read + write counted) for a buffer of nbytes / 2."""
+    """Device-to-device copy bandwidth (read + write counted) for a buffer of nbytes / 2, graph-timed."""
     src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / graph_ms(lambda: dst.copy_(src)) / 1e6
 
 
 def reference_quantize_record(x, fmt, kwargs):
@@ -66,7 +81,7 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
     def without_record():
         quantize_record(x, fmt, BITS, out=out, **kwargs)
 
-    t_rec, t_plain = bench_ms(with_record), bench_ms(without_record)
+    t_rec, t_plain = graph_ms(with_record), graph_ms(without_record)
     with_record()
     rec = Record(fmt=quantize(x[:1], fmt, **kwargs).fmt, bits=BITS, n=d, low_bits=low, scales=scales,
                  global_scale=token)  # fmt: skip
@@ -81,6 +96,8 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
         rtn_fake_quant(xg, fmt, **kwargs).backward(grad)
 
     t_guided, t_rtn = bench_ms(guided_step), bench_ms(rtn_step)
+    t_guided_fwd = graph_ms(lambda: guided_fake_quant(x, rec, BITS, stats=stats))
+    t_rtn_fwd = graph_ms(lambda: rtn_fake_quant(x, fmt, **kwargs))
     row = {
         "format": fmt,
         "T": t,
@@ -92,6 +109,7 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
         "guided_fwd_bwd_us": 1e3 * t_guided,
         "rtn_fwd_bwd_us": 1e3 * t_rtn,
         "guided_over_rtn": t_guided / t_rtn,
+        "guided_over_rtn_fwd": t_guided_fwd / t_rtn_fwd,
     }
     row["copy_ratio"] = row["quant_record_GBps"] / row["copy_GBps"]
     if "quant" in compiled and t >= 4096:
@@ -106,7 +124,7 @@ def markdown(rows: list[dict]) -> str:
     cols = [
         ("format", "{}"), ("T", "{}"), ("D", "{}"), ("quant_record_us", "{:.1f}"), ("quant_record_GBps", "{:.0f}"),
         ("copy_GBps", "{:.0f}"), ("copy_ratio", "{:.2f}"), ("record_overhead_pct", "{:+.1f}"),
-        ("guided_over_rtn", "{:.2f}"), ("speedup_vs_compiled_quant", "{:.1f}"),
+        ("guided_over_rtn", "{:.2f}"), ("guided_over_rtn_fwd", "{:.2f}"), ("speedup_vs_compiled_quant", "{:.1f}"),
         ("speedup_vs_compiled_guided", "{:.1f}"),
     ]  # fmt: skip
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -115,31 +133,57 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def tune(t: int = 65536, d: int = 4096) -> None:
-    """Sweep the program tile (rows x chunk, warps) for both kernels; prints GB/s per configuration."""
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(x)
-    results = []
-    for fmt, kwargs in FORMATS.items():
-        low, scales, token = record_buffers(t, d, fmt, BITS, "cuda", per_token=bool(kwargs))
-        moved = 4 * x.numel() + low.numel() + scales.numel()
-        for rows in (1, 2, 4, 8):
-            for chunk in (512, 1024, 2048):
-                for warps in (4, 8):
-                    if rows * chunk > 16384:
-                        continue
-                    ops.LAUNCH.update(rows=rows, chunk=chunk, warps=warps)
-                    quantize_record(x, fmt, BITS, out=out, low_bits=low, scales=scales, token_scale=token, **kwargs)
-                    rec = Record(quantize(x[:1], fmt, **kwargs).fmt, BITS, d, low, scales, token)
-                    t_q = bench_ms(
-                        partial(quantize_record, x, fmt, BITS, out=out, low_bits=low, scales=scales,
-                                token_scale=token, **kwargs)
-                    )  # fmt: skip
-                    t_g = bench_ms(partial(guided_fake_quant, x, rec, BITS, stats=GuidanceStats()))
-                    results.append((fmt, rows, chunk, warps, moved / t_q / 1e6, moved / t_g / 1e6))
-    for r in sorted(results, key=lambda r: (r[0], -r[4] - r[5])):
-        fmt, rows, chunk, warps, gq, gg = r
-        print(f"{fmt:<7} rows={rows:<3} chunk={chunk:<5} warps={warps}  quant+record {gq:6.0f} GB/s, guided {gg:6.0f}")
+QUANT_TILES = [(1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (1, 4096, 16), (2, 1024, 4), (2, 2048, 8)]
+GUIDED_TILES = [(1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4)]
+
+
+def tune(t: int = 65536, ds: tuple[int, ...] = (2048, 4096, 7168), out: str | None = None) -> dict:
+    """Sweep each kernel's program tile (rows x chunk, warps; `row_chunk` for per-token nvfp4) at T = `t`, graph-
+    timed; the best tile per kernel minimizes the summed time over formats and widths (quantize: with and without
+    the record). Prints every configuration, returns (and writes to `out`) the best as a `TRACE_FP4_LAUNCH` JSON."""
+    saved = {k: dict(v) for k, v in ops.LAUNCH.items()}
+    cases = []
+    for d in ds:
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        for fmt, kwargs in FORMATS.items():
+            low, scales, token = record_buffers(t, d, fmt, BITS, "cuda", per_token=bool(kwargs))
+            quantize_record(x, fmt, BITS, low_bits=low, scales=scales, token_scale=token, **kwargs)
+            rec = Record(quantize(x[:1], fmt, **kwargs).fmt, BITS, d, low, scales, token)
+            cases.append((fmt, d, x, kwargs, low, scales, token, rec))
+    totals: dict[tuple, float] = {}
+    for kernel, tiles in (("quant", QUANT_TILES), ("guided", GUIDED_TILES)):
+        row_chunks = (4096, 8192) if kernel == "quant" else (None,)
+        for (rows, chunk, warps), row_chunk in itertools.product(tiles, row_chunks):
+            ops.LAUNCH[kernel].update(rows=rows, chunk=chunk, warps=warps)
+            if row_chunk:
+                ops.LAUNCH[kernel]["row_chunk"] = row_chunk
+            total = 0.0
+            for fmt, d, x, kwargs, low, scales, token, rec in cases:
+                if kernel == "quant":
+                    out_ = torch.empty_like(x)
+                    record = {"low_bits": low, "scales": scales, "token_scale": token}
+                    ms = graph_ms(partial(quantize_record, x, fmt, BITS, out=out_, **record, **kwargs))
+                    ms += graph_ms(partial(quantize_record, x, fmt, BITS, out=out_, **kwargs))
+                else:
+                    ms = graph_ms(partial(guided_fake_quant, x, rec, BITS, stats=GuidanceStats()))
+                total += ms
+                print(f"{kernel:<7}{fmt:<8}D={d:<6}rows={rows} chunk={chunk:<5} warps={warps:<3}"
+                      f"row_chunk={row_chunk}  {1e3 * ms:8.1f} us", flush=True)  # fmt: skip
+            totals[(kernel, rows, chunk, warps, row_chunk)] = total
+        ops.LAUNCH[kernel].clear()
+        ops.LAUNCH[kernel].update(saved[kernel])
+    best = {}
+    for kernel in ("quant", "guided"):
+        ranked = sorted((v, k) for k, v in totals.items() if k[0] == kernel)
+        for v, k in ranked:
+            print(f"{kernel} total {1e3 * v:9.1f} us  rows={k[1]} chunk={k[2]} warps={k[3]} row_chunk={k[4]}")
+        _, (_, rows, chunk, warps, row_chunk) = ranked[0]
+        best[kernel] = {"rows": rows, "chunk": chunk, "warps": warps} | ({"row_chunk": row_chunk} if row_chunk else {})
+    print("best:", json.dumps(best))
+    if out:
+        with open(out, "w") as f:
+            json.dump(best, f)
+    return best
 
 
 def main() -> None:
@@ -147,10 +191,11 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="T in {64, 4096}, D = 4096 only")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
-    parser.add_argument("--tune", action="store_true", help="sweep the kernels' program tile instead")
+    parser.add_argument("--tune", action="store_true", help="sweep the kernels' program tiles instead")
+    parser.add_argument("--tune-out", help="with --tune: write the best tiles here (TRACE_FP4_LAUNCH JSON)")
     args = parser.parse_args()
     if args.tune:
-        tune()
+        tune(out=args.tune_out)
         return
     ts, ds = ((64, 4096), (4096,)) if args.quick else ((1, 64, 4096, 65536), (2048, 4096, 7168))
     compiled = {}

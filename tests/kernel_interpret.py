@@ -23,10 +23,11 @@ def main() -> None:
             kernel_checks.check_quantize_record(fmt, 1, d, torch.float32, 1, mode, "cpu", ops.triton_quantize_record)
             n += 2
     # small tiles: several chunks per row (the last one partly masked), and per-token nvfp4 rows wider than one
-    # tile (a first pass for the row amax), as on the GPU for rows wider than LAUNCH["row_chunk"]
-    saved = dict(ops.LAUNCH)
+    # tile (a first pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"]
+    saved = {k: dict(v) for k, v in ops.LAUNCH.items()}
     try:
-        ops.LAUNCH.update(rows=2, chunk=32, row_chunk=32)
+        ops.LAUNCH["quant"].update(rows=2, chunk=32, row_chunk=32)
+        ops.LAUNCH["guided"].update(rows=2, chunk=32)
         for fmt, modes in kernel_checks.SCALE_MODES.items():
             for mode in modes:
                 for bits in (1, 4):

@@ -118,13 +118,22 @@ def test_staging_writes_inside_a_captured_cuda_graph():
 
 @pytest.mark.parametrize("drain_thread", [True, False], ids=["drain_thread", "drain_inline"])
 def test_backpressure_waits_for_a_slow_consumer_and_never_overwrites_unread_rows(drain_thread):
-    gpu = CudaDriver(make(device="cuda", ring_depth=2, num_slots=4096, max_tokens=64, drain_thread=drain_thread))
-    cpu = Driver(make(num_slots=4096, max_tokens=64))
+    kwargs = {"device": "cuda", "ring_depth": 2, "num_slots": 4096, "max_tokens": 64, "drain_thread": drain_thread}
     forwards = [[(100 * f + i + 1, 1000 * f + i) for i in range(16)] for f in range(6)]
+    # A throwaway capturer first: lazy CUDA set-up (kernels, pinned pages, the drain thread) in the first forward of
+    # a process could otherwise outlast the sleep below. Host work is done before the sleep for the same reason.
+    warm = CudaDriver(make(**kwargs))
+    warm.forward(forwards[0])
+    torch.cuda.synchronize()
+    warm.cap.close()
+    gpu = CudaDriver(make(**kwargs))
+    cpu = Driver(make(num_slots=4096, max_tokens=64))
+    prepared = [gpu.prepare(rows) for rows in forwards]
     with torch.cuda.stream(gpu.cap.ring.side):
         torch.cuda._sleep(SLEEP_CYCLES)  # the D2H consumer is busy: copies queue behind this
+    for p in prepared:
+        gpu.run(p)
     for rows in forwards:
-        gpu.forward(rows)
         cpu.forward(rows)
     stats = gpu.cap.stats
     assert stats.stalls >= 1 and stats.stall_s > 0.01  # the third forward found both entries in flight

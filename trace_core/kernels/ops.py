@@ -10,6 +10,9 @@ They are registered with `torch.library`, so they trace under `torch.compile` an
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 try:
@@ -39,20 +42,41 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
     return SCALE_SCALAR if global_scale.dim() == 0 else SCALE_ROW
 
 
-LAUNCH = {"rows": 1, "chunk": 2048, "warps": 4, "row_chunk": 8192}
-"""Tile of one program: rows x chunk columns, and its warps (tuned on H200 with `bench/kernels.py --tune`).
-Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile)."""
+LAUNCH: dict[str, dict[str, int]] = {
+    "quant": {"rows": 1, "chunk": 2048, "warps": 4, "row_chunk": 8192},
+    "guided": {"rows": 1, "chunk": 2048, "warps": 4},
+}
+"""Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
+Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile).
+`TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-def _launch_shape(fmt: FP4Format, d: int, per_token: bool = False) -> tuple[int, int, int]:
-    """(rows per program, chunk columns, warps)."""
-    chunk = max(fmt.block, min(LAUNCH["chunk"], triton_next_pow2(d)))
-    warps = LAUNCH["warps"]
+def _launch_overrides(text: str) -> None:
+    try:
+        override = json.loads(text)
+        for kernel, values in override.items():
+            unknown = set(values) - set(LAUNCH[kernel])
+            if unknown or not all(isinstance(v, int) and v > 0 for v in values.values()):
+                raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
+            LAUNCH[kernel].update(values)
+    except (ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"TRACE_FP4_LAUNCH={text!r} is not a valid launch override ({e})") from None
+
+
+if os.environ.get("TRACE_FP4_LAUNCH"):
+    _launch_overrides(os.environ["TRACE_FP4_LAUNCH"])
+
+
+def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool = False) -> tuple[int, int, int]:
+    """(rows per program, chunk columns, warps) of `kernel` ("quant" or "guided")."""
+    tile = LAUNCH[kernel]
+    chunk = max(fmt.block, min(tile["chunk"], triton_next_pow2(d)))
+    warps = tile["warps"]
     whole = max(fmt.block, triton_next_pow2(d))
-    if per_token and chunk < whole <= LAUNCH["row_chunk"]:
+    if per_token and chunk < whole <= tile["row_chunk"]:
         warps = min(16, warps * whole // chunk)
         chunk = whole
-    return LAUNCH["rows"], chunk, warps
+    return tile["rows"], chunk, warps
 
 
 def triton_next_pow2(n: int) -> int:
@@ -291,7 +315,7 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
     t, d = x.shape
     if t == 0:
         return out, torch.zeros((), dtype=torch.int32, device=x.device)
-    rb, chunk, warps = _launch_shape(f, d)
+    rb, chunk, warps = _launch_shape(f, d, "guided")
     grid = (triton.cdiv(t, rb), triton.cdiv(d, chunk))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     k._guided_kernel[grid](
