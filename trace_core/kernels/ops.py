@@ -43,8 +43,8 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {"rows": 1, "chunk": 2048, "warps": 4, "row_chunk": 8192},
-    "guided": {"rows": 1, "chunk": 2048, "warps": 4},
+    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096},
+    "guided": {"rows": 2, "chunk": 1024, "warps": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
 Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile).
