@@ -6,7 +6,8 @@ timing, then write the raw metrics (CSV / JSON) that `trace_rl.results_report` t
 Stages, all under OUT: `model/` (warm-up, `warmup.json`); `rl/<run>/` for the runs of `RUNS` (each its own process,
 `--parallel` of them at a time: their per-step metrics are valid side by side, their wall times are not);
 `analysis/analysis.json` (`trace_rl.analysis` on the warmed-up policy, in this process); `timing/` (qat and the
-default TRACE one after the other, alone on the device: the step-time overhead). `raw/` collects the small files.
+default TRACE alternating, `TIMING_ROUNDS` times, alone on the device: the step-time overhead). `raw/` collects the
+small files; `python -m trace_rl.results_report OUT/raw DOCS` makes the tables and plots.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ RUNS = {
     "trace": ["mode=trace", "measure_all_sites=true"],
 }
 TIMING = {"qat": ["mode=qat"], "trace": ["mode=trace"]}
+TIMING_ROUNDS = 2  # qat, trace, qat, trace: drift over the session hits both modes alike
 
 
 def _launch(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
@@ -101,10 +103,11 @@ def run_all(args: argparse.Namespace) -> None:
     if args.timing_steps:
         timing = [f"steps={args.timing_steps}" if o.startswith("steps=") else o for o in shared]
         timing = [f"checkpoint_every={args.timing_steps}" if o.startswith("checkpoint_every=") else o for o in timing]
-        for name, extra in TIMING.items():
-            log = out / "timing" / f"{name}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            _wait({name: (_launch(out / "timing" / name, timing + extra, log), log)})
+        for r in range(1, TIMING_ROUNDS + 1):
+            for name, extra in TIMING.items():
+                log = out / "timing" / f"{name}_r{r}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                _wait({name: (_launch(out / "timing" / f"{name}_r{r}", timing + extra, log), log)})
     collect(out)
 
 
