@@ -28,6 +28,7 @@ RUN_LABELS = {
     "trace": "FP4 + TRACE (b=1, latter half)",
     "trace_full": "FP4 + TRACE (full information)",
 }
+COLORS = {name: f"C{i}" for i, name in enumerate(RUN_LABELS)}  # one color per run in every panel
 FLIP = re.compile(r"trace/L(\d+)\.(moe_in|k|v)/code_flip_rate")
 POLICY = [
     ("train_rollout_logprob_abs_diff", "mean abs Δ logp", "{:.5f}"),
@@ -103,7 +104,7 @@ def rl_section(raw: Path, docs: Path) -> str:
                     continue
             else:
                 ys = [m.get(key) for m in hist]
-            ax.plot([m["step"] for m in hist], ys, label=RUN_LABELS[name])
+            ax.plot([m["step"] for m in hist], ys, label=RUN_LABELS[name], color=COLORS[name])
         ax.set_title(title)
         ax.set_xlabel("RL step")
         if log:
