@@ -1,0 +1,189 @@
+"""The results driver (trace_rl.results) end to end on CPU with the tiny preset, and the report
+(trace_rl.results_report) on what it collects: raw/ holds every run's per-step metrics, the analysis and the warm-up;
+the tables' numbers are the raw data's."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import statistics
+
+import pytest
+
+from trace_rl import results, results_report
+from trace_rl.analysis import BITS, LAYERS
+from trace_rl.warmup import PRESETS
+
+STEPS = 2
+TIMING_STEPS = 3
+LAYER_IDS = range(PRESETS["tiny"].layers)
+KINDS = ("moe_in", "k", "v")
+POLICY_METRICS = [
+    "train_rollout_logprob_abs_diff",
+    "train_rollout_logprob_diff_max",
+    "train_rollout_logprob_diff_min",
+    "train_rollout_k3_kl",
+    "train_rollout_extreme_token_frac_tau2",
+]
+PER_STEP = [*POLICY_METRICS, "reward/mean", "time/step_s", "time/train_s"]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results") / "out"
+    results.main(
+        ["run", str(out), "--preset", "tiny", "--digits", "1", "--device", "cpu", "--steps", f"{STEPS}"]
+        + ["--warmup-steps", "10", "--warmup-lr", "3e-3", "--analysis-batches", "1"]
+        + ["--timing-steps", f"{TIMING_STEPS}", "--parallel", "2"]
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def raw(out):
+    return out / "raw"
+
+
+@pytest.fixture(scope="module")
+def docs(raw, tmp_path_factory):
+    docs = tmp_path_factory.mktemp("docs")
+    results_report.main([str(raw), str(docs)])
+    return docs
+
+
+def _rows(path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _col(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows]
+
+
+def _md_table(md: str, heading: str) -> list[dict[str, str]]:
+    """The first markdown table after the line `heading`, one dict per row keyed by the header."""
+    lines = md.splitlines()
+    start = lines.index(heading)
+    table = []
+    for line in lines[start + 1 :]:
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif table:
+            break
+    header, _, *body = table
+    return [dict(zip(header, row, strict=True)) for row in body]
+
+
+def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
+    expected = {f"rl_{name}.csv" for name in results.RUNS}
+    expected |= {f"timing_{mode}_r{r}.csv" for mode in results.TIMING for r in range(1, results.TIMING_ROUNDS + 1)}
+    expected |= {"analysis.json", "warmup.json"}
+    assert {p.name for p in raw.iterdir()} == expected
+    warmup = json.loads((raw / "warmup.json").read_text())
+    assert (warmup["preset"], warmup["digits"], warmup["steps"]) == ("tiny", 1, 10)
+
+
+def test_rl_runs_log_the_per_step_metrics(raw):
+    for name in results.RUNS:
+        rows = _rows(raw / f"rl_{name}.csv")
+        assert [int(float(r["step"])) for r in rows] == list(range(STEPS)), name
+        for key in PER_STEP:
+            assert all(r.get(key, "") != "" for r in rows), (name, key)
+        assert all(v >= 0 for v in _col(rows, "train_rollout_logprob_abs_diff"))
+        assert all(v > 0 for v in _col(rows, "time/step_s") + _col(rows, "time/train_s"))
+        for r in rows:
+            assert float(r["train_rollout_logprob_diff_min"]) <= float(r["train_rollout_logprob_diff_max"])
+            assert 0 <= float(r["reward/mean"]) <= 1
+
+
+def test_measured_runs_report_code_flips_at_every_site(raw):
+    """qat and trace run with measure_all_sites, so every site has a flip rate (the trace run guides only the
+    latter half but is measured everywhere); bf16 has no FP4 sites."""
+    sites = [f"trace/L{layer}.{kind}/code_flip_rate" for layer in LAYER_IDS for kind in KINDS]
+    for name in ("qat", "trace"):
+        for r in _rows(raw / f"rl_{name}.csv"):
+            for key in sites:
+                assert 0 <= float(r[key]) <= 1, (name, key)
+    assert not any("code_flip_rate" in k for k in _rows(raw / "rl_bf16.csv")[0])
+
+
+def test_trace_run_never_falls_back_to_rtn_on_real_tokens(raw):
+    for name in ("trace", "trace_full"):
+        assert _col(_rows(raw / f"rl_{name}.csv"), "trace/rtn_fallback_real_tokens") == [0.0] * STEPS, name
+
+
+def test_timing_runs_alternate_modes_over_the_rounds(raw):
+    for mode in results.TIMING:
+        for r in range(1, results.TIMING_ROUNDS + 1):
+            rows = _rows(raw / f"timing_{mode}_r{r}.csv")
+            assert len(rows) == TIMING_STEPS
+            assert {row["mode"] for row in rows} == {mode}
+            assert all(v > 0 for v in _col(rows, "time/step_s"))
+
+
+def test_analysis_scores_every_configuration_on_one_batch(raw):
+    payload = json.loads((raw / "analysis.json").read_text())
+    configs = [r["config"] for r in payload["results"]]
+    ablation = [f"b{b}/{which}" for which in LAYERS for b in BITS]
+    assert sorted(configs) == sorted(["bf16", "qat", *ablation])
+    assert set(payload["relative_excess"]) == {"qat", *ablation}
+    for r in payload["results"]:
+        assert r["batch"] == 0
+        assert set(POLICY_METRICS) <= set(r)
+    assert set(payload["relative_excess"]["qat"]) == {f"L{layer}.{kind}" for layer in LAYER_IDS for kind in KINDS}
+
+
+def test_report_writes_the_tables_and_figures(docs):
+    md = (docs / "tables.md").read_text()
+    for label in results_report.RUN_LABELS.values():
+        assert f"| {label} |" in md
+    ablation = _md_table(md, "### Same-batch ablation (bits x captured layers)")
+    configs = [row["config"] for row in ablation]
+    assert configs[:2] == ["bf16", "qat"]
+    assert sorted(configs[2:]) == sorted(f"b{b}/{which}" for which in LAYERS for b in BITS)
+    assert all(row["batches"] == "1" for row in ablation)
+    for png in ("rl_mismatch.png", "relative_excess.png", "flip_distance.png"):
+        data = (docs / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000, png
+
+
+def test_rl_table_numbers_come_from_the_raw_csv(raw, docs):
+    table = {row["run"]: row for row in _md_table((docs / "tables.md").read_text(), "### RL runs")}
+    assert set(table) == set(results_report.RUN_LABELS.values())
+    qat = _rows(raw / "rl_qat.csv")
+    row = table["FP4 + QAT"]
+    assert row["steps"] == f"{STEPS}"
+    assert row["mean abs Δ logp"] == f"{statistics.fmean(_col(qat, 'train_rollout_logprob_abs_diff')):.5f}"
+    assert row["Δ logp max"] == f"{max(_col(qat, 'train_rollout_logprob_diff_max')):.3f}"
+    assert row["Δ logp min"] == f"{min(_col(qat, 'train_rollout_logprob_diff_min')):.3f}"
+    moe_in = [statistics.fmean(float(r[f"trace/L{i}.moe_in/code_flip_rate"]) for i in LAYER_IDS) for r in qat]
+    assert row["code flips moe_in"] == f"{statistics.fmean(moe_in):.4f}"
+    assert table["BF16"]["code flips moe_in"] == "—"
+
+
+def test_step_time_overhead_is_the_ratio_of_the_medians(raw, docs):
+    """Medians over both rounds of each mode, the first two (warm-up) steps of each file left out."""
+    medians = {}
+    for mode in ("qat", "trace"):
+        rows = [row for r in range(1, results.TIMING_ROUNDS + 1) for row in _rows(raw / f"timing_{mode}_r{r}.csv")[2:]]
+        assert len(rows) == results.TIMING_ROUNDS * (TIMING_STEPS - 2)
+        medians[mode] = {k: statistics.median(_col(rows, k)) for k in ("time/step_s", "time/train_s")}
+    table = {row["mode"]: row for row in _md_table((docs / "tables.md").read_text(), "### Step time")}
+    for mode in ("qat", "trace"):
+        assert table[mode]["steps timed"] == f"{results.TIMING_ROUNDS * (TIMING_STEPS - 2)}"
+        assert table[mode]["step s (median)"] == f"{medians[mode]['time/step_s']:.3f}"
+    step = 100 * (medians["trace"]["time/step_s"] / medians["qat"]["time/step_s"] - 1)
+    train = 100 * (medians["trace"]["time/train_s"] / medians["qat"]["time/train_s"] - 1)
+    overhead = table["TRACE over QAT"]
+    assert overhead["step s (median)"] == f"{step:+.1f} %"
+    assert overhead["train s (median)"] == f"{train:+.1f} %"
+
+
+def test_report_without_the_analysis_names_the_missing_file(raw, tmp_path):
+    partial = tmp_path / "raw"
+    shutil.copytree(raw, partial)
+    (partial / "analysis.json").unlink()
+    with pytest.raises(FileNotFoundError, match="analysis.json"):
+        results_report.main([str(partial), str(tmp_path / "docs")])
+    assert not (tmp_path / "docs" / "tables.md").exists()
