@@ -88,17 +88,22 @@ def run_all(args: argparse.Namespace) -> None:
         (out / "rl").mkdir(parents=True, exist_ok=True)
         log = out / "rl" / f"{name}.log"
         procs[name] = (_launch(out / "rl" / name, shared + RUNS[name], log), log)
-    if args.analysis_batches:
-        results = analyze(
-            model,
-            out / "analysis",
-            batches=args.analysis_batches,
-            max_new_tokens=task.answer_len + 1,
-            seed=args.seed,
-            device=args.device,
-        )
-        payload = {"results": results, "relative_excess": relative_excess(results)}
-        (out / "analysis" / "analysis.json").write_text(json.dumps(payload, indent=1))
+    try:
+        if args.analysis_batches:
+            results = analyze(
+                model,
+                out / "analysis",
+                batches=args.analysis_batches,
+                max_new_tokens=task.answer_len + 1,
+                seed=args.seed,
+                device=args.device,
+            )
+            payload = {"results": results, "relative_excess": relative_excess(results)}
+            (out / "analysis" / "analysis.json").write_text(json.dumps(payload, indent=1))
+    except BaseException:
+        for proc, _ in procs.values():  # no RL run outlives a failed driver
+            proc.kill()
+        raise
     _wait(procs)
     if args.timing_steps:
         timing = [f"steps={args.timing_steps}" if o.startswith("steps=") else o for o in shared]

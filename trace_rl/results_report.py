@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("raw", type=Path)
     ap.add_argument("docs", type=Path)
     args = ap.parse_args(argv)
+    missing = [name for name in ("warmup.json", "analysis.json") if not (args.raw / name).exists()]
+    if missing:  # checked before anything is written
+        raise FileNotFoundError(f"{args.raw} lacks {missing}: run `python -m trace_rl.results run` to completion")
     args.docs.mkdir(parents=True, exist_ok=True)
     warmup = json.loads((args.raw / "warmup.json").read_text())
     parts = [
