@@ -42,7 +42,7 @@ def test_quantize_record_is_bit_exact(fmt, dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_token_rows_wider_than_one_tile(dtype):
-    # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last one partly masked)
+    # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last partly masked)
     d = ops.LAUNCH["quant"]["row_chunk"] + 16
     for bits in (1, 4):
         kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
