@@ -3,9 +3,9 @@
 # Usage: bash bench/profile_kernels.sh OUT_DIR [PYTHON]
 # Writes OUT_DIR/kernels.ncu-rep, OUT_DIR/details.csv (every metric of the lean section set) and OUT_DIR/summary.txt
 # (per kernel: duration, DRAM throughput, SM / issue activity, occupancy, registers, top stall reasons).
-# Cases, profiled in this order (report IDs 0..4) after one warm-up launch each (--launch-skip 5): quantize-and-record
-# nvfp4 per-token b=1, kv_fp4 b=1, nvfp4 per-token without record, RTN fake-quant (nvfp4 per-token), guided
-# fake-quant (nvfp4 per-token record, b=1). SECTIONS="--set full" profiles every section.
+# Cases, profiled in this order (report IDs 0..5) after one warm-up launch each (--launch-skip 6): quantize-and-record
+# nvfp4 per-token b=1, kv_fp4 b=1, nvfp4 per-token without record, kv_fp4 without record, RTN fake-quant (nvfp4
+# per-token), guided fake-quant (nvfp4 per-token record, b=1). SECTIONS="--set full" profiles every section.
 set -uo pipefail
 OUT=${1:?usage: bench/profile_kernels.sh OUT_DIR [PYTHON]}
 PY=${2:-python}
@@ -36,6 +36,7 @@ cases = {  # one matching kernel launch each, in this order
         x, "nvfp4", 1, per_token=True, out=out, low_bits=low, scales=scales, token_scale=token),
     "quant_record_kv_fp4_b1": lambda: quantize_record(x, "kv_fp4", 1, out=out, low_bits=kv_low, scales=kv_scales),
     "quant_no_record_nvfp4_per_token": lambda: quantize_record(x, "nvfp4", 1, per_token=True, out=out),
+    "quant_no_record_kv_fp4": lambda: quantize_record(x, "kv_fp4", 1, out=out),
     "rtn_fake_quant_nvfp4_per_token": lambda: rtn_fake_quant(x, "nvfp4", per_token=True),
     "guided_nvfp4_b1": lambda: guided_fake_quant(x, rec, 1, stats=stats),
 }
@@ -50,7 +51,7 @@ REGEX='regex:_quantize_record_kernel|_guided_kernel'
 SECTIONS=${SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section Occupancy --section WarpStateStats --section InstructionStats --section LaunchStats --section SchedulerStats"}
 # shellcheck disable=SC2086
-if ! ncu --clock-control none -k "$REGEX" --launch-skip 5 --launch-count 5 $SECTIONS -f -o "$OUT/kernels" \
+if ! ncu --clock-control none -k "$REGEX" --launch-skip 6 --launch-count 6 $SECTIONS -f -o "$OUT/kernels" \
      env PYTHONPATH=".:${PYTHONPATH:-}" "$PY" "$DRIVER" >"$OUT/ncu.log" 2>&1; then
   if grep -qiE "ERR_NVGPUCTRPERM|permission|not supported|counters" "$OUT/ncu.log"; then
     echo "profile_kernels: ncu could not read GPU performance counters (see $OUT/ncu.log);" \
