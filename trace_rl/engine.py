@@ -154,6 +154,11 @@ class EmbeddedEngine:
         self.version = version
 
     # ----------------------------------------------------------------- FP4 sites
+    @property
+    def _sites_run(self) -> bool:
+        """The activation sites run in FP4 mode, and in BF16 when a tap watches them."""
+        return self.fp4 or self.tap is not None
+
     def _activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
         """Quantize-dequantize rows `[T, width]` (FP4 mode; BF16 passes them through); the record goes to staging
         when the site is captured."""
@@ -184,7 +189,7 @@ class EmbeddedEngine:
     def _experts_forward(self, layer: int, experts: torch.nn.Module) -> Callable:
         def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
             self.capturer.stage_routes(layer, top_k_index)
-            if self.fp4 or self.tap is not None:
+            if self._sites_run:
                 hidden = self._activation((layer, "moe_in"), hidden.contiguous())
             out = torch.zeros_like(hidden)
             for e in top_k_index.unique().tolist():
@@ -223,8 +228,9 @@ class EmbeddedEngine:
         if b > self.max_batch or p + max_new > self.max_len:
             raise ValueError(f"batch {b} x {p}+{max_new} tokens exceeds the engine ({self.max_batch} x {self.max_len})")
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        sites = self.fp4 or self.tap is not None
-        cache = _SiteCache(self._kv_site, self.model.config) if sites else DynamicCache(config=self.model.config)
+        cache = (
+            _SiteCache(self._kv_site, self.model.config) if self._sites_run else DynamicCache(config=self.model.config)
+        )
         logits = self._forward(prompts.to(self.device), cache, 0)
         tokens, logps = [], []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)

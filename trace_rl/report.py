@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+import statistics
 from pathlib import Path
 
 from rich.console import Console
@@ -13,8 +14,9 @@ from rich.table import Table
 FLIP = re.compile(r"trace/L(\d+)\.(moe_in|k|v)/code_flip_rate")
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
+def mean_or_nan(values: list[float]) -> float:
+    """Mean of a metric's values (NaN when it was never logged); shared with `trace_rl.results_report`."""
+    return statistics.fmean(values) if values else float("nan")
 
 
 def _sum(values: list[float]) -> float:
@@ -39,7 +41,7 @@ def flip_rates(history: list[dict]) -> dict[str, float]:
             hit = FLIP.fullmatch(k)
             if hit:
                 sites.setdefault(f"L{hit[1]}.{hit[2]}", []).append(v)
-    return {s: _mean(v) for s, v in sorted(sites.items())}
+    return {s: mean_or_nan(v) for s, v in sorted(sites.items())}
 
 
 def summary(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
@@ -53,17 +55,17 @@ def summary(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
         flips = flip_rates(hist)
         out[mode] = {
             "reward (first step)": hist[0]["reward/mean"],
-            "reward (last half)": _mean(col("reward/mean")[len(hist) // 2 :]),
-            "|Δ logp| mean": _mean(col("train_rollout_logprob_abs_diff")),
+            "reward (last half)": mean_or_nan(col("reward/mean")[len(hist) // 2 :]),
+            "|Δ logp| mean": mean_or_nan(col("train_rollout_logprob_abs_diff")),
             "Δ logp max": max(col("train_rollout_logprob_diff_max")),
             "Δ logp min": min(col("train_rollout_logprob_diff_min")),
-            "k3 KL": _mean(col("train_rollout_k3_kl")),
-            "F(τ=2)": _mean(col("train_rollout_extreme_token_frac_tau2")),
-            "code flips moe_in": _mean([v for s, v in flips.items() if s.endswith("moe_in")]),
-            "code flips k/v": _mean([v for s, v in flips.items() if not s.endswith("moe_in")]),
+            "k3 KL": mean_or_nan(col("train_rollout_k3_kl")),
+            "F(τ=2)": mean_or_nan(col("train_rollout_extreme_token_frac_tau2")),
+            "code flips moe_in": mean_or_nan([v for s, v in flips.items() if s.endswith("moe_in")]),
+            "code flips k/v": mean_or_nan([v for s, v in flips.items() if not s.endswith("moe_in")]),
             "RTN fallback (real tokens)": _sum(col("trace/rtn_fallback_real_tokens")),
             "worker restarts": _sum(col("rollout/restarts")),
-            "step time s": _mean(col("time/step_s")),
+            "step time s": mean_or_nan(col("time/step_s")),
         }
     return out
 

@@ -70,16 +70,20 @@ def run_all(args: argparse.Namespace) -> None:
             target_accuracy=args.target_accuracy,
         )
         print(json.dumps(summary))
-    shared = [
-        f"model_dir={model}",
-        f"device={args.device}",
-        f"steps={args.steps}",
-        f"lr={args.lr}",
-        f"max_new_tokens={task.answer_len + 1}",
-        "rollout_workers=1",
-        f"checkpoint_every={args.steps}",
-        f"seed={args.seed}",
-    ]
+
+    def shared(steps: int) -> list[str]:
+        """Overrides every run shares; one checkpoint, at the end."""
+        return [
+            f"model_dir={model}",
+            f"device={args.device}",
+            f"steps={steps}",
+            f"lr={args.lr}",
+            f"max_new_tokens={task.answer_len + 1}",
+            "rollout_workers=1",
+            f"checkpoint_every={steps}",
+            f"seed={args.seed}",
+        ]
+
     names = [n for n in RUNS if n in args.runs.split(",")]
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     for name in names:
@@ -87,7 +91,7 @@ def run_all(args: argparse.Namespace) -> None:
             _wait({k: procs.pop(k) for k in list(procs)[:1]})
         (out / "rl").mkdir(parents=True, exist_ok=True)
         log = out / "rl" / f"{name}.log"
-        procs[name] = (_launch(out / "rl" / name, shared + RUNS[name], log), log)
+        procs[name] = (_launch(out / "rl" / name, shared(args.steps) + RUNS[name], log), log)
     try:
         if args.analysis_batches:
             results = analyze(
@@ -106,13 +110,11 @@ def run_all(args: argparse.Namespace) -> None:
         raise
     _wait(procs)
     if args.timing_steps:
-        timing = [f"steps={args.timing_steps}" if o.startswith("steps=") else o for o in shared]
-        timing = [f"checkpoint_every={args.timing_steps}" if o.startswith("checkpoint_every=") else o for o in timing]
         for r in range(1, TIMING_ROUNDS + 1):
             for name, extra in TIMING.items():
                 log = out / "timing" / f"{name}_r{r}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                _wait({name: (_launch(out / "timing" / f"{name}_r{r}", timing + extra, log), log)})
+                _wait({name: (_launch(out / "timing" / f"{name}_r{r}", shared(args.timing_steps) + extra, log), log)})
     collect(out)
 
 

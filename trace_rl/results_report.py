@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import statistics
 from pathlib import Path
 
@@ -21,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from trace_rl.analysis import BITS, LAYERS  # noqa: E402
+from trace_rl.report import FLIP, mean_or_nan  # noqa: E402
 
 RUN_LABELS = {
     "bf16": "BF16",
@@ -29,7 +29,6 @@ RUN_LABELS = {
     "trace_full": "FP4 + TRACE (full information)",
 }
 COLORS = {name: f"C{i}" for i, name in enumerate(RUN_LABELS)}  # one color per run in every panel
-FLIP = re.compile(r"trace/L(\d+)\.(moe_in|k|v)/code_flip_rate")
 POLICY = [
     ("train_rollout_logprob_abs_diff", "mean abs Δ logp", "{:.5f}"),
     ("train_rollout_logprob_diff_max", "Δ logp max", "{:.3f}"),
@@ -51,18 +50,14 @@ def _num(v: str) -> float | str:
         return v
 
 
-def _mean(values: list[float]) -> float:
-    return statistics.fmean(values) if values else float("nan")
-
-
-def _flip_mean(row: dict, kinds: tuple[str, ...]) -> float | None:
+def _flipmean_or_nan(row: dict, kinds: tuple[str, ...]) -> float | None:
     rates = [v for k, v in row.items() if (m := FLIP.fullmatch(k)) and m[2] in kinds]
-    return _mean(rates) if rates else None
+    return mean_or_nan(rates) if rates else None
 
 
 def _over_steps(key: str, values: list[float]) -> float:
     """A run's value of a per-step metric: the extreme for max / min, else the mean."""
-    return max(values) if key.endswith("_max") else min(values) if key.endswith("_min") else _mean(values)
+    return max(values) if key.endswith("_max") else min(values) if key.endswith("_min") else mean_or_nan(values)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -78,13 +73,19 @@ def rl_section(raw: Path, docs: Path) -> str:
         def col(key: str, hist: list[dict] = hist) -> list[float]:
             return [m[key] for m in hist if key in m]
 
-        flips = [f for m in hist if (f := _flip_mean(m, ("moe_in",))) is not None]
-        kv = [f for m in hist if (f := _flip_mean(m, ("k", "v"))) is not None]
+        flips = [f for m in hist if (f := _flipmean_or_nan(m, ("moe_in",))) is not None]
+        kv = [f for m in hist if (f := _flipmean_or_nan(m, ("k", "v"))) is not None]
         reward = col("reward/mean")
         policy = [fmt.format(_over_steps(key, col(key))) for key, _, fmt in POLICY]
         rows.append(
-            [RUN_LABELS[name], f"{len(hist)}", f"{_mean(reward[:5]):.3f}", f"{_mean(reward[-10:]):.3f}", *policy]
-            + [f"{_mean(flips):.4f}" if flips else "—", f"{_mean(kv):.4f}" if kv else "—"]
+            [
+                RUN_LABELS[name],
+                f"{len(hist)}",
+                f"{mean_or_nan(reward[:5]):.3f}",
+                f"{mean_or_nan(reward[-10:]):.3f}",
+                *policy,
+            ]
+            + [f"{mean_or_nan(flips):.4f}" if flips else "—", f"{mean_or_nan(kv):.4f}" if kv else "—"]
             + [f"{statistics.median(col('time/train_s')):.3f}"]
         )
     header = ["run", "steps", "reward (first 5)", "reward (last 10)"] + [label for _, label, _ in POLICY]
@@ -99,7 +100,7 @@ def rl_section(raw: Path, docs: Path) -> str:
     for ax, (key, title, log) in zip(axes.flat, panels, strict=True):
         for name, hist in runs.items():
             if key is None:
-                ys = [_flip_mean(m, ("moe_in",)) for m in hist]
+                ys = [_flipmean_or_nan(m, ("moe_in",)) for m in hist]
                 if all(y is None for y in ys):
                     continue
             else:
@@ -123,12 +124,12 @@ def analysis_section(raw: Path, docs: Path) -> str:
     rows = []
     for c in configs:
         rs = [r for r in results if r["config"] == c]
-        per_row = [_flip_mean(r, ("moe_in", "k", "v")) for r in rs]
+        per_row = [_flipmean_or_nan(r, ("moe_in", "k", "v")) for r in rs]
         flips = [f for f in per_row if f is not None]
         rows.append(
             [c, f"{len(rs)}"]
-            + [fmt.format(_mean([r[key] for r in rs])) for key, _, fmt in POLICY]
-            + [f"{_mean(flips):.4f}" if flips else "—"]
+            + [fmt.format(mean_or_nan([r[key] for r in rs])) for key, _, fmt in POLICY]
+            + [f"{mean_or_nan(flips):.4f}" if flips else "—"]
         )
     out = ["### Same-batch ablation (bits x captured layers)\n", _table(
         ["config", "batches"] + [label for _, label, _ in POLICY] + ["code flips (all sites)"], rows)]  # fmt: skip
@@ -138,10 +139,10 @@ def analysis_section(raw: Path, docs: Path) -> str:
         cells = []
         for b in BITS:
             rs = [r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == f"b{b}/{which}"]
-            cells.append(f"{_mean(rs):.5f}")
+            cells.append(f"{mean_or_nan(rs):.5f}")
         grid.append([which] + cells)
-    qat = _mean([r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == "qat"])
-    bf16 = _mean([r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == "bf16"])
+    qat = mean_or_nan([r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == "qat"])
+    bf16 = mean_or_nan([r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == "bf16"])
     out += [
         f"\nMean abs Δ logp by bits x captured layers (FP4 + QAT: {qat:.5f}, BF16: {bf16:.5f}):\n",
         _table(["captured layers"] + [f"b = {b}" for b in BITS], grid),
@@ -153,7 +154,7 @@ def analysis_section(raw: Path, docs: Path) -> str:
     table = []
     for ax, kinds, title in ((axes[0], ("moe_in",), "MoE input"), (axes[1], ("k", "v"), "K and V")):
         for c in shown:
-            ys = [_mean([excess[c][f"L{i}.{k}"] for k in kinds]) for i in layers]
+            ys = [mean_or_nan([excess[c][f"L{i}.{k}"] for k in kinds]) for i in layers]
             ax.plot(layers, ys, marker="o", label=c)
         ax.set_yscale("symlog", linthresh=1)
         ax.axhline(0, color="gray", lw=0.5)

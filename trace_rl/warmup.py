@@ -44,10 +44,6 @@ PRESETS = {
 }
 
 
-def tiny_config(task: AdditionTask) -> TinyMoEConfig:
-    return PRESETS["tiny"]
-
-
 def _batch(task: AdditionTask, n: int, gen: torch.Generator, device: torch.device):
     ops = task.sample(n, gen)
     ids = torch.cat([task.prompts(ops), task.answers(ops)], dim=1)
