@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,10 @@ def run_child(script: str, cfg: RLConfig) -> subprocess.CompletedProcess:
     """`script` in a fresh Python process, with `cfg` (as keyword arguments of RLConfig) in `CFG`."""
     values = json.dumps(json.dumps(dataclasses.asdict(cfg)))
     code = f"import json\nfrom trace_rl.config import RLConfig\nCFG = RLConfig(**json.loads({values}))\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    with socket.socket() as sock:  # the child's own rendezvous port (this process's trainer holds MASTER_PORT)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "MASTER_PORT": port}
     return subprocess.run([sys.executable, "-c", code + script], env=env, capture_output=True, text=True, timeout=600)
 
 

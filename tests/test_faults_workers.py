@@ -51,7 +51,7 @@ time.sleep(600)
 def test_a_second_controller_is_refused_naming_the_holder(model_dir, tmp_path):
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **TINY)
     with Controller(cfg) as first:
-        first.train_step()
+        first.run()  # 2 steps, checkpoint at the end
         metrics = (tmp_path / "metrics.jsonl").read_text()
         with pytest.raises(RunLockedError, match=f'in use by another controller: .*"pid": {os.getpid()}'):
             Controller(cfg)
@@ -67,7 +67,7 @@ def test_a_second_controller_is_refused_naming_the_holder(model_dir, tmp_path):
     finally:
         holder.kill()
     with Controller(cfg) as resumed:  # the kernel dropped the dead holder's lock
-        assert resumed.step == 1
+        assert resumed.step == 2
 
 
 def run_bounded(fn, seconds: float):
