@@ -95,7 +95,6 @@ def main() -> None:
             for mb in mbs:
                 session.begin_microbatch(mb.rows, source)
                 logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
-                session.forward_done()
                 loss = torch.log_softmax(logits.float(), -1)[..., 0][mb.valid].mean()
                 loss.backward()
             optimizer.step()

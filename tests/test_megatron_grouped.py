@@ -121,7 +121,6 @@ def test_grouped_experts_match_sequential_mlp_bit_for_bit(mode):
         for mb in mbs:
             session.begin_microbatch(mb.rows, source)
             out = model(mb.input_ids, mb.position_ids, mb.attention_mask)
-            session.forward_done()
             out.square().mean().backward()
             logits.append(out.detach())
         metrics = session.end_step()
@@ -169,18 +168,17 @@ def test_expert_weights_fake_quantized_once_per_step(monkeypatch):
     for step in range(2):
         for mb in mbs:
             session.begin_microbatch(mb.rows)
-            loss = model(mb.input_ids, mb.position_ids, mb.attention_mask).square().mean()
-            session.forward_done()
-            loss.backward()
+            model(mb.input_ids, mb.position_ids, mb.attention_mask).square().mean().backward()
         assert len(calls) == 2 * CFG.layers * (step + 1)
         opt.step()
         opt.zero_grad()
         session.end_step()
     # An in-place update inside a step (the version counter moves) is seen without end_step.
-    session.begin_microbatch(mbs[0].rows)
     with torch.no_grad():
+        session.begin_microbatch(mbs[0].rows)
         model(mbs[0].input_ids, mbs[0].position_ids, mbs[0].attention_mask)
         model.decoder.layers[0].mlp.experts.linear_fc1.weight.mul_(1.5)
+        session.begin_microbatch(mbs[0].rows)
         model(mbs[0].input_ids, mbs[0].position_ids, mbs[0].attention_mask)
     assert len(calls) == 2 * CFG.layers * 3 + 1
     session.remove()
@@ -224,7 +222,6 @@ def saved_bytes_per_microbatch(model, mode: str, mbs) -> list[int]:
         session.begin_microbatch(mb.rows)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             graphs.append(model(mb.input_ids, mb.position_ids, mb.attention_mask).square().mean())
-        session.forward_done()
         per_mb.append(new)
     for loss in graphs:
         loss.backward()

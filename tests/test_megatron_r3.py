@@ -62,7 +62,6 @@ def test_replay_makes_routing_identical_to_given_routes(recompute):
     session = TraceSession(model, TraceConfig(mode="bf16", spec=RecordSpec(), replay_routes=True))
     session.begin_microbatch(mb.rows, source)
     out = model(mb.input_ids, mb.position_ids, mb.attention_mask)
-    session.forward_done()
     out.float().square().mean().backward()
     metrics = session.end_step()
     rows = mb.rows

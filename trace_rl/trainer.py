@@ -125,7 +125,6 @@ class MegatronTrainer:
         mb = batch.mb
         session.begin_microbatch(mb.rows, batch.source)
         logits = self.model(mb.input_ids, mb.position_ids, mb.attention_mask)
-        session.forward_done()
         return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
 
     @torch.no_grad()
