@@ -5,7 +5,8 @@
 #                                        trainer (one rank); with `use_ray = true` the rollout workers and the trainer
 #                                        are Ray actors on the cluster RAY_ADDRESS names (else a new local one).
 #   trainer    [CONFIG] [key=value ...]  the same command as `controller`: the controller starts the trainer in this
-#                                        release. Start one of the two per job, never both.
+#                                        release. Start one of the two per job: a second controller on the same
+#                                        out_dir is refused (it names the holder of the run lock).
 #   rollout    [SGLANG ARGS ...]         python3 -m sglang.launch_server: the patched SGLang 0.5.10.post1 server,
 #                                        TRACE flags --trace-mode, --trace-store, ...; the files named by
 #                                        TRACE_API_KEY_FILE / TRACE_ADMIN_API_KEY_FILE give --api-key / --admin-api-key.
