@@ -26,7 +26,7 @@ from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_s
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.engine import Trajectory
-from trace_rl.rundir import RunLock, load_latest, save_checkpoint
+from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
 from trace_rl.task import AdditionTask
 from trace_rl.trainer import MegatronTrainer, RayTrainer
 from trace_rl.warmup import load_megatron_state
@@ -119,6 +119,9 @@ class Controller:
             raise ConfigError(f"{self.out / LEGACY_CHECKPOINT} has the old checkpoint format; use a new out_dir")
         if resume:
             self._load_checkpoint()
+        else:
+            for _, path in checkpoints(self.out):  # a fresh start: a later resume must not find the old run's
+                path.unlink()
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)
