@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.kernels import graph_ms  # noqa: E402
 from tests.fp4_attention_checks import sglang_decode_attention, sglang_module  # noqa: E402
 from trace_core.kernels.fp4_attention import fp4_decode_attention  # noqa: E402
+from trace_core.kv_attention import dequantize_kv  # noqa: E402
 
 CASES = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]  # (batch, tokens per request)
 SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
@@ -58,7 +59,7 @@ def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
         q = torch.randn(batch, q_heads, d, dtype=torch.bfloat16, device=dev)
         logits = torch.empty(batch, q_heads, SPLITS, d, device=dev)
         lse = torch.empty(batch, q_heads, SPLITS, device=dev)
-        outs = {k: torch.empty_like(q) for k in ("fp4", "bf16", "dequant")}
+        outs = {k: torch.empty_like(q) for k in ("fp4", "bf16", "dequant", "eager")}
 
         common = (indptr, indices, logits, lse, nsplit, SPLITS, sm)
         fp4 = partial(fp4_decode_attention, q, codes[0], scales[0], codes[1], scales[1], outs["fp4"], *common)
@@ -68,14 +69,26 @@ def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
 
         fp4()
         dequant_path()
-        exact = torch.equal(outs["fp4"], outs["dequant"])
+        # the BF16 kernel once more over the requests' slots dequantized by trace_core (eager), as a second witness
+        compact = [dequantize_kv(c[indices], s[indices]) for c, s in zip(codes, scales, strict=True)]
+        order = torch.arange(indices.numel(), device=dev)
+        decode_attention_fwd(q, *compact, outs["eager"], indptr, order, logits, lse, nsplit, SPLITS, sm, 1.0, 1.0)
+        diff = (outs["fp4"].float() - outs["dequant"].float()).abs()
+        checks = {
+            "fp4_equals_dequant_path": torch.equal(outs["fp4"], outs["dequant"]),
+            "fp4_equals_eager_dequant": torch.equal(outs["fp4"], outs["eager"]),
+            "dequant_equals_eager_dequant": torch.equal(outs["dequant"], outs["eager"]),
+            "max_abs_diff": diff.max().item(),
+            "unequal_fraction": (diff > 0).float().mean().item(),
+            "max_abs_out": outs["dequant"].float().abs().max().item(),
+        }
         t = {"fp4": graph_ms(fp4), "bf16": graph_ms(bf16_path), "dequant": graph_ms(dequant_path)}
         kv_bytes = 2 * batch * length * kv_heads * (d // 2 + d // 16)
         rows.append({
             "batch": batch, "tokens": length, "slots": slots, "kv_heads": kv_heads, "q_heads": q_heads, "head_dim": d,
             "fp4_us": 1e3 * t["fp4"], "bf16_us": 1e3 * t["bf16"], "dequant_path_us": 1e3 * t["dequant"],
             "fp4_over_bf16": t["fp4"] / t["bf16"], "dequant_over_fp4": t["dequant"] / t["fp4"],
-            "fp4_kv_GBps": kv_bytes / t["fp4"] / 1e6, "fp4_equals_dequant_path": exact,
+            "fp4_kv_GBps": kv_bytes / t["fp4"] / 1e6, **checks,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -84,7 +97,9 @@ def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     cols = [("batch", "{}"), ("tokens", "{}"), ("fp4_us", "{:.1f}"), ("bf16_us", "{:.1f}"),
             ("dequant_path_us", "{:.0f}"), ("fp4_over_bf16", "{:.2f}"), ("dequant_over_fp4", "{:.0f}"),
-            ("fp4_kv_GBps", "{:.0f}"), ("fp4_equals_dequant_path", "{}")]  # fmt: skip
+            ("fp4_kv_GBps", "{:.0f}"), ("fp4_equals_dequant_path", "{}"), ("fp4_equals_eager_dequant", "{}"),
+            ("unequal_fraction", "{:.2g}"),
+            ("max_abs_diff", "{:.3g}"), ("max_abs_out", "{:.3g}")]  # fmt: skip
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(f.format(r[c]) for c, f in cols) + " |" for r in rows]
     return "\n".join(lines)

@@ -7,7 +7,9 @@ The kernels are SGLang 0.5.10.post1's `decode_attention.py` (`_fwd_kernel_stage1
 BF16 values a tile holds equal `KVFP4QuantizeUtil.batched_dequantize` bit for bit (an E2M1 magnitude times a power
 of two is exact in FP32 and in BF16), so the attention math gets the same inputs as SGLang's dequantize-then-attend
 path (`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every call) without
-materializing the buffer. The pure-torch twin is `trace_core.kv_attention.decode_attention_reference`.
+materializing the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged; MHA sums q . k
+in FP32 where SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
+`trace_core.kv_attention.decode_attention_reference`.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def _fp4_kernel_stage1(
     kv_group_num: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
     logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr, KV_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """SGLang's `_fwd_kernel_stage1` (one query head per program, MHA) over the FP4 pool."""
+    """SGLang's `_fwd_kernel_stage1` (one query head per program, MHA) over the FP4 pool, except that q . k is
+    summed in FP32: SGLang's kernel multiplies and sums BF16 q and k in BF16, in an order set by the register
+    layout of its K tile, which the FP4 tile does not reproduce; the same BF16 rounding cannot be matched, so the
+    exact sum is taken instead."""
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
     split_kv_id = tl.program_id(2)
@@ -86,7 +91,7 @@ def _fp4_kernel_stage1(
             kv_loc = tl.load(kv_indices + cur_batch_kv_start_idx + offs_n, mask=n_mask, other=0)
             k = _fp4_tile(K_Codes, K_Scales, kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss, n_mask,
                           BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
-            qk = tl.sum(q[None, :] * k, 1)
+            qk = tl.sum(q[None, :].to(tl.float32) * k.to(tl.float32), 1)  # SGLang: BF16 products and sums
             qk *= sm_scale_withk
             if logit_cap > 0:
                 qk = logit_cap * _tanh(qk / logit_cap)
