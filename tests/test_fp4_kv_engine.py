@@ -1,6 +1,7 @@
 """The embedded engine with FP4-KV decode attention (`trace_rl.fp4_kv_engine`): its pool holds exactly the FP4 K/V
 the engine attends over, in SGLang's pool layout at the engine's slots, decode steps read it, and generation gives
-the tokens and log-probs of the engine that attends over the dequantized values (CPU: the pure-torch twin)."""
+the tokens and log-probs of the engine that attends over the dequantized values (CPU: the pure-torch twin; CUDA:
+the Triton kernel)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ class _KVTap:
         self.values.append({})
 
 
-def test_pool_holds_the_attended_values_and_decode_reads_it(model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pool_holds_the_attended_values_and_decode_reads_it(model_dir, device):
     prompts = TASK.prompts(torch.tensor([[3, 4], [9, 9], [0, 1]]))
-    engine = FP4AttentionEngine(model_dir, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4)
+    engine = FP4AttentionEngine(model_dir, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
     engine.tap = tap = _KVTap()
     calls = []
     decode = engine.decode_attention
@@ -58,7 +60,7 @@ def test_pool_holds_the_attended_values_and_decode_reads_it(model_dir):
             got = dequantize_kv(codes[slots], scales[slots]).reshape(y.shape)
             assert torch.equal(got, y), (layer, kind)
 
-    ref = EmbeddedEngine(model_dir, fp4=True, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4)
+    ref = EmbeddedEngine(model_dir, fp4=True, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
     theirs = ref.generate(prompts, 4, eos=EOS, seed=0)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a.tokens, b.tokens)
