@@ -32,6 +32,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--requests", type=int, default=10)
+    p.add_argument(
+        "--kv-only",
+        action="store_true",
+        help="time only the K/V part: the raw gather request finish now does vs the full per-site records it did",
+    )
     a = p.parse_args()
     dev = torch.device(a.device)
     store = tempfile.mkdtemp()
@@ -80,12 +85,15 @@ def main() -> None:
         forward_mode=SimpleNamespace(is_idle=lambda: False), out_cache_loc=torch.arange(1, a.tokens + 1, device=dev)
     )
     cap.on_forward_end(batch, False, None)
+    if a.kv_only:
+        kv_only(a, pool, req_pool, layout, cap)
+        return
     times = []
     for i in range(a.requests + 2):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        cap.finish_request(f"r{i}", 0, a.tokens + 1, req_pool)
+        cap.finish_request(f"r{i}", 0, a.tokens + 1, req_pool, list(range(a.tokens + 1)))
         times.append(time.perf_counter() - t0)
         cap.flush()
     assert cap.stats.write_failures == 0, cap.stats
@@ -102,6 +110,30 @@ def main() -> None:
             }
         )
     )
+
+
+def kv_only(a, pool, req_pool, layout, cap) -> None:
+    """K/V work per finished request: `gather_kv_raw` (what request finish does on the scheduler thread now) vs
+    `gather_kv_shard` (raw gather plus unpacking and low-bit packing, which it did before and the writer thread
+    does now)."""
+    from sglang_trace.kv import gather_kv_raw, gather_kv_shard, request_slots
+
+    slots = request_slots(req_pool.req_to_token, 0, a.tokens + 1)
+    layers, kinds, bits = cap.spec.attn_layers, cap.kv_kinds, cap.spec.bits
+    result = {"tokens": a.tokens, "kv_sites": len(layers) * len(kinds)}
+    for name, fn in (
+        ("raw_gather_ms", lambda: gather_kv_raw(pool, slots, layers, kinds)),
+        ("records_ms", lambda: gather_kv_shard(pool, slots, layers, kinds, bits)),
+    ):
+        ms = []
+        for _ in range(a.requests + 1):
+            t0 = time.perf_counter()
+            fn()
+            if slots.device.type == "cuda":
+                torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        result[name] = statistics.median(ms[1:])
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

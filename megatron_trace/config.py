@@ -88,9 +88,23 @@ def check_megatron_config(config, cfg: TraceConfig) -> None:
         errors.append(f"cuda_graph_impl={config.cuda_graph_impl!r}: the sites read per-micro-batch records")
     if config.mlp_chunks_for_training != 1:
         errors.append("mlp_chunks_for_training > 1 reorders MoE rows")
+    if config.moe_expert_capacity_factor is not None or config.moe_token_dropping:
+        errors.append(
+            "moe_expert_capacity_factor / moe_token_dropping drop tokens the rollout routed (no token dropping in R3)"
+        )
     if errors:
         raise ValueError("Megatron config incompatible with TRACE: " + "; ".join(errors))
     if config.context_parallel_size > 1:
         raise NotImplementedError("context parallelism: token rows of a CP rank are not mapped yet (use CP = 1)")
+    if config.overlap_moe_expert_parallel_comm:
+        raise NotImplementedError(
+            "overlap_moe_expert_parallel_comm (EP communication overlap) splits the MoE layer across schedule "
+            "nodes; the sites are not wired for it"
+        )
+    if cfg.quantized and config.moe_shared_expert_overlap and config.moe_shared_expert_intermediate_size:
+        raise NotImplementedError(
+            "moe_shared_expert_overlap runs the shared experts inside the dispatcher, on the FP4 fake-quantized MoE "
+            "input; shared experts must see BF16 (turn the overlap off)"
+        )
     if cfg.quantized and (config.expert_tensor_parallel_size or 1) > 1:
         raise NotImplementedError("expert tensor parallelism: per-matrix weight scales need the full matrix amax")

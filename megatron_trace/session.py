@@ -4,14 +4,18 @@ Sites and how they are reached (docs/megatron.md says why no hunk is needed):
 - MoE input: `MoELayer.preprocess(hidden, probs, routing_map)` runs right after the router and right before the
   dispatcher; an instance wrapper fake-quantizes `hidden` there (the router has seen BF16, shared experts too).
 - K / V: a forward-pre-hook on `core_attention` (K after QK-norm and RoPE, V final).
-- Expert weights: the expert linears' `_forward_impl(input, weight, ...)` gets the STE fake-quantized weight.
+- Expert weights: the expert linears' `_forward_impl(input, weight, ...)` gets the STE fake-quantized weight;
+  TRACE grouped experts (`megatron_trace.grouped`) take it, and the FC2-input site, from `GroupedSites`.
 - FC2 input: the experts run with probabilities 1 (pre-hook) and the output is scaled by the probabilities after
   FC2 (forward hook), as SGLang does; a forward-pre-hook on each expert's `linear_fc2` fake-quantizes its input.
 - R3: each router's `RouterReplay` gets the rollout's routes.
 
-Per micro-batch, call `begin_microbatch(rows, source)` before the forward and `forward_done()` after it; activation
-recomputation in the backward then replays the same micro-batch's records and routes (FIFO, as `RouterReplay`).
-`end_step()` returns the step's metrics and clears all state.
+Per micro-batch, call `begin_microbatch(rows, source)` before the forward. Site state is keyed by micro-batch: a
+forward with grad keeps its micro-batch's records and routes until that micro-batch's backward starts (a hook on
+the model output), and activation recomputation inside that backward reads exactly them, whatever the schedule's
+order (1F1B, interleaved) and whatever forward-only passes (`logp_old`, evaluation) ran in between: those keep
+nothing. `end_step()` returns the step's metrics, refuses micro-batches forwarded with grad but never backwarded,
+and clears all state.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_trace.config import TraceConfig, check_megatron_config
-from megatron_trace.r3 import replay_indices
+from megatron_trace.grouped import GroupedSites, is_trace_grouped
+from megatron_trace.r3 import RouteChecks, raise_route_errors, replay_indices
 from megatron_trace.rows import TokenRows
 from megatron_trace.sites import SiteNumerics
 from megatron_trace.source import RolloutSource, Site, SiteRows, take_columns
@@ -32,9 +37,19 @@ Tap = Callable[[Site, TokenRows, torch.Tensor, torch.Tensor], None]
 
 @dataclass
 class _MicroBatchState:
+    """What the sites of one micro-batch read: its token identity, records and replayed routes."""
+
+    key: int
     attn_rows: TokenRows
     moe_rows: TokenRows
     records: dict[Site, SiteRows] = field(default_factory=dict)
+    routes: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [N, topk] replay indices
+    forwarded: bool = False
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (activation recomputation happens there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _parallel() -> tuple[int, int, bool]:
@@ -64,10 +79,12 @@ class TraceSession:
         self.tap = tap
         self._handles: list = []
         self._restore: list[tuple[object, str]] = []
-        self._queues: dict[tuple[str, int], list[_MicroBatchState]] = {}
-        self._current: _MicroBatchState | None = None
-        self._replaying_backward = False
-        self._placeholder_rows = 0
+        self._current: _MicroBatchState | None = None  # the micro-batch the next forward runs
+        self._pending: dict[int, _MicroBatchState] = {}  # forwarded with grad, backward not started
+        self._backward: _MicroBatchState | None = None  # the micro-batch whose backward runs (recomputation)
+        self._keys = 0
+        self._route_checks: list[RouteChecks] = []
+        self._routes_checked = 0
         self.tp_rank, self.tp_size, _ = _parallel()
         self.sequence_parallel = bool(self.config.sequence_parallel)
         self.moe_layers: dict[int, torch.nn.Module] = {}
@@ -84,8 +101,14 @@ class TraceSession:
         # A pipeline stage holds some layers only (layer numbers are global): keep the sites this chunk has.
         present = {(i, "moe_in") for i in self.moe_layers} | {(i, k) for i in self.attn_layers for k in ("k", "v")}
         self.numerics.captured &= present
+        self.numerics.track(present)
         self.sites = present
         model._trace_session = self
+        self._handles.append(model.register_forward_pre_hook(self._model_forward_begins, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._model_forward_ends))
+        if cfg.replay_routes:
+            for layer_id, moe in self.moe_layers.items():
+                self._handles.append(moe.router.register_forward_pre_hook(self._replay_hook(layer_id)))
         # BF16 has no FP4 site; with a tap the activation sites still run (identity) so the tap sees them.
         if cfg.quantized or tap is not None:
             for layer_id, moe in self.moe_layers.items():
@@ -96,13 +119,18 @@ class TraceSession:
         if not cfg.quantized:
             return
         for layer_id, moe in self.moe_layers.items():
-            if not isinstance(moe.experts, SequentialMLP):
+            grouped = is_trace_grouped(moe.experts)
+            if not grouped and not isinstance(moe.experts, SequentialMLP):
                 raise NotImplementedError(
                     f"layer {layer_id}: experts {type(moe.experts).__name__}; weight and FC2-input fake quant are "
-                    "wired for SequentialMLP (local spec, or TE spec with moe_grouped_gemm=False)"
+                    "wired for the TRACE grouped experts (megatron_trace.grouped.with_grouped_experts) and for "
+                    "SequentialMLP with Megatron's local linears (TE linears and TE's GroupedLinear are not)"
                 )
             self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
             self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
+            if grouped:
+                self._handles.append(GroupedSites(moe.experts, self.numerics))
+                continue
             for expert in moe.experts.local_experts:
                 for lin in (expert.linear_fc1, expert.linear_fc2):
                     if type(lin) not in (ColumnParallelLinear, RowParallelLinear):
@@ -123,14 +151,16 @@ class TraceSession:
             delattr(obj, name)
         self._handles.clear()
         self._restore.clear()
-        self.end_step()
         self.model._trace_session = None
+        self.end_step()
 
     # ----------------------------------------------------------------- per micro-batch driving
     def begin_microbatch(self, rows: TokenRows, source: RolloutSource | None = None) -> None:
-        """Set the token identity (all rows of the micro-batch, `[s, b]` order) and the rollout source."""
+        """Set the token identity (all rows of the micro-batch, `[s, b]` order) and the rollout source of the next
+        model forward."""
         moe_rows = rows.chunk(self.tp_rank, self.tp_size) if self.sequence_parallel else rows
-        state = _MicroBatchState(attn_rows=rows, moe_rows=moe_rows)
+        self._keys += 1
+        state = _MicroBatchState(key=self._keys, attn_rows=rows, moe_rows=moe_rows)
         wanted = set(self.numerics.captured)
         if source is not None and self.cfg.measure and self.cfg.quantized:
             wanted |= set(source.sites()) & self.sites
@@ -142,61 +172,102 @@ class TraceSession:
                 site_rows = self._local_heads(site_rows)
             state.records[site] = site_rows
         if self.cfg.replay_routes:
-            self._set_routes(moe_rows, source)
+            state.routes = self._routes(moe_rows, source)
         self._current = state
-        self._replaying_backward = False
-        for key in [("moe", i) for i in self.moe_layers] + [("attn", i) for i in self.attn_layers]:
-            self._queues.setdefault(key, []).append(state)
 
-    def forward_done(self) -> None:
-        """The forward of the current micro-batch finished: recomputation in its backward replays from the FIFO."""
-        self._replaying_backward = True
-        if self.cfg.replay_routes:
-            from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-            for moe in self.moe_layers.values():
-                moe.router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+    def check_routes(self) -> None:
+        """Raise ValueError for a missing, duplicate or out-of-range rollout route given since the last check (one
+        device read; `end_step` calls it too). Call it before the optimizer update to refuse a step that replayed
+        placeholders in place of bad routes."""
+        pending = self._route_checks[self._routes_checked :]
+        self._routes_checked = len(self._route_checks)
+        raise_route_errors(pending)
 
     def end_step(self) -> dict[str, float]:
-        """Metrics of the step (site counters, R3 placeholders); clears records, routes and counters."""
-        out = self.numerics.metrics()
-        if self.cfg.replay_routes:
-            out["r3/placeholder_rows"] = float(self._placeholder_rows)
-            for moe in self.moe_layers.values():
-                moe.router.router_replay.clear_indices()
-                moe.router.router_replay.clear_router_replay_action()
-        self.numerics.reset()
-        self._queues.clear()
-        self._current = None
-        self._placeholder_rows = 0
+        """Metrics of the step (site counters, R3 placeholders); clears records, routes and counters. Device
+        counters are read here, once per step. A bad rollout route (`check_routes`) is an error, and so is a
+        micro-batch forwarded with grad whose backward never ran (its state would otherwise leak into the next
+        step)."""
+        leftover = sorted(self._pending)
+        try:
+            self.check_routes()
+            out = self.numerics.metrics()
+            if self.cfg.replay_routes:
+                counts = [c.placeholders for c in self._route_checks]
+                out["r3/placeholder_rows"] = float(torch.stack(counts).sum()) if counts else 0.0
+        finally:
+            if self.cfg.replay_routes:
+                for moe in self.moe_layers.values():
+                    moe.router.router_replay.clear_indices()
+                    moe.router.router_replay.clear_router_replay_action()
+            self.numerics.reset()
+            self._pending.clear()
+            self._current = self._backward = None
+            self._route_checks, self._routes_checked = [], 0
+        if leftover:
+            raise RuntimeError(
+                f"end_step: {len(leftover)} micro-batch(es) were forwarded with grad but never backwarded; run their "
+                "backward, or compute forward-only passes under torch.no_grad()"
+            )
         return out
 
-    def _state(self, key: tuple[str, int]) -> _MicroBatchState:
+    # ----------------------------------------------------------------- which micro-batch a site belongs to
+    def _model_forward_begins(self, module, args, kwargs) -> None:
+        if kwargs.get("packed_seq_params") is not None:
+            raise NotImplementedError("packed THD sequences (packed_seq_params): TRACE maps BSHD micro-batch rows only")
+        if self._current is None or self._current.forwarded:
+            raise RuntimeError("TRACE: call begin_microbatch() before each model forward")
+        self._current.forwarded = True
+
+    def _model_forward_ends(self, module, args, output) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
+            return
+        state = self._current
+        self._pending[state.key] = state
+        out.register_hook(lambda grad: self._backward_begins(state.key))
+
+    def _backward_begins(self, key: int) -> None:
+        """The gradient reached the output of micro-batch `key`: its backward (and any recomputation) starts."""
+        if key in self._pending:
+            self._backward = self._pending.pop(key)
+        elif self._backward is None or self._backward.key != key:
+            raise RuntimeError("TRACE: backward of a micro-batch whose state was already cleared (end_step ran)")
+
+    def _state(self) -> _MicroBatchState:
+        if _in_backward():
+            if self._backward is None:
+                raise RuntimeError("TRACE site recomputed in a backward that did not start at a micro-batch output")
+            return self._backward
         if self._current is None:
             raise RuntimeError("TRACE site ran outside a micro-batch: call begin_microbatch() before the forward")
-        if not self._replaying_backward:
-            return self._current
-        queue = self._queues.get(key)
-        if not queue:
-            raise RuntimeError(f"recomputation of {key} has no pending micro-batch (forward/backward out of step)")
-        return queue.pop(0)
+        return self._current
 
-    def _set_routes(self, rows: TokenRows, source: RolloutSource | None) -> None:
+    def _replay_hook(self, layer_id: int) -> Callable:
+        """Router forward-pre-hook: replay this micro-batch's routes (forward and recomputation alike)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        def hook(router, args):
+            replay = router.router_replay
+            replay.target_topk_idx = self._state().routes[layer_id]
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+        return hook
+
+    def _routes(self, rows: TokenRows, source: RolloutSource | None) -> dict[int, torch.Tensor]:
         if source is None:
             raise ValueError("R3 needs a RolloutSource with the rollout's routes")
+        routes = {}
         for layer_id, moe in self.moe_layers.items():
-            replay = moe.router.router_replay
-            if replay is None:
+            if moe.router.router_replay is None:
                 raise ValueError("R3 needs moe_enable_routing_replay=True when the model is built")
-            routes, has = source.routes(layer_id, rows)
-            idx, placeholders = replay_indices(
-                layer_id, routes, has, rows, self.config.num_moe_experts, self.config.moe_router_topk
+            got, has = source.routes(layer_id, rows)
+            idx, checks = replay_indices(
+                layer_id, got, has, rows, self.config.num_moe_experts, self.config.moe_router_topk
             )
-            self._placeholder_rows += placeholders
-            replay.set_target_indices(idx)
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._route_checks.append(checks)
+            routes[layer_id] = idx
+        return routes
 
     def _local_heads(self, site_rows: SiteRows) -> SiteRows:
         groups = self.config.num_query_groups or self.config.num_attention_heads
@@ -219,7 +290,7 @@ class TraceSession:
 
     def _moe_preprocess(self, layer_id: int, original: Callable) -> Callable:
         def preprocess(hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-            state = self._state(("moe", layer_id))
+            state = self._state()
             x2d = hidden_states.reshape(-1, hidden_states.shape[-1])
             y2d = self._site((layer_id, "moe_in"), state.moe_rows, state, x2d)
             return original(y2d.view(hidden_states.shape), probs, routing_map)
@@ -230,7 +301,7 @@ class TraceSession:
         def hook(module, args, kwargs):
             if kwargs.get("packed_seq_params") is not None:
                 raise NotImplementedError("packed THD sequences: TRACE maps BSHD micro-batch rows only")
-            state = self._state(("attn", layer_id))
+            state = self._state()
             query, key, value, *rest = args
             out = []
             for kind, t in (("k", key), ("v", value)):

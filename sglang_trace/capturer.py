@@ -28,8 +28,8 @@ from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
 from sglang_trace.kv import gather_kv_raw, gather_kv_raw_tp, kv_records_from_shards, request_slots
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.capture import RecordCapturer
-from trace_core.records import ModelShape
-from trace_core.store import StepWriter, TrajectoryRecords
+from trace_core.records import Binding, ModelShape, token_digest
+from trace_core.store import StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
 
 logger = logging.getLogger(__name__)
 
@@ -175,17 +175,25 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     # --- request finish -----------------------------------------------------------------------------------------
 
-    def finish_request(self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool) -> dict | None:
+    def finish_request(
+        self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool, tokens: list[int]
+    ) -> dict | None:
         """Records of a finished request (positions [0, seqlen - 1)) to the store; returns the handle on the
-        store-writing rank (None elsewhere). Must run before the request's KV is released.
+        store-writing rank (None elsewhere). Must run before the request's KV is released. `rid` is
+        `<trajectory>#<attempt>` (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and
+        `tokens` the request's prompt + output ids: the records are bound to (step, policy version = step,
+        trajectory, attempt, token digest), which the handle repeats.
 
         The scheduler thread only enqueues work: the K/V rows are indexed out of the pool on the current stream
         (ordered before any reuse of the slots) and copied to pinned memory without waiting; the MoE records and
         routes are read from the host store on the capture drain thread, after every forward submitted so far;
         the writer thread waits for both and writes the shard. Only R3's answer (`--enable-return-routed-experts`)
         is waited for here. A request whose records are refused (a hook did not run, rows of another weight
-        version, unwritten rows) or whose write fails is not stored, is counted in `stats` and logged; the server
-        keeps serving. When that is known at finish (R3 on), the handle says so (`"error"`)."""
+        version, unwritten rows) or whose write fails is not stored: it is counted in `stats`, logged, and marked
+        failed in the store (`trace_core.store.write_failure`, which the reader reports); the server keeps
+        serving. When that is known at finish (R3 on), the handle also says so (`"error"`)."""
+        if len(tokens) != seqlen:
+            raise ValueError(f"request {rid!r}: {len(tokens)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
         raws: list[torch.Tensor] = []
@@ -197,33 +205,43 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self._writer is None:
             return None  # other ranks send no output: neither records nor R3 routes are needed there
         writer, step = self._writer, self.step
-        handle = {"store": str(self.args.store), "step": step, "trajectory": str(rid), "tokens": length}
+        trajectory, attempt = parse_rollout_rid(str(rid))
+        handle = {
+            "store": str(self.args.store),
+            "step": step,
+            "trajectory": trajectory,
+            "attempt": attempt,
+            "policy_version": step,
+            "tokens": length,
+        }
         if step is None:
-            self._failed(rid, ValueError("the weights were updated without an integer weight_version"))
+            self._failed(trajectory, attempt, None, "the weights were updated without an integer weight_version")
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
+        binding = Binding(step, step, trajectory, attempt, token_digest(tokens))
+        handle["token_digest"] = binding.tokens
         moe = self.records.gather_async(slots, length, version=step)
         kv, copied = _to_host(raws)
         if self.return_routes:
             try:
                 self._routes[req_pool_idx] = self._r3_routes(moe.result().routes)
             except ValueError as e:
-                self._failed(rid, e)
+                self._failed(trajectory, attempt, step, f"records refused: {e}")
                 return {**handle, "error": f"TRACE records refused: {e}"}
         self._bound_writes()
-        self._writes.append(self._pool.submit(self._write, writer, rid, length, moe, kv, copied))
+        self._writes.append(self._pool.submit(self._write, writer, binding, length, moe, kv, copied))
         return handle
 
     def _write(
         self,
         writer: StepWriter,
-        rid: str,
+        binding: Binding,
         length: int,
         moe: Future,
         raws: list[torch.Tensor],
         copied: torch.cuda.Event | None,
     ) -> None:
         """Writer thread: one trajectory's shard (K/V records unpacked from the ranks' raw bytes here, off the
-        scheduler thread); a refusal or write error is counted and logged, never raised."""
+        scheduler thread); a refusal or write error is counted, logged and marked in the store, never raised."""
         try:
             gathered = moe.result()
             if copied is not None:
@@ -240,18 +258,27 @@ class TraceCapturer(RoutedExpertsCapturer):
                     num_kv_heads=self.layout.num_kv_heads,
                 )
             records = {**gathered.records, **kv}
-            writer.write({rid: TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes)})
+            tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
+            writer.write({binding.trajectory: tr})
         except Exception as e:  # noqa: BLE001 - any failure of one request must not take the server down
-            self._failed(rid, e)
+            self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
             return
         with self._lock:
             self.stats.shards_written += 1
 
-    def _failed(self, rid: str, error: Exception) -> None:
-        logger.error("TRACE records of request %s not stored: %s", rid, error)
+    def _failed(self, trajectory: str, attempt: str, step: int | None, message: str) -> None:
+        """Count and log a request whose records are not stored; mark it failed in the store when its step is
+        known (a marker that cannot be written either is logged too)."""
+        logger.error("TRACE records of trajectory %s (attempt %r) not stored: %s", trajectory, attempt, message)
         with self._lock:
             self.stats.write_failures += 1
-            self.stats.failed = (self.stats.failed + [str(rid)])[-1000:]
+            self.stats.failed = (self.stats.failed + [trajectory])[-1000:]
+        if step is None:
+            return
+        try:
+            write_failure(self.args.store, step, trajectory, attempt, message)
+        except OSError as e:
+            logger.error("TRACE could not mark trajectory %s failed in the store: %s", trajectory, e)
 
     def _bound_writes(self) -> None:
         """Backpressure: at most `MAX_PENDING_WRITES` shards queued; a full queue waits for the oldest (counted)."""

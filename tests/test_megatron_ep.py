@@ -53,7 +53,6 @@ def _worker() -> None:
     mb = pack_microbatch([trajs[3], trajs[0], trajs[1]], seq_len=24)
     session.begin_microbatch(mb.rows, source)
     model(mb.input_ids, mb.position_ids, mb.attention_mask).float().square().mean().backward()
-    session.forward_done()
     session.end_step()
     for site, rows, x, y in taps:
         if site in spec.sites():

@@ -88,7 +88,6 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits):
     mb = pack_microbatch([trajs[4], trajs[1], trajs[2]], seq_len=28)
     session.begin_microbatch(mb.rows, source)
     model(mb.input_ids, mb.position_ids, mb.attention_mask).float().sum().backward()
-    session.forward_done()
     metrics = session.end_step()
     session.remove()
 
@@ -215,9 +214,8 @@ def test_qat_trains_experts_through_the_fake_quant_and_recompute_matches():
         for mb in mbs:
             session.begin_microbatch(mb.rows, source)
             out = model(mb.input_ids, mb.position_ids, mb.attention_mask)
-            session.forward_done()
             out.square().mean().backward()
-        assert all(not q for q in session._queues.values()) or not overrides
+        assert not session._pending  # every micro-batch forwarded with grad was backwarded
         session.end_step()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in grads[0].items():

@@ -14,6 +14,7 @@ Rows without a record use the format's RTN; every such element is counted in a `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +44,20 @@ def _outer_candidate_tables(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 _TABLES = {b: _outer_candidate_tables(b) for b in (1, 2, 3)}
 
 
+@functools.cache
+def _device_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_TABLES[bits]` on `device`, copied once (later calls copy nothing from the host)."""
+    return tuple(t.to(device) for t in _TABLES[bits])
+
+
 @dataclass
 class GuidanceStats:
     """Element counts of guided-rounding calls; `rtn_fallback` counts elements rounded by RTN for want of a
     record, `redirected` counts guided elements whose choice differs from RTN. The kernel path accumulates
-    `redirected` as a 0-d device tensor so that counting never syncs the host; `int()` reads it."""
+    counts as 0-d device tensors so that counting never syncs the host; `int()` reads them."""
 
-    guided: int = 0
-    rtn_fallback: int = 0
+    guided: int | torch.Tensor = 0
+    rtn_fallback: int | torch.Tensor = 0
     redirected: int | torch.Tensor = 0
 
     def reset(self) -> None:
@@ -116,7 +123,7 @@ def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, fmt: FP4Format) ->
         k = torch.where(d_hi < d_lo, hi, lo)
     else:
         mask = low_bits_mask(bits)
-        below_t, above_t = (t.to(z.device) for t in _TABLES[bits])
+        below_t, above_t = _device_tables(bits, z.device)
         below, above = below_t[c, lo], above_t[c, hi]
         # Compare distances exactly: a - m_below < m_above - a  <=>  2a < m_below + m_above.
         twice = 2 * a
@@ -145,24 +152,26 @@ def _fallback_rtn(x: torch.Tensor, rollout: Quantized | Record) -> torch.Tensor:
     return dequantize(quantize(x, rollout.fmt, **fallback_scale(rollout.global_scale)), x.dtype)
 
 
-def _check_rollout(x: torch.Tensor, rollout: Quantized | Record, bits: int) -> FP4Format:
+def _check_rollout(x: torch.Tensor, rollout: Quantized | Record, bits: int, finite: bool = True) -> FP4Format:
     check_bits(bits)
     if not isinstance(rollout, (Quantized, Record)):
         raise ValueError(f"rollout must be a Quantized or a Record, got {type(rollout).__name__}")
     fmt = get_format(rollout.fmt)
-    check_input(x, fmt, "guided_round input")
+    check_input(x, fmt, "guided_round input", finite=finite)
     if tuple(rollout.shape) != tuple(x.shape):
         raise ValueError(f"rollout record shape {tuple(rollout.shape)} does not match input shape {tuple(x.shape)}")
     return fmt
 
 
-def guided_quantize(x: torch.Tensor, rollout: Quantized | Record, bits: int) -> tuple[Quantized, torch.Tensor]:
+def guided_quantize(
+    x: torch.Tensor, rollout: Quantized | Record, bits: int, *, check_finite: bool = True
+) -> tuple[Quantized, torch.Tensor]:
     """Guided FP4 codes of `x` under the rollout's scales, and a mask of elements whose choice differs from RTN.
 
     The returned `Quantized` carries the rollout's scale bytes and global scale, so `dequantize` of it is the
-    guided forward value.
+    guided forward value. `check_finite=False` skips the NaN/Inf check (a host sync).
     """
-    fmt = _check_rollout(x, rollout, bits)
+    fmt = _check_rollout(x, rollout, bits, check_finite)
     c = _rollout_bits(rollout, bits)
     _, encode = scale_factors(fmt, rollout.scales, rollout.global_scale)
     blocks = x.detach().float().reshape(*x.shape[:-1], x.shape[-1] // fmt.block, fmt.block)
