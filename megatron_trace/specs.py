@@ -52,10 +52,15 @@ def layer_spec(num_experts: int):
     return _swap_norms(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"))
 
 
-def block_spec(config, num_experts: int, vp_stage: int | None = None):
+def block_spec(config, num_experts: int, vp_stage: int | None = None, *, grouped: bool = False):
     """Transformer-block submodules of this pipeline stage (its share of the layers) with SP-capable norms,
-    the final norm included."""
+    the final norm included; `grouped`: TRACE grouped experts (`megatron_trace.grouped`) instead of SequentialMLP."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from megatron_trace.grouped import with_grouped_experts
+
+    layer = layer_spec(num_experts)
+    if grouped:
+        layer = with_grouped_experts(layer)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(num_experts)] * n, layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=SequenceParallelNorm)

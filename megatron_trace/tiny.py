@@ -81,11 +81,13 @@ def build_tiny_moe(
     seed: int = 0,
     routing_replay: bool = True,
     vp_stage: int | None = None,
+    grouped: bool = False,
     **overrides,
 ):
     """A GPTModel with MoE in every layer (this pipeline stage's layers, virtual stage `vp_stage`), deterministic in
-    `seed` for a given layout. Needs `megatron_trace.cpu.init_megatron()` first; `overrides` go to
-    `transformer_config` (parallel sizes, sequence parallelism, recomputation)."""
+    `seed` for a given layout. Needs `megatron_trace.cpu.init_megatron()` first; `grouped` builds the TRACE grouped
+    experts (`megatron_trace.grouped`) instead of SequentialMLP; `overrides` go to `transformer_config` (parallel
+    sizes, sequence parallelism, recomputation)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
@@ -96,7 +98,7 @@ def build_tiny_moe(
     config = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, **overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, cfg.experts, vp_stage),
+        transformer_layer_spec=block_spec(config, cfg.experts, vp_stage, grouped=grouped),
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,

@@ -4,8 +4,9 @@ Megatron's DDP and distributed optimizer, all through `get_forward_backward_func
 The single-rank run writes the full model, the rollout's records and routes, its loss, the parameters after one
 SGD step (lr 1, no clipping: the update is the gradient of the per-token loss over the whole step) and every
 guided site's output per token. Each layout loads that full state into its shards, runs the same four
-micro-batches (split over DP ranks) in `trace` mode with R3, and must give the same loss, the same updates and the
-same guided-site values (the same FP4 codes under the same record scales).
+micro-batches (split over DP ranks) in `trace` mode with R3, and must give the same loss, the same gradients and
+the same guided-site values (the same FP4 codes under the same record scales); gathering the shards must give back
+the full state exactly (what the HF export reads).
 
 Tolerance: the model is FP32; TP all-reduces, the vocab-parallel log-softmax, the EP all-to-all and DP gradient
 reductions add in another order, which moves values by about 1e-7 relative. Guided sites round toward the record,
@@ -103,6 +104,9 @@ def _worker(name: str, layout_kw: dict, work: Path) -> None:
     # Megatron's optimizers allocate on 'cuda' by name: the (distributed) optimizer step runs where CUDA is.
     optimizer = make_optimizer(chunks, lr=LR) if torch.cuda.is_available() else None
     before = gather_full_state(chunks)
+    for k, v in before.items():  # gathering the shards gives back the full state they were loaded from
+        assert torch.equal(v, inputs["full"][k]), k
+    assert not before or before.keys() == {k for k in inputs["full"] if "rotary" not in k}, sorted(before)[:5]
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     per = len(mbs) // dp
     mine = [MicroBatchInput(mb, source, {}) for mb in mbs[dp_rank * per : (dp_rank + 1) * per]]
