@@ -3,14 +3,16 @@ asynchronous by `async_lag` rollout batches within `max_version_diff`, with chec
 
 A step's GRPO groups are split into one request per rollout worker (`trace_rl.workers`: in-process, or Ray actors
 with `use_ray`; `trace_rl.sglang_worker`: patched SGLang servers with `rollout_backend = "sglang"`); the trainer
-runs in the controller's process (a Ray actor with `use_ray`).
+runs in the controller's process (a Ray actor with `use_ray`). The controller holds an exclusive lock on `out_dir`
+(`trace_rl.rundir`); a checkpoint names its pending rollout steps, which retention keeps until both kept checkpoints
+have moved past them, so a run resumes from either (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -20,17 +22,36 @@ import torch
 from tqdm import tqdm
 
 from trace_core.records import RecordSpec
-from trace_core.store import apply_retention, finalize_step, list_steps, step_dir
+from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
-from trace_rl.config import RLConfig
+from trace_rl.config import ConfigError, RLConfig
 from trace_rl.engine import Trajectory
+from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
 from trace_rl.task import AdditionTask
 from trace_rl.trainer import MegatronTrainer, RayTrainer
 from trace_rl.warmup import load_megatron_state
 from trace_rl.workers import LocalPool, RayPool, Request
 
-CHECKPOINT = "checkpoint.pt"
+LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
+# Settings a checkpoint must have been written with (they change the numerics or the resume itself); a resume with
+# other values is refused unless `force_resume`.
+RESUME_KEYS = (
+    "mode",
+    "model_dir",
+    "prompts_per_step",
+    "group_size",
+    "seed",
+    "record_bits",
+    "record_all_layers",
+    "measure_all_sites",
+    "max_new_tokens",
+    "temperature",
+    "lr",
+    "rollout_workers",
+    "rollout_backend",
+    "async_lag",
+)
 
 
 @dataclass
@@ -40,6 +61,7 @@ class RolloutBatch:
     operands: torch.Tensor
     trajectories: list[Trajectory]
     restarts: int
+    stale_shards: int = 0  # shards of earlier rollout attempts set aside when the step was finalized
 
 
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
@@ -62,6 +84,15 @@ class Controller:
     def __init__(self, cfg: RLConfig, *, resume: bool = True):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
+        self.lock = RunLock(self.out)  # before anything in out_dir is read or changed
+        try:
+            self._start(resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _start(self, resume: bool) -> None:
+        cfg = self.cfg
         self.store = (self.out / "records").resolve()
         tiny, digits, state = load_megatron_state(cfg.model_dir)
         self.task = AdditionTask(digits)
@@ -80,12 +111,17 @@ class Controller:
             self.pool = SGLangPool(pool_cfg, capture, self.task)
         else:
             self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, self.task)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
         self.step = 0
-        if resume and (self.out / CHECKPOINT).exists():
+        self.checkpoint_steps: list[list[int]] = []  # pending rollout steps of each kept checkpoint
+        if (self.out / LEGACY_CHECKPOINT).exists():
+            raise ConfigError(f"{self.out / LEGACY_CHECKPOINT} has the old checkpoint format; use a new out_dir")
+        if resume:
             self._load_checkpoint()
+        else:
+            for _, path in checkpoints(self.out):  # a fresh start: a later resume must not find the old run's
+                path.unlink()
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)
@@ -99,6 +135,16 @@ class Controller:
             shutil.rmtree(step_dir(self.store, s))
         if stale:
             print(f"discarded record-store steps {stale} of {self.out} (not covered by a checkpoint)")
+
+    def close(self) -> None:
+        """Release `out_dir` (the lock); the controller is not used after."""
+        self.lock.release()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> RolloutBatch:
@@ -114,14 +160,17 @@ class Controller:
                 requests.append(Request(w, step, prompts[list(rows)], rows, seed, str(self.store)))
         results, restarts = self.pool.run(requests)
         trajs = [t for out in results for t in out]
-        finalize_step(self.store, step)
+        index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
         stored = len(RecordReader(self.store, step).trajectories())
         if stored != len(trajs):
             raise RuntimeError(f"step {step}: {stored} trajectories in the record store, {len(trajs)} generated")
         versions = set(self.pool.versions())
         if len(versions) != 1:
             raise RuntimeError(f"rollout workers hold different policy versions {sorted(versions)}")
-        return RolloutBatch(step, versions.pop(), operands, trajs, restarts)
+        stale = json.loads(index.read_bytes())["stale"]
+        if stale:
+            print(f"step {step}: set aside {len(stale)} shards of earlier rollout attempts: {stale}", file=sys.stderr)
+        return RolloutBatch(step, versions.pop(), operands, trajs, restarts, len(stale))
 
     # ----------------------------------------------------------------- the loop
     def train_step(self) -> dict:
@@ -138,7 +187,7 @@ class Controller:
         trained = time.perf_counter()
         version = self.trainer.policy_version()
         self.pool.load_weights(self.trainer.hf_weights(), version)
-        apply_retention(self.store, self.cfg.keep_record_steps, protect=[b.step for b in self.pending])
+        apply_retention(self.store, self.cfg.keep_record_steps, protect=self._protected_steps())
         synced = time.perf_counter()
         metrics |= {
             "step": self.step,
@@ -146,6 +195,7 @@ class Controller:
             "reward/mean": float(rewards.mean()),
             "rollout/response_len": sum(len(t.response) for t in batch.trajectories) / len(batch.trajectories),
             "rollout/restarts": float(batch.restarts),
+            "rollout/stale_shards": float(batch.stale_shards),
             "time/step_s": synced - start,
             "time/rollout_s": rolled - start,
             "time/train_s": trained - rolled,
@@ -167,41 +217,54 @@ class Controller:
         return self.history
 
     # ----------------------------------------------------------------- checkpoint
+    def _protected_steps(self) -> set[int]:
+        """Record steps retention must keep: the pending batches and those of every kept checkpoint."""
+        return {b.step for b in self.pending} | {s for steps in self.checkpoint_steps for s in steps}
+
     def save_checkpoint(self) -> Path:
-        """Trainer state, pending rollout batches (their records stay in the store) and metrics, atomically."""
+        """Trainer state, pending rollout batches (their records stay in the store) and metrics, fsynced and
+        checksummed (`trace_rl.rundir`; the last two are kept)."""
         pending = [
             {
                 "step": b.step,
                 "version": b.version,
                 "operands": b.operands,
                 "restarts": b.restarts,
-                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded) for t in b.trajectories],
+                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded, t.attempt) for t in b.trajectories],
             }
             for b in self.pending
         ]
+        self.checkpoint_steps = [*self.checkpoint_steps[-1:], [b.step for b in self.pending]]
         state = {
             "config": asdict(self.cfg),
             "step": self.step,
             "trainer": self.trainer.state_dict(),
             "pending": pending,
             "history": self.history,
+            "checkpoint_steps": self.checkpoint_steps,
         }
-        path = self.out / CHECKPOINT
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        return path
+        return save_checkpoint(self.out, self.step, state)
 
     def _load_checkpoint(self) -> None:
-        path = self.out / CHECKPOINT
-        state = torch.load(path, weights_only=True)
+        loaded = load_latest(self.out)
+        if loaded is None:
+            return
+        for path, reason in loaded.rejected:
+            print(f"checkpoint {path} is damaged ({reason}); resuming from {loaded.path}", file=sys.stderr)
+        state, path = loaded.state, loaded.path
         saved = state["config"]
-        for key in ("mode", "model_dir", "prompts_per_step", "group_size", "seed", "record_bits", "async_lag"):
-            now = getattr(self.cfg, key)
-            if saved[key] != now:
-                raise ValueError(f"checkpoint {path} was written with {key}={saved[key]!r}, the config has {now!r}")
-        self.trainer.load_state_dict(state["trainer"])
+        changed = {k: (saved[k], getattr(self.cfg, k)) for k in RESUME_KEYS if saved[k] != getattr(self.cfg, k)}
+        if changed and not self.cfg.force_resume:
+            raise ValueError(
+                f"checkpoint {path} was written with "
+                + ", ".join(f"{k}={a!r}, the config has {b!r}" for k, (a, b) in changed.items())
+                + " (these change the numerics; force_resume=true resumes anyway)"
+            )
+        if changed:
+            print(f"force_resume: resuming {path} with changed settings {changed}", file=sys.stderr)
+        self.trainer.load_state_dict(state["trainer"], lr=self.cfg.lr)
         self.step, self.history = state["step"], state["history"]
+        self.checkpoint_steps = state["checkpoint_steps"]
         self.pending = deque(
             RolloutBatch(
                 p["step"],
@@ -212,6 +275,9 @@ class Controller:
             )
             for p in state["pending"]
         )
+        for b in self.pending:
+            if not (step_dir(self.store, b.step) / INDEX_NAME).exists():
+                raise StoreError(f"checkpoint {path} needs record step {b.step}, which {self.store} does not hold")
         version = self.trainer.policy_version()
         if version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), version)

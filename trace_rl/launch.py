@@ -22,7 +22,7 @@ from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="JSON or TOML file of trace_rl.config.RLConfig fields")
+    ap.add_argument("--config", help="JSON, TOML or YAML file of trace_rl.config.RLConfig fields")
     ap.add_argument(
         "--modes",
         help=f"comma-separated modes to run side by side (default {','.join(MODES)}; the config's mode with sglang)",
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for mode in modes:
         cfg = base.replace(mode=mode, out_dir=str(out / mode))
-        runs[mode] = Controller(cfg).run(desc=mode)
+        with Controller(cfg) as ctrl:
+            runs[mode] = ctrl.run(desc=mode)
     write_csv(runs, out / "metrics.csv")
     table = summary(runs)
     (out / "summary.json").write_text(json.dumps(table, indent=1))
