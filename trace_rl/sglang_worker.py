@@ -29,8 +29,8 @@ from trace_core.records import RecordSpec
 from trace_core.store import build_index, step_dir
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
-from trace_rl.task import EOS, AdditionTask
-from trace_rl.warmup import HF_DIR
+from trace_rl.policy import RolloutTask
+from trace_rl.task import EOS
 from trace_rl.workers import Request
 
 WEIGHTS_DIR = "weights"
@@ -48,8 +48,8 @@ class StaleRolloutHandle(SGLangError):
 class SGLangWorker:
     """One patched SGLang server at `url`, serving the policy version it was last updated to."""
 
-    def __init__(self, url: str, cfg: RLConfig):
-        self.url, self.cfg = url.rstrip("/"), cfg
+    def __init__(self, url: str, cfg: RLConfig, eos: tuple[int, ...] = (EOS,)):
+        self.url, self.cfg, self.eos = url.rstrip("/"), cfg, eos
         self.session = requests.Session()
         self._version = self.version()
 
@@ -87,14 +87,14 @@ class SGLangWorker:
                 f"request for rollout step {req.step} sent to {self.url}, which serves policy version "
                 f"{self._version}; the server writes records under its weight version (needs async_lag = 0)"
             )
-        prompts = req.prompts.tolist()
+        prompts = [p.tolist() for p in req.prompts]
         payload = {
             "input_ids": prompts,
             "rid": [str(r) for r in req.rows],
             "sampling_params": {
                 "max_new_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature,
-                "stop_token_ids": [EOS],
+                "stop_token_ids": list(self.eos),
             },
             "return_logprob": True,
         }
@@ -177,11 +177,11 @@ class SGLangWorker:
 class SGLangPool:
     """One `SGLangWorker` per URL of `cfg.sglang_urls`; requests run concurrently, one server each."""
 
-    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
+    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg = cfg
-        self.workers = [SGLangWorker(url, cfg) for url in cfg.sglang_url_list()]
+        self.workers = [SGLangWorker(url, cfg, task.eos) for url in cfg.sglang_url_list()]
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
-        self.hf_config = Path(cfg.model_dir) / HF_DIR / "config.json"
+        self.hf_config = Path(task.hf_dir) / "config.json"
 
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
         """Results in request order; no restarts (a server failure is an error)."""
