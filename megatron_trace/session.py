@@ -4,7 +4,8 @@ Sites and how they are reached (docs/megatron.md says why no hunk is needed):
 - MoE input: `MoELayer.preprocess(hidden, probs, routing_map)` runs right after the router and right before the
   dispatcher; an instance wrapper fake-quantizes `hidden` there (the router has seen BF16, shared experts too).
 - K / V: a forward-pre-hook on `core_attention` (K after QK-norm and RoPE, V final).
-- Expert weights: the expert linears' `_forward_impl(input, weight, ...)` gets the STE fake-quantized weight.
+- Expert weights: the expert linears' `_forward_impl(input, weight, ...)` gets the STE fake-quantized weight;
+  TRACE grouped experts (`megatron_trace.grouped`) take it, and the FC2-input site, from `GroupedSites`.
 - FC2 input: the experts run with probabilities 1 (pre-hook) and the output is scaled by the probabilities after
   FC2 (forward hook), as SGLang does; a forward-pre-hook on each expert's `linear_fc2` fake-quantizes its input.
 - R3: each router's `RouterReplay` gets the rollout's routes.
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_trace.config import TraceConfig, check_megatron_config
-from megatron_trace.r3 import replay_indices
+from megatron_trace.grouped import GroupedSites, is_trace_grouped
+from megatron_trace.r3 import RouteChecks, raise_route_errors, replay_indices
 from megatron_trace.rows import TokenRows
 from megatron_trace.sites import SiteNumerics
 from megatron_trace.source import RolloutSource, Site, SiteRows, take_columns
@@ -81,7 +83,8 @@ class TraceSession:
         self._pending: dict[int, _MicroBatchState] = {}  # forwarded with grad, backward not started
         self._backward: _MicroBatchState | None = None  # the micro-batch whose backward runs (recomputation)
         self._keys = 0
-        self._placeholder_rows = 0
+        self._route_checks: list[RouteChecks] = []
+        self._routes_checked = 0
         self.tp_rank, self.tp_size, _ = _parallel()
         self.sequence_parallel = bool(self.config.sequence_parallel)
         self.moe_layers: dict[int, torch.nn.Module] = {}
@@ -98,6 +101,7 @@ class TraceSession:
         # A pipeline stage holds some layers only (layer numbers are global): keep the sites this chunk has.
         present = {(i, "moe_in") for i in self.moe_layers} | {(i, k) for i in self.attn_layers for k in ("k", "v")}
         self.numerics.captured &= present
+        self.numerics.track(present)
         self.sites = present
         model._trace_session = self
         self._handles.append(model.register_forward_pre_hook(self._model_forward_begins, with_kwargs=True))
@@ -115,13 +119,18 @@ class TraceSession:
         if not cfg.quantized:
             return
         for layer_id, moe in self.moe_layers.items():
-            if not isinstance(moe.experts, SequentialMLP):
+            grouped = is_trace_grouped(moe.experts)
+            if not grouped and not isinstance(moe.experts, SequentialMLP):
                 raise NotImplementedError(
                     f"layer {layer_id}: experts {type(moe.experts).__name__}; weight and FC2-input fake quant are "
-                    "wired for SequentialMLP (local spec, or TE spec with moe_grouped_gemm=False)"
+                    "wired for the TRACE grouped experts (megatron_trace.grouped.with_grouped_experts) and for "
+                    "SequentialMLP with Megatron's local linears (TE linears and TE's GroupedLinear are not)"
                 )
             self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
             self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
+            if grouped:
+                self._handles.append(GroupedSites(moe.experts, self.numerics))
+                continue
             for expert in moe.experts.local_experts:
                 for lin in (expert.linear_fc1, expert.linear_fc2):
                     if type(lin) not in (ColumnParallelLinear, RowParallelLinear):
@@ -166,21 +175,35 @@ class TraceSession:
             state.routes = self._routes(moe_rows, source)
         self._current = state
 
+    def check_routes(self) -> None:
+        """Raise ValueError for a missing, duplicate or out-of-range rollout route given since the last check (one
+        device read; `end_step` calls it too). Call it before the optimizer update to refuse a step that replayed
+        placeholders in place of bad routes."""
+        pending = self._route_checks[self._routes_checked :]
+        self._routes_checked = len(self._route_checks)
+        raise_route_errors(pending)
+
     def end_step(self) -> dict[str, float]:
-        """Metrics of the step (site counters, R3 placeholders); clears records, routes and counters. A micro-batch
-        forwarded with grad whose backward never ran is an error (its state would otherwise leak into the next
+        """Metrics of the step (site counters, R3 placeholders); clears records, routes and counters. Device
+        counters are read here, once per step. A bad rollout route (`check_routes`) is an error, and so is a
+        micro-batch forwarded with grad whose backward never ran (its state would otherwise leak into the next
         step)."""
         leftover = sorted(self._pending)
-        out = self.numerics.metrics()
-        if self.cfg.replay_routes:
-            out["r3/placeholder_rows"] = float(self._placeholder_rows)
-            for moe in self.moe_layers.values():
-                moe.router.router_replay.clear_indices()
-                moe.router.router_replay.clear_router_replay_action()
-        self.numerics.reset()
-        self._pending.clear()
-        self._current = self._backward = None
-        self._placeholder_rows = 0
+        try:
+            self.check_routes()
+            out = self.numerics.metrics()
+            if self.cfg.replay_routes:
+                counts = [c.placeholders for c in self._route_checks]
+                out["r3/placeholder_rows"] = float(torch.stack(counts).sum()) if counts else 0.0
+        finally:
+            if self.cfg.replay_routes:
+                for moe in self.moe_layers.values():
+                    moe.router.router_replay.clear_indices()
+                    moe.router.router_replay.clear_router_replay_action()
+            self.numerics.reset()
+            self._pending.clear()
+            self._current = self._backward = None
+            self._route_checks, self._routes_checked = [], 0
         if leftover:
             raise RuntimeError(
                 f"end_step: {len(leftover)} micro-batch(es) were forwarded with grad but never backwarded; run their "
@@ -239,10 +262,10 @@ class TraceSession:
             if moe.router.router_replay is None:
                 raise ValueError("R3 needs moe_enable_routing_replay=True when the model is built")
             got, has = source.routes(layer_id, rows)
-            idx, placeholders = replay_indices(
+            idx, checks = replay_indices(
                 layer_id, got, has, rows, self.config.num_moe_experts, self.config.moe_router_topk
             )
-            self._placeholder_rows += placeholders
+            self._route_checks.append(checks)
             routes[layer_id] = idx
         return routes
 

@@ -4,7 +4,8 @@
   `trace` mode, RTN elsewhere; per-token NVFP4 scale for the MoE input, KV_FP4 per 16 elements of a head vector.
 - Routed-expert weights: NVFP4 RTN with one global scale per expert matrix (gate and up share it: they are one
   FC1 matrix); FC2 input: NVFP4 RTN with a per-token scale. Both straight-through.
-Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site. The
+Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site as device
+tensors: the forward never waits on the device, and `metrics()` reads all counters in one transfer per step. The
 fake-quant runs through `trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere), the kernel twins
 of `guided_round` / `rtn_fake_quant`.
 """
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_trace.config import Mode, TraceConfig
-from megatron_trace.source import Site, SiteRows, take_rows
+from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
 from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant, rtn_fake_quant
-from trace_core.quant import quantize
+from trace_core.quant import nvfp4_global_scale, quantize
 from trace_core.records import low_bits_mask
+
+Count = int | torch.Tensor
 
 
 @dataclass
@@ -29,9 +32,19 @@ class SiteStats:
     """Per-site counters over a step: guided-rounding counts and code flips against the rollout record."""
 
     guidance: GuidanceStats = field(default_factory=GuidanceStats)
-    flipped: int = 0
-    compared: int = 0
+    flipped: Count = 0
+    compared: Count = 0
     distance: torch.Tensor | None = None  # flips by signed-grid distance 0..14 (full-code records only)
+
+
+def expert_weight_fake_quant(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4 RTN values of expert matrices `w [E, out, in]`, one global scale per matrix (FC1: gate and up are one
+    matrix), all experts in one kernel launch (the per-matrix scale goes in as a per-row scale). No autograd."""
+    w = w.detach()
+    e, n, k = w.shape
+    s_enc = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))
+    rows = s_enc.repeat_interleave(n).unsqueeze(1)
+    return rtn_fake_quant(w.reshape(e * n, k), "nvfp4", global_scale=rows).view(e, n, k)
 
 
 class SiteNumerics:
@@ -41,6 +54,7 @@ class SiteNumerics:
         self.cfg = cfg
         self.stats: dict[Site, SiteStats] = {}
         self.captured = set(cfg.spec.sites()) if cfg.mode is Mode.TRACE else set()
+        self._weights: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
 
     def _format(self, kind: str):
         return self.cfg.moe_format if kind == "moe_in" else self.cfg.kv_format
@@ -54,7 +68,9 @@ class SiteNumerics:
             return x
         layer, kind = site
         fmt, per_token = self._format(kind), self._per_token(kind)
-        stats = self.stats.setdefault(site, SiteStats())
+        stats = self.stats.get(site)
+        if stats is None:
+            stats = self.stats[site] = SiteStats()
         if site in self.captured:
             if rows is None:
                 raise ValueError(f"trace mode: no rollout record supplied for captured site {site}")
@@ -73,29 +89,43 @@ class SiteNumerics:
 
     def _count_flips(self, stats: SiteStats, site: Site, x: torch.Tensor, rows: SiteRows, fmt, per_token) -> None:
         """Code flips of the trainer's codes against the record, on rows that have one: the record's low b bits, or
-        whole codes when the rollout kept all 4 (it may keep more bits, at more sites, than the trainer guides with)."""
-        has = rows.has_record
-        if not bool(has.any()):
-            return
-        xd = x.detach()[has]
+        whole codes when the rollout kept all 4 (it may keep more bits, at more sites, than the trainer guides with).
+        Every row is quantized and rows without a record are masked out, so nothing waits on the device."""
+        has = rows.has_record.unsqueeze(-1)
+        xd = x.detach()
         rec = rows.record
         if site in self.captured:
-            codes = guided_quantize(xd, take_rows(rec, has.nonzero().flatten()), self.cfg.spec.bits)[0].codes
+            codes = guided_quantize(xd, rec, self.cfg.spec.bits, check_finite=False)[0].codes
         else:
-            codes = quantize(xd, fmt, per_token=per_token).codes
-        recorded = rec.code_bits()[has]
+            codes = quantize(xd, fmt, per_token=per_token, check_finite=False).codes
+        recorded = rec.code_bits()
         if rec.bits == 4:
-            flips = metrics.code_flips(codes, recorded)
-            hist = metrics.codebook_distance_histogram(codes, recorded).cpu()
+            flips = metrics.code_flips(codes, recorded) & has
+            hist = metrics.codebook_distance_histogram(codes, recorded, mask=has.expand_as(codes))
             stats.distance = hist if stats.distance is None else stats.distance + hist
         else:
-            flips = (codes & low_bits_mask(rec.bits)) != recorded
-        stats.flipped += int(flips.sum())
-        stats.compared += flips.numel()
+            flips = ((codes & low_bits_mask(rec.bits)) != recorded) & has
+        stats.flipped = stats.flipped + flips.sum()
+        stats.compared = stats.compared + rows.has_record.sum() * x.shape[-1]
+
+    def track(self, sites) -> None:
+        """Create the counters of `sites` up front, so that a compiled forward only updates them."""
+        for site in sites:
+            self.stats.setdefault(site, SiteStats())
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         """NVFP4 RTN of one expert matrix with its own global scale, straight-through."""
         return rtn_fake_quant(w, self.cfg.weight_format)
+
+    def expert_weights(self, w: torch.Tensor) -> torch.Tensor:
+        """Fake-quantized values of all local experts' weights `w [E, out, in]` (`expert_weight_fake_quant`),
+        computed once per step and reused by every micro-batch and recompute: `reset()` (each step) drops them, and
+        an in-place update of `w` (its version counter) recomputes them. The caller applies the straight-through."""
+        cached = self._weights.get(w)
+        if cached is None or cached[0] != w._version:
+            cached = (w._version, expert_weight_fake_quant(w))
+            self._weights[w] = cached
+        return cached[1]
 
     def fc2_input(self, x: torch.Tensor) -> torch.Tensor:
         """NVFP4 RTN of the unweighted expert FC2 input with a per-token scale, straight-through."""
@@ -104,23 +134,44 @@ class SiteNumerics:
     def metrics(self) -> dict[str, float]:
         """`trace/L{layer}.{kind}/...` counters of the step; `code_flip_rate` only where records were compared;
         `trace/flip_distance/{d}`: flips at distance d on the signed E2M1 grid (paper Fig. 6), over the sites whose
-        records hold whole codes."""
-        out: dict[str, float] = {}
+        records hold whole codes. Device counters are read in one transfer."""
+        names: list[str] = []
+        values: list[Count] = []
         for (layer, kind), s in sorted(self.stats.items()):
             key = f"trace/L{layer}.{kind}"
             if (layer, kind) in self.captured:
-                out[f"{key}/rtn_fallback"] = float(s.guidance.rtn_fallback)
-                out[f"{key}/guided"] = float(s.guidance.guided)
-                out[f"{key}/redirected"] = float(s.guidance.redirected)
-            if s.compared:
-                out[f"{key}/code_flip_rate"] = s.flipped / s.compared
+                g = s.guidance
+                names += [f"{key}/rtn_fallback", f"{key}/guided", f"{key}/redirected"]
+                values += [g.rtn_fallback, g.guided, g.redirected]
+            names += [f"{key}/flipped", f"{key}/compared"]
+            values += [s.flipped, s.compared]
         hists = [s.distance for s in self.stats.values() if s.distance is not None]
         if hists:
             total = torch.stack(hists).sum(0)
-            out |= {f"trace/flip_distance/{d}": float(total[d]) for d in range(1, len(total))}
+            names += [f"trace/flip_distance/{d}" for d in range(1, len(total))]
+            values += list(total[1:])
+        read = dict(zip(names, _read_counts(values), strict=True))
+        out: dict[str, float] = {}
+        for layer, kind in sorted(self.stats):
+            key = f"trace/L{layer}.{kind}"
+            if (layer, kind) in self.captured:
+                for name in ("rtn_fallback", "guided", "redirected"):
+                    out[f"{key}/{name}"] = read[f"{key}/{name}"]
+            if read[f"{key}/compared"]:
+                out[f"{key}/code_flip_rate"] = read[f"{key}/flipped"] / read[f"{key}/compared"]
+        out |= {n: v for n, v in read.items() if n.startswith("trace/flip_distance/")}
         if self.captured:
-            out["trace/rtn_fallback"] = float(sum(s.guidance.rtn_fallback for s in self.stats.values()))
+            out["trace/rtn_fallback"] = sum(v for n, v in read.items() if n.endswith("/rtn_fallback"))
         return out
 
     def reset(self) -> None:
-        self.stats.clear()
+        """Start a new step: clear the counters and drop the cached expert-weight fake-quant (weights changed)."""
+        self.stats = {site: SiteStats() for site in self.stats}
+        self._weights.clear()
+
+
+def _read_counts(values: list[Count]) -> list[float]:
+    """Host values of counters that are ints or 0-d device tensors, with one device-to-host transfer."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    host = iter(torch.stack([t.double() for t in tensors]).tolist()) if tensors else iter(())
+    return [float(next(host)) if isinstance(v, torch.Tensor) else float(v) for v in values]

@@ -74,17 +74,28 @@ def transformer_config(
 
 
 def build_tiny_moe(
-    cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, seed: int = 0, routing_replay: bool = True, **overrides
+    cfg: TinyMoEConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    routing_replay: bool = True,
+    grouped: bool = False,
+    **overrides,
 ):
     """A GPTModel with MoE in every layer, deterministic in `seed`. Needs `megatron_trace.cpu.init_single_rank()`
-    (or torchrun) first; `overrides` go to `transformer_config`."""
+    (or torchrun) first; `grouped` builds the TRACE grouped experts (`megatron_trace.grouped`) instead of
+    SequentialMLP; `overrides` go to `transformer_config`."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+    from megatron_trace.grouped import with_grouped_experts
+
     spec = get_gpt_layer_local_spec(num_experts=cfg.experts, qk_layernorm=True, normalization="RMSNorm")
+    if grouped:
+        spec = with_grouped_experts(spec)
     model = GPTModel(
         config=transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, **overrides),
         transformer_layer_spec=spec,

@@ -85,16 +85,19 @@ def test_missing_duplicate_and_out_of_range_routes_are_errors():
     session = TraceSession(model, TraceConfig(mode="bf16", spec=RecordSpec()))
     routes = random_routes()
     routes[1][1][2, 5] = False  # trajectory 2, position 5: a token in the middle
+    session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))  # builds indices without reading back
     with pytest.raises(ValueError, match=r"missing .*trajectory 2, position 5"):
-        session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))
+        session.check_routes()
     routes = random_routes()
     routes[0][0][1, 3] = torch.tensor([2, 2])
+    session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))  # builds indices without reading back
     with pytest.raises(ValueError, match=r"duplicate expert ids .*trajectory 1, position 3"):
-        session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))
+        session.check_routes()
     routes = random_routes()
     routes[0][0][0, 0, 0] = CFG.experts
+    session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))  # builds indices without reading back
     with pytest.raises(ValueError, match="out of range"):
-        session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))
+        session.check_routes()
     with pytest.raises(ValueError, match="RolloutSource"):
         session.begin_microbatch(mb.rows, None)
     with pytest.raises(KeyError, match="no routes for MoE layer 1"):

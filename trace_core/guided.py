@@ -47,10 +47,10 @@ _TABLES = {b: _outer_candidate_tables(b) for b in (1, 2, 3)}
 class GuidanceStats:
     """Element counts of guided-rounding calls; `rtn_fallback` counts elements rounded by RTN for want of a
     record, `redirected` counts guided elements whose choice differs from RTN. The kernel path accumulates
-    `redirected` as a 0-d device tensor so that counting never syncs the host; `int()` reads it."""
+    counts as 0-d device tensors so that counting never syncs the host; `int()` reads them."""
 
-    guided: int = 0
-    rtn_fallback: int = 0
+    guided: int | torch.Tensor = 0
+    rtn_fallback: int | torch.Tensor = 0
     redirected: int | torch.Tensor = 0
 
     def reset(self) -> None:
@@ -145,24 +145,26 @@ def _fallback_rtn(x: torch.Tensor, rollout: Quantized | Record) -> torch.Tensor:
     return dequantize(quantize(x, rollout.fmt, **fallback_scale(rollout.global_scale)), x.dtype)
 
 
-def _check_rollout(x: torch.Tensor, rollout: Quantized | Record, bits: int) -> FP4Format:
+def _check_rollout(x: torch.Tensor, rollout: Quantized | Record, bits: int, finite: bool = True) -> FP4Format:
     check_bits(bits)
     if not isinstance(rollout, (Quantized, Record)):
         raise ValueError(f"rollout must be a Quantized or a Record, got {type(rollout).__name__}")
     fmt = get_format(rollout.fmt)
-    check_input(x, fmt, "guided_round input")
+    check_input(x, fmt, "guided_round input", finite=finite)
     if tuple(rollout.shape) != tuple(x.shape):
         raise ValueError(f"rollout record shape {tuple(rollout.shape)} does not match input shape {tuple(x.shape)}")
     return fmt
 
 
-def guided_quantize(x: torch.Tensor, rollout: Quantized | Record, bits: int) -> tuple[Quantized, torch.Tensor]:
+def guided_quantize(
+    x: torch.Tensor, rollout: Quantized | Record, bits: int, *, check_finite: bool = True
+) -> tuple[Quantized, torch.Tensor]:
     """Guided FP4 codes of `x` under the rollout's scales, and a mask of elements whose choice differs from RTN.
 
     The returned `Quantized` carries the rollout's scale bytes and global scale, so `dequantize` of it is the
-    guided forward value.
+    guided forward value. `check_finite=False` skips the NaN/Inf check (a host sync).
     """
-    fmt = _check_rollout(x, rollout, bits)
+    fmt = _check_rollout(x, rollout, bits, check_finite)
     c = _rollout_bits(rollout, bits)
     _, encode = scale_factors(fmt, rollout.scales, rollout.global_scale)
     blocks = x.detach().float().reshape(*x.shape[:-1], x.shape[-1] // fmt.block, fmt.block)

@@ -50,12 +50,21 @@ def relative_excess_discrepancy(
     return (mse(train_fp4, rollout_fp4) - d_bf16) / d_bf16
 
 
-def codebook_distance_histogram(train_codes: torch.Tensor, rollout_codes: torch.Tensor) -> torch.Tensor:
+def codebook_distance_histogram(
+    train_codes: torch.Tensor, rollout_codes: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Fig. 6: counts of mismatched elements by distance on the signed E2M1 grid (index d = distance, 1..14;
-    index 0 is always 0)."""
-    flips = code_flips(train_codes, rollout_codes)
-    dist = (e2m1.signed_index(train_codes) - e2m1.signed_index(rollout_codes)).abs()[flips]
-    return torch.bincount(dist.flatten(), minlength=15)
+    index 0 is always 0), over the elements where `mask` (bool, same shape) is True if given. A fixed-size
+    scatter-add: nothing waits on the device."""
+    _same_shape(train_codes, rollout_codes, "codebook_distance_histogram")
+    dist = (e2m1.signed_index(train_codes) - e2m1.signed_index(rollout_codes)).abs()
+    if mask is not None:
+        _same_shape(dist, mask, "mask")
+        dist = torch.where(mask, dist, 0)
+    hist = torch.zeros(15, dtype=torch.int64, device=dist.device)
+    hist.scatter_add_(0, dist.flatten(), torch.ones_like(dist.flatten()))
+    hist[0] = 0
+    return hist
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

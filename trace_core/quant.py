@@ -44,8 +44,9 @@ class Quantized:
         return self.codes.shape
 
 
-def check_input(x: torch.Tensor, fmt: FP4Format, what: str = "input") -> None:
-    """Raise ValueError unless `x` is a finite float tensor whose last dimension is a multiple of the block."""
+def check_input(x: torch.Tensor, fmt: FP4Format, what: str = "input", *, finite: bool = True) -> None:
+    """Raise ValueError unless `x` is a float tensor whose last dimension is a multiple of the block, and finite
+    unless `finite=False` (the finiteness check reads the device: callers on a sync-free path skip it)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -55,7 +56,7 @@ def check_input(x: torch.Tensor, fmt: FP4Format, what: str = "input") -> None:
             f"{what} shape {tuple(x.shape)}: last dimension must be a non-zero multiple of the "
             f"{fmt.name} block size {fmt.block}"
         )
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if finite and x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{what} contains NaN or Inf; FP4 quantization needs finite values")
 
 
@@ -131,14 +132,16 @@ def quantize(
     *,
     global_scale: float | torch.Tensor | None = None,
     per_token: bool = False,
+    check_finite: bool = True,
 ) -> Quantized:
     """Quantize `x` (fp32/bf16/fp16, last dim a multiple of the block) to FP4 codes and raw scale bytes.
 
     For nvfp4, `global_scale` is a static `S_enc` (scalar, or `[..., 1]` per row); without it `S_enc` is computed
-    per tensor, or per token row when `per_token` is set. E8M0 formats take neither.
+    per tensor, or per token row when `per_token` is set. E8M0 formats take neither. `check_finite=False` skips
+    the NaN/Inf check (a host sync).
     """
     fmt = get_format(fmt)
-    check_input(x, fmt)
+    check_input(x, fmt, finite=check_finite)
     xf = x.float()
     blocks = _blocks(xf, fmt.block)
     block_amax = blocks.abs().amax(dim=-1)

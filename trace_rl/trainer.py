@@ -162,6 +162,7 @@ class MegatronTrainer:
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
         metrics["actor/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad))
+        self.session.check_routes()  # refuse the update if a bad route was replayed as placeholders
         self.opt.step()
         self.opt.zero_grad()
         with torch.no_grad():

@@ -399,13 +399,14 @@ def guided_fake_quant(
     )
     fallback = 0
     if has_record is not None:
-        missing = (~has_record).nonzero().flatten()
-        if missing.numel():
-            fallback = missing.numel() * x.shape[1]
-            out = out.index_copy(0, missing, rtn_fake_quant(x[missing], record.fmt, **fallback_scale(gs)))
+        # Every row gets the RTN candidate and rows without a record take it: no data-dependent shapes, so
+        # nothing waits on the device (CUDA graphs, torch.compile, CPU run-ahead).
+        rtn = rtn_fake_quant(x, record.fmt, **fallback_scale(gs))
+        out = torch.where(has_record.unsqueeze(-1), out, rtn)
+        fallback = (~has_record).sum() * x.shape[1]
     stats.guided += x.numel() - fallback
-    stats.rtn_fallback += fallback
-    stats.redirected += redirected  # a device tensor: no host sync until the count is read
+    stats.rtn_fallback += fallback  # counts are device tensors: no host sync until they are read
+    stats.redirected += redirected
     return out
 
 

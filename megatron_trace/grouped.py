@@ -1,0 +1,232 @@
+"""TRACE grouped experts for megatron-core 0.19.2: a grouped linear on `torch.nn.functional.grouped_mm` that plugs
+into Megatron's `TEGroupedMLP` through its `GroupedLinearFc1Builder` / `GroupedLinearFc2Builder` protocols (its
+non-fused forward needs no TransformerEngine), and the layer spec that builds it.
+
+- All local experts of a linear are one parameter `weight [E, out, in]`: one grouped GEMM per linear, and the NVFP4
+  weight fake-quant of all experts is one launch (`SiteNumerics.expert_weights`, once per optimizer step, reused
+  by every micro-batch and recompute; straight-through to `weight`).
+- FC2's input goes through `SiteNumerics.fc2_input` (the trainer's site code) inside the FC2 linear.
+- Checkpoints: `state_dict()` names the experts `weight0 .. weight{E-1}` like TE's `GroupedLinear`, and
+  `sharded_state_dict()` gives the keys, shapes and expert offsets of `TEGroupedMLP` / `SequentialMLP`
+  (`...experts.linear_fc1.weight` sharded over the global expert axis), so distributed checkpoints interchange.
+`TraceSession` wires the quantizers in (`install`); without a session, or in `bf16`, the linear is a plain
+grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from trace_core.guided import straight_through
+
+Quantizer = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward refuses expanded
+    gradients such as the one of `y.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad.contiguous()
+
+
+def group_offsets(tokens_per_expert: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int32 end offset of each expert's rows on `device`, for `grouped_mm(offs=...)`. A device tensor of counts
+    stays on the device; a host list is copied without blocking the host (pinned buffer on CUDA)."""
+    if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == device:
+        return torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    if device.type == "cuda":
+        return offs.pin_memory().to(device, non_blocking=True)
+    return offs.to(device)
+
+
+class TraceGroupedLinear(torch.nn.Module):
+    """The local experts' linear of one kind (FC1 or FC2) as one grouped GEMM, `y[rows of e] = x @ weight[e].T`.
+
+    `weight_quant` (all experts' weights -> their fake-quantized values) and `input_quant` (rows -> fake-quantized
+    rows, straight-through) are set by `install`; None means BF16.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        input_size: int,
+        output_size: int,
+        /,
+        *,
+        parallel_mode: str,
+        config,
+        init_method: Callable[[torch.Tensor], None],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None,
+        pg_collection=None,
+        name: str | None = None,
+    ):
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+        from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
+
+        super().__init__()
+        del skip_bias_add, tp_comm_buffer_name, name  # no bias, no TE comm overlap
+        if bias:
+            raise NotImplementedError("TraceGroupedLinear: expert biases (add_bias_linear) are not supported")
+        if not is_expert:
+            raise ValueError("TraceGroupedLinear builds routed experts only (is_expert=True)")
+        if config.delay_wgrad_compute or config.overlap_dispatch_backward_with_experts_wgrad:
+            raise NotImplementedError("TraceGroupedLinear computes weight gradients in the backward (no delay_wgrad)")
+        pgs = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+        if pgs.expt_tp is not None and pgs.expt_tp.size() > 1:
+            raise NotImplementedError("TraceGroupedLinear: expert tensor parallelism (ETP > 1) is not supported")
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.in_features, self.out_features = input_size, output_size
+        self.parallel_mode = parallel_mode
+        self._pg_collection = pgs
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, output_size, input_size, dtype=config.params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 0 if parallel_mode == "column" else 1, 1)
+        # Reduced over the expert-data-parallel group under expert parallelism (as Megatron's expert linears).
+        self.weight.allreduce = not (config.expert_model_parallel_size > 1)
+        if config.perform_initialization:
+            with torch.no_grad():
+                if config.use_cpu_initialization:  # as Megatron's CPU init: an FP32 master per matrix, then cast
+                    for e in range(num_local_experts):
+                        master = torch.empty(output_size, input_size, dtype=torch.float32)
+                        init_method(master)
+                        self.weight[e].copy_(master)
+                else:
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        for e in range(num_local_experts):
+                            init_method(self.weight[e])
+        self.weight_quant: Quantizer | None = None
+        self.input_quant: Quantizer | None = None
+        self._register_state_dict_hook(_split_experts)
+        self._register_load_state_dict_pre_hook(partial(_stack_experts, num_local_experts))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor) -> tuple[torch.Tensor, None]:
+        """`x [N, in]` rows grouped by local expert (`tokens_per_expert` rows each) -> `([N, out], None)`."""
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        w = self.weight
+        if self.weight_quant is not None:
+            w = straight_through(w, self.weight_quant(w))
+        offs = group_offsets(tokens_per_expert, x.device)
+        y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return _ContiguousGrad.apply(y), None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the backward (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Per expert `{prefix}weight{i}` -> ShardedTensor `{prefix}weight` at global expert index
+        `ep_rank * E + i` of `ep_size * E`: the keys and offsets of TE's grouped linear and SequentialMLP."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        metadata = metadata or {}
+        singleton = metadata.get("singleton_local_shards", False)
+        ep = self._pg_collection.ep
+        num_global = ep.size() * self.num_local_experts
+        offset = ep.rank() * self.num_local_experts
+        tp_axis = 0 if self.parallel_mode == "column" else 1
+        out = {}
+        for i in range(self.num_local_experts):
+            g = offset + i
+            if singleton:
+                expert_prefix, offsets = f"{g}.{prefix}", sharded_offsets
+            else:
+                expert_prefix, offsets = prefix, (*sharded_offsets, (len(sharded_offsets), g, num_global))
+            sub = make_sharded_tensors_for_checkpoint(
+                {f"{i}.weight": self.weight[i]},
+                "",
+                {f"{i}.weight": tp_axis},
+                offsets,
+                tp_group=self._pg_collection.expt_tp,
+                dp_cp_group=metadata.get("dp_cp_group"),
+            )
+            replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+            sh = sub[f"{i}.weight"]
+            sh.replica_id = (*sh.replica_id[:2], self._pg_collection.expt_dp.rank())
+            out[f"{prefix}weight{i}"] = sh
+        return out
+
+
+def _split_experts(module: TraceGroupedLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+    w = state_dict.pop(prefix + "weight")
+    for i in range(module.num_local_experts):
+        state_dict[f"{prefix}weight{i}"] = w[i]
+
+
+def _stack_experts(num_local_experts: int, state_dict: dict, prefix: str, *args) -> None:
+    keys = [f"{prefix}weight{i}" for i in range(num_local_experts)]
+    if all(k in state_dict for k in keys):
+        state_dict[prefix + "weight"] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+TraceColumnGroupedLinear = partial(TraceGroupedLinear, parallel_mode="column")
+"""`GroupedLinearFc1Builder`: FC1 (gate and up stacked, `[E, 2 * ffn, hidden]` with a gated unit)."""
+TraceRowGroupedLinear = partial(TraceGroupedLinear, parallel_mode="row")
+"""`GroupedLinearFc2Builder`: FC2 (`[E, hidden, ffn]`)."""
+
+
+def grouped_experts_spec():
+    """The experts builder for `MoESubmodules.experts`: Megatron's `TEGroupedMLP` with TRACE grouped linears."""
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    return partial(
+        TEGroupedMLP,
+        submodules=GroupedMLPSubmodules(linear_fc1=TraceColumnGroupedLinear, linear_fc2=TraceRowGroupedLinear),
+    )
+
+
+def with_grouped_experts(layer_spec):
+    """A copy of a GPT layer spec (e.g. `get_gpt_layer_local_spec(num_experts=...)`) whose MoE layer runs the
+    TRACE grouped experts; attention, router, dispatcher and shared experts are unchanged."""
+    mlp = layer_spec.submodules.mlp
+    if not isinstance(mlp, partial) or "submodules" not in mlp.keywords:
+        raise ValueError(f"layer spec has no MoE builder with submodules: {mlp!r}")
+    moe_submodules = dataclasses.replace(mlp.keywords["submodules"], experts=grouped_experts_spec())
+    new_mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules})
+    submodules = dataclasses.replace(layer_spec.submodules, mlp=new_mlp)
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def is_trace_grouped(experts: torch.nn.Module) -> bool:
+    """Whether `experts` is a `TEGroupedMLP` built with the TRACE grouped linears."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    return (
+        isinstance(experts, TEGroupedMLP)
+        and isinstance(experts.linear_fc1, TraceGroupedLinear)
+        and isinstance(experts.linear_fc2, TraceGroupedLinear)
+    )
+
+
+class GroupedSites:
+    """The weight and FC2-input sites of one TRACE grouped-experts module; `remove()` restores BF16."""
+
+    def __init__(self, experts: torch.nn.Module, numerics):
+        self.linears = (experts.linear_fc1, experts.linear_fc2)
+        for lin in self.linears:
+            lin.weight_quant = numerics.expert_weights
+        experts.linear_fc2.input_quant = numerics.fc2_input
+
+    def remove(self) -> None:
+        for lin in self.linears:
+            lin.weight_quant = lin.input_quant = None

@@ -1,0 +1,298 @@
+"""TRACE grouped experts (`megatron_trace.grouped`) on a tiny Megatron GPTModel (gloo, one CPU rank): Megatron's
+TEGroupedMLP with our grouped_mm linears against SequentialMLP on the same weights, checkpoint keys, the
+once-per-step expert-weight fake-quant and what the autograd graph keeps, and the sites under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_trace.sites as sites_mod
+from megatron_trace.config import TraceConfig
+from megatron_trace.cpu import init_single_rank
+from megatron_trace.emulate import emulate_rollout
+from megatron_trace.grouped import TraceGroupedLinear, is_trace_grouped
+from megatron_trace.rows import pack_microbatch
+from megatron_trace.session import TraceSession
+from megatron_trace.sites import SiteNumerics, expert_weight_fake_quant
+from megatron_trace.source import SiteRows
+from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+from trace_core.quant import quantize
+from trace_core.records import Record, RecordSpec
+
+CFG = TinyMoEConfig()
+ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron():
+    init_single_rank()
+
+
+def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(9, 25, (n,), generator=g).tolist()
+    return [(i, torch.randint(0, CFG.vocab, (length,), generator=g)) for i, length in enumerate(lengths)]
+
+
+def grouped_twin(seq_model: torch.nn.Module, **overrides) -> torch.nn.Module:
+    """A grouped-experts model with the weights of a SequentialMLP model (expert i of each linear stacked)."""
+    model = build_tiny_moe(CFG, dtype=next(seq_model.parameters()).dtype, grouped=True, **overrides)
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, t in seq_model.state_dict().items():
+            if "local_experts" in name and name.endswith(".weight"):
+                head, tail = name.split(".local_experts.")
+                expert, linear = tail.split(".", 1)
+                own[f"{head}.{linear.removesuffix('.weight')}.weight{expert}"].copy_(t)
+            elif name in own and isinstance(t, torch.Tensor):
+                own[name].copy_(t)
+    return model
+
+
+def stacked(model: torch.nn.Module, layer: int, linear: str, grad: bool = False) -> torch.Tensor:
+    """Expert weights (or their gradients) of one linear of a layer as `[E, out, in]`."""
+    experts = model.decoder.layers[layer].mlp.experts
+    ws = [getattr(experts, linear).weight] if is_trace_grouped(experts) else None
+    if ws is None:
+        ws = [getattr(e, linear).weight for e in experts.local_experts]
+    ts = [w.grad if grad else w for w in ws]
+    return ts[0] if is_trace_grouped(experts) else torch.stack(ts)
+
+
+def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp():
+    seq = build_tiny_moe(CFG)
+    grp = grouped_twin(seq)
+    assert all(is_trace_grouped(layer.mlp.experts) for layer in grp.decoder.layers)
+    # Local state dict: TE GroupedLinear naming (weight0 .. weight{E-1}), and it loads back.
+    keys = [k for k in grp.state_dict() if ".experts." in k]
+    assert keys[:2] == [
+        "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+        "decoder.layers.0.mlp.experts.linear_fc1.weight1",
+    ]
+    other = build_tiny_moe(CFG, grouped=True, seed=3)
+    other.load_state_dict(grp.state_dict())
+    assert torch.equal(stacked(other, 1, "linear_fc2"), stacked(seq, 1, "linear_fc2"))
+
+    # Sharded state dict: the same sharded keys, global shapes and expert offsets as SequentialMLP's.
+    def expert_shards(model):
+        out = {}
+        for sh in model.sharded_state_dict().values():
+            if "experts" not in sh.key or "_extra_state" in sh.key:
+                continue
+            for t in sh.build() if hasattr(sh, "build") else [sh]:  # gate/up factory -> two shards
+                out[(t.key, t.global_offset)] = (t.global_shape, t.data)
+        return out
+
+    a, b = expert_shards(seq), expert_shards(grp)
+    assert a and a.keys() == b.keys()
+    for key, (shape, data) in a.items():
+        assert b[key][0] == shape and torch.equal(b[key][1], data), key
+
+
+@pytest.mark.parametrize("mode", ["bf16", "qat", "trace"])
+def test_grouped_experts_match_sequential_mlp_bit_for_bit(mode):
+    """Same weights, same micro-batches (two, with MoE recompute): same fake-quantized expert weights (hence FP4
+    codes), same FC2 inputs, logits, and gradients of every parameter, atol=0."""
+    trajs = trajectories(4, seed=5)
+    mbs = [pack_microbatch(trajs[:2]), pack_microbatch(trajs[2:])]
+    overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    seq = build_tiny_moe(CFG, **overrides)
+    grp = grouped_twin(seq, **overrides)
+    source = emulate_rollout(seq, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
+    results = []
+    for model in (seq, grp):
+        fc2_in: list[torch.Tensor] = []
+
+        def keep(module, args, fc2_in=fc2_in):
+            fc2_in.append(args[0].detach().clone())
+
+        hooks = [
+            m.register_forward_pre_hook(keep)
+            for layer in model.decoder.layers
+            for m in (
+                [e.linear_fc2 for e in layer.mlp.experts.local_experts]
+                if hasattr(layer.mlp.experts, "local_experts")
+                else [layer.mlp.experts.linear_fc2]
+            )
+        ]
+        session = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES))
+        logits = []
+        for mb in mbs:
+            session.begin_microbatch(mb.rows, source)
+            out = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+            out.square().mean().backward()
+            logits.append(out.detach())
+        metrics = session.end_step()
+        for h in hooks:
+            h.remove()
+        session.remove()
+        grads = {n: p.grad for n, p in model.named_parameters() if ".experts." not in n}
+        expert_grads = [
+            stacked(model, i, lin, grad=True) for i in range(CFG.layers) for lin in ("linear_fc1", "linear_fc2")
+        ]
+        results.append((torch.cat(fc2_in), logits, grads, expert_grads, metrics))
+    (f_s, l_s, g_s, e_s, m_s), (f_g, l_g, g_g, e_g, m_g) = results
+    assert torch.equal(f_s, f_g)  # all FC2 input rows, in expert order, forward and recompute
+    assert all(torch.equal(a, b) for a, b in zip(l_s, l_g, strict=True))
+    assert g_s.keys() == g_g.keys() and all(torch.equal(g_s[n], g_g[n]) for n in g_s)
+    assert all(torch.equal(a, b) for a, b in zip(e_s, e_g, strict=True)) and all(bool(e.abs().sum() > 0) for e in e_g)
+    assert m_s == m_g
+    if mode != "bf16":  # weight FP4 codes: all experts in one launch = each matrix on its own
+        numerics = SiteNumerics(TraceConfig(mode=mode, spec=ALL_SITES))
+        for i in range(CFG.layers):
+            for lin in ("linear_fc1", "linear_fc2"):
+                w = stacked(grp, i, lin)
+                ours = expert_weight_fake_quant(w)
+                theirs = torch.stack([numerics.weight(we) for we in stacked(seq, i, lin)])
+                assert torch.equal(ours, theirs)
+                codes = [quantize(ours[e], "nvfp4").codes for e in range(CFG.experts)]
+                assert all(torch.equal(c, quantize(theirs[e], "nvfp4").codes) for e, c in enumerate(codes))
+
+
+def test_expert_weights_fake_quantized_once_per_step(monkeypatch):
+    """Two micro-batches with MoE recompute: one fake-quant per grouped linear per step (2 per MoE layer); an
+    optimizer step (in-place update) or a new step recomputes it; the straight-through gradient is exact."""
+    calls = []
+
+    def counting(w):
+        calls.append(tuple(w.shape))
+        return expert_weight_fake_quant(w)
+
+    monkeypatch.setattr(sites_mod, "expert_weight_fake_quant", counting)
+    trajs = trajectories(4, seed=2)
+    mbs = [pack_microbatch(trajs[:2]), pack_microbatch(trajs[2:])]
+    model = build_tiny_moe(CFG, grouped=True, recompute_granularity="selective", recompute_modules=["moe"])
+    session = TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES, replay_routes=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        for mb in mbs:
+            session.begin_microbatch(mb.rows)
+            model(mb.input_ids, mb.position_ids, mb.attention_mask).square().mean().backward()
+        assert len(calls) == 2 * CFG.layers * (step + 1)
+        opt.step()
+        opt.zero_grad()
+        session.end_step()
+    # An in-place update inside a step (the version counter moves) is seen without end_step.
+    with torch.no_grad():
+        session.begin_microbatch(mbs[0].rows)
+        model(mbs[0].input_ids, mbs[0].position_ids, mbs[0].attention_mask)
+        model.decoder.layers[0].mlp.experts.linear_fc1.weight.mul_(1.5)
+        session.begin_microbatch(mbs[0].rows)
+        model(mbs[0].input_ids, mbs[0].position_ids, mbs[0].attention_mask)
+    assert len(calls) == 2 * CFG.layers * 3 + 1
+    session.remove()
+
+
+def test_straight_through_gradient_of_the_grouped_linear_is_exact():
+    """d/dW of the fake-quantized grouped GEMM equals the plain grouped GEMM's gradient taken at the
+    fake-quantized weights (identity through the quantizer), per expert, including an expert without rows."""
+    lin = build_tiny_moe(CFG, grouped=True).decoder.layers[0].mlp.experts.linear_fc1
+    numerics = SiteNumerics(TraceConfig(mode="qat", spec=ALL_SITES))
+    lin.weight_quant = numerics.expert_weights
+    counts = [5, 0, 9, 3]
+    x = torch.randn(sum(counts), lin.in_features, requires_grad=True)
+    y, _ = lin(x, counts)
+    y.sum().backward()
+    wq = expert_weight_fake_quant(lin.weight).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    bounds = torch.tensor([0, *counts]).cumsum(0).tolist()
+    ref = torch.cat([xr[bounds[e] : bounds[e + 1]] @ wq[e].T for e in range(len(counts))])
+    ref.sum().backward()
+    assert torch.equal(y, ref) and torch.equal(x.grad, xr.grad) and torch.equal(lin.weight.grad, wq.grad)
+    assert not lin.weight.grad[1].any()
+
+
+def saved_bytes_per_microbatch(model, mode: str, mbs) -> list[int]:
+    """Bytes of tensor storages the autograd graph keeps that no earlier micro-batch already kept."""
+    session = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES, replay_routes=False))
+    seen: set[int] = set()
+    per_mb, graphs = [], []
+    for mb in mbs:
+        new = 0
+
+        def pack(t):
+            nonlocal new
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                new += s.nbytes()
+            return t
+
+        session.begin_microbatch(mb.rows)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            graphs.append(model(mb.input_ids, mb.position_ids, mb.attention_mask).square().mean())
+        per_mb.append(new)
+    for loss in graphs:
+        loss.backward()
+    session.remove()
+    return per_mb
+
+
+def test_no_bf16_weight_copy_per_micro_batch_in_the_autograd_graph():
+    """Three micro-batches in flight (graphs kept, as in pipeline schedules): in qat the grouped experts keep the
+    one fake-quantized weight copy of the step, so later micro-batches save what bf16 saves plus the
+    fake-quantized activations; SequentialMLP saves a new full copy of all expert weights in each."""
+    trajs = trajectories(6, seed=4)
+    mbs = [pack_microbatch(trajs[i : i + 2], seq_len=24) for i in (0, 2, 4)]
+    seq = build_tiny_moe(CFG)
+    grp = grouped_twin(seq)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in grp.named_parameters() if ".experts." in n)
+    g_bf16, g_qat = (saved_bytes_per_microbatch(grp, m, mbs) for m in ("bf16", "qat"))
+    s_bf16, s_qat = (saved_bytes_per_microbatch(seq, m, mbs) for m in ("bf16", "qat"))
+    # bf16 keeps the parameters, qat the step's one fake-quantized copy instead; later micro-batches add activations.
+    assert g_qat[0] >= expert_bytes and g_bf16[0] >= expert_bytes
+    for k in (1, 2):
+        assert g_qat[k] - g_bf16[k] < 0.25 * expert_bytes, (g_qat, g_bf16, expert_bytes)
+        assert s_qat[k] - s_bf16[k] >= expert_bytes, (s_qat, s_bf16, expert_bytes)
+
+
+def test_sites_trace_under_torch_compile_without_graph_breaks():
+    """Guided (with rows lacking a record, flip counting on) and RTN activation sites, the FC2-input site and
+    the all-experts weight fake-quant compile with fullgraph=True (no host sync, no data-dependent shape) and
+    give the eager values and counters."""
+    spec = RecordSpec(bits=1, moe_layers=(0,), attn_layers=())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 64, generator=g) * torch.rand(12, 1, generator=g) * 4
+    rollout = quantize(x + 0.05 * torch.randn(x.shape, generator=g), "nvfp4", per_token=True)
+    has = torch.tensor([True] * 9 + [False] * 3)
+    rows = SiteRows(Record.from_quantized(rollout, 1), has)
+    w = torch.randn(3, 32, 64, generator=g)
+    outs = []
+    for compiled in (False, True):
+        numerics = SiteNumerics(TraceConfig(mode="trace", spec=spec))
+        numerics.track([(0, "moe_in"), (1, "moe_in")])
+
+        def run(x, w, numerics=numerics):
+            return (
+                numerics.activation((0, "moe_in"), x, rows),
+                numerics.activation((1, "moe_in"), x, rows),
+                numerics.fc2_input(x),
+                expert_weight_fake_quant(w),
+            )
+
+        fn = torch.compile(run, fullgraph=True, backend="eager") if compiled else run
+        outs.append((fn(x, w), numerics.metrics()))
+    (eager, m_eager), (comp, m_comp) = outs
+    assert all(torch.equal(a, b) for a, b in zip(eager, comp, strict=True))
+    assert m_eager == m_comp and m_eager["trace/L0.moe_in/rtn_fallback"] == 3 * 64
+    assert 0 < m_eager["trace/L1.moe_in/code_flip_rate"] < 1
+
+
+def test_grouped_linear_refuses_what_it_does_not_implement():
+    from megatron_trace.tiny import transformer_config
+
+    config = transformer_config(CFG)
+    kwargs = dict(
+        parallel_mode="column",
+        config=config,
+        init_method=torch.nn.init.zeros_,
+        skip_bias_add=False,
+        is_expert=True,
+        tp_comm_buffer_name=None,
+    )
+    with pytest.raises(NotImplementedError, match="bias"):
+        TraceGroupedLinear(2, 8, 8, bias=True, **kwargs)
+    config.delay_wgrad_compute = True
+    with pytest.raises(NotImplementedError, match="delay_wgrad"):
+        TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)
