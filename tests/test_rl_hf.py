@@ -48,6 +48,7 @@ def run(tmp_path_factory):
     )
     ctrl = Controller(cfg)
     history = ctrl.run()
+    ctrl.close()
     return ctrl, history
 
 

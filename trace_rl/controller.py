@@ -236,16 +236,13 @@ class Controller:
 
     def run(self, desc: str | None = None) -> list[dict]:
         bar = tqdm(range(self.step, self.steps), desc=desc or self.cfg.mode, unit="step")
-        try:
-            for _ in bar:
-                m = self.train_step()
-                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", dlogp=f"{m['train_rollout_logprob_abs_diff']:.4f}")
-        finally:
-            self.close()
+        for _ in bar:
+            m = self.train_step()
+            bar.set_postfix(reward=f"{m['reward/mean']:.2f}", dlogp=f"{m['train_rollout_logprob_abs_diff']:.4f}")
         return self.history
 
     def close(self) -> None:
-        """Flush the loggers and stop the reward pool."""
+        """Close the loggers and stop the reward pool (the controller scores no more batches)."""
         self.tracker.close()
         self.rewards.close()
 

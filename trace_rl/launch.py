@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for mode in modes:
         cfg = base.replace(mode=mode, out_dir=str(out / mode))
-        runs[mode] = Controller(cfg).run(desc=mode)
+        ctrl = Controller(cfg)
+        runs[mode] = ctrl.run(desc=mode)
+        ctrl.close()
     write_csv(runs, out / "metrics.csv")
     table = summary(runs)
     (out / "summary.json").write_text(json.dumps(table, indent=1))

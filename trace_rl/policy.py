@@ -59,8 +59,8 @@ def load_policy(model_dir: str | Path) -> Policy:
         return Policy(dims, state, (path / HF_DIR).resolve(), AdditionTokenizer(), (EOS,), digits)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"model_dir={str(model_dir)!r} holds neither {MEGATRON_STATE} (the tiny model: scripts/make_tiny_model.py) "
-            "nor config.json (an HF Qwen3-MoE checkpoint)"
+            f"model_dir={str(model_dir)!r} holds no tiny model ({MEGATRON_STATE}: `trace-rl make-model`) and no HF "
+            "Qwen3-MoE checkpoint (config.json)"
         )
     from transformers import AutoTokenizer
 
