@@ -44,8 +44,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--modes", default="bf16,qat,trace")
+    p.add_argument("--grouped", action="store_true", help="TRACE grouped experts instead of SequentialMLP")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
+
+
+def step_flops(cfg: TinyMoEConfig, tokens: int, seq: int) -> float:
+    """Model FLOPs of one training step over `tokens` positions (padding included: it is computed): 6 per active
+    weight per token (QKV, output projection, router, the top-k experts' FC1 and FC2, the LM head) plus the
+    attention products (4 * seq * heads * head_dim per token per layer forward, no causal halving, x3 for
+    forward + backward)."""
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = cfg.hidden * (q + 2 * kv) + q * cfg.hidden + cfg.hidden * cfg.experts
+    per_layer += cfg.topk * 3 * cfg.hidden * cfg.expert_ffn
+    dense = 6 * (cfg.layers * per_layer + cfg.hidden * cfg.vocab)
+    attention = 3 * cfg.layers * 4 * seq * q
+    return float(tokens * (dense + attention))
 
 
 def sync() -> None:
@@ -69,7 +84,7 @@ def main() -> None:
         max_seq=args.seq,
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_tiny_moe(cfg, dtype=torch.bfloat16)
+    model = build_tiny_moe(cfg, dtype=torch.bfloat16, grouped=args.grouped)
     n = args.batch * args.microbatches
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.seq // 2, args.seq + 1, (n,), generator=g).tolist()
@@ -105,10 +120,13 @@ def main() -> None:
                 times[mode].append(time.perf_counter() - start)
             fallback[mode] = metrics.get("trace/rtn_fallback", 0.0)
             session.remove()
+    flops = step_flops(cfg, args.batch * args.seq * args.microbatches, args.seq)
     results = {
         m: {
             "step_ms_median": 1e3 * statistics.median(t),
             "step_ms_min": 1e3 * min(t),
+            "step_ms_max": 1e3 * max(t),
+            "mfu": flops / statistics.median(t) / (args.peak_tflops * 1e12),
             "rtn_fallback_elements": fallback[m],
         }
         for m, t in times.items()
@@ -117,17 +135,21 @@ def main() -> None:
     tokens = sum(int(mb.valid.sum()) for mb in mbs)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or 'cpu'}")
     print(f"model: {cfg}; {tokens} tokens / step in {len(mbs)} micro-batches; rollout emulation {emulate_s:.2f} s")
-    print(f"{'mode':<8}{'step ms (median)':>18}{'min':>10}{'vs qat':>9}{'tok/s':>12}")
+    print(f"{'mode':<8}{'step ms (median)':>18}{'min':>10}{'max':>10}{'vs qat':>9}{'tok/s':>12}{'MFU':>8}")
     for mode, r in results.items():
         ratio = f"{r['step_ms_median'] / ref:.3f}" if ref else "-"
         tps = tokens / (r["step_ms_median"] / 1e3)
-        print(f"{mode:<8}{r['step_ms_median']:>18.2f}{r['step_ms_min']:>10.2f}{ratio:>9}{tps:>12.0f}")
+        print(
+            f"{mode:<8}{r['step_ms_median']:>18.2f}{r['step_ms_min']:>10.2f}{r['step_ms_max']:>10.2f}{ratio:>9}"
+            f"{tps:>12.0f}{r['mfu']:>8.3f}"
+        )
     if args.out:
         payload = {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__,
             "args": vars(args),
             "tokens_per_step": tokens,
+            "model_flops_per_step": flops,
             "results": results,
         }
         with open(args.out, "w") as f:

@@ -2,7 +2,7 @@
 # TRACE RL launcher.
 #
 #   scripts/launch_disagg.sh                      # embedded default: tiny Qwen3-MoE, modes bf16, qat, trace
-#   scripts/launch_disagg.sh CONFIG [key=value]   # the same loop under a JSON / TOML RLConfig file
+#   scripts/launch_disagg.sh CONFIG [key=value]   # the same loop under a JSON / TOML / YAML RLConfig file
 #
 # With no arguments it builds the tiny model if needed (out/tiny-model), runs the RL loop in each mode (embedded
 # rollout engine + Megatron trainer, CPU or one GPU) and writes out/rl/: metrics.csv, per-mode metrics.jsonl and

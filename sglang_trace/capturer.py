@@ -28,8 +28,8 @@ from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
 from sglang_trace.kv import gather_kv_records, request_slots
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input
 from trace_core.capture import RecordCapturer
-from trace_core.records import ModelShape, Record
-from trace_core.store import Site, StepWriter, TrajectoryRecords
+from trace_core.records import Binding, ModelShape, Record, token_digest
+from trace_core.store import Site, StepWriter, TrajectoryRecords, parse_rollout_rid
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +134,14 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     # --- request finish -----------------------------------------------------------------------------------------
 
-    def finish_request(self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool) -> dict | None:
+    def finish_request(
+        self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool, tokens: list[int]
+    ) -> dict | None:
         """Records of a finished request (positions [0, seqlen - 1)) to the store; returns the handle on the
-        store-writing rank (None elsewhere). Must run before the request's KV is released.
+        store-writing rank (None elsewhere). Must run before the request's KV is released. `rid` is
+        `<trajectory>#<attempt>` (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and
+        `tokens` the request's prompt + output ids: the records are bound to (step, policy version = step,
+        trajectory, attempt, token digest), which the handle repeats.
 
         The scheduler thread only enqueues work: the K/V rows are indexed out of the pool on the current stream
         (ordered before any reuse of the slots) and copied to pinned memory without waiting; the MoE records and
@@ -144,6 +149,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         the writer thread waits for both and writes the shard. Only R3's answer (`--enable-return-routed-experts`)
         is waited for here. A failed gather or write is raised at the next finish or `flush`."""
         self._raise_failed_writes()
+        if len(tokens) != seqlen:
+            raise ValueError(f"request {rid!r}: {len(tokens)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
         kv: dict = {}
@@ -166,18 +173,29 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self.return_routes:
             self._routes[req_pool_idx] = self._r3_routes(moe.result().routes)
         writer, step = self._writer, self.step
-        self._writes.append(self._pool.submit(self._write, writer, rid, length, moe, kv, copied))
-        return {"store": str(writer.root), "step": step, "trajectory": str(rid), "tokens": length}
+        trajectory, attempt = parse_rollout_rid(str(rid))
+        binding = Binding(step, step, trajectory, attempt, token_digest(tokens))
+        self._writes.append(self._pool.submit(self._write, writer, binding, length, moe, kv, copied))
+        return {
+            "store": str(writer.root),
+            "step": step,
+            "trajectory": trajectory,
+            "attempt": attempt,
+            "policy_version": step,
+            "tokens": length,
+            "token_digest": binding.tokens,
+        }
 
     def _write(
-        self, writer: StepWriter, rid: str, length: int, moe: Future, kv: dict, copied: torch.cuda.Event | None
+        self, writer: StepWriter, binding: Binding, length: int, moe: Future, kv: dict, copied: torch.cuda.Event | None
     ) -> None:
         try:
             gathered = moe.result()
             if copied is not None:
                 copied.synchronize()
             records = {**gathered.records, **kv}
-            writer.write({rid: TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes)})
+            tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
+            writer.write({binding.trajectory: tr})
         except Exception:
             with self._lock:
                 self.stats.write_failures += 1

@@ -138,7 +138,10 @@ def on_request_finished(scheduler, req) -> None:
     capturer = _capturer()
     if capturer is None:
         return
-    req.trace_handle = capturer.finish_request(req.rid, req.req_pool_idx, req.seqlen, scheduler.req_to_token_pool)
+    tokens = [*req.origin_input_ids, *req.output_ids]
+    req.trace_handle = capturer.finish_request(
+        req.rid, req.req_pool_idx, req.seqlen, scheduler.req_to_token_pool, tokens
+    )
 
 
 def on_weights_updated(scheduler, recv_req) -> None:

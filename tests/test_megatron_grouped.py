@@ -92,12 +92,17 @@ def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp()
 
 @pytest.mark.parametrize("mode", ["bf16", "qat", "trace"])
 def test_grouped_experts_match_sequential_mlp_bit_for_bit(mode):
+    check_grouped_matches_sequential(mode, torch.float32)
+
+
+def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
     """Same weights, same micro-batches (two, with MoE recompute): same fake-quantized expert weights (hence FP4
     codes), same FC2 inputs, logits, and gradients of every parameter, atol=0."""
     trajs = trajectories(4, seed=5)
-    mbs = [pack_microbatch(trajs[:2]), pack_microbatch(trajs[2:])]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mbs = [pack_microbatch(trajs[:2]).to(device), pack_microbatch(trajs[2:]).to(device)]
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
-    seq = build_tiny_moe(CFG, **overrides)
+    seq = build_tiny_moe(CFG, dtype=dtype, **overrides)
     grp = grouped_twin(seq, **overrides)
     source = emulate_rollout(seq, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
     results = []

@@ -66,6 +66,7 @@ def test_resume_from_checkpoint_gives_the_same_next_step(model_dir, tmp_path):
     _same(resumed.train_step(), want)
     for p, q in zip(ctrl.trainer.params, resumed.trainer.params, strict=True):
         assert torch.equal(p, q)
+    resumed.close()
     with pytest.raises(ValueError, match="group_size=4, the config has 8"):
         Controller(cfg.replace(out_dir=str(tmp_path / "b"), group_size=8))
 
@@ -113,7 +114,8 @@ def test_staleness_bound_is_enforced(model_dir, tmp_path):
 
 def test_restart_without_checkpoint_starts_over(model_dir, tmp_path):
     cfg = _cfg(model_dir, tmp_path, mode="trace", checkpoint_every=5)
-    first = Controller(cfg).train_step()
+    with Controller(cfg) as ctrl:
+        first = ctrl.train_step()
     again = Controller(cfg)  # step 0's records are in the store but no checkpoint covers them
     assert again.step == 0 and not list_steps(again.store)
     _same(again.train_step(), first)

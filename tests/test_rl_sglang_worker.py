@@ -3,12 +3,14 @@
 A real SGLang server cannot run here (no sglang-kernel, no CUDA), so `StandIn` is a stdlib `http.server` in a
 thread that speaks the JSON of sglang 0.5.10.post1's endpoints as read from the installed source:
 `/generate` (`GenerateReqInput`: batched `input_ids`, `rid`, `sampling_params`, `return_logprob`; each output
-`{"output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "weight_version", "output_token_logprobs":
-[[logprob, token_id, None], ...], "trace": {store, step, trajectory, tokens}}}`), `/update_weights_from_disk`
+`{"output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version",
+"output_token_logprobs": [[logprob, token_id, None], ...], "trace": handle}}`), `/update_weights_from_disk`
 (`UpdateWeightFromDiskReqInput.model_path` / `weight_version` -> `{"success", "message", "num_paused_requests"}`,
-HTTP 400 on failure) and `/model_info` (`weight_version`). It samples with the real `EmbeddedEngine` (the same FP4
-numerics) and, like `sglang_trace`'s capturer, writes each request's records of positions [0, seqlen - 1) with a
-`trace_core.store.StepWriter` under the step of its integer weight version, on a background thread after answering.
+HTTP 400 on failure) and `/model_info` (`weight_version`), behind SGLang's own `--api-key` / `--admin-api-key`
+decision (`sglang.srt.utils.auth.decide_request_auth`, with the endpoints' auth levels of `http_server.py`). It
+samples with the real `EmbeddedEngine` (the same FP4 numerics) and, like `sglang_trace`'s capturer, writes each
+request's records of positions [0, seqlen - 1) with a `trace_core.store.StepWriter` under the step of its integer
+weight version, bound to the trajectory and attempt of the request id, on a background thread after answering.
 Its knobs inject the server faults the worker must catch. The worker, pool, controller and trainer are the real ones.
 """
 
@@ -23,18 +25,26 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
-from trace_core.store import StepWriter, TrajectoryRecords, list_steps
+from trace_core.records import Binding, token_digest
+from trace_core.store import StepWriter, TrajectoryRecords, list_steps, parse_rollout_rid
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller, record_spec
 from trace_rl.engine import EmbeddedEngine
 from trace_rl.launch import main
 from trace_rl.sglang_worker import SGLangError, SGLangWorker, StaleRolloutHandle
+from trace_rl.task import VOCAB
 from trace_rl.warmup import HF_DIR, load_megatron_state, make_tiny_model
 from trace_rl.workers import Request
 
 SMALL = dict(prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace", rollout_backend="sglang")
+AUTH_LEVELS = {  # sglang 0.5.10.post1 http_server.py
+    "/generate": AuthLevel.NORMAL,
+    "/model_info": AuthLevel.NORMAL,
+    "/update_weights_from_disk": AuthLevel.ADMIN_OPTIONAL,
+}
 
 
 def _truncate(tr: TrajectoryRecords, rows: int) -> TrajectoryRecords:
@@ -64,6 +74,9 @@ class StandIn:
         )
         self.store, self.weight_version, self.step_offset = store, weight_version, step_offset
         self.fail_update = self.ignore_version = self.drop_records = False
+        self.api_key: str | None = None
+        self.admin_api_key: str | None = None
+        self.tamper = None  # called with the answers of every /generate before they are sent
         self.updates: list[dict] = []
         self.seed = 0
         stand_in = self
@@ -80,13 +93,30 @@ class StandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _allowed(self, method: str) -> bool:
+                decision = decide_request_auth(
+                    method=method,
+                    path=self.path,
+                    authorization_header=self.headers.get("Authorization"),
+                    api_key=stand_in.api_key,
+                    admin_api_key=stand_in.admin_api_key,
+                    auth_level=AUTH_LEVELS[self.path],
+                )
+                if not decision.allowed:
+                    self._send(decision.error_status_code, {"error": "Unauthorized"})
+                return decision.allowed
+
             def do_GET(self) -> None:
                 assert self.path == "/model_info", self.path
+                if not self._allowed("GET"):
+                    return
                 info = {"model_path": model_dir, "is_generation": True, "weight_version": stand_in.weight_version}
                 self._send(200, info)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not self._allowed("POST"):
+                    return
                 self._send(*getattr(stand_in, self.path.strip("/"))(body))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -108,12 +138,23 @@ class StandIn:
         records, answers = {}, []
         for rid, t in zip(body["rid"], out, strict=True):
             length = len(t.tokens) - 1
-            records[rid] = _truncate(t.records, length)
-            handle = {"store": str(self.store), "step": step, "trajectory": rid, "tokens": length}
+            trajectory, attempt = parse_rollout_rid(rid)
+            binding = Binding(step, step, trajectory, attempt, token_digest(t.tokens))
+            records[trajectory] = dataclasses.replace(_truncate(t.records, length), binding=binding)
+            handle = {
+                "store": str(self.store),
+                "step": step,
+                "trajectory": trajectory,
+                "attempt": attempt,
+                "policy_version": step,
+                "tokens": length,
+                "token_digest": binding.tokens,
+            }
             meta = {
                 "id": rid,
                 "finish_reason": {"type": "length", "length": len(t.response)},
                 "prompt_tokens": t.prompt_len,
+                "completion_tokens": len(t.response),
                 "weight_version": self.weight_version,
                 "output_token_logprobs": [
                     [float(lp), int(tok), None] for lp, tok in zip(t.logprobs, t.response, strict=True)
@@ -121,6 +162,8 @@ class StandIn:
                 "trace": handle,
             }
             answers.append({"output_ids": t.response.tolist(), "meta_info": meta})
+        if self.tamper is not None:
+            self.tamper(answers)
         if not self.drop_records:  # the capturer writes after the answer, on its writer thread
             writer = StepWriter(self.store, step)
             threading.Timer(0.2, writer.write, (records,)).start()
@@ -184,12 +227,12 @@ def test_controller_trains_on_sglang_servers(model_dir, tmp_path):
 
 
 def _request(store: Path, step: int = 0) -> Request:
-    return Request(0, step, torch.tensor([[3, 4, 5, 6]] * 2), (4, 5), seed=0, store=str(store))
+    return Request(0, step, torch.tensor([[3, 4, 5, 6]] * 2), (4, 5), seed=0, store=str(store)).next_attempt()
 
 
 def test_stale_handle_is_an_error(model_dir, tmp_path):
     server = StandIn(model_dir, tmp_path, step_offset=1)  # writes under a step the worker did not push
-    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server))
+    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server), VOCAB)
     with pytest.raises(StaleRolloutHandle, match="records of step 1 .* pushed policy version 0"):
         worker.generate(_request(tmp_path))
     with pytest.raises(StaleRolloutHandle, match="rollout step 3 sent to http://127.0.0.1:\\d+, which serves"):
@@ -198,11 +241,11 @@ def test_stale_handle_is_an_error(model_dir, tmp_path):
 
 def test_handle_of_another_store_and_missing_records(model_dir, tmp_path):
     server = StandIn(model_dir, tmp_path / "elsewhere")
-    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server))
-    with pytest.raises(SGLangError, match="record handle .* does not match the request"):
+    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server), VOCAB)
+    with pytest.raises(SGLangError, match="record handle fields .* do not match the request"):
         worker.generate(_request(tmp_path / "records"))
     server.store, server.drop_records = tmp_path / "records", True
-    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server, sglang_timeout_s=0.5))
+    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server, sglang_timeout_s=0.5), VOCAB)
     with pytest.raises(SGLangError, match=r"records of trajectories \['4', '5'\] did not reach"):
         worker.generate(_request(tmp_path / "records"))
 
@@ -219,9 +262,9 @@ def test_weight_sync_failures_name_the_server_and_response(model_dir, tmp_path):
         ctrl.pool.load_weights(tensors, 1)
     server.weight_version = "default"
     with pytest.raises(SGLangError, match="weight_version='default'.*--weight-version 0"):
-        SGLangWorker(server.url, ctrl.cfg)
+        SGLangWorker(server.url, ctrl.cfg, VOCAB)
     with pytest.raises(SGLangError, match="http://127.0.0.1:9/model_info: ConnectionError"):
-        SGLangWorker("http://127.0.0.1:9", ctrl.cfg)
+        SGLangWorker("http://127.0.0.1:9", ctrl.cfg, VOCAB)
 
 
 def test_launch_runs_one_mode_on_sglang_servers(model_dir, tmp_path):

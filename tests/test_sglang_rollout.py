@@ -37,7 +37,7 @@ from transformers import Qwen3MoeConfig  # noqa: E402
 from sglang_trace import hooks  # noqa: E402
 from sglang_trace.capturer import TraceCapturer  # noqa: E402
 from trace_core.quant import quantize  # noqa: E402
-from trace_core.records import Record  # noqa: E402
+from trace_core.records import Binding, Record, token_digest  # noqa: E402
 from trace_core.store_reader import RecordReader  # noqa: E402
 
 H, KV_HEADS, HEAD_DIM, EXPERTS, TOPK, INTER, LAYERS = 64, 2, 32, 4, 2, 32, 2
@@ -150,7 +150,14 @@ class Rollout:
         """Request finish as the scheduler runs it: req_to_token holds its slots, seqlen = len(slots) + 1 (the
         last sampled token has no KV yet)."""
         self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
-        req = SimpleNamespace(rid=rid, req_pool_idx=req_pool_idx, seqlen=len(slots) + 1, routed_experts=None)
+        req = SimpleNamespace(
+            rid=rid,
+            req_pool_idx=req_pool_idx,
+            seqlen=len(slots) + 1,
+            routed_experts=None,
+            origin_input_ids=list(slots),
+            output_ids=[0],
+        )
         scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool)
         SchedulerOutputProcessorMixin.maybe_collect_routed_experts(scheduler, req)
         return req
@@ -194,12 +201,22 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     slots_a, slots_b = prompt + [20, 21], prompt + [30, 31]
     req_a = rollout.finish("traj-A", 0, slots_a)
     req_b = rollout.finish("traj-B", 1, slots_b)
-    assert req_a.trace_handle == {"store": rollout.args.trace_store, "step": 0, "trajectory": "traj-A", "tokens": 6}
+    digest = token_digest([*slots_a, 0])
+    assert req_a.trace_handle == {
+        "store": rollout.args.trace_store,
+        "step": 0,
+        "trajectory": "traj-A",
+        "attempt": "",
+        "policy_version": 0,
+        "tokens": 6,
+        "token_digest": digest,
+    }
     # R3's meta_info format is kept: [seqlen - 1, num_hidden_layers, topk] int32
     assert req_b.routed_experts.shape == (6, LAYERS, TOPK) and req_b.routed_experts.dtype == torch.int32
     assert torch.equal(req_b.routed_experts[4, 1], rollout.seen[30][("routes", 1)])
     check_store(rollout, 0, "traj-A", slots_a)
     check_store(rollout, 0, "traj-B", slots_b)
+    assert RecordReader(rollout.args.trace_store, 0).binding("traj-A") == Binding(0, 0, "traj-A", "", digest)
     assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
 
 

@@ -275,7 +275,7 @@ import trace_core.store as store
 from test_store import trajectory
 w = store.StepWriter({root!r}, 0)
 w.write({{"before": trajectory(1, 4)}})
-store.os.replace = lambda src, dst: os._exit(3)  # the process dies between the write and the rename
+store.os.link = lambda src, dst: os._exit(3)  # the process dies between the write and the link
 w.write({{"crashed": trajectory(2, 4)}})
 """
 

@@ -6,6 +6,8 @@ Packed storage puts element 2i in the low nibble of byte i (SGLang, FlashInfer a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from trace_core.formats import Rounding
@@ -21,7 +23,10 @@ SIGN_BIT = 0x8
 MAG_MASK = 0x7
 
 
+@functools.cache
 def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """One read-only FP32 copy of `values` per device: made once, so later calls copy nothing from the host (CUDA
+    graph capture forbids that)."""
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 

@@ -14,6 +14,7 @@ Rows without a record use the format's RTN; every such element is counted in a `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,12 @@ def _outer_candidate_tables(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _TABLES = {b: _outer_candidate_tables(b) for b in (1, 2, 3)}
+
+
+@functools.cache
+def _device_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_TABLES[bits]` on `device`, copied once (later calls copy nothing from the host)."""
+    return tuple(t.to(device) for t in _TABLES[bits])
 
 
 @dataclass
@@ -116,7 +123,7 @@ def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, fmt: FP4Format) ->
         k = torch.where(d_hi < d_lo, hi, lo)
     else:
         mask = low_bits_mask(bits)
-        below_t, above_t = (t.to(z.device) for t in _TABLES[bits])
+        below_t, above_t = _device_tables(bits, z.device)
         below, above = below_t[c, lo], above_t[c, hi]
         # Compare distances exactly: a - m_below < m_above - a  <=>  2a < m_below + m_above.
         twice = 2 * a

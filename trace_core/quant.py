@@ -7,6 +7,7 @@ bit-identical on CPU and GPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,12 @@ def _encode_codes(z: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
     return (negative.to(torch.uint8) << 3) | k.to(torch.uint8)
 
 
+@functools.cache
+def _one_sixth(device: torch.device) -> torch.Tensor:
+    """The FP32 constant 1/6 on `device`, made once (later calls copy nothing from the host)."""
+    return torch.tensor(ONE_SIXTH, dtype=torch.float32, device=device)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: FP4Format | str,
@@ -147,7 +154,7 @@ def quantize(
     block_amax = blocks.abs().amax(dim=-1)
     if fmt.scale is ScaleKind.E4M3:
         s_enc = _nvfp4_global_scale(xf, global_scale, per_token)
-        one_sixth = torch.tensor(ONE_SIXTH, dtype=torch.float32, device=xf.device)
+        one_sixth = _one_sixth(xf.device)
         sf = block_amax * (s_enc * one_sixth)
         scales = torch.clamp(sf, max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     else:

@@ -7,8 +7,11 @@ scale bytes, and for per-token nvfp4 the FP32 token scale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from trace_core.formats import FP4Format, get_format
@@ -200,3 +203,47 @@ def bytes_per_token(shape: ModelShape, spec: RecordSpec) -> RecordBytes:
             per_site[(layer, kind)] = site_bytes(shape.num_kv_heads * shape.head_dim, spec.bits, kv_fmt.block, False)
     moe = sum(v for (_, k), v in per_site.items() if k == "moe_in")
     return RecordBytes(moe_in=moe, kv=sum(per_site.values()) - moe, per_site=per_site)
+
+
+def token_digest(tokens: torch.Tensor | Sequence[int]) -> str:
+    """Digest of a trajectory's token ids (prompt + response, as int64 little-endian): BLAKE2b-128, hex."""
+    ids = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
+    return hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What produced one trajectory's records; stored with them in the shard header and checked by the trainer.
+
+    Attributes:
+        step: RL step (record-store step directory). policy_version: the policy the rollout sampled with.
+        trajectory: trajectory id in the step. attempt: id of the rollout attempt (a retry gets a new one).
+        tokens: `token_digest` of the trajectory's token ids (prompt + response).
+    """
+
+    step: int
+    policy_version: int
+    trajectory: str
+    attempt: str
+    tokens: str
+
+    def __post_init__(self) -> None:
+        for name in ("step", "policy_version"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"binding {name} must be a non-negative int, got {v!r}")
+        for name in ("trajectory", "attempt", "tokens"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"binding {name} must be a str, got {getattr(self, name)!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict) -> Binding:
+        return cls(**value)
+
+    def mismatches(self, expected: Binding) -> dict[str, tuple]:
+        """Field -> (stored, expected) for every field that differs from `expected`."""
+        mine, want = asdict(self), asdict(expected)
+        return {k: (mine[k], want[k]) for k in mine if mine[k] != want[k]}

@@ -2,12 +2,14 @@
 
 A rollout worker hands each finished trajectory's records (`TrajectoryRecords`) to a `StepWriter`, which writes
 them as a shard file: a small JSON header (the shard's index: trajectory -> site -> field -> byte range) followed
-by one zstandard frame per (trajectory, site, field), so a reader decompresses only what a micro-batch needs.
-Every frame carries zstandard's content checksum (XXH64) and the header a CRC-32. Shards are written to a
-temporary name, fsynced and renamed into place, so a crash never leaves a half-written shard under a shard name;
-shard names are unique per writer, so several workers (threads or processes, one host or many over a shared file
-system) write one step concurrently without locks. `finalize_step` writes the step's `index.json`;
-`apply_retention` keeps the last k steps.
+by zstandard frames of at most `FRAME_BYTES` raw bytes (whole rows) per (trajectory, site, field), so a reader
+decompresses only the rows a micro-batch needs. Every frame carries zstandard's content checksum (XXH64) and the
+header a CRC-32; each trajectory may carry a `Binding` (step, policy version, trajectory, attempt, token digest)
+that the trainer checks. Shards are written to a temporary name, fsynced and linked into place (never over an
+existing shard), so a crash never leaves a half-written shard under a shard name; shard names are unique per
+writer, so several workers (threads or processes, one host or many over a shared file system) write one step
+concurrently. `finalize_step` writes the step's `index.json` under the step's exclusive lock, and a write that
+lands after it fails; `apply_retention` keeps the last k steps.
 
 Shard layout (all integers little-endian):
     magic b"TRACEREC" | u32 version | u32 header length H | u32 CRC-32 of header | header JSON (H bytes) | frames
@@ -15,6 +17,8 @@ Shard layout (all integers little-endian):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -24,7 +28,7 @@ import struct
 import threading
 import uuid
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +37,13 @@ import torch
 import zstandard
 
 from trace_core.formats import get_format
-from trace_core.records import SITE_KINDS, ModelShape, Record, RecordSpec
+from trace_core.records import SITE_KINDS, Binding, ModelShape, Record, RecordSpec
 
 MAGIC = b"TRACEREC"
-VERSION = 1
+VERSION = 2
+FRAME_BYTES = 1 << 20  # raw bytes per frame at most (one row at least): the reader's decompression unit
+LOCK_NAME = ".lock"
+STALE_PREFIX = ".stale-"
 PREAMBLE = struct.Struct("<8sIII")  # magic, version, header length, header CRC-32
 SHARD_SUFFIX = ".trs"
 INDEX_NAME = "index.json"
@@ -59,6 +66,23 @@ class MissingRecordError(StoreError, KeyError):
     """A trajectory (or one of its sites) asked for is not in the step."""
 
     __str__ = ValueError.__str__
+
+
+RID_SEP = "#"
+
+
+def rollout_rid(trajectory: str, attempt: str) -> str:
+    """The request id a rollout client sends a server for one trajectory of one attempt (`<trajectory>#<attempt>`);
+    the server binds the records it writes to both (`parse_rollout_rid`)."""
+    if RID_SEP in trajectory or RID_SEP in attempt:
+        raise ValueError(f"trajectory {trajectory!r} and attempt {attempt!r} must not contain {RID_SEP!r}")
+    return f"{trajectory}{RID_SEP}{attempt}"
+
+
+def parse_rollout_rid(rid: str) -> tuple[str, str]:
+    """(trajectory, attempt) of a request id; a plain id is the trajectory with attempt ""."""
+    trajectory, _, attempt = rid.partition(RID_SEP)
+    return trajectory, attempt
 
 
 def site_key(site: Site) -> str:
@@ -111,11 +135,13 @@ class TrajectoryRecords:
         records: site (layer, kind) -> `Record` with `[num_tokens, ...]` tensors (an nvfp4 global scale per row
             `[num_tokens, 1]`, or 0-d for a static scale).
         routes: int32 `[num_tokens, moe_layers, topk]` expert ids, or None when routes are not recorded.
+        binding: what produced the records (checked by the trainer), or None (an unbound shard, refused there).
     """
 
     num_tokens: int
     records: Mapping[Site, Record]
     routes: torch.Tensor | None = None
+    binding: Binding | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 0:
@@ -132,6 +158,8 @@ class TrajectoryRecords:
         r = self.routes
         if r is not None and (r.dtype != torch.int32 or r.dim() != 3 or r.shape[0] != self.num_tokens):
             raise ValueError(f"routes must be int32 [{self.num_tokens}, moe_layers, topk], got {r.dtype} {r.shape}")
+        if self.binding is not None and not isinstance(self.binding, Binding):
+            raise ValueError(f"binding must be a Binding, got {type(self.binding).__name__}")
 
 
 def _fields(rec: Record) -> dict[str, torch.Tensor]:
@@ -167,18 +195,22 @@ def _compress(level: int, raw) -> bytes:
 def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEFAULT_LEVEL) -> list[bytes]:
     """Serialize trajectories into one shard: the preamble plus header, then one zstandard frame per field.
 
-    Frames carry zstandard's content checksum (XXH64 of the decompressed bytes, verified on every decode); the
-    header carries a CRC-32 in the preamble. Frames are compressed on a thread pool (zstandard releases the GIL),
-    since one core compresses slower than a disk writes.
+    A field of T rows is cut into frames of `rows` whole rows, at most `FRAME_BYTES` raw bytes each (one row at
+    least). Frames carry zstandard's content checksum (XXH64 of the decompressed bytes, verified on every decode);
+    the header carries a CRC-32 in the preamble. Frames are compressed on a thread pool (zstandard releases the
+    GIL), since one core compresses slower than a disk writes.
     """
     raws: list = []
-    entries: list[dict] = []  # header entries of the frames, in payload order
+    entries: list[dict] = []  # header entries of the fields, in payload order
     header: dict = {"version": VERSION, "trajectories": {}}
 
     def add(tensor: torch.Tensor) -> dict:
-        raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-        raws.append(memoryview(raw))
-        entries.append({"raw": raw.nbytes})
+        rows = max(1, tensor.shape[0])
+        raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(rows, -1).numpy()
+        per = max(1, FRAME_BYTES // max(1, raw.shape[1]))
+        parts = [memoryview(raw[i : i + per].reshape(-1)) for i in range(0, tensor.shape[0], per)]
+        raws.append(parts)
+        entries.append({"raw": raw.nbytes if tensor.shape[0] else 0, "rows": per})
         return entries[-1]
 
     for traj, tr in trajectories.items():
@@ -190,12 +222,18 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
         if tr.routes is not None:
             entry[ROUTES] = add(tr.routes)
             entry[ROUTES]["shape"] = list(tr.routes.shape[1:])
+        if tr.binding is not None:
+            entry["binding"] = tr.binding.to_json()
         header["trajectories"][traj] = entry
-    frames = list(_POOL.map(lambda raw: _compress(level, raw), raws))
-    offset = 0
-    for entry, frame in zip(entries, frames, strict=True):
-        entry["offset"], entry["length"] = offset, len(frame)
-        offset += len(frame)
+    flat = [part for parts in raws for part in parts]
+    frames = list(_POOL.map(lambda raw: _compress(level, raw), flat))
+    offset, i = 0, 0
+    for entry, parts in zip(entries, raws, strict=True):
+        mine = frames[i : i + len(parts)]
+        i += len(parts)
+        entry["offset"], entry["length"] = offset, sum(len(f) for f in mine)
+        entry["frames"] = [[len(f), p.nbytes] for f, p in zip(mine, parts, strict=True)]
+        offset += entry["length"]
     header["payload_bytes"] = offset
     head = json.dumps(header, separators=(",", ":")).encode()
     return [PREAMBLE.pack(MAGIC, VERSION, len(head), zlib.crc32(head)) + head, *frames]
@@ -221,7 +259,10 @@ def read_header(path: Path) -> dict:
         raise CorruptShardError(f"shard {path} is truncated inside its header ({len(head)} of {hlen} bytes)")
     if zlib.crc32(head) != hcrc:
         raise CorruptShardError(f"shard {path} header fails its CRC-32 check")
-    header = json.loads(head)
+    try:
+        header = json.loads(head)
+    except ValueError as e:
+        raise CorruptShardError(f"shard {path} header does not parse: {e}") from e
     header["data_start"] = PREAMBLE.size + hlen
     if size < header["data_start"] + header["payload_bytes"]:
         raise CorruptShardError(
@@ -230,19 +271,41 @@ def read_header(path: Path) -> dict:
     return header
 
 
-def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write `chunks` to `path` through a temporary file, fsync and rename: readers see all of it or nothing."""
+def _write_tmp(path: Path, chunks: Iterable[bytes]) -> Path:
+    """Write `chunks` to a hidden temporary file next to `path` and fsync it; the file is removed on failure."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write `chunks` to `path` through a temporary file, fsync and rename: readers see all of it or nothing."""
+    tmp = _write_tmp(path, chunks)
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def step_lock(directory: Path, *, exclusive: bool) -> Iterator[None]:
+    """The step directory's lock (`flock` on its `.lock` file): writers publish shards under the shared lock,
+    `finalize_step` indexes under the exclusive one, so no shard lands between the index and the step's seal."""
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -260,8 +323,9 @@ class StepWriter:
     """Writes shards of finished trajectories into one step directory; safe to run in many workers at once.
 
     Shard names are `<writer id>-<sequence>.trs`, with a writer id unique per host, process and writer object, so
-    concurrent writers never touch the same file. Writing a trajectory id twice within a step is caught by the
-    reader's index (it names both shards).
+    concurrent writers never touch the same file; a shard is never written over an existing one (a repeated writer
+    id fails with `StoreError`). Writing a trajectory id twice within a step is caught by the reader's index (it
+    names both shards). A shard that would land after `finalize_step` is removed and its write fails.
     """
 
     root: str | os.PathLike
@@ -289,6 +353,9 @@ class StepWriter:
             if not isinstance(tr, TrajectoryRecords):
                 raise ValueError(f"trajectory {traj!r}: expected TrajectoryRecords, got {type(tr).__name__}")
             named[str(traj)] = tr
+            b = tr.binding
+            if b is not None and (b.step != self.step or b.trajectory != str(traj)):
+                raise ValueError(f"trajectory {traj!r}: binding {b} does not name step {self.step} and this id")
         if len(named) != len(trajectories):
             raise ValueError("trajectory ids collide once converted to str")
         chunks = encode_shard(named, self.level)
@@ -296,7 +363,20 @@ class StepWriter:
             name = f"{self.writer_id}-{self._seq:06d}{SHARD_SUFFIX}"
             self._seq += 1
         path = self.dir / name
-        atomic_write(path, chunks)
+        tmp = _write_tmp(path, chunks)
+        try:
+            with step_lock(self.dir, exclusive=False):
+                if (self.dir / INDEX_NAME).exists():
+                    raise StoreError(f"step {self.dir} was finalized while shard {name} was written; it is not stored")
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise StoreError(
+                        f"shard {path} already exists: writer id {self.writer_id!r} is not unique"
+                    ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(self.dir)
         with self._lock:
             self.stats.shards += 1
             self.stats.trajectories += len(named)
@@ -326,14 +406,73 @@ def build_index(directory: Path) -> dict[str, str]:
     return index
 
 
-def finalize_step(root: str | os.PathLike, step: int) -> Path:
-    """Write the step's `index.json` (trajectory -> shard) once all writers are done; later writes are refused."""
+def shard_attempts(header: dict) -> set[str | None]:
+    """Attempt ids of a shard's trajectories (None for an unbound trajectory)."""
+    return {(e.get("binding") or {}).get("attempt") for e in header["trajectories"].values()}
+
+
+def _set_aside_stale(directory: Path, attempts: Mapping[str, str]) -> list[str]:
+    """Rename the shards of earlier rollout attempts (every trajectory's attempt differs from `attempts`) to hidden
+    `.stale-` names readers ignore; a shard mixing current and stale trajectories is an error."""
+    stale = []
+    for path in shard_paths(directory):
+        trajs = read_header(path)["trajectories"]
+        current = [(e.get("binding") or {}).get("attempt") == attempts.get(t) for t, e in trajs.items()]
+        if all(current):
+            continue
+        if any(current):
+            raise StoreError(f"shard {path} mixes trajectories of the current and of earlier rollout attempts")
+        os.replace(path, directory / f"{STALE_PREFIX}{path.name}")
+        stale.append(path.name)
+    return stale
+
+
+def finalize_step(root: str | os.PathLike, step: int, attempts: Mapping[str, str] | None = None) -> Path:
+    """Write the step's `index.json` (trajectory -> shard) once all writers are done; later writes fail.
+
+    With `attempts` (trajectory id -> attempt id of the rollout that counts), shards of earlier attempts are set
+    aside (listed under "stale" in the index) and every trajectory of `attempts` must be in a current shard."""
     directory = step_dir(root, step)
     if not directory.is_dir():
         raise StoreError(f"step directory {directory} does not exist")
     path = directory / INDEX_NAME
-    atomic_write(path, [json.dumps({"version": VERSION, "shards": build_index(directory)}).encode()])
+    with step_lock(directory, exclusive=True):
+        if path.exists():
+            raise StoreError(f"step {directory} is already finalized")
+        stale = [] if attempts is None else _set_aside_stale(directory, attempts)
+        index = build_index(directory)
+        if attempts is not None:
+            missing = sorted(set(attempts) - set(index))
+            if missing:
+                raise StoreError(f"step {directory}: no shard of the current attempt holds trajectories {missing}")
+        atomic_write(path, [json.dumps({"version": VERSION, "shards": index, "stale": stale}).encode()])
     return path
+
+
+class StepWatcher:
+    """What a step directory being written holds, read incrementally: every complete shard's header is read once,
+    so waiting for records costs a directory listing per look, not a header read per shard (`headers_read`)."""
+
+    def __init__(self, root: str | os.PathLike, step: int) -> None:
+        self.dir = step_dir(root, step)
+        self.seen: set[str] = set()
+        self.found: dict[str, list[tuple[str, Binding | None]]] = {}  # trajectory -> [(shard, binding)]
+        self.headers_read = 0
+
+    def refresh(self) -> dict[str, list[tuple[str, Binding | None]]]:
+        """Read the headers of shards not seen before; returns trajectory -> [(shard, binding), ...]."""
+        if not self.dir.is_dir():
+            return self.found
+        for path in shard_paths(self.dir):
+            if path.name in self.seen:
+                continue
+            header = read_header(path)
+            self.headers_read += 1
+            self.seen.add(path.name)
+            for traj, entry in header["trajectories"].items():
+                b = entry.get("binding")
+                self.found.setdefault(traj, []).append((path.name, None if b is None else Binding.from_json(b)))
+        return self.found
 
 
 def list_steps(root: str | os.PathLike) -> list[int]:

@@ -3,9 +3,11 @@
 `RecordReader.load` returns, for each site, one `Record` of shape `[B, T, n]` (B trajectories, T = longest range
 or `pad_to`) and a has-record mask `[B, T]` that is False on padding rows and on rows whose record is missing
 under the "rtn" policy, so the guided kernel rounds exactly those rows by RTN. Reads are streaming and memory
-bounded: only the frames of the requested trajectories and sites are read and decompressed, and decompressed
-frames sit in an LRU cache of at most `cache_bytes`. Missing trajectories follow an explicit policy: "error"
-raises `MissingRecordError`; "rtn" marks their rows as having no record and counts them in `stats`.
+bounded: only the frames (at most `FRAME_BYTES` raw bytes each) holding the requested rows of the requested
+trajectories and sites are read and decompressed, and decompressed frames sit in an LRU cache of at most
+`cache_bytes`. Missing trajectories follow an explicit policy: "error" raises `MissingRecordError`; "rtn" marks
+their rows as having no record and counts them in `stats`. `check_bindings` compares each trajectory's stored
+`Binding` with what the trainer expects and raises `BindingMismatchError` naming the fields that differ.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import zstandard
 
 from trace_core.formats import get_format
-from trace_core.records import Record, packed_len
+from trace_core.records import Binding, Record, packed_len
 from trace_core.store import (
     INDEX_NAME,
     ROUTES,
@@ -39,6 +41,12 @@ from trace_core.store import (
 )
 
 POLICIES = ("error", "rtn")
+
+
+class BindingMismatchError(StoreError):
+    """A trajectory's records were produced for another step, policy, attempt or token sequence (or are unbound)."""
+
+
 _DTYPES = {"low_bits": np.uint8, "scales": np.uint8, "global_scale": np.float32, ROUTES: np.int32}
 
 
@@ -175,30 +183,60 @@ class RecordReader:
             raise CorruptShardError(f"shard {self.dir / shard} lacks trajectory {traj!r} that the step index lists")
         return shard, entry
 
-    def _frame(self, shard: str, traj: str, name: str, kind: str, meta: dict) -> np.ndarray:
-        """One decompressed frame as a flat numpy array, checked against its checksum and raw length."""
-        key = (shard, traj, name, kind)
+    def binding(self, traj: str | int) -> Binding | None:
+        """The stored binding of trajectory `traj` (None when its shard is unbound)."""
+        found = self._entry(str(traj))
+        if found is None:
+            raise MissingRecordError(f"trajectory {str(traj)!r} has no records in {self.dir}")
+        b = found[1].get("binding")
+        try:
+            return None if b is None else Binding.from_json(b)
+        except (TypeError, ValueError) as e:
+            raise CorruptShardError(f"shard {self.dir / found[0]}, trajectory {str(traj)!r}: bad binding {b}") from e
+
+    def check_bindings(self, expected: Mapping[str | int, Binding]) -> None:
+        """Raise `BindingMismatchError` naming the trajectory, shard and fields unless every trajectory's stored
+        binding equals `expected[trajectory]`."""
+        problems = []
+        for traj, want in expected.items():
+            got = self.binding(traj)
+            shard = self.index[str(traj)]
+            if got is None:
+                problems.append(f"trajectory {str(traj)!r} (shard {shard}) has no binding")
+                continue
+            diff = got.mismatches(want)
+            if diff:
+                fields = ", ".join(f"{k} {a!r} != expected {b!r}" for k, (a, b) in diff.items())
+                problems.append(f"trajectory {str(traj)!r} (shard {shard}): {fields}")
+        if problems:
+            raise BindingMismatchError(f"records of {self.dir} do not belong to this batch: " + "; ".join(problems))
+
+    def _frame(self, shard: str, traj: str, name: str, kind: str, meta: dict, i: int) -> np.ndarray:
+        """Frame `i` of one field, decompressed, as a flat numpy array checked against its checksum and length."""
+        key = (shard, traj, name, kind, i)
         arr = self._cache.get(key)
         if arr is not None:
             self.stats.cache_hits += 1
             return arr
         path = self.dir / shard
-        start = self._header(shard)["data_start"] + meta["offset"]
+        frames = meta["frames"]
+        length, raw_len = frames[i]
+        start = self._header(shard)["data_start"] + meta["offset"] + sum(f[0] for f in frames[:i])
         where = f"shard {path}, trajectory {traj!r}, {name} {kind}"
         try:
             with open(path, "rb") as f:
                 f.seek(start)
-                frame = f.read(meta["length"])
+                frame = f.read(length)
         except OSError as e:
             raise StoreError(f"{where}: cannot read the shard ({e})") from e
-        if len(frame) != meta["length"]:
-            raise CorruptShardError(f"{where}: truncated ({len(frame)} of {meta['length']} bytes)")
+        if len(frame) != length:
+            raise CorruptShardError(f"{where}: frame {i} truncated ({len(frame)} of {length} bytes)")
         try:
-            raw = self._dctx.decompress(frame, max_output_size=meta["raw"])
+            raw = self._dctx.decompress(frame, max_output_size=raw_len)
         except zstandard.ZstdError as e:
-            raise CorruptShardError(f"{where}: corrupt frame, fails its checksum or does not decode ({e})") from e
-        if len(raw) != meta["raw"]:
-            raise CorruptShardError(f"{where}: decodes to {len(raw)} bytes, header says {meta['raw']}")
+            raise CorruptShardError(f"{where}: corrupt frame {i}, fails its checksum or does not decode ({e})") from e
+        if len(raw) != raw_len:
+            raise CorruptShardError(f"{where}: frame {i} decodes to {len(raw)} bytes, header says {raw_len}")
         arr = np.frombuffer(raw, dtype=_DTYPES[kind])
         self.stats.frames_read += 1
         self.stats.disk_bytes += len(frame)
@@ -280,15 +318,30 @@ class RecordReader:
                     raise StoreError(f"{where}: (format, bits, width) {found} differs from {layout[site]} expected")
         return dict(sorted(layout.items()))
 
+    def _copy_rows(self, shard: str, traj: str, name: str, kind: str, meta: dict, start: int, end: int, out):
+        """Copy rows [start, end) of one field into `out` (`[end - start, ...]` numpy view), decompressing only the
+        frames that hold them."""
+        per, width = meta["rows"], int(np.prod(out.shape[1:]))
+        where = f"shard {self.dir / shard}, trajectory {traj!r}, {name}"
+        if meta["raw"] % (width * out.itemsize or 1):
+            raise CorruptShardError(f"{where}: {kind} of {meta['raw']} bytes does not hold rows of width {width}")
+        flat = out.reshape(out.shape[0], width)
+        row = start
+        while row < end:
+            i = row // per
+            arr = self._frame(shard, traj, name, kind, meta, i)
+            first, last = i * per, min(end, (i + 1) * per)
+            rows = arr.reshape(-1, width)
+            if rows.shape[0] < last - first:
+                raise CorruptShardError(f"{where}: {kind} frame {i} holds {rows.shape[0]} rows, not {last - first}")
+            flat[row - start : last - start] = rows[row - first : last - first]
+            row = last
+
     def _rows(self, shard: str, traj: str, site: Site, kind: str, fields: dict, start: int, end: int, out):
-        """Copy rows [start, end) of one field into `out` (a `[rows, width]` tensor view), one copy, no temporary."""
+        """Copy rows [start, end) of one field into `out` (a `[rows, width]` tensor view)."""
         if kind not in fields:
             raise CorruptShardError(f"shard {self.dir / shard}, trajectory {traj!r}, site {site_key(site)}: no {kind}")
-        arr = self._frame(shard, traj, site_key(site), kind, fields[kind])
-        width = out.shape[-1]
-        if arr.size % width:
-            raise CorruptShardError(f"shard {self.dir / shard}, trajectory {traj!r}, site {site_key(site)}: bad {kind}")
-        out.numpy()[...] = arr.reshape(-1, width)[start:end]
+        self._copy_rows(shard, traj, site_key(site), kind, fields[kind], start, end, out.numpy())
 
     def _routes(self, batch, entries, t: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         b = len(batch)
@@ -303,8 +356,9 @@ class RecordReader:
         for i, ((traj, start, end), entry) in enumerate(zip(batch, entries, strict=True)):
             if entry is None or ROUTES not in entry[1]:
                 continue
-            arr = self._frame(entry[0], traj, ROUTES, ROUTES, entry[1][ROUTES])
-            routes[i, : end - start] = torch.from_numpy(arr.reshape(-1, *shape)[start:end].copy())
+            self._copy_rows(
+                entry[0], traj, ROUTES, ROUTES, entry[1][ROUTES], start, end, routes[i, : end - start].numpy()
+            )
             has[i, : end - start] = True
         return routes, has
 
@@ -313,13 +367,14 @@ class RecordReader:
         count = 0
         for traj, shard in sorted(self.index.items()):
             entry = self._header(shard)["trajectories"][traj]
-            for key, meta in entry["sites"].items():
-                for kind, fmeta in meta["fields"].items():
-                    self._cache.discard((shard, traj, key, kind))
-                    self._frame(shard, traj, key, kind, fmeta)
-                    count += 1
+            fields = [
+                (key, kind, fmeta) for key, meta in entry["sites"].items() for kind, fmeta in meta["fields"].items()
+            ]
             if ROUTES in entry:
-                self._cache.discard((shard, traj, ROUTES, ROUTES))
-                self._frame(shard, traj, ROUTES, ROUTES, entry[ROUTES])
-                count += 1
+                fields.append((ROUTES, ROUTES, entry[ROUTES]))
+            for key, kind, fmeta in fields:
+                for i in range(len(fmeta["frames"])):
+                    self._cache.discard((shard, traj, key, kind, i))
+                    self._frame(shard, traj, key, kind, fmeta, i)
+                    count += 1
         return count

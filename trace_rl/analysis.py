@@ -20,7 +20,7 @@ import torch
 from megatron_trace.config import TraceConfig
 from megatron_trace.rows import TokenRows
 from megatron_trace.source import Site
-from trace_core.records import RecordSpec
+from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWriter, finalize_step
 from trace_rl.engine import EmbeddedEngine
 from trace_rl.task import EOS, AdditionTask
@@ -142,10 +142,17 @@ def analyze(
                 seed=seed * 1_000_003 + k,
                 temperature=temperature,
             )
-            StepWriter(store, step, writer_id="analysis").write({i: t.records for i, t in enumerate(trajs)})
+            version = trainer.policy_version()
+            bound = {
+                str(i): dataclasses.replace(
+                    t.records, binding=Binding(step, version, str(i), "analysis", token_digest(t.tokens))
+                )
+                for i, t in enumerate(trajs)
+            }
+            StepWriter(store, step, writer_id="analysis").write(bound)
             finalize_step(store, step)
-            trajs = [dataclasses.replace(t, records=None) for t in trajs]
-            batch = trainer.prepare(trajs, str(store), step)
+            trajs = [dataclasses.replace(t, records=None, attempt="analysis") for t in trajs]
+            batch = trainer.prepare(trajs, str(store), step, version)
             rewards = task.reward(operands.repeat_interleave(group_size, 0), [t.response for t in trajs])
             for name, cfg in configs.items():
                 disc = SiteDiscrepancy(tap, max_len, values="y" if fp4 else "x")

@@ -46,6 +46,11 @@ FIELD_HELP = {
     "rollout_backend": "embedded (EmbeddedEngine workers) or sglang (patched SGLang servers)",
     "sglang_urls": "comma-separated http://host:port of the SGLang servers",
     "sglang_timeout_s": "seconds per SGLang HTTP call and per wait for records",
+    "sglang_api_key": "where the servers' --api-key is: env:VARIABLE or file:PATH (never the key itself)",
+    "sglang_admin_api_key": "where the servers' --admin-api-key is: env:VARIABLE or file:PATH",
+    "rollout_call_timeout_s": "deadline of one rollout request (the worker is then restarted)",
+    "rollout_step_timeout_s": "deadline of a whole rollout step (the run then fails)",
+    "force_resume": "resume a checkpoint although settings that change the numerics differ",
     "data": "prompt dataset: addition (the synthetic task) or a .jsonl / .parquet file",
     "prompt_key": "dataset field of the prompt: a string (the user turn) or a list of {role, content} messages",
     "answer_key": "dataset field of the reference answer given to the reward ('' for none); dots reach nested fields",
@@ -82,9 +87,8 @@ def _train(args: argparse.Namespace) -> None:
     from trace_rl.controller import Controller
 
     cfg = load_config(args.config, args.overrides)
-    ctrl = Controller(cfg)
-    history = ctrl.run()
-    ctrl.close()
+    with Controller(cfg) as ctrl:
+        history = ctrl.run()
     if history:
         last = history[-1]
         keys = [k for k in ("reward/mean", "train_rollout_logprob_abs_diff", "train_rollout_k3_kl") if k in last]

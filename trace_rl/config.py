@@ -1,16 +1,21 @@
-"""Typed RL configuration: defaults, a JSON or TOML file, then `key=value` command-line overrides, validated."""
+"""Typed RL configuration: defaults, a JSON, TOML or YAML file, then `key=value` command-line overrides, validated."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 MODES = ("bf16", "qat", "trace")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
+SECRET_REFS = ("env:", "file:")
+CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
 
 
 class ConfigError(ValueError):
@@ -31,7 +36,11 @@ class RLConfig:
     whole codes everywhere (the analyses of docs/results.md); the trainer still guides with the spec above.
     rollout_backend: embedded (`EmbeddedEngine` workers, in-process or Ray actors) or sglang (running patched SGLang
     servers at the comma-separated `sglang_urls`, one rollout worker each; docs/deploy.md); with sglang, `use_ray`
-    moves only the trainer into a Ray actor.
+    moves only the trainer into a Ray actor. sglang_api_key / sglang_admin_api_key: where the servers' --api-key /
+    --admin-api-key are, `env:VARIABLE` or `file:PATH` (a key itself is refused: configs land in checkpoints).
+    rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
+    and of a whole rollout step (the run then fails). force_resume: resume a checkpoint although settings that
+    change the numerics differ (docs/reliability.md).
     data / eval_data and the fields after them: the prompt dataset (`addition` or a JSONL / Parquet file,
     `trace_rl.data`), the reward function (`trace_rl.rewards`), held-out evaluation and the loggers
     (`trace_rl.tracking`); docs/rl.md, "Bring your own model and data".
@@ -80,9 +89,14 @@ class RLConfig:
     loggers: str = "tensorboard"
     wandb_project: str = "trace"
     wandb_run: str = ""
+    sglang_api_key: str = ""
+    sglang_admin_api_key: str = ""
+    rollout_call_timeout_s: float = 600.0
+    rollout_step_timeout_s: float = 3600.0
+    force_resume: bool = False
 
     def __post_init__(self) -> None:
-        errors = []
+        errors = [f"{k}={v!r} must be finite" for k, v in self._floats().items() if not math.isfinite(v)]
         if self.mode not in MODES:
             errors.append(f"mode={self.mode!r} is not one of {MODES}")
         positive = ("steps", "prompts_per_step", "max_new_tokens", "rollout_workers", "checkpoint_every")
@@ -99,12 +113,20 @@ class RLConfig:
             errors.append(f"async_lag={self.async_lag} exceeds max_version_diff={self.max_version_diff}")
         if self.keep_record_steps < self.async_lag + 1:
             errors.append(f"keep_record_steps={self.keep_record_steps} must hold the async_lag + 1 pending steps")
+        if self.rollout_call_timeout_s <= 0 or self.rollout_step_timeout_s < self.rollout_call_timeout_s:
+            errors.append(
+                f"rollout_call_timeout_s={self.rollout_call_timeout_s} must be > 0 and at most "
+                f"rollout_step_timeout_s={self.rollout_step_timeout_s}"
+            )
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} must be cpu or cuda")
         errors += self._sglang_errors()
         errors += self._data_errors()
         if errors:
             raise ConfigError("invalid RL config: " + "; ".join(errors))
+
+    def _floats(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(f.default, float)}
 
     def sglang_url_list(self) -> list[str]:
         return [u.strip() for u in self.sglang_urls.split(",") if u.strip()]
@@ -134,6 +156,13 @@ class RLConfig:
             )
         if self.sglang_timeout_s <= 0:
             errors.append(f"sglang_timeout_s={self.sglang_timeout_s} must be > 0")
+        for key in ("sglang_api_key", "sglang_admin_api_key"):
+            ref = getattr(self, key)
+            if ref and not ref.startswith(SECRET_REFS):
+                errors.append(
+                    f"{key} must name where the key is ('env:VARIABLE' or 'file:PATH'), never the key itself "
+                    "(configs are written to checkpoints and logs)"
+                )
         return errors
 
     def logger_list(self) -> tuple[str, ...]:
@@ -188,15 +217,41 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
     return value
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The key/value table of a `.json`, `.toml` or `.yaml` / `.yml` config file; a syntax error names the file and
+    line, any other suffix is refused."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix not in CONFIG_SUFFIXES:
+        raise ConfigError(f"config file {path}: unknown suffix {path.suffix!r}; use one of {CONFIG_SUFFIXES}")
+    text = path.read_text()
+    try:
+        if suffix == ".json":
+            values = json.loads(text)
+        elif suffix == ".toml":
+            values = tomllib.loads(text)
+        else:
+            values = yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: JSON syntax error: {e.msg}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from None  # the message ends "(at line L, column C)"
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+    if values is None and suffix in (".yaml", ".yml"):
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a table of key = value, got a {type(values).__name__}")
+    return values
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:
-    """Defaults, then the file (`.json` or `.toml`), then `key=value` overrides."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        text = path.read_text()
-        values = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    """Defaults, then the file (`.json`, `.toml`, `.yaml`), then `key=value` overrides."""
+    values: dict[str, Any] = {} if path is None else read_config_file(path)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:

@@ -8,14 +8,16 @@ The policy is the tiny addition model or an HF Qwen3-MoE checkpoint (`trace_rl.p
 
 A step's GRPO groups are split into one request per rollout worker (`trace_rl.workers`: in-process, or Ray actors
 with `use_ray`; `trace_rl.sglang_worker`: patched SGLang servers with `rollout_backend = "sglang"`); the trainer
-runs in the controller's process (a Ray actor with `use_ray`).
+runs in the controller's process (a Ray actor with `use_ray`). The controller holds an exclusive lock on `out_dir`
+(`trace_rl.rundir`); a checkpoint names its pending rollout steps, which retention keeps until both kept checkpoints
+have moved past them, so a run resumes from either (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -26,19 +28,39 @@ import torch
 from tqdm import tqdm
 
 from trace_core.records import RecordSpec
-from trace_core.store import apply_retention, finalize_step, list_steps, step_dir
+from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
-from trace_rl.config import RLConfig
+from trace_rl.config import ConfigError, RLConfig
 from trace_rl.data import Prompt, dataset
 from trace_rl.engine import Trajectory
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
+from trace_rl.rundir import RunLock, load_latest, save_checkpoint
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
 from trace_rl.workers import LocalPool, RayPool, Request
 
-CHECKPOINT = "checkpoint.pt"
+LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
+# Settings a checkpoint must have been written with (they change the numerics or the resume itself); a resume with
+# other values is refused unless `force_resume`.
+RESUME_KEYS = (
+    "mode",
+    "model_dir",
+    "prompts_per_step",
+    "group_size",
+    "seed",
+    "record_bits",
+    "record_all_layers",
+    "measure_all_sites",
+    "max_new_tokens",
+    "temperature",
+    "lr",
+    "rollout_workers",
+    "rollout_backend",
+    "async_lag",
+    "data",
+)
 
 
 @dataclass
@@ -49,6 +71,7 @@ class RolloutBatch:
     trajectories: list[Trajectory]
     restarts: int
     rewards: list[Future]  # one per trajectory, scored in the reward pool
+    stale_shards: int = 0  # shards of earlier rollout attempts set aside when the step was finalized
 
 
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
@@ -71,6 +94,15 @@ class Controller:
     def __init__(self, cfg: RLConfig, *, resume: bool = True):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
+        self.lock = RunLock(self.out)  # before anything in out_dir is read or changed
+        try:
+            self._start(resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _start(self, resume: bool) -> None:
+        cfg = self.cfg
         self.store = (self.out / "records").resolve()
         self.policy = policy = load_policy(cfg.model_dir)
         tiny, state = policy.dims, policy.state
@@ -99,11 +131,13 @@ class Controller:
             self.pool = SGLangPool(pool_cfg, capture, task)
         else:
             self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
         self.step = 0
-        if resume and (self.out / CHECKPOINT).exists():
+        self.checkpoint_steps: list[list[int]] = []  # pending rollout steps of each kept checkpoint
+        if (self.out / LEGACY_CHECKPOINT).exists():
+            raise ConfigError(f"{self.out / LEGACY_CHECKPOINT} has the old checkpoint format; use a new out_dir")
+        if resume:
             self._load_checkpoint()
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
@@ -127,6 +161,19 @@ class Controller:
         if stale:
             print(f"discarded record-store steps {stale} of {self.out} (not covered by a checkpoint)")
 
+    def close(self) -> None:
+        """Close the loggers, stop the reward pool and release `out_dir` (the lock); the controller is not used
+        after."""
+        self.tracker.close()
+        self.rewards.close()
+        self.lock.release()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> RolloutBatch:
         """Generate step `step`'s trajectories; the workers write their records into the store."""
@@ -141,14 +188,17 @@ class Controller:
                 requests.append(Request(w, step, [ids[r] for r in rows], rows, seed, str(self.store)))
         results, restarts = self.pool.run(requests)
         trajs = [t for out in results for t in out]
-        finalize_step(self.store, step)
+        index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
         stored = len(RecordReader(self.store, step).trajectories())
         if stored != len(trajs):
             raise RuntimeError(f"step {step}: {stored} trajectories in the record store, {len(trajs)} generated")
         versions = set(self.pool.versions())
         if len(versions) != 1:
             raise RuntimeError(f"rollout workers hold different policy versions {sorted(versions)}")
-        return RolloutBatch(step, versions.pop(), prompts, trajs, restarts, self._score(prompts, trajs))
+        stale = json.loads(index.read_bytes())["stale"]
+        if stale:
+            print(f"step {step}: set aside {len(stale)} shards of earlier rollout attempts: {stale}", file=sys.stderr)
+        return RolloutBatch(step, versions.pop(), prompts, trajs, restarts, self._score(prompts, trajs), len(stale))
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Future]:
         """Submit every trajectory's response text (EOS stripped) with its prompt's answer to the reward pool."""
@@ -206,7 +256,7 @@ class Controller:
         trained = time.perf_counter()
         version = self.trainer.policy_version()
         self.pool.load_weights(self.trainer.hf_weights(), version)
-        apply_retention(self.store, self.cfg.keep_record_steps, protect=[b.step for b in self.pending])
+        apply_retention(self.store, self.cfg.keep_record_steps, protect=self._protected_steps())
         synced = time.perf_counter()
         metrics |= {
             "step": self.step,
@@ -215,6 +265,7 @@ class Controller:
             "rollout/response_len": sum(len(t.response) for t in batch.trajectories) / len(batch.trajectories),
             "rollout/restarts": float(batch.restarts),
             "trace/record_bytes_per_token": self._record_bytes_per_token(batch),
+            "rollout/stale_shards": float(batch.stale_shards),
             "time/step_s": synced - start,
             "time/rollout_s": rolled - start,
             "time/reward_wait_s": rolled - waiting,
@@ -241,53 +292,63 @@ class Controller:
             bar.set_postfix(reward=f"{m['reward/mean']:.2f}", dlogp=f"{m['train_rollout_logprob_abs_diff']:.4f}")
         return self.history
 
-    def close(self) -> None:
-        """Close the loggers and stop the reward pool (the controller scores no more batches)."""
-        self.tracker.close()
-        self.rewards.close()
-
     # ----------------------------------------------------------------- checkpoint
+    def _protected_steps(self) -> set[int]:
+        """Record steps retention must keep: the pending batches and those of every kept checkpoint."""
+        return {b.step for b in self.pending} | {s for steps in self.checkpoint_steps for s in steps}
+
     def save_checkpoint(self) -> Path:
-        """Trainer state, pending rollout batches (their records stay in the store) and metrics, atomically."""
+        """Trainer state, pending rollout batches (their records stay in the store) and metrics, fsynced and
+        checksummed (`trace_rl.rundir`; the last two are kept)."""
         pending = [
             {
                 "step": b.step,
                 "version": b.version,
                 "restarts": b.restarts,
-                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded) for t in b.trajectories],
+                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded, t.attempt) for t in b.trajectories],
             }
             for b in self.pending
         ]
+        self.checkpoint_steps = [*self.checkpoint_steps[-1:], [b.step for b in self.pending]]
         state = {
             "config": asdict(self.cfg),
             "step": self.step,
             "trainer": self.trainer.state_dict(),
             "pending": pending,
             "history": self.history,
+            "checkpoint_steps": self.checkpoint_steps,
         }
-        path = self.out / CHECKPOINT
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        return path
+        return save_checkpoint(self.out, self.step, state)
 
     def _load_checkpoint(self) -> None:
-        path = self.out / CHECKPOINT
-        state = torch.load(path, weights_only=True)
+        loaded = load_latest(self.out)
+        if loaded is None:
+            return
+        for path, reason in loaded.rejected:
+            print(f"checkpoint {path} is damaged ({reason}); resuming from {loaded.path}", file=sys.stderr)
+        state, path = loaded.state, loaded.path
         saved = state["config"]
-        keys = ("mode", "model_dir", "prompts_per_step", "group_size", "seed", "record_bits", "async_lag", "data")
-        for key in keys:
-            now = getattr(self.cfg, key)
-            if saved[key] != now:
-                raise ValueError(f"checkpoint {path} was written with {key}={saved[key]!r}, the config has {now!r}")
-        self.trainer.load_state_dict(state["trainer"])
+        changed = {k: (saved[k], getattr(self.cfg, k)) for k in RESUME_KEYS if saved[k] != getattr(self.cfg, k)}
+        if changed and not self.cfg.force_resume:
+            raise ValueError(
+                f"checkpoint {path} was written with "
+                + ", ".join(f"{k}={a!r}, the config has {b!r}" for k, (a, b) in changed.items())
+                + " (these change the numerics; force_resume=true resumes anyway)"
+            )
+        if changed:
+            print(f"force_resume: resuming {path} with changed settings {changed}", file=sys.stderr)
+        self.trainer.load_state_dict(state["trainer"], lr=self.cfg.lr)
         self.step, self.history = state["step"], state["history"]
+        self.checkpoint_steps = state["checkpoint_steps"]
         for p in state["pending"]:  # prompts are a function of the step; rewards are scored again
             prompts = self.data.batch(p["step"], self.cfg.prompts_per_step)
             trajs = [Trajectory(*t[:3], None, *t[3:]) for t in p["trajectories"]]
             self.pending.append(
                 RolloutBatch(p["step"], p["version"], prompts, trajs, p["restarts"], self._score(prompts, trajs))
             )
+        for b in self.pending:
+            if not (step_dir(self.store, b.step) / INDEX_NAME).exists():
+                raise StoreError(f"checkpoint {path} needs record step {b.step}, which {self.store} does not hold")
         version = self.trainer.policy_version()
         if version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), version)

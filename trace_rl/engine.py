@@ -41,7 +41,8 @@ class Trajectory:
     """One sampled response: `tokens` = prompt + response `[L]`, rollout log-probs of the response tokens `[R]`.
 
     `recorded`: positions [0, recorded) have records in the store; None = all L (the embedded engine feeds every
-    sampled token back; an SGLang server never feeds back the last one, so it records L - 1).
+    sampled token back; an SGLang server never feeds back the last one, so it records L - 1). `attempt`: the
+    rollout attempt whose records count (their `Binding` names it; the trainer checks).
     """
 
     tokens: torch.Tensor
@@ -49,6 +50,7 @@ class Trajectory:
     logprobs: torch.Tensor
     records: TrajectoryRecords | None  # None once the records live only in the store
     recorded: int | None = None
+    attempt: str | None = None
 
     @property
     def response(self) -> torch.Tensor:

@@ -22,7 +22,7 @@ from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="JSON or TOML file of trace_rl.config.RLConfig fields")
+    ap.add_argument("--config", help="JSON, TOML or YAML file of trace_rl.config.RLConfig fields")
     ap.add_argument(
         "--modes",
         help=f"comma-separated modes to run side by side (default {','.join(MODES)}; the config's mode with sglang)",
@@ -41,16 +41,15 @@ def main(argv: list[str] | None = None) -> dict:
             f"--modes {spec!r}: rollout_backend='sglang' runs one mode (the servers' --trace-store is that run's "
             "record store); run the modes one after another"
         )
-    if not (Path(base.model_dir) / MEGATRON_STATE).exists():
+    if not any((Path(base.model_dir) / name).exists() for name in (MEGATRON_STATE, "config.json")):
         print(f"building the tiny model in {base.model_dir}")
         print(json.dumps(make_tiny_model(base.model_dir, seed=base.seed), indent=1))
     out = Path(base.out_dir)
     runs = {}
     for mode in modes:
         cfg = base.replace(mode=mode, out_dir=str(out / mode))
-        ctrl = Controller(cfg)
-        runs[mode] = ctrl.run(desc=mode)
-        ctrl.close()
+        with Controller(cfg) as ctrl:
+            runs[mode] = ctrl.run(desc=mode)
     write_csv(runs, out / "metrics.csv")
     table = summary(runs)
     (out / "summary.json").write_text(json.dumps(table, indent=1))

@@ -1,11 +1,18 @@
 """Rollout on running patched SGLang servers (`rollout_backend = "sglang"`), over their HTTP API.
 
 A `SGLangWorker` sends one `Request` to one server as a batched `/generate` (`input_ids`, `sampling_params`,
-`return_logprob`, one `rid` per row = the row's trajectory id in the record store). The server writes each finished
-request's records into its `--trace-store` under its current weight version and names them in
-`meta_info["trace"] = {store, step, trajectory, tokens}`; the worker checks every handle against the request (store,
-step, trajectory id, `tokens` = prompt + response - 1) and the policy version it pushed (a mismatch is a stale
-rollout: an error), then waits until the server's background writer has put the records on disk.
+`return_logprob`, one `rid` per row = `<trajectory>#<attempt>`, `trace_core.store.rollout_rid`). Every field of
+each answer is validated at the boundary (`meta_info`, output ids in the vocabulary, finite log-probs <= 0; errors
+name the server). The server writes each finished request's records into its `--trace-store` under its current
+weight version, bound to (step, policy version, trajectory, attempt, token digest), and names them in
+`meta_info["trace"]`; the worker checks every handle against the request and the policy version it pushed (a
+mismatch is a stale rollout: an error), then waits until a shard bound to exactly this attempt and these tokens is
+on disk (shards of earlier attempts do not count). Waiting reads each new shard header once (`StepWatcher`).
+
+With `sglang_api_key` / `sglang_admin_api_key` (references `env:VARIABLE` or `file:PATH`, read at start, never
+logged), every call carries `Authorization: Bearer <key>`: the API key on `/generate` and `/model_info`, the admin
+key (or the API key when there is none) on `/update_weights_from_disk`, as SGLang's --api-key / --admin-api-key
+expect.
 
 `SGLangPool` is the pool the controller drives (`run`, `load_weights`, `versions`, as `LocalPool`): weight sync
 writes the trainer's HF tensors as safetensors into `<out_dir>/weights/v<version>` (a directory the servers must
@@ -15,6 +22,9 @@ see) and calls every server's `/update_weights_from_disk` with `weight_version=s
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -25,16 +35,17 @@ import requests
 import torch
 from safetensors.torch import save_file
 
-from trace_core.records import RecordSpec
-from trace_core.store import build_index, step_dir
+from trace_core.records import Binding, RecordSpec, token_digest
+from trace_core.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
 from trace_rl.policy import RolloutTask
 from trace_rl.task import EOS
-from trace_rl.workers import Request
+from trace_rl.workers import Request, RolloutTimeout
 
 WEIGHTS_DIR = "weights"
-STORE_POLL_S = 0.05
+POLL_S = (0.01, 0.5)  # first and longest pause between looks at the store while waiting for records
+HANDLE_KEYS = ("store", "step", "trajectory", "attempt", "policy_version", "tokens", "token_digest")
 
 
 class SGLangError(RuntimeError):
@@ -45,21 +56,56 @@ class StaleRolloutHandle(SGLangError):
     """A server wrote a request's records under another step or weight version than the policy it should serve."""
 
 
-class SGLangWorker:
-    """One patched SGLang server at `url`, serving the policy version it was last updated to."""
+def read_secret(ref: str, name: str) -> str | None:
+    """The secret a config reference names: `env:VARIABLE` or `file:PATH` (None for ""); errors never show it."""
+    if not ref:
+        return None
+    kind, _, where = ref.partition(":")
+    if kind == "env":
+        value = os.environ.get(where, "")
+        if not value:
+            raise SGLangError(f"{name}={ref!r}: environment variable {where} is not set or empty")
+    else:
+        try:
+            value = Path(where).read_text().strip()
+        except OSError as e:
+            raise SGLangError(f"{name}={ref!r}: cannot read the key file ({e.strerror})") from None
+        if not value:
+            raise SGLangError(f"{name}={ref!r}: the key file is empty")
+    return value
 
-    def __init__(self, url: str, cfg: RLConfig, eos: tuple[int, ...] = (EOS,)):
-        self.url, self.cfg, self.eos = url.rstrip("/"), cfg, eos
+
+class SGLangWorker:
+    """One patched SGLang server at `url`, serving the policy version it was last updated to; `vocab_size` bounds
+    the token ids it may answer with, `eos` ends a response."""
+
+    def __init__(self, url: str, cfg: RLConfig, vocab_size: int, eos: tuple[int, ...] = (EOS,)):
+        self.url, self.cfg, self.vocab_size, self.eos = url.rstrip("/"), cfg, vocab_size, eos
         self.session = requests.Session()
+        self._keys = {
+            False: read_secret(cfg.sglang_api_key, "sglang_api_key"),
+            True: read_secret(cfg.sglang_admin_api_key, "sglang_admin_api_key")
+            or read_secret(cfg.sglang_api_key, "sglang_api_key"),
+        }
+        self.headers_read = 0  # shard headers read while waiting for records (each new shard once)
         self._version = self.version()
 
     # ----------------------------------------------------------------- HTTP
-    def _call(self, method: str, endpoint: str, payload: dict | None = None) -> object:
+    def _call(self, method: str, endpoint: str, payload: dict | None = None, *, admin: bool = False) -> object:
         where = f"{self.url}{endpoint}"
+        key = self._keys[admin]
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            resp = self.session.request(method, where, json=payload, timeout=self.cfg.sglang_timeout_s)
+            resp = self.session.request(method, where, json=payload, headers=headers, timeout=self.cfg.sglang_timeout_s)
         except requests.RequestException as e:
             raise SGLangError(f"SGLang server {where}: {type(e).__name__}: {e}") from e
+        if resp.status_code in (401, 403):
+            which = "sglang_admin_api_key" if admin else "sglang_api_key"
+            raise SGLangError(
+                f"SGLang server {where}: HTTP {resp.status_code}: the server refused the request's credentials "
+                f"({'a key was' if key else 'no key was'} sent; set {which} to a reference to the server's "
+                f"{'--admin-api-key' if admin else '--api-key'})"
+            )
         if resp.status_code != 200:
             raise SGLangError(f"SGLang server {where}: HTTP {resp.status_code}: {resp.text[:2000]}")
         try:
@@ -90,7 +136,7 @@ class SGLangWorker:
         prompts = [p.tolist() for p in req.prompts]
         payload = {
             "input_ids": prompts,
-            "rid": [str(r) for r in req.rows],
+            "rid": [rollout_rid(str(r), req.attempt) for r in req.rows],
             "sampling_params": {
                 "max_new_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature,
@@ -104,31 +150,68 @@ class SGLangWorker:
         trajs = [
             self._trajectory(req, row, prompt, out) for row, prompt, out in zip(req.rows, prompts, outs, strict=True)
         ]
-        self._wait_for_records(req)
+        self._wait_for_records(req, trajs)
         return trajs
 
-    def _trajectory(self, req: Request, row: int, prompt: list[int], out: dict) -> Trajectory:
-        where = f"SGLang server {self.url}/generate, trajectory {row}"
-        try:
-            output_ids, meta = out["output_ids"], out["meta_info"]
-            logprobs = meta["output_token_logprobs"]
-        except (KeyError, TypeError):
+    def _output(self, where: str, prompt: list[int], out: object) -> tuple[list[int], list[float], dict]:
+        """Output ids, log-probs and meta_info of one answer, every field checked (errors name `where`)."""
+        if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+            raise SGLangError(f"{where}: answer lacks meta_info: {out!r:.2000}")
+        output_ids, meta = out.get("output_ids"), out["meta_info"]
+        if not isinstance(output_ids, list) or not 1 <= len(output_ids) <= self.cfg.max_new_tokens:
             raise SGLangError(
-                f"{where}: response lacks output_ids / meta_info.output_token_logprobs: {out!r:.2000}"
-            ) from None
+                f"{where}: output_ids must be a list of 1..{self.cfg.max_new_tokens} ids: {output_ids!r:.500}"
+            )
+        bad = [t for t in output_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise SGLangError(
+                f"{where}: output_ids {bad[:8]} are not token ids of the vocabulary (0..{self.vocab_size - 1})"
+            )
+        finish = meta.get("finish_reason")
+        if not isinstance(finish, dict) or finish.get("type") not in ("length", "stop"):
+            raise SGLangError(f"{where}: request did not finish normally: finish_reason {finish!r:.500}")
+        if meta.get("prompt_tokens") != len(prompt) or meta.get("completion_tokens", len(output_ids)) != len(
+            output_ids
+        ):
+            raise SGLangError(
+                f"{where}: meta_info counts prompt_tokens={meta.get('prompt_tokens')!r}, completion_tokens="
+                f"{meta.get('completion_tokens')!r}; the request has {len(prompt)} and the answer {len(output_ids)}"
+            )
+        logprobs = meta.get("output_token_logprobs")
+        if not isinstance(logprobs, list) or len(logprobs) != len(output_ids):
+            raise SGLangError(f"{where}: output_token_logprobs must hold one entry per output id: {logprobs!r:.500}")
+        values = []
+        for pos, (entry, tok) in enumerate(zip(logprobs, output_ids, strict=True)):
+            if not isinstance(entry, list | tuple) or len(entry) < 2 or entry[1] != tok:
+                raise SGLangError(f"{where}: output_token_logprobs[{pos}] = {entry!r:.200} does not name token {tok}")
+            lp = entry[0]
+            if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0:
+                raise SGLangError(f"{where}: log-prob of output token {pos} is {lp!r}, not a finite value <= 0")
+            values.append(float(lp))
+        return output_ids, values, meta
+
+    def _trajectory(self, req: Request, row: int, prompt: list[int], out: object) -> Trajectory:
+        where = f"SGLang server {self.url}/generate, trajectory {row}"
+        output_ids, logprobs, meta = self._output(where, prompt, out)
+        if meta.get("id") not in (None, rollout_rid(str(row), req.attempt)):
+            raise SGLangError(
+                f"{where}: answer for request id {meta.get('id')!r}, not {rollout_rid(str(row), req.attempt)!r}"
+            )
         handle = meta.get("trace")
         if not isinstance(handle, dict):
             raise SGLangError(f"{where}: no meta_info['trace'] handle (is the server started with --trace-mode?)")
-        if [int(t) for _, t, *_ in logprobs] != list(output_ids):
-            raise SGLangError(f"{where}: output_token_logprobs do not match output_ids {output_ids}")
+        tokens = prompt + output_ids
         expected = {
             "store": str(Path(req.store).resolve()),
             "step": self._version,
             "trajectory": str(row),
-            "tokens": len(prompt) + len(output_ids) - 1,
+            "attempt": req.attempt,
+            "policy_version": self._version,
+            "tokens": len(tokens) - 1,
+            "token_digest": token_digest(tokens),
         }
-        got = {k: handle.get(k) for k in expected}
-        if got["store"] is not None:
+        got = {k: handle.get(k) for k in HANDLE_KEYS}
+        if isinstance(got["store"], str):
             got["store"] = str(Path(got["store"]).resolve())
         if got["step"] != expected["step"] or str(meta.get("weight_version")) != str(self._version):
             raise StaleRolloutHandle(
@@ -136,33 +219,49 @@ class SGLangWorker:
                 f"but the worker pushed policy version {self._version} for rollout step {req.step}"
             )
         if got != expected:
-            raise SGLangError(f"{where}: record handle {handle} does not match the request (expected {expected})")
+            diff = {k: got[k] for k in HANDLE_KEYS if got[k] != expected[k]}
+            raise SGLangError(f"{where}: record handle fields {diff} do not match the request (expected {expected})")
         return Trajectory(
-            torch.tensor(prompt + list(output_ids)),
+            torch.tensor(tokens),
             len(prompt),
-            torch.tensor([float(lp) for lp, *_ in logprobs]),
+            torch.tensor(logprobs),
             records=None,
             recorded=expected["tokens"],
+            attempt=req.attempt,
         )
 
-    def _wait_for_records(self, req: Request) -> None:
-        """The server writes shards on a background thread after answering: wait until all rows are on disk."""
-        directory, rows = step_dir(req.store, req.step), {str(r) for r in req.rows}
-        deadline = time.monotonic() + self.cfg.sglang_timeout_s
-        while not rows <= set(build_index(directory)):
-            if time.monotonic() > deadline:
-                missing = sorted(rows - set(build_index(directory)), key=int)
-                raise SGLangError(
-                    f"SGLang server {self.url}: records of trajectories {missing} did not reach {directory} within "
-                    f"sglang_timeout_s={self.cfg.sglang_timeout_s}"
-                )
-            time.sleep(STORE_POLL_S)
+    def _wait_for_records(self, req: Request, trajs: list[Trajectory]) -> None:
+        """The server writes shards on a background thread after answering: wait until every row has a shard bound
+        to this attempt and these tokens; shards of earlier attempts do not count."""
+        want = {
+            str(r): Binding(req.step, self._version, str(r), req.attempt, token_digest(t.tokens))
+            for r, t in zip(req.rows, trajs, strict=True)
+        }
+        watcher = StepWatcher(req.store, req.step)
+        deadline, pause = time.monotonic() + self.cfg.sglang_timeout_s, POLL_S[0]
+        try:
+            while True:
+                found = watcher.refresh()
+                missing = [r for r, b in want.items() if b not in {got for _, got in found.get(r, [])}]
+                if not missing:
+                    return
+                if time.monotonic() > deadline:
+                    stale = {r: [shard for shard, _ in found[r]] for r in missing if r in found}
+                    raise SGLangError(
+                        f"SGLang server {self.url}: records of trajectories {sorted(missing, key=int)} did not reach "
+                        f"{watcher.dir} within sglang_timeout_s={self.cfg.sglang_timeout_s} (attempt {req.attempt})"
+                        + (f"; shards of other attempts or tokens, not used: {stale}" if stale else "")
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_S[1])
+        finally:
+            self.headers_read += watcher.headers_read
 
     # ----------------------------------------------------------------- weights
     def update_weights(self, path: Path, version: int) -> None:
         """`/update_weights_from_disk` of the HF checkpoint at `path` as policy `version`, then check the version."""
         payload = {"model_path": str(path), "weight_version": str(version)}
-        resp = self._call("POST", "/update_weights_from_disk", payload)
+        resp = self._call("POST", "/update_weights_from_disk", payload, admin=True)
         if not isinstance(resp, dict) or resp.get("success") is not True:
             raise SGLangError(f"SGLang server {self.url}/update_weights_from_disk failed: {resp!r:.2000}")
         reported = self.version()
@@ -179,15 +278,29 @@ class SGLangPool:
 
     def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg = cfg
-        self.workers = [SGLangWorker(url, cfg, task.eos) for url in cfg.sglang_url_list()]
-        self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
         self.hf_config = Path(task.hf_dir) / "config.json"
+        vocab = json.loads(self.hf_config.read_text())["vocab_size"]
+        self.workers = [SGLangWorker(url, cfg, vocab, task.eos) for url in cfg.sglang_url_list()]
+        self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
 
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
-        """Results in request order; no restarts (a server failure is an error)."""
-        with ThreadPoolExecutor(max_workers=len(self.workers)) as ex:
-            futures = [ex.submit(self.workers[r.index % len(self.workers)].generate, r) for r in requests_]
-            return [f.result() for f in futures], 0
+        """Results in request order; no restarts (a server failure is an error, so is a step that does not finish
+        within `rollout_step_timeout_s`: each HTTP call is bounded by `sglang_timeout_s`)."""
+        ex = ThreadPoolExecutor(max_workers=len(self.workers))
+        try:
+            futures = [
+                ex.submit(self.workers[r.index % len(self.workers)].generate, r.next_attempt()) for r in requests_
+            ]
+            deadline = time.monotonic() + self.cfg.rollout_step_timeout_s
+            try:
+                return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures], 0
+            except TimeoutError:
+                raise RolloutTimeout(
+                    f"step {requests_[0].step}: SGLang rollout did not finish within rollout_step_timeout_s="
+                    f"{self.cfg.rollout_step_timeout_s}"
+                ) from None
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Export to `<out_dir>/weights/v<version>` (HF safetensors + config.json) and update every server."""

@@ -1,32 +1,42 @@
 """Rollout workers and the pools that run them: in-process (`LocalPool`) or as Ray actors (`RayPool`).
 
-A worker owns an `EmbeddedEngine`. One request = some GRPO groups of one step; the worker writes the request's
-records into the step's record store as one shard (named by the request, so a rerun replaces it) and returns the
-trajectories without records: the trainer reads records from the store, never inline. A pool restarts a worker
-that dies mid-request (a lost process, `WorkerDied` in-process), loads it with the current policy version and runs
-the request again with the same seed; restarts are counted.
+A worker owns an `EmbeddedEngine`. One request = some GRPO groups of one step, run as one attempt (a fresh
+attempt id per try); the worker writes the request's records into the step's record store as one shard under a
+writer id of its own, each trajectory bound to (step, policy version, trajectory, attempt, token digest), and
+returns the trajectories without records: the trainer reads records from the store, never inline. A pool restarts
+a worker that dies mid-request (a lost process, `WorkerDied` in-process) or misses the per-call deadline
+`rollout_call_timeout_s`, loads it with the current policy version and runs the request again with the same seed
+as a new attempt (the earlier attempt's shard, if any, is set aside when the step is finalized); restarts are
+counted. A step that exceeds `rollout_step_timeout_s` fails with `RolloutTimeout`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from trace_core.records import RecordSpec
+from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWriter
 from trace_rl.config import RLConfig
 from trace_rl.engine import EmbeddedEngine, Trajectory, WorkerDied
 from trace_rl.policy import RolloutTask
 
 
+class RolloutTimeout(RuntimeError):
+    """A rollout request or step missed its deadline."""
+
+
 @dataclass(frozen=True)
 class Request:
-    """Rows `rows` of a step's batch (prompt token ids, any lengths), sampled with `seed`; records go to `store`
-    under the request id `index` (`store = ""`: no records, an evaluation)."""
+    """Rows `rows` of a step's batch (prompt token ids, any lengths), sampled with `seed`; records go to `store`,
+    bound to `attempt` (`store = ""`: no records, an evaluation)."""
 
     index: int
     step: int
@@ -34,6 +44,11 @@ class Request:
     rows: tuple[int, ...]
     seed: int
     store: str
+    attempt: str = ""
+
+    def next_attempt(self) -> Request:
+        """The same request as a new attempt (a fresh, unique attempt id)."""
+        return dataclasses.replace(self, attempt=f"s{self.step}-r{self.index}-{uuid.uuid4().hex[:12]}")
 
 
 class RolloutWorker:
@@ -63,9 +78,15 @@ class RolloutWorker:
             for i, t in zip(rows, trajs, strict=True):
                 out[i] = t
         if req.store:
-            writer = StepWriter(req.store, req.step, writer_id=f"request{req.index}")
-            writer.write({r: t.records for r, t in zip(req.rows, out, strict=True)})
-        return [dataclasses.replace(t, records=None) for t in out]
+            version = self.engine.version
+            records = {
+                str(r): dataclasses.replace(
+                    t.records, binding=Binding(req.step, version, str(r), req.attempt, token_digest(t.tokens))
+                )
+                for r, t in zip(req.rows, out, strict=True)
+            }
+            StepWriter(req.store, req.step).write(records)
+        return [dataclasses.replace(t, records=None, attempt=req.attempt) for t in out]
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self.engine.load_weights(tensors, version)
@@ -88,6 +109,17 @@ class RolloutWorker:
 
         self.engine.model.register_forward_hook(hook)
 
+    def hang_after(self, forwards: int) -> None:
+        """Fault injection for deadline tests: the worker blocks forever in its `forwards`-th forward."""
+        count = [0]
+
+        def hook(module, args, output):
+            count[0] += 1
+            if count[0] == forwards:
+                threading.Event().wait()
+
+        self.engine.model.register_forward_hook(hook)
+
 
 def init_ray() -> None:
     """Join the Ray cluster of `RAY_ADDRESS`, or start a new local one (no dashboard)."""
@@ -105,11 +137,18 @@ class _Pool:
 
     def _check_restarts(self, restarts: int, step: int) -> None:
         if restarts > self.cfg.max_restarts:
-            raise RuntimeError(f"step {step}: rollout workers died {restarts} times (max_restarts exceeded)")
+            raise RuntimeError(f"step {step}: rollout workers died or timed out {restarts} times (max_restarts)")
+
+    def _step_deadline(self) -> float:
+        return time.monotonic() + self.cfg.rollout_step_timeout_s
+
+    def _step_timeout(self, step: int) -> RolloutTimeout:
+        return RolloutTimeout(f"step {step}: rollout did not finish within rollout_step_timeout_s")
 
 
 class LocalPool(_Pool):
-    """Workers in this process, run one request after another."""
+    """Workers in this process, run one request after another; each call runs on its own thread so its deadline
+    holds even when the worker hangs (a hung worker is killed cooperatively: its next forward raises)."""
 
     def _start(self) -> RolloutWorker:
         worker = RolloutWorker(self.cfg, self.spec, self.task)
@@ -117,15 +156,45 @@ class LocalPool(_Pool):
             worker.load_weights(*self.weights)
         return worker
 
+    def _call(self, worker: RolloutWorker, req: Request, deadline: float) -> list[Trajectory]:
+        """`worker.generate(req)` within `rollout_call_timeout_s` and the step `deadline`."""
+        box: dict = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["out"] = worker.generate(req)
+            except BaseException as e:
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name=f"rollout-{req.attempt}", daemon=True).start()
+        limit = min(self.cfg.rollout_call_timeout_s, deadline - time.monotonic())
+        if not done.wait(max(0.0, limit)):
+            worker.kill()
+            if time.monotonic() >= deadline:
+                raise self._step_timeout(req.step)
+            raise RolloutTimeout(
+                f"step {req.step}: rollout worker {req.index % len(self.workers)} missed rollout_call_timeout_s="
+                f"{self.cfg.rollout_call_timeout_s} on attempt {req.attempt}"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
+
     def run(self, requests: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
-        out, restarts = [], 0
+        out, restarts, deadline = [], 0, self._step_deadline()
         for req in requests:
             w = req.index % len(self.workers)
             while True:
+                req = req.next_attempt()
                 try:
-                    out.append(self.workers[w].generate(req))
+                    out.append(self._call(self.workers[w], req, deadline))
                     break
-                except WorkerDied:
+                except (WorkerDied, RolloutTimeout) as e:
+                    if time.monotonic() >= deadline:
+                        raise self._step_timeout(req.step) from e
                     restarts += 1
                     self._check_restarts(restarts, req.step)
                     self.workers[w] = self._start()
@@ -159,32 +228,57 @@ class RayPool(_Pool):
         return worker
 
     def run(self, requests: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
+        """Requests in flight concurrently; a worker whose call dies or passes `rollout_call_timeout_s` is killed
+        (`ray.kill`), restarted and given the request again as a new attempt."""
         import ray
         from ray.exceptions import RayActorError
 
         out: dict[int, list[Trajectory]] = {}
-        restarts = 0
-        inflight = {self.workers[r.index % len(self.workers)].generate.remote(r): r for r in requests}
+        restarts, deadline = 0, self._step_deadline()
+        inflight: dict = {}  # object ref -> (request, call deadline)
+
+        def submit(req: Request) -> None:
+            req = req.next_attempt()
+            ref = self.workers[req.index % len(self.workers)].generate.remote(req)
+            inflight[ref] = (req, min(deadline, time.monotonic() + self.cfg.rollout_call_timeout_s))
+
+        def restart(req: Request) -> None:
+            nonlocal restarts
+            restarts += 1
+            self._check_restarts(restarts, req.step)
+            w = req.index % len(self.workers)
+            ray.kill(self.workers[w], no_restart=True)
+            self.workers[w] = self._start()
+            submit(req)
+
+        for r in requests:
+            submit(r)
         while inflight:
-            done, _ = ray.wait(list(inflight), num_returns=1)
-            req = inflight.pop(done[0])
+            soonest = min(d for _, d in inflight.values())
+            done, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.0, soonest - time.monotonic()))
+            if not done:
+                if time.monotonic() >= deadline:
+                    for ref in inflight:
+                        ray.cancel(ref, force=True)
+                    raise self._step_timeout(next(iter(inflight.values()))[0].step)
+                late = [ref for ref, (_, d) in inflight.items() if time.monotonic() >= d]
+                for ref in late:
+                    restart(inflight.pop(ref)[0])
+                continue
+            req, _ = inflight.pop(done[0])
             try:
                 out[req.index] = ray.get(done[0])
             except RayActorError:
-                restarts += 1
-                self._check_restarts(restarts, req.step)
-                w = req.index % len(self.workers)
-                self.workers[w] = self._start()
-                inflight[self.workers[w].generate.remote(req)] = req
+                restart(req)
         return [out[r.index] for r in requests], restarts
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         import ray
 
         self.weights = (ray.put(tensors), version)
-        ray.get([w.load_weights.remote(*self.weights) for w in self.workers])
+        ray.get([w.load_weights.remote(*self.weights) for w in self.workers], timeout=self.cfg.rollout_call_timeout_s)
 
     def versions(self) -> list[int]:
         import ray
 
-        return ray.get([w.version.remote() for w in self.workers])
+        return ray.get([w.version.remote() for w in self.workers], timeout=self.cfg.rollout_call_timeout_s)
