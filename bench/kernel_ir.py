@@ -58,29 +58,39 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         c = chunk or c
         return {"RB": rows or rb, "C": c, "ONE_PASS": -(-d // c) == 1, "num_warps": warps or w}
 
-    def quant(fmt: str, mode: int, bits: int) -> dict:
+    def unit(bits: int) -> int:  # an aligned record buffer
+        return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
+
+    def quant(fmt: str, mode: int, bits: int) -> tuple:
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
-        return {**tile, "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block}
+        fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record)
+        use16 = block == 16 and not (bits and fmt_obj.has_global_scale)
+        kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
+        args = {**tile, "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
+                "REC_UNIT": unit(bits)}  # fmt: skip
+        return kernel or mod._quantize_record_kernel, args
 
-    def guided(fmt: str, mode: int, bits: int) -> dict:
+    def guided(fmt: str, mode: int, bits: int) -> tuple:
         block = ops.get_format(fmt).block
-        return {**launch(fmt, "guided"), "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
-                "HAS_MASK": False, "BLOCK": block}  # fmt: skip
+        kernel = getattr(mod, "_guided16_kernel", None) if block == 16 else None
+        args = {**launch(fmt, "guided"), "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
+                "HAS_MASK": False, "BLOCK": block, "REC_UNIT": unit(bits)}  # fmt: skip
+        return kernel or mod._guided_kernel, args
 
-    q, g = mod._quantize_record_kernel, mod._guided_kernel
-    return [
-        ("quant nvfp4 per-token b=1", q, quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
-        ("quant nvfp4 per-token no-record", q, quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
-        ("quant kv_fp4 b=1", q, quant("kv_fp4", ops.SCALE_NONE, 1)),
-        ("quant kv_fp4 no-record", q, quant("kv_fp4", ops.SCALE_NONE, 0)),
-        ("quant nvfp4 row b=4", q, quant("nvfp4", ops.SCALE_ROW, 4)),
-        ("quant mxfp4 b=2", q, quant("mxfp4", ops.SCALE_NONE, 2)),
-        ("guided nvfp4 b=1", g, guided("nvfp4", ops.SCALE_ROW, 1)),
-        ("guided kv_fp4 b=1", g, guided("kv_fp4", ops.SCALE_NONE, 1)),
-        ("guided nvfp4 b=2", g, guided("nvfp4", ops.SCALE_ROW, 2)),
-        ("guided nvfp4 b=4", g, guided("nvfp4", ops.SCALE_ROW, 4)),
+    rows = [
+        ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
+        ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
+        ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
+        ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
+        ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
+        ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),
+        ("guided nvfp4 b=1", guided("nvfp4", ops.SCALE_ROW, 1)),
+        ("guided kv_fp4 b=1", guided("kv_fp4", ops.SCALE_NONE, 1)),
+        ("guided nvfp4 b=2", guided("nvfp4", ops.SCALE_ROW, 2)),
+        ("guided nvfp4 b=4", guided("nvfp4", ops.SCALE_ROW, 4)),
     ]
+    return [(label, kernel, args) for label, (kernel, args) in rows]
 
 
 def compile_kernel(kernel, constexprs: dict):

@@ -4,11 +4,12 @@ For T in {1, 64, 4096, 65536} x D in {2048, 4096, 7168} and the nvfp4 (per-token
 - quantize-and-record (b = 1): time, achieved GB/s (bytes read + written), ratio to a device-to-device copy of
   the same number of bytes;
 - record emission overhead: quantize-and-record vs quantize-only (no record);
-- guided vs RTN fake-quant, forward + backward (straight-through);
+- guided vs RTN fake-quant, forward + backward (straight-through): eager (Python dispatch and autograd included,
+  CPU-bound at small T) and captured in a CUDA graph (the kernels alone), and forward only (graph);
 - speed-up over `torch.compile` of the pure-torch reference (the peer), for both ops.
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 
-Usage: python bench/kernels.py [--out results.json] [--quick]
+Usage: python bench/kernels.py [--out results.json] [--quick] [--t 4096 65536] [--d 2048 4096 7168] [--no-compile]
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
         rtn_fake_quant(xg, fmt, **kwargs).backward(grad)
 
     t_guided, t_rtn = bench_ms(guided_step), bench_ms(rtn_step)
+    t_guided_graph, t_rtn_graph = graph_ms(guided_step), graph_ms(rtn_step)
     t_guided_fwd = graph_ms(lambda: guided_fake_quant(x, rec, BITS, stats=stats))
     t_rtn_fwd = graph_ms(lambda: rtn_fake_quant(x, fmt, **kwargs))
     row = {
@@ -109,6 +111,9 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
         "guided_fwd_bwd_us": 1e3 * t_guided,
         "rtn_fwd_bwd_us": 1e3 * t_rtn,
         "guided_over_rtn": t_guided / t_rtn,
+        "guided_fwd_bwd_graph_us": 1e3 * t_guided_graph,
+        "rtn_fwd_bwd_graph_us": 1e3 * t_rtn_graph,
+        "guided_over_rtn_graph": t_guided_graph / t_rtn_graph,
         "guided_over_rtn_fwd": t_guided_fwd / t_rtn_fwd,
     }
     row["copy_ratio"] = row["quant_record_GBps"] / row["copy_GBps"]
@@ -124,7 +129,8 @@ def markdown(rows: list[dict]) -> str:
     cols = [
         ("format", "{}"), ("T", "{}"), ("D", "{}"), ("quant_record_us", "{:.1f}"), ("quant_record_GBps", "{:.0f}"),
         ("copy_GBps", "{:.0f}"), ("copy_ratio", "{:.2f}"), ("record_overhead_pct", "{:+.1f}"),
-        ("guided_over_rtn", "{:.2f}"), ("guided_over_rtn_fwd", "{:.2f}"), ("speedup_vs_compiled_quant", "{:.1f}"),
+        ("guided_over_rtn", "{:.2f}"), ("guided_over_rtn_graph", "{:.2f}"), ("guided_over_rtn_fwd", "{:.2f}"),
+        ("speedup_vs_compiled_quant", "{:.1f}"),
         ("speedup_vs_compiled_guided", "{:.1f}"),
     ]  # fmt: skip
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -190,6 +196,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="T in {64, 4096}, D = 4096 only")
+    parser.add_argument("--t", type=int, nargs="+", help="token counts (default 1 64 4096 65536)")
+    parser.add_argument("--d", type=int, nargs="+", help="row widths (default 2048 4096 7168)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' program tiles instead")
     parser.add_argument("--tune-out", help="with --tune: write the best tiles here (TRACE_FP4_LAUNCH JSON)")
@@ -198,6 +206,7 @@ def main() -> None:
         tune(out=args.tune_out)
         return
     ts, ds = ((64, 4096), (4096,)) if args.quick else ((1, 64, 4096, 65536), (2048, 4096, 7168))
+    ts, ds = args.t or ts, args.d or ds
     compiled = {}
     if not args.no_compile:
         compiled = {

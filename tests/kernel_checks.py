@@ -67,6 +67,11 @@ def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int
     plain = torch.full_like(x, float("nan"))
     quantize_fn(x, fmt, 0, gs, per_token, plain, None, None, None)
     assert torch.equal(plain, out), f"{fmt.name} {dtype} {mode}: no-record output differs"
+    # aligned record buffers: the 16-element kernels store a block's record bytes in 2- or 4-byte words there
+    low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
+    quantize_fn(x, fmt, bits, gs, per_token, None, low, scales, token)
+    assert torch.equal(low, pack_low_bits(q.codes, bits)), f"{fmt.name} {dtype} {mode} b={bits}: aligned record differs"
+    assert torch.equal(scales, q.scales), f"{fmt.name} {dtype} {mode}: aligned-buffer scale bytes differ"
 
 
 def check_guided(
@@ -82,8 +87,11 @@ def check_guided(
     train = (rollout.float() + noise).to(dtype)
     gs = rec.global_scale.float().contiguous() if rec.global_scale is not None else None
     has = torch.arange(t, device=device) % 3 != 1
-    for mask in (None, has):
-        out, redirected = guided_fn(train, fmt.name, bits, record_bits, rec.low_bits, rec.scales, gs, mask)
+    # the record as a view at an odd address too (a staging row holding several sites): byte-wise loads
+    odd = torch.zeros(t, rec.low_bits.shape[1] + 1, dtype=torch.uint8, device=device)[:, 1:]
+    odd.copy_(rec.low_bits)
+    for mask, low in ((None, rec.low_bits), (has, rec.low_bits), (None, odd)):
+        out, redirected = guided_fn(train, fmt.name, bits, record_bits, low, rec.scales, gs, mask)
         ref_q, ref_redirected = guided_quantize(train, rec, bits)
         if mask is not None:
             ref_redirected &= mask.unsqueeze(-1)

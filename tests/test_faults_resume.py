@@ -134,6 +134,8 @@ def test_resume_with_changed_numerics_is_refused_unless_forced(model_dir, tmp_pa
             Controller(cfg.replace(**change))
     with Controller(cfg.replace(force_resume=True, lr=1e-3)) as forced:
         assert forced.step == 1 and forced.trainer.opt.param_groups[0]["lr"] == 1e-3
+    with Controller(cfg, resume=False) as fresh:  # a fresh start drops the old run's checkpoints
+        assert fresh.step == 0 and not checkpoints(tmp_path)
     (tmp_path / "checkpoint.pt").write_bytes(b"old format")
     with pytest.raises(ConfigError, match="old checkpoint format"):
         Controller(cfg)

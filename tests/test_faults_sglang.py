@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ from tests.test_rl_sglang_worker import StandIn, _cfg, _request
 from tests.test_store import trajectory
 from trace_core.records import Binding
 from trace_core.store import StepWriter, TrajectoryRecords
+from trace_core.store_reader import FailedRecordError, RecordReader
 from trace_rl.controller import Controller
 from trace_rl.sglang_worker import SGLangError, SGLangWorker
 from trace_rl.task import VOCAB
 from trace_rl.warmup import make_tiny_model
+from trace_rl.workers import RolloutTimeout
 
 pytestmark = pytest.mark.faults
 KEY, ADMIN = "sk-run-7f3a9c1e5b", "sk-admin-04d2e8b6a1"
@@ -121,6 +124,29 @@ def test_a_stale_shard_of_an_earlier_attempt_is_not_taken(model_dir, tmp_path):
     server.drop_records = True  # this attempt's answer arrives, its records never do
     with pytest.raises(SGLangError, match=r"records of trajectories \['4', '5'\] did not reach .*other attempts"):
         worker.generate(earlier.next_attempt())
+
+
+def test_records_the_server_could_not_store_fail_fast_with_its_message(model_dir, tmp_path):
+    server = StandIn(model_dir, tmp_path)
+    server.fail_records = True
+    worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server, sglang_timeout_s=300.0), VOCAB)
+    start = time.monotonic()
+    with pytest.raises(SGLangError, match=f"{server.url}: could not store the records of trajectories .*disk full"):
+        worker.generate(_request(tmp_path))
+    assert time.monotonic() - start < 60  # not the 300 s record wait
+    with pytest.raises(FailedRecordError, match="trajectory '4' has no records .*disk full"):
+        RecordReader(tmp_path, 0).load([("4", 0, 1)])
+
+
+def test_a_rollout_step_past_its_deadline_fails(model_dir, tmp_path):
+    server = StandIn(model_dir, tmp_path / "records")
+    server.delay = 30.0
+    cfg = _cfg(model_dir, tmp_path, server, rollout_workers=1, rollout_call_timeout_s=2.0, rollout_step_timeout_s=2.0)
+    with Controller(cfg) as ctrl:
+        start = time.monotonic()
+        with pytest.raises(RolloutTimeout, match="step 0: SGLang rollout did not finish within rollout_step_timeout_s"):
+            ctrl.rollout(0)
+        assert time.monotonic() - start < 25
 
 
 def test_waiting_for_records_reads_each_shard_header_once(model_dir, tmp_path):

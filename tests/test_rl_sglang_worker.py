@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
 from trace_core.records import Binding, token_digest
-from trace_core.store import StepWriter, TrajectoryRecords, list_steps, parse_rollout_rid
+from trace_core.store import StepWriter, TrajectoryRecords, list_steps, parse_rollout_rid, write_failure
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller, record_spec
@@ -73,7 +74,8 @@ class StandIn:
             str(Path(model_dir) / HF_DIR), fp4=True, spec=record_spec(tiny.layers, cfg), max_batch=16, max_len=32
         )
         self.store, self.weight_version, self.step_offset = store, weight_version, step_offset
-        self.fail_update = self.ignore_version = self.drop_records = False
+        self.fail_update = self.ignore_version = self.drop_records = self.fail_records = False
+        self.delay = 0.0  # seconds /generate takes before answering
         self.api_key: str | None = None
         self.admin_api_key: str | None = None
         self.tamper = None  # called with the answers of every /generate before they are sent
@@ -164,9 +166,13 @@ class StandIn:
             answers.append({"output_ids": t.response.tolist(), "meta_info": meta})
         if self.tamper is not None:
             self.tamper(answers)
-        if not self.drop_records:  # the capturer writes after the answer, on its writer thread
+        if self.fail_records:  # the writer thread fails and leaves a failure marker
+            for rid in body["rid"]:
+                write_failure(self.store, step, *parse_rollout_rid(rid), "disk full (injected)")
+        elif not self.drop_records:  # the capturer writes after the answer, on its writer thread
             writer = StepWriter(self.store, step)
             threading.Timer(0.2, writer.write, (records,)).start()
+        time.sleep(self.delay)
         return 200, answers
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, object]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -44,6 +45,7 @@ VERSION = 2
 FRAME_BYTES = 1 << 20  # raw bytes per frame at most (one row at least): the reader's decompression unit
 LOCK_NAME = ".lock"
 STALE_PREFIX = ".stale-"
+FAILED_PREFIX = ".failed-"
 PREAMBLE = struct.Struct("<8sIII")  # magic, version, header length, header CRC-32
 SHARD_SUFFIX = ".trs"
 INDEX_NAME = "index.json"
@@ -449,6 +451,32 @@ def finalize_step(root: str | os.PathLike, step: int, attempts: Mapping[str, str
     return path
 
 
+def write_failure(root: str | os.PathLike, step: int, trajectory: str, attempt: str, message: str) -> Path:
+    """Record in step `step` that the records of (`trajectory`, `attempt`) will not come (a server answered but
+    could not store them), with `message`; a waiting client (`StepWatcher.failed`) and the reader report it."""
+    directory = step_dir(root, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    key = hashlib.blake2b(f"{trajectory}\0{attempt}".encode(), digest_size=8).hexdigest()
+    path = directory / f"{FAILED_PREFIX}{key}.json"
+    atomic_write(path, [json.dumps({"trajectory": trajectory, "attempt": attempt, "message": message}).encode()])
+    return path
+
+
+def read_failures(directory: Path, skip: set[str] = frozenset()) -> dict[tuple[str, str], tuple[str, str]]:
+    """(trajectory, attempt) -> (marker file name, message) of the failure markers of a step directory, less the
+    files named in `skip`."""
+    out = {}
+    for path in sorted(directory.glob(f"{FAILED_PREFIX}*.json")):
+        if path.name in skip:
+            continue
+        try:
+            marker = json.loads(path.read_bytes())
+            out[(marker["trajectory"], marker["attempt"])] = (path.name, marker["message"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"failure marker {path} does not parse: {e}") from e
+    return out
+
+
 class StepWatcher:
     """What a step directory being written holds, read incrementally: every complete shard's header is read once,
     so waiting for records costs a directory listing per look, not a header read per shard (`headers_read`)."""
@@ -457,12 +485,17 @@ class StepWatcher:
         self.dir = step_dir(root, step)
         self.seen: set[str] = set()
         self.found: dict[str, list[tuple[str, Binding | None]]] = {}  # trajectory -> [(shard, binding)]
+        self.failed: dict[tuple[str, str], str] = {}  # (trajectory, attempt) -> message of a failure marker
         self.headers_read = 0
+        self._markers: set[str] = set()
 
     def refresh(self) -> dict[str, list[tuple[str, Binding | None]]]:
         """Read the headers of shards not seen before; returns trajectory -> [(shard, binding), ...]."""
         if not self.dir.is_dir():
             return self.found
+        for key, (name, message) in read_failures(self.dir, self._markers).items():
+            self._markers.add(name)
+            self.failed[key] = message
         for path in shard_paths(self.dir):
             if path.name in self.seen:
                 continue

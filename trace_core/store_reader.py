@@ -35,12 +35,17 @@ from trace_core.store import (
     build_index,
     check_format,
     parse_site,
+    read_failures,
     read_header,
     site_key,
     step_dir,
 )
 
 POLICIES = ("error", "rtn")
+
+
+class FailedRecordError(MissingRecordError):
+    """The writer recorded that a trajectory's records will not come (`trace_core.store.write_failure`)."""
 
 
 class BindingMismatchError(StoreError):
@@ -289,6 +294,9 @@ class RecordReader:
         found = self._entry(traj)
         if found is None:
             if self.missing == "error":
+                failed = [msg for (t, _), (_, msg) in read_failures(self.dir).items() if t == traj]
+                if failed:
+                    raise FailedRecordError(f"trajectory {traj!r} has no records in {self.dir}: {'; '.join(failed)}")
                 raise MissingRecordError(f"trajectory {traj!r} has no records in {self.dir}")
             return None
         if end > found[1]["num_tokens"]:

@@ -35,7 +35,7 @@ from trace_rl.data import Prompt, dataset
 from trace_rl.engine import Trajectory
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
-from trace_rl.rundir import RunLock, load_latest, save_checkpoint
+from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
 from trace_rl.workers import LocalPool, RayPool, Request
@@ -139,6 +139,9 @@ class Controller:
             raise ConfigError(f"{self.out / LEGACY_CHECKPOINT} has the old checkpoint format; use a new out_dir")
         if resume:
             self._load_checkpoint()
+        else:
+            for _, path in checkpoints(self.out):  # a fresh start: a later resume must not find the old run's
+                path.unlink()
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)

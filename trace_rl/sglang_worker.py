@@ -7,7 +7,8 @@ name the server). The server writes each finished request's records into its `--
 weight version, bound to (step, policy version, trajectory, attempt, token digest), and names them in
 `meta_info["trace"]`; the worker checks every handle against the request and the policy version it pushed (a
 mismatch is a stale rollout: an error), then waits until a shard bound to exactly this attempt and these tokens is
-on disk (shards of earlier attempts do not count). Waiting reads each new shard header once (`StepWatcher`).
+on disk (shards of earlier attempts do not count), or a failure marker of the server says it will not come.
+Waiting reads each new shard header once (`StepWatcher`).
 
 With `sglang_api_key` / `sglang_admin_api_key` (references `env:VARIABLE` or `file:PATH`, read at start, never
 logged), every call carries `Authorization: Bearer <key>`: the API key on `/generate` and `/model_info`, the admin
@@ -245,6 +246,9 @@ class SGLangWorker:
                 missing = [r for r, b in want.items() if b not in {got for _, got in found.get(r, [])}]
                 if not missing:
                     return
+                failed = {r: watcher.failed[(r, req.attempt)] for r in missing if (r, req.attempt) in watcher.failed}
+                if failed:
+                    raise SGLangError(f"SGLang server {self.url}: could not store the records of trajectories {failed}")
                 if time.monotonic() > deadline:
                     stale = {r: [shard for shard, _ in found[r]] for r in missing if r in found}
                     raise SGLangError(

@@ -79,6 +79,15 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
     return tile["rows"], chunk, warps
 
 
+def record_unit(buf: torch.Tensor, bits: int) -> int:
+    """Widest access, in bytes, in which the 16-element kernels move a block's 2 * bits record bytes: 4 or 2 where
+    the buffer's address and row stride allow it, else 1."""
+    for unit in (4, 2):
+        if (unit == 2 * bits or bits % unit == 0) and buf.data_ptr() % unit == 0 and buf.stride(0) % unit == 0:
+            return unit
+    return 1
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -100,7 +109,13 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     grid = (triton.cdiv(t, rb), n_chunks // per_prog)
     record = low_bits is not None
-    k._quantize_record_kernel[grid](
+    # 16-element blocks take the block-per-thread kernel, except per-token and static nvfp4 with a record, where
+    # the group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
+    if fmt.block == 16 and not (record and fmt.has_global_scale):
+        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": record_unit(low_bits, bits) if record else 1}
+    else:
+        kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
+    kernel[grid](
         x,
         out if out is not None else _dummy(x, x.dtype),
         low_bits if record else _dummy(x, torch.uint8),
@@ -119,11 +134,11 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         SCALE_MODE=mode,
         BITS=bits if record else 0,
         WRITE_OUT=out is not None,
-        BLOCK=fmt.block,
         RB=rb,
         C=chunk,
         ONE_PASS=n_chunks == 1,
         num_warps=warps,
+        **extra,
     )
 
 
@@ -318,7 +333,11 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
     rb, chunk, warps = _launch_shape(f, d, "guided")
     grid = (triton.cdiv(t, rb), triton.cdiv(d, chunk))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-    k._guided_kernel[grid](
+    if f.block == 16:
+        kernel, extra = k._guided16_kernel, {"REC_UNIT": record_unit(low_bits, record_bits)}
+    else:
+        kernel, extra = k._guided_kernel, {"BLOCK": f.block}
+    kernel[grid](
         x,
         out,
         low_bits,
@@ -337,10 +356,10 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         BITS=bits,
         RECORD_BITS=record_bits,
         HAS_MASK=has_record is not None,
-        BLOCK=f.block,
         RB=rb,
         C=chunk,
         num_warps=warps,
+        **extra,
     )
     return out, partial.sum(dtype=torch.int32)
 

@@ -340,3 +340,273 @@ def _guided_kernel(
     # one partial count per program (a single atomic counter would serialize every program on one address)
     total = tl.sum(tl.sum(tl.sum(tl.sum(redirected, axis=3), axis=2), axis=1), axis=0)
     tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 16-element blocks (nvfp4, kv_fp4): one block per thread. A block is loaded as two 8-element halves ([RB, NB, 8]
+# each, one 16-byte vector per half for BF16), so its amax, scale and record word stay in the thread that holds it:
+# no cross-thread reduction, each scale computed and stored once, and the record's 2 * BITS bytes of a block go out
+# in as few stores as the buffer's alignment allows (REC_UNIT bytes each).
+
+
+@triton.jit
+def _half_offsets(NB: tl.constexpr):
+    """Column offsets [1, NB, 8] of the first half of each of NB consecutive 16-element blocks."""
+    return tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+
+
+@triton.jit
+def _block_index(c0, NB: tl.constexpr):
+    """Index [1, NB] of each block of the chunk starting at column c0, within its row; declared non-contiguous,
+    like `_group_index`, so that the scale and record accesses keep the layout of the tile reduced over its halves
+    (one block per thread) instead of a vectorized one that would go through shared memory."""
+    return tl.max_contiguous(c0 // 16 + tl.arange(0, NB)[None, :], [1, 1])
+
+
+@triton.jit
+def _e4m3_round_hw(v):
+    """`_e4m3_round` by the hardware converter (`cvt.rn.satfinite.e4m3x2.f32`, round-half-even like torch's
+    `.to(float8_e4m3fn)`); v in [0, 448]. The interpreter's converter does not round to nearest even, so the CPU
+    tests run the bit construction instead."""
+    if INTERPRET:
+        return _e4m3_round(v)
+    f8 = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return f8.to(tl.float32), f8.to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _block16_scales(amax_blk, s_enc, FMT: tl.constexpr):
+    """`_block_scales` with the hardware E4M3 rounding."""
+    if FMT == NVFP4:
+        value, byte = _e4m3_round_hw(tl.minimum(amax_blk * (s_enc * ONE_SIXTH), 448.0))
+        decode = value * tl.math.div_rn(1.0, s_enc)
+        encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
+    else:
+        e = _e8m0_exponent(amax_blk, FMT)
+        byte = e + 127
+        decode = _pow2(e)
+        encode = _pow2(-e)
+    return decode, encode, byte
+
+
+@triton.jit
+def _half_word(q, z, BITS: tl.constexpr, FMT: tl.constexpr):
+    """Low BITS bits of the 8 codes of a half [RB, NB, 8], element i at bit i * BITS: int32 [RB, NB]."""
+    k = _index(q)
+    if BITS == 4:
+        code = k | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
+    else:
+        code = k & ((1 << BITS) - 1)
+    return tl.sum(code << (tl.arange(0, 8) * BITS)[None, None, :], axis=2)
+
+
+@triton.jit
+def _store_record16(rec, wa, wb, mask, BITS: tl.constexpr, REC_UNIT: tl.constexpr):
+    """Store a block's 2 * BITS record bytes (first half's word wa, then wb) at byte pointers rec [RB, NB]."""
+    if REC_UNIT == 2 * BITS:  # b = 1 (one 16-bit store) or b = 2 (one 32-bit store)
+        if BITS == 1:
+            tl.store(rec.to(tl.pointer_type(tl.int16)), (wa | (wb << 8)).to(tl.int16), mask=mask)
+        else:
+            tl.store(rec.to(tl.pointer_type(tl.int32)), wa | (wb << 16), mask=mask)
+    elif REC_UNIT == 4:  # b = 4
+        tl.store(rec.to(tl.pointer_type(tl.int32)), wa, mask=mask)
+        tl.store((rec + 4).to(tl.pointer_type(tl.int32)), wb, mask=mask)
+    elif REC_UNIT == 2:  # b = 2 or 4 on 2-byte alignment
+        for j in tl.static_range(BITS // 2):
+            tl.store((rec + 2 * j).to(tl.pointer_type(tl.int16)), (wa >> (16 * j)).to(tl.int16), mask=mask)
+            tl.store((rec + BITS + 2 * j).to(tl.pointer_type(tl.int16)), (wb >> (16 * j)).to(tl.int16), mask=mask)
+    else:
+        for j in tl.static_range(BITS):
+            tl.store(rec + j, ((wa >> (8 * j)) & 0xFF).to(tl.uint8), mask=mask)
+            tl.store(rec + BITS + j, ((wb >> (8 * j)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _load_record16(rec, mask, BITS: tl.constexpr, REC_UNIT: tl.constexpr):
+    """(wa, wb): the record words of both halves of a block, loaded as `_store_record16` stores them."""
+    if REC_UNIT == 2 * BITS:
+        if BITS == 1:
+            w = tl.load(rec.to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32)
+            wa, wb = w & 0xFF, (w >> 8) & 0xFF
+        else:
+            w = tl.load(rec.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+            wa, wb = w & 0xFFFF, (w >> 16) & 0xFFFF
+    elif REC_UNIT == 4:
+        wa = tl.load(rec.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        wb = tl.load((rec + 4).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    elif REC_UNIT == 2:
+        wa = tl.zeros(mask.shape, tl.int32)
+        wb = tl.zeros(mask.shape, tl.int32)
+        for j in tl.static_range(BITS // 2):
+            ha = tl.load((rec + 2 * j).to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32) & 0xFFFF
+            hb = tl.load((rec + BITS + 2 * j).to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32) & 0xFFFF
+            wa |= ha << (16 * j)
+            wb |= hb << (16 * j)
+    else:
+        wa = tl.zeros(mask.shape, tl.int32)
+        wb = tl.zeros(mask.shape, tl.int32)
+        for j in tl.static_range(BITS):
+            wa |= tl.load(rec + j, mask=mask, other=0).to(tl.int32) << (8 * j)
+            wb |= tl.load(rec + BITS + j, mask=mask, other=0).to(tl.int32) << (8 * j)
+    return wa, wb
+
+
+@triton.jit
+def _quantize_record16_kernel(
+    x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
+    T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
+    FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
+    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr,
+):  # fmt: skip
+    """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * RB + tl.arange(0, RB)
+    row_mask = rows < T
+    rows64 = rows.to(tl.int64)
+    NB: tl.constexpr = C // 16
+    offs = _half_offsets(NB)
+    x_rows = x_ptr + rows64[:, None, None] * x_stride
+
+    if SCALE_MODE == SCALE_PER_TOKEN:
+        if not ONE_PASS:
+            amax_row = tl.zeros((RB,), tl.float32)
+            for c0 in range(0, D, C):
+                m = row_mask[:, None, None] & (c0 + offs < D)
+                xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+                xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+                amax_row = tl.maximum(amax_row, tl.max(amax, axis=1))
+            s_enc = _token_scale(amax_row)
+            if BITS > 0:
+                tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
+            s_enc = s_enc[:, None]
+    elif SCALE_MODE == SCALE_ROW:
+        s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+    elif SCALE_MODE == SCALE_SCALAR:
+        s_enc = tl.load(gs_ptr)
+    else:
+        s_enc = 1.0
+
+    for ci in range(chunks_per_prog):
+        c0 = (pid_c * chunks_per_prog + ci) * C
+        m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
+        blk = _block_index(c0, NB)
+        bmask = row_mask[:, None] & (blk < D // 16)
+        xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+        xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+        amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+        if SCALE_MODE == SCALE_PER_TOKEN:
+            if ONE_PASS:
+                s_tok = _token_scale(tl.max(amax_blk, axis=1))
+                if BITS > 0:
+                    tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
+                s_enc = s_tok[:, None]
+        decode, encode, byte = _block16_scales(amax_blk, s_enc, FMT)
+        za = _code_sign(xa * encode[:, :, None], FMT)
+        zb = _code_sign(xb * encode[:, :, None], FMT)
+        qa, _ = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
+        qb, _ = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
+        if WRITE_OUT:
+            o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+            ty = out_ptr.dtype.element_ty
+            tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
+            tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
+        if BITS > 0:
+            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+            rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
+            _store_record16(rec, _half_word(qa, za, BITS, FMT), _half_word(qb, zb, BITS, FMT), bmask, BITS, REC_UNIT)
+
+
+@triton.jit
+def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, FMT: tl.constexpr):
+    """Guided value and redirected flags (int32) of a half [RB, NB, 8] from its record word [RB, NB]."""
+    c = (word[:, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, :]) & ((1 << BITS) - 1)
+    z = _code_sign(x * encode[:, :, None], FMT)  # only its sign is used: clamping |z| to 6 is clamping z
+    a = tl.minimum(tl.abs(z), 6.0)
+    q, base = _e2m1_round(a, False)
+    d = a - q
+    step = base * 0.5
+    if FMT == KV_FP4:
+        rtn = tl.where(d == base * 0.25, q + step, q)  # ties up: a tie has a above q
+    else:
+        rtn = q
+    if BITS == 1:
+        # the RNE point q when its bit 0 is the rollout's (or a is on the grid), else q's neighbour toward a
+        mag = tl.where((((_index(q) ^ c) & 1) == 0) | (d == 0), q, q + tl.where(d > 0, step, -step))
+    else:
+        lo = tl.where(d < 0, q - step, q)
+        hi = tl.where(d > 0, q + step, q)
+        if BITS == 4:
+            q_roll = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * TWO_126
+            d_lo = tl.abs(_with_sign(lo, z) - q_roll)
+            d_hi = tl.abs(_with_sign(hi, z) - q_roll)
+            mag = tl.where(d_hi < d_lo, hi, lo)
+        else:
+            MASK: tl.constexpr = (1 << BITS) - 1
+            k_lo = _index(lo)
+            k_hi = _index(hi)
+            below = k_lo - 1 - ((k_lo - 1 - c) & MASK)
+            above = k_hi + 1 + ((c - k_hi - 1) & MASK)
+            mid = _magnitude(tl.maximum(below, 0)) + _magnitude(tl.minimum(above, 7))
+            twice = 2.0 * a
+            outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
+            outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
+            mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
+    return _with_sign(mag, z) * decode[:, :, None], tl.where(mag != rtn, 1, 0)
+
+
+@triton.jit
+def _guided16_kernel(
+    x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
+    T, D, x_stride, out_stride, rec_stride, scale_stride,
+    FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
+    RB: tl.constexpr, C: tl.constexpr, REC_UNIT: tl.constexpr,
+):  # fmt: skip
+    """`_guided_kernel` for 16-element blocks, one block per thread: its scale byte and record words are loaded
+    and decoded once."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * RB + tl.arange(0, RB)
+    row_mask = rows < T
+    rows64 = rows.to(tl.int64)
+    NB: tl.constexpr = C // 16
+    c0 = pid_c * C
+    offs = _half_offsets(NB)
+    m = row_mask[:, None, None] & (c0 + offs < D)
+    blk = _block_index(c0, NB)
+    bmask = row_mask[:, None] & (blk < D // 16)
+
+    byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + blk, mask=bmask, other=0)
+    if FMT == NVFP4:
+        if SCALE_MODE == SCALE_SCALAR:
+            s_enc = tl.load(gs_ptr)
+        else:
+            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        if INTERPRET:
+            sf = _e4m3_decode(byte.to(tl.int32))
+        else:
+            sf = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        decode = sf * tl.math.div_rn(1.0, s_enc)
+        encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
+    else:
+        e = byte.to(tl.int32) - 127
+        decode = _pow2(e)
+        encode = _pow2(-e)
+    wa, wb = _load_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * RECORD_BITS), bmask, RECORD_BITS,
+                            REC_UNIT)  # fmt: skip
+
+    x_rows = x_ptr + rows64[:, None, None] * x_stride + c0 + offs
+    o_rows = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+    xa = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
+    xb = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
+    va, ra = _guided_half(xa, encode, decode, wa, BITS, RECORD_BITS, FMT)
+    vb, rb = _guided_half(xb, encode, decode, wb, BITS, RECORD_BITS, FMT)
+    tl.store(o_rows, va.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(o_rows + 8, vb.to(out_ptr.dtype.element_ty), mask=m)
+    counted = m
+    if HAS_MASK:
+        counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
+    redirected = tl.where(counted, ra + rb, 0)
+    total = tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0)
+    tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)

@@ -1,0 +1,91 @@
+"""Where the record's cost goes: quantize-and-record variants timed against each other on a CUDA GPU.
+
+At T x D (default 65536 x 4096, BF16, b = 1) for nvfp4 (per token) and kv_fp4, graph-timed like bench/kernels.py:
+- the one-block-per-thread kernel (`_quantize_record16_kernel`, what `ops` launches for 16-element blocks) with and
+  without the record, with the record in 2-byte stores (aligned buffer) and in byte stores (buffer at an odd
+  address), and writing only the record (no fake-quantized output);
+- the generic kernel (`_quantize_record_kernel`, one 8-element group per thread, what `ops` launched for these
+  formats before) in the same variants.
+Differences between rows place the time: record stores, store width, layout.
+
+Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--out variants.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernels import graph_ms  # noqa: E402
+from trace_core.kernels import ops  # noqa: E402
+from trace_core.kernels import triton_fp4 as k  # noqa: E402
+
+
+def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int) -> None:
+    """`ops.triton_quantize_record` with the kernel family and record store width chosen explicitly."""
+    f = ops.get_format(fmt)
+    t, d = x.shape
+    per_token = fmt == "nvfp4"
+    mode = ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE
+    rb, chunk, warps = ops._launch_shape(f, d, per_token=per_token)
+    n_chunks = triton.cdiv(d, chunk)
+    per_prog = n_chunks if per_token else 1
+    record = low is not None
+    kernel, extra = (k._quantize_record16_kernel, {"REC_UNIT": unit}) if kernel16 else (k._quantize_record_kernel,
+                                                                                       {"BLOCK": f.block})  # fmt: skip
+    dummy8 = torch.empty(1, dtype=torch.uint8, device=x.device)
+    dummy32 = torch.empty(1, dtype=torch.float32, device=x.device)
+    kernel[(triton.cdiv(t, rb), n_chunks // per_prog)](
+        x, out if out is not None else x, low if record else dummy8, scales if record else dummy8, dummy32,
+        token if token is not None else dummy32, t, d, x.stride(0), out.stride(0) if out is not None else 0,
+        low.stride(0) if record else 0, scales.stride(0) if record else 0, 1, per_prog, FMT=ops.FORMAT_IDS[fmt],
+        SCALE_MODE=mode, BITS=1 if record else 0, WRITE_OUT=out is not None, RB=rb, C=chunk, ONE_PASS=n_chunks == 1,
+        num_warps=warps, **extra,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--t", type=int, default=65536)
+    parser.add_argument("--d", type=int, default=4096)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    t, d = args.t, args.d
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    rows = []
+    for fmt in ("nvfp4", "kv_fp4"):
+        low, scales, token = ops.record_buffers(t, d, fmt, 1, "cuda", per_token=fmt == "nvfp4")
+        odd = torch.empty(t, low.shape[1] + 1, dtype=torch.uint8, device="cuda")[:, 1:]
+        for kernel16 in (True, False):
+            cases = {
+                "no record": (out, None, 1),
+                "record (2-byte stores)" if kernel16 else "record": (out, low, 2),
+                "record only, no output": (None, low, 2),
+            }
+            if kernel16:
+                cases["record (byte stores)"] = (out, odd, 1)
+            for label, (o, rec, unit) in cases.items():
+                ms = graph_ms(partial(launch, kernel16, x, fmt, o, rec, scales, token, unit))
+                rows.append({"format": fmt, "kernel": "block per thread" if kernel16 else "group per thread",
+                             "variant": label, "us": 1e3 * ms})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\nGPU: {torch.cuda.get_device_name()}  T={t} D={d} bf16 b=1\n")
+    print("| format | kernel | variant | us |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['format']} | {r['kernel']} | {r['variant']} | {r['us']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "T": t, "D": d, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Run by tests/test_fp4_attention.py with TRITON_INTERPRET=1: the FP4-KV decode kernels on CPU tensors.
+
+1. Every `fp4_attention_checks.CASES` case against SGLang's triton decode kernel (also interpreted) on the
+   dequantized cache, bit for bit, and against the pure-torch twin; FP32 queries and values (the interpreter
+   truncates FP32 to BF16 where GPUs round, so the BF16 twin comparison runs on the GPU only).
+2. End to end through the SGLang glue: a real `MHATokenToKVPoolFP4` written by its own `set_kv_buffer`, decode
+   through `sglang_trace.fp4_attention.forward_decode` (what patch 0020 calls) against SGLang's path on that pool
+   (`get_key_buffer` / `get_value_buffer`, then `decode_attention_fwd`), BF16 queries, bit for bit.
+"""
+
+import math
+import os
+
+import torch
+
+from tests import fp4_attention_checks as checks
+from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+
+def check_sglang_pool() -> None:
+    install_sgl_kernel_stand_in()
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
+
+    from sglang_trace import fp4_attention
+
+    heads, group, d, layer, lens = 2, 4, 64, 1, [37, 90]
+    pool = MHATokenToKVPoolFP4(size=256, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=heads, head_dim=d,
+                               layer_num=2, device="cpu", enable_memory_saver=False, start_layer=0,
+                               enable_alt_stream=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.randperm(255, generator=gen)[: sum(lens)] + 1
+    kv = [(torch.randn(len(slots), heads, d, generator=gen) * 3).to(torch.bfloat16) for _ in range(2)]
+    pool.set_kv_buffer(None, slots, kv[0].clone(), kv[1].clone(), layer_id_override=layer)
+    os.environ[fp4_attention.ENV] = "decode"
+    assert fp4_attention.reads_fp4(pool)
+    q = torch.randn(len(lens), heads * group, d, generator=gen).to(torch.bfloat16)
+    indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    nsplit = torch.tensor([2, 3], dtype=torch.int32)
+    outs = []
+    for fp4 in (True, False):
+        logits, lse = torch.empty(2, heads * group, 3, d), torch.empty(2, heads * group, 3)
+        o = torch.full_like(q, float("nan"))
+        args = (indptr, slots, logits, lse, nsplit, 3, 1 / math.sqrt(d), 1.0, 1.0)
+        if fp4:
+            fp4_attention.forward_decode(pool, layer, q, o, *args)
+        else:
+            k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            checks.sglang_decode_attention()(q, k, v, o, *args)
+        outs.append(o)
+    assert torch.equal(outs[0], outs[1]), "FP4 decode through the glue differs from SGLang's path on its pool"
+
+
+def main() -> None:
+    worst = 0.0
+    for case in checks.CASES:
+        worst = max(worst, checks.check_decode(case, torch.float32, torch.float32, "cpu", 1e-4, 1e-4))
+    print(f"checked {len(checks.CASES)} decode cases; max |kernel - twin| {worst:.3g}")
+    check_sglang_pool()
+    print("checked decode through sglang_trace.fp4_attention on SGLang's FP4 pool")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""FP4-KV decode attention (`trace_core.kernels.fp4_attention`) and its pure-torch twin (`trace_core.kv_attention`).
+
+On CPU the kernels run under the Triton interpreter (in a subprocess: the flag is read when triton builds a
+launcher) against SGLang's own triton decode kernel on the dequantized cache, bit for bit, and against the twin.
+On the GPU (`-m gpu`) the same checks run in BF16, the dtype SGLang's FP4 pool dequantizes to (GQA equal to SGLang
+bit for bit; MHA against the twin only: SGLang's MHA kernel sums q . k in BF16, ours in FP32).
+
+Tolerance of kernel vs twin: the twin replays the kernels' splits, blocks, online softmax and casts, so what differs
+is the order of FP32 sums inside the two dot products and `exp` (`ex2.approx` on the GPU): a few FP32 ulps of the
+logits and weights, 1e-4 absolute / relative on outputs of magnitude up to ~30 in FP32; in BF16 those ulps can
+move an output across one BF16 rounding boundary (relative 2^-8) or a probability's BF16 cast before P V
+(relative 2^-8 of one term), hence 2^-7 relative plus 2^-7 absolute.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import fp4_attention_checks as checks
+from trace_core.kernels.fp4_attention import check_fp4_cache
+from trace_core.kv_attention import decode_attention_reference, dequantize_kv
+
+
+def test_twin_is_softmax_attention_over_the_dequantized_cache():
+    heads, group, d, lens = 2, 4, 64, [70, 9]
+    q, kc, ks, vc, vs, indptr, indices, nsplit = checks.make_case(heads, group, d, lens, [3, 1], torch.float32, "cpu")
+    out = decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, nsplit, 0.125, kv_dtype=torch.float32)
+    for b in range(len(lens)):
+        slots = indices[indptr[b] : indptr[b + 1]]
+        k = dequantize_kv(kc[slots], ks[slots], torch.float32).repeat_interleave(group, 1)
+        v = dequantize_kv(vc[slots], vs[slots], torch.float32).repeat_interleave(group, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * 0.125, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", w, v), rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_kv_is_the_kv_fp4_value():
+    codes = torch.tensor([[[0x21, 0xF8, 0, 0, 0, 0, 0, 0]]], dtype=torch.uint8)  # codes 1, 2, 8, 15: low nibble first
+    scales = torch.tensor([[128]], dtype=torch.uint8)  # 2^1
+    out = dequantize_kv(codes, scales, torch.float32)
+    assert out[0, 0, :4].tolist() == [1.0, 2.0, -0.0, -12.0]
+
+
+def test_bad_cache_is_named():
+    q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
+    kc = torch.zeros(10, 2, 32, dtype=torch.uint8)
+    ks = torch.zeros(10, 8, dtype=torch.uint8)
+    assert check_fp4_cache(q, kc, ks, kc, ks) == (2, 64)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        check_fp4_cache(q, kc[..., :24], ks, kc[..., :24], ks)
+    with pytest.raises(ValueError, match="k_scales must be uint8 \\(10, 8\\)"):
+        check_fp4_cache(q, kc, ks[:, :4], kc, ks)
+    with pytest.raises(ValueError, match="q must be"):
+        check_fp4_cache(q[:, :3], kc, ks, kc, ks)
+    with pytest.raises(ValueError, match="FP4 KV codes must be uint8"):
+        check_fp4_cache(q, kc.float(), ks, kc, ks)
+
+
+@pytest.mark.slow
+def test_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "tests.fp4_attention_interpret"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"checked {len(checks.CASES)} decode cases" in proc.stdout
+    assert "checked decode through sglang_trace.fp4_attention on SGLang's FP4 pool" in proc.stdout
+
+
+def test_sglang_option_is_refused_by_name(monkeypatch):
+    from sglang_trace import fp4_attention
+
+    monkeypatch.setenv(fp4_attention.ENV, "prefill")
+    with pytest.raises(ValueError, match="TRACE_FP4_ATTENTION='prefill' is not one of"):
+        fp4_attention.mode()
+    monkeypatch.setenv(fp4_attention.ENV, "decode")
+    assert not fp4_attention.reads_fp4(object())  # a pool without FP4 scale buffers keeps SGLang's path
+    monkeypatch.delenv(fp4_attention.ENV)
+    assert fp4_attention.mode() == "off"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", checks.CASES, ids=str)
+def test_bf16_kernels_on_the_gpu(case):
+    if importlib.util.find_spec("sglang") is None:  # not imported: sglang/__init__ needs SGLang's server stack
+        pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
+    checks.check_decode(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
+
+
+@pytest.mark.gpu
+def test_kernel_in_a_cuda_graph():
+    from trace_core.kernels.fp4_attention import fp4_decode_attention
+
+    q, kc, ks, vc, vs, indptr, indices, nsplit = checks.make_case(1, 8, 128, [300, 17], [4, 1], torch.bfloat16, "cuda")
+    logits = torch.empty(2, 8, 4, 128, device="cuda")
+    lse = torch.empty(2, 8, 4, device="cuda")
+    o = torch.empty_like(q)
+    run = partial(fp4_decode_attention, q, kc, ks, vc, vs, o, indptr, indices, logits, lse, nsplit, 4, 128**-0.5)
+    run()
+    eager = o.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    o.zero_()
+    graph.replay()
+    assert torch.equal(o, eager)

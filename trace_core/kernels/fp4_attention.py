@@ -1,0 +1,304 @@
+"""Paged decode attention that reads SGLang's FP4 KV pool directly: packed E2M1 codes and E8M0 scale bytes are
+dequantized to BF16 in registers, then attended over exactly as SGLang's triton decode kernels attend over a BF16
+buffer.
+
+The kernels are SGLang 0.5.10.post1's `decode_attention.py` (`_fwd_kernel_stage1`, `_fwd_grouped_kernel_stage1`,
+`_fwd_kernel_stage2`, same tiles, splits and launch settings) with the K and V loads replaced by `_fp4_tile`. The
+BF16 values a tile holds equal `KVFP4QuantizeUtil.batched_dequantize` bit for bit (an E2M1 magnitude times a power
+of two is exact in FP32 and in BF16), so the attention math gets the same inputs as SGLang's dequantize-then-attend
+path (`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every call) without
+materializing the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged; MHA sums q . k
+in FP32 where SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
+`trace_core.kv_attention.decode_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from trace_core.kernels.triton_fp4 import TWO_126, _pow2
+
+MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
+KV_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _tanh(x):
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+@triton.jit
+def _fp4_tile(codes_ptr, scale_ptr, loc, head, stride_cs, stride_ch, stride_ss, n_mask, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, D] values of KV head `head` at pool slots `loc`: byte i of a head's codes holds element 2i in its
+    low nibble and 2i + 1 in its high nibble; scale byte j (E8M0, +127) scales elements [16 j, 16 j + 16). Masked
+    rows are 0, as SGLang's masked loads."""
+    offs_b = tl.arange(0, D // 2)
+    packed = tl.load(codes_ptr + loc[:, None] * stride_cs + head * stride_ch + offs_b[None, :], mask=n_mask[:, None],
+                     other=0).to(tl.int32)  # fmt: skip
+    code = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, D)
+    offs_s = tl.arange(0, D // 16)
+    sbyte = tl.load(scale_ptr + loc[:, None] * stride_ss + head * (D // 16) + offs_s[None, :], mask=n_mask[:, None],
+                    other=127).to(tl.int32)  # fmt: skip
+    mag = ((code & 7) << 22).to(tl.float32, bitcast=True) * TWO_126  # E2M1 magnitude of index k (see _magnitude)
+    val = (mag.reshape(BLOCK_N, D // 16, 16) * _pow2(sbyte - 127)[:, :, None]).reshape(BLOCK_N, D)
+    val = (val.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    return val.to(KV_DTYPE)
+
+
+@triton.jit
+def _fp4_kernel_stage1(
+    Q, K_Codes, K_Scales, V_Codes, V_Scales, sm_scale_withk, kv_indptr, kv_indices, Att_Out, Att_Lse, num_kv_splits,
+    stride_qbs, stride_qh, stride_kcs, stride_kch, stride_kss, stride_vcs, stride_vch, stride_vss,
+    stride_mid_ob, stride_mid_oh, stride_mid_os,
+    kv_group_num: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
+    logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr, KV_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """SGLang's `_fwd_kernel_stage1` (one query head per program, MHA) over the FP4 pool, except that q . k is
+    summed in FP32: SGLang's kernel multiplies and sums BF16 q and k in BF16, in an order set by the register
+    layout of its K tile, which the FP4 tile does not reproduce; the same BF16 rounding cannot be matched, so the
+    exact sum is taken instead."""
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    split_kv_id = tl.program_id(2)
+    cur_kv_head = cur_head // kv_group_num
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+
+    cur_batch_kv_start_idx = tl.load(kv_indptr + cur_batch)
+    cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - cur_batch_kv_start_idx
+    kv_splits = tl.load(num_kv_splits + cur_batch)
+    if xai_temperature_len > 0:
+        offs_qidx = cur_batch_seq_len - 1
+        xai_temperature_scale = 1.0 / tl.log2(float(xai_temperature_len))
+        _qtemp = tl.log2(offs_qidx.to(tl.float32)) * xai_temperature_scale
+        xai_temperature_reg = tl.where(offs_qidx > xai_temperature_len, _qtemp, 1.0)
+    off_q = cur_batch * stride_qbs + cur_head * stride_qh + offs_d
+
+    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_kv_start = kv_len_per_split * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+
+    e_max = -float("inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_DMODEL], dtype=tl.float32)
+    if split_kv_end > split_kv_start:
+        q = tl.load(Q + off_q)
+        for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < split_kv_end
+            kv_loc = tl.load(kv_indices + cur_batch_kv_start_idx + offs_n, mask=n_mask, other=0)
+            k = _fp4_tile(K_Codes, K_Scales, kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss, n_mask,
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+            qk = tl.sum(q[None, :].to(tl.float32) * k.to(tl.float32), 1)  # SGLang: BF16 products and sums
+            qk *= sm_scale_withk
+            if logit_cap > 0:
+                qk = logit_cap * _tanh(qk / logit_cap)
+            if xai_temperature_len > 0:
+                qk *= xai_temperature_reg
+            qk = tl.where(n_mask, qk, float("-inf"))
+            v = _fp4_tile(V_Codes, V_Scales, kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, n_mask,
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+            n_e_max = tl.maximum(tl.max(qk, 0), e_max)
+            re_scale = tl.exp(e_max - n_e_max)
+            p = tl.exp(qk - n_e_max)
+            acc *= re_scale
+            acc += tl.sum(p[:, None] * v, 0)
+            e_sum = e_sum * re_scale + tl.sum(p, 0)
+            e_max = n_e_max
+        offs_mid_o = cur_batch * stride_mid_ob + cur_head * stride_mid_oh + split_kv_id * stride_mid_os + offs_d
+        tl.store(Att_Out + offs_mid_o, acc / e_sum)
+        offs_lse = (cur_batch * stride_mid_ob + cur_head * stride_mid_oh + split_kv_id * stride_mid_os) // BLOCK_DMODEL
+        tl.store(Att_Lse + offs_lse, e_max + tl.log(e_sum))
+
+
+@triton.jit
+def _fp4_grouped_kernel_stage1(
+    Q, K_Codes, K_Scales, V_Codes, V_Scales, sm_scale_withk, kv_indptr, kv_indices, Att_Out, Att_Lse, num_kv_splits,
+    stride_qbs, stride_qh, stride_kcs, stride_kch, stride_kss, stride_vcs, stride_vch, stride_vss,
+    stride_mid_ob, stride_mid_oh, stride_mid_os,
+    kv_group_num: tl.constexpr, q_head_num: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """SGLang's `_fwd_grouped_kernel_stage1` (BLOCK_H query heads of one KV head per program, GQA) over the FP4
+    pool; the K tile is built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N]."""
+    cur_batch = tl.program_id(0)
+    cur_head_id = tl.program_id(1)
+    cur_kv_head = cur_head_id // tl.cdiv(kv_group_num, BLOCK_H)
+    split_kv_id = tl.program_id(2)
+    if BLOCK_H < kv_group_num:
+        VALID_BLOCK_H: tl.constexpr = BLOCK_H
+    else:
+        VALID_BLOCK_H: tl.constexpr = kv_group_num
+    cur_head = cur_head_id * VALID_BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = cur_head < (cur_head_id + 1) * VALID_BLOCK_H
+    mask_h = mask_h & (cur_head < q_head_num)
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+
+    cur_batch_kv_start_idx = tl.load(kv_indptr + cur_batch)
+    cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - cur_batch_kv_start_idx
+    kv_splits = tl.load(num_kv_splits + cur_batch)
+    if xai_temperature_len > 0:
+        offs_qidx = cur_batch_seq_len - 1
+        xai_temperature_scale = 1.0 / tl.log2(float(xai_temperature_len))
+        _qtemp = tl.log2(offs_qidx.to(tl.float32)) * xai_temperature_scale
+        xai_temperature_reg = tl.where(offs_qidx > xai_temperature_len, _qtemp, 1.0)
+    offs_q = cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
+
+    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_kv_start = kv_len_per_split * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+
+    e_max = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
+    if split_kv_end > split_kv_start:
+        q = tl.load(Q + offs_q, mask=mask_h[:, None], other=0.0)
+        for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < split_kv_end
+            kv_loc = tl.load(kv_indices + cur_batch_kv_start_idx + offs_n, mask=n_mask, other=0)
+            k = _fp4_tile(K_Codes, K_Scales, kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss, n_mask,
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+            qk = tl.dot(q, tl.trans(k).to(q.dtype))
+            qk *= sm_scale_withk
+            if logit_cap > 0:
+                qk = logit_cap * _tanh(qk / logit_cap)
+            if xai_temperature_len > 0:
+                qk *= xai_temperature_reg[:, None]
+            qk = tl.where(mask_h[:, None] & n_mask[None, :], qk, float("-inf"))
+            v = _fp4_tile(V_Codes, V_Scales, kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, n_mask,
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+            re_scale = tl.exp(e_max - n_e_max)
+            p = tl.exp(qk - n_e_max[:, None])
+            acc *= re_scale[:, None]
+            acc += tl.dot(p.to(v.dtype), v)
+            e_sum = e_sum * re_scale + tl.sum(p, 1)
+            e_max = n_e_max
+        offs_mid_o = (cur_batch * stride_mid_ob + cur_head[:, None] * stride_mid_oh + split_kv_id * stride_mid_os
+                      + offs_d[None, :])  # fmt: skip
+        tl.store(Att_Out + offs_mid_o, acc / e_sum[:, None], mask=mask_h[:, None])
+        offs_lse = (cur_batch * stride_mid_ob + cur_head * stride_mid_oh + split_kv_id * stride_mid_os) // BLOCK_DMODEL
+        tl.store(Att_Lse + offs_lse, e_max + tl.log(e_sum), mask=mask_h)
+
+
+@triton.jit
+def _fwd_kernel_stage2(
+    Mid_O, Mid_O_1, Out, v_scale, kv_indptr, num_kv_splits, sink_ptr,
+    stride_mid_ob, stride_mid_oh, stride_mid_os, stride_obs, stride_oh,
+    MAX_KV_SPLITS: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, BLOCK_DV: tl.constexpr, Lv: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):  # fmt: skip
+    """SGLang's `_fwd_kernel_stage2` unchanged: merges the splits' partial outputs by their log-sum-exp."""
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - tl.load(kv_indptr + cur_batch)
+    kv_splits = tl.load(num_kv_splits + cur_batch)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lv
+    e_sum = 0.0
+    e_max = -float("inf")
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    offs_v = cur_batch * stride_mid_ob + cur_head * stride_mid_oh + offs_d
+    offs_logic = (cur_batch * stride_mid_ob + cur_head * stride_mid_oh) // Lv
+    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    for split_kv_id in range(0, MAX_KV_SPLITS):
+        split_kv_start = kv_len_per_split * split_kv_id
+        split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+        if split_kv_end > split_kv_start:
+            tv = tl.load(Mid_O + offs_v + split_kv_id * stride_mid_os, mask=mask_d, other=0.0)
+            tlogic = tl.load(Mid_O_1 + offs_logic + split_kv_id * stride_mid_os // Lv)
+            n_e_max = tl.maximum(tlogic, e_max)
+            old_scale = tl.exp(e_max - n_e_max)
+            acc *= old_scale
+            exp_logic = tl.exp(tlogic - n_e_max)
+            acc += exp_logic * tv
+            e_sum = e_sum * old_scale + exp_logic
+            e_max = n_e_max
+    if HAS_SINK:
+        cur_sink = tl.load(sink_ptr + cur_head)
+        e_sum += tl.exp(cur_sink - e_max)
+    tl.store(Out + cur_batch * stride_obs + cur_head * stride_oh + offs_d, acc / e_sum * v_scale, mask=mask_d)
+
+
+def check_fp4_cache(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
+                    v_scales: torch.Tensor) -> tuple[int, int]:  # fmt: skip
+    """(KV heads, head dim) of an FP4 pool layer, or ValueError naming what does not fit (q `[B, Hq, D]`, codes
+    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides)."""
+    if k_codes.dim() != 3 or k_codes.dtype != torch.uint8 or v_codes.shape != k_codes.shape:
+        got = f"{k_codes.dtype} {tuple(k_codes.shape)} and {v_codes.dtype} {tuple(v_codes.shape)}"
+        raise ValueError(f"FP4 KV codes must be uint8 [slots, heads, head_dim / 2] for K and V, got {got}")
+    slots, heads, half = k_codes.shape
+    d = 2 * half
+    if d % 16 or d & (d - 1):
+        raise ValueError(f"FP4 attention needs a power-of-two head dim (a multiple of 16), got {d}")
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if s.dtype != torch.uint8 or tuple(s.shape) != (slots, heads * d // 16):
+            raise ValueError(f"{name} must be uint8 {(slots, heads * d // 16)}, got {s.dtype} {tuple(s.shape)}")
+    for name, t in (("q", q), ("k_codes", k_codes), ("v_codes", v_codes), ("k_scales", k_scales),
+                    ("v_scales", v_scales)):  # fmt: skip
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % heads:
+        raise ValueError(f"q must be [batch, q_heads, {d}] with q_heads a multiple of {heads}, got {tuple(q.shape)}")
+    return heads, d
+
+
+def fp4_decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    xai_temperature_len: int = -1,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """`decode_attention_fwd` of SGLang's triton backend (same arguments, same result) with each K/V buffer given
+    as the FP4 pool's codes and scale bytes of one layer. `kv_dtype` is the dtype the values are dequantized to
+    (SGLang's pool returns BF16; FP32 serves the CPU-interpreter tests)."""
+    heads, d = check_fp4_cache(q, k_codes, k_scales, v_codes, v_scales)
+    batch, q_heads = q.shape[0], q.shape[1]
+    if max_kv_splits != attn_logits.shape[2] or batch > kv_indptr.shape[0] - 1 or batch > attn_logits.shape[0]:
+        raise ValueError("attn_logits [batch, heads, max_kv_splits, D] and kv_indptr [batch + 1] must cover q")
+    group = q_heads // heads
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype} is not one of {tuple(KV_DTYPES)}")
+    common = dict(MIN_BLOCK_KV=MIN_BLOCK_KV, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
+                  KV_DTYPE=KV_DTYPES[kv_dtype])  # fmt: skip
+    args = (
+        q, k_codes, k_scales, v_codes, v_scales, sm_scale * k_scale, kv_indptr, kv_indices, attn_logits, attn_lse,
+        num_kv_splits, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scales.stride(0),
+        v_codes.stride(0), v_codes.stride(1), v_scales.stride(0), attn_logits.stride(0), attn_logits.stride(1),
+        attn_logits.stride(2),
+    )  # fmt: skip
+    if group == 1:
+        _fp4_kernel_stage1[(batch, q_heads, max_kv_splits)](
+            *args, kv_group_num=group, BLOCK_DMODEL=d, BLOCK_N=64, num_warps=4, num_stages=2, **common
+        )
+    else:
+        block_h = 16
+        grid = (batch, triton.cdiv(q_heads, min(block_h, group)), max_kv_splits)
+        _fp4_grouped_kernel_stage1[grid](
+            *args, kv_group_num=group, q_head_num=q_heads, BLOCK_DMODEL=d, BLOCK_N=32, BLOCK_H=block_h,
+            num_warps=4, num_stages=2, **common,
+        )  # fmt: skip
+    _fwd_kernel_stage2[(batch, q_heads)](
+        attn_logits, attn_lse, o, v_scale, kv_indptr, num_kv_splits, sinks, attn_logits.stride(0),
+        attn_logits.stride(1), attn_logits.stride(2), o.stride(0), o.stride(1), MAX_KV_SPLITS=max_kv_splits,
+        MIN_BLOCK_KV=MIN_BLOCK_KV, BLOCK_DV=d, Lv=d, HAS_SINK=sinks is not None, num_warps=4, num_stages=2,
+    )  # fmt: skip

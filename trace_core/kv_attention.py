@@ -1,0 +1,102 @@
+"""Pure-torch decode attention over an FP4 KV cache: the reference twin of `trace_core.kernels.fp4_attention`.
+
+The cache layout is SGLang's `MHATokenToKVPoolFP4` per layer: codes uint8 `[slots, heads, D/2]` (element 2i in the
+low nibble of byte i), E8M0 scale bytes uint8 `[slots, heads * D / 16]` (16 elements per byte, exponent + 127),
+i.e. `kv_fp4` rows of `heads * D` elements. Requests are paged as in SGLang's triton backend: request b attends
+over slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`.
+
+The twin follows the kernels' algorithm step by step (SGLang's split-KV decode: per split, blocks of `block_n`
+slots with an online softmax, the probabilities cast to the value dtype before the P V product on the grouped
+path, then the splits merged by log-sum-exp), so kernel and twin differ only in the order of FP32 sums and in
+`exp` (the GPU's `ex2.approx`): see `tests/test_fp4_attention.py` for the tolerance this gives.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trace_core.e2m1 import unpack_fp4
+from trace_core.formats import KV_FP4
+from trace_core.quant import Quantized, dequantize
+
+MIN_BLOCK_KV = 32
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Values `[slots, heads, D]` of FP4 pool rows (what `KVFP4QuantizeUtil.batched_dequantize` returns)."""
+    slots, heads, half = codes.shape
+    codes = unpack_fp4(codes).reshape(slots, heads * 2 * half)
+    q = Quantized(codes=codes, scales=scales, global_scale=None, fmt=KV_FP4)
+    return dequantize(q, dtype).view(slots, heads, 2 * half)
+
+
+def _split_attention(q, k, v, sm_scale, logit_cap, block_n, cast_p):
+    """(acc / e_sum, lse) of query heads q `[Hq, D]` over one split's keys `[n, Hq, D]` (heads already expanded)."""
+    e_max = torch.full((q.shape[0],), -math.inf)
+    e_sum = torch.zeros(q.shape[0])
+    acc = torch.zeros(q.shape[0], v.shape[-1])
+    for s in range(0, k.shape[0], block_n):
+        kb, vb = k[s : s + block_n].float(), v[s : s + block_n]
+        qk = torch.einsum("hd,nhd->hn", q.float(), kb) * sm_scale
+        if logit_cap > 0:
+            qk = logit_cap * (2 * torch.sigmoid(2 * (qk / logit_cap)) - 1)
+        n_e_max = torch.maximum(qk.max(dim=1).values, e_max)
+        re_scale = torch.exp(e_max - n_e_max)
+        p = torch.exp(qk - n_e_max[:, None])
+        pv = p.to(vb.dtype) if cast_p else p
+        acc = acc * re_scale[:, None] + torch.einsum("hn,nhd->hd", pv.float(), vb.float())
+        e_sum = e_sum * re_scale + p.sum(dim=1)
+        e_max = n_e_max
+    return acc / e_sum[:, None], e_max + torch.log(e_sum)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    sm_scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Decode attention output `[B, Hq, D]` (q's dtype) of queries q `[B, Hq, D]` over the FP4 cache, computed on
+    the CPU in the kernels' order (MHA: blocks of 64 slots, FP32 probabilities; GQA: blocks of 32, probabilities
+    cast to `kv_dtype`)."""
+    heads = k_codes.shape[1]
+    group = q.shape[1] // heads
+    block_n, cast_p = (64, False) if group == 1 else (32, True)
+    indptr, indices, splits = kv_indptr.cpu().long(), kv_indices.cpu().long(), num_kv_splits.cpu().long()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for b in range(q.shape[0]):
+        slots = indices[indptr[b] : indptr[b + 1]]
+        k = dequantize_kv(k_codes[slots.to(k_codes.device)].cpu(), k_scales[slots.to(k_codes.device)].cpu(), kv_dtype)
+        v = dequantize_kv(v_codes[slots.to(v_codes.device)].cpu(), v_scales[slots.to(v_codes.device)].cpu(), kv_dtype)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        n = slots.numel()
+        per_split = math.ceil(math.ceil(n / int(splits[b])) / MIN_BLOCK_KV) * MIN_BLOCK_KV
+        e_max = torch.full((q.shape[1],), -math.inf)
+        e_sum = torch.zeros(q.shape[1])
+        acc = torch.zeros(q.shape[1], q.shape[2])
+        for start in range(0, n, per_split):
+            o_s, lse = _split_attention(q[b].cpu(), k[start : start + per_split], v[start : start + per_split],
+                                        sm_scale * k_scale, logit_cap, block_n, cast_p)  # fmt: skip
+            n_e_max = torch.maximum(lse, e_max)
+            old = torch.exp(e_max - n_e_max)
+            w = torch.exp(lse - n_e_max)
+            acc = acc * old[:, None] + w[:, None] * o_s
+            e_sum = e_sum * old + w
+            e_max = n_e_max
+        if sinks is not None:
+            e_sum = e_sum + torch.exp(sinks.cpu().float() - e_max)
+        out[b] = (acc / e_sum[:, None] * v_scale).to(q.dtype)
+    return out.to(q.device)

@@ -1,0 +1,93 @@
+"""The embedded engine with SGLang's FP4-KV decode attention.
+
+`FP4AttentionEngine` is the FP4 `EmbeddedEngine` whose K and V also go, as codes and E8M0 scale bytes, into a paged
+FP4 pool in SGLang's `MHATokenToKVPoolFP4` layout (per layer: codes `[slots, kv_heads, D/2]`, scales
+`[slots, kv_heads * D / 16]`; token (b, position p) in slot `b * max_len + p`, as the engine's records). Decode
+steps attend by reading that pool: `trace_core.kernels.fp4_attention.fp4_decode_attention` on CUDA (SGLang's triton
+decode math), its pure-torch twin `trace_core.kv_attention.decode_attention_reference` elsewhere. The prefill
+attends over the dequantized values with SDPA, as before (SGLang's extend path also reads dequantized values).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from trace_core.formats import KV_FP4
+from trace_core.kernels import quantize_record, record_buffers
+from trace_core.kernels.fp4_attention import fp4_decode_attention
+from trace_core.kv_attention import decode_attention_reference
+from trace_rl.engine import EmbeddedEngine
+
+ATTENTION = "trace_fp4_kv"
+KV_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """Transformers attention function: decode (one query position) from the engine's FP4 pool, prefill by SDPA."""
+    if query.shape[2] != 1:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    out = module.trace_fp4_kv_engine.decode_attention(module.layer_idx, query[:, :, 0], kwargs["scaling"])
+    return out[:, None], None  # [b, 1, heads, D]
+
+
+AttentionInterface.register(ATTENTION, _attention)
+AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+class FP4AttentionEngine(EmbeddedEngine):
+    """`EmbeddedEngine(fp4=True)` whose decode attention reads an FP4 paged KV pool (module docstring)."""
+
+    def __init__(self, model_dir: str, *, spec, max_batch: int, max_len: int, device: str = "cpu"):
+        super().__init__(model_dir, fp4=True, spec=spec, max_batch=max_batch, max_len=max_len, device=device)
+        c = self.model.config
+        heads, d = c.num_key_value_heads, c.head_dim
+        slots = max_batch * max_len
+        self.kv_pool = {
+            (layer, kind): (
+                torch.zeros(slots, heads, d // 2, dtype=torch.uint8, device=self.device),
+                torch.zeros(slots, heads * d // KV_FP4.block, dtype=torch.uint8, device=self.device),
+            )
+            for layer in range(c.num_hidden_layers)
+            for kind in ("k", "v")
+        }
+        self._start = 0
+        self._slots: torch.Tensor | None = None
+        self.model.set_attn_implementation(ATTENTION)
+        for layer in self.model.model.layers:
+            layer.self_attn.trace_fp4_kv_engine = self
+
+    def _forward(self, ids: torch.Tensor, cache, start: int) -> torch.Tensor:
+        b, s = ids.shape
+        self._start = start
+        self._slots = (torch.arange(b)[:, None] * self.max_len + start + torch.arange(s)).reshape(-1).to(self.device)
+        return super()._forward(ids, cache, start)
+
+    def _fp4_activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
+        out = super()._fp4_activation(site, x2d)
+        if site[1] in ("k", "v"):  # the full codes (b = 4 is the pool's nibble packing) and scales into the pool
+            codes, scales = self.kv_pool[site]
+            low, sc, _ = record_buffers(x2d.shape[0], x2d.shape[1], KV_FP4, 4, x2d.device)
+            quantize_record(x2d, KV_FP4, 4, low_bits=low, scales=sc)
+            codes[self._slots] = low.view(-1, *codes.shape[1:])
+            scales[self._slots] = sc
+        return out
+
+    def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention `[b, heads, D]` of one new position per row over positions [0, start] of the row's slots."""
+        b, heads, d = q.shape
+        n = self._start + 1
+        indices = (torch.arange(b)[:, None] * self.max_len + torch.arange(n)).reshape(-1).to(q.device)
+        indptr = (torch.arange(b + 1) * n).to(device=q.device, dtype=torch.int32)
+        splits = torch.full((b,), KV_SPLITS, dtype=torch.int32, device=q.device)
+        (kc, ks), (vc, vs) = self.kv_pool[(layer, "k")], self.kv_pool[(layer, "v")]
+        q = q.contiguous()
+        if not q.is_cuda:
+            return decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, splits, scaling)
+        o = torch.empty_like(q)
+        logits = torch.empty(b, heads, KV_SPLITS, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, heads, KV_SPLITS, dtype=torch.float32, device=q.device)
+        fp4_decode_attention(q, kc, ks, vc, vs, o, indptr, indices, logits, lse, splits, KV_SPLITS, scaling)
+        return o
