@@ -26,6 +26,15 @@ def test_project_scripts_resolve():
         assert callable(getattr(importlib.import_module(module), name)), target
 
 
+def test_trace_sglang_patches_runs_the_patch_script(capsys):
+    from trace_rl.cli import sglang_patches
+
+    with pytest.raises(SystemExit) as exit_:
+        sglang_patches(["--help"])
+    assert exit_.value.code == 0
+    assert "apply" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["train", "demo", "config"])
 def test_help_documents_every_config_key(command, capsys):
     assert set(FIELD_HELP) == {f.name for f in dataclasses.fields(RLConfig)}

@@ -207,6 +207,7 @@ def sglang_patches(argv: list[str] | None = None) -> int:
         raise SystemExit(f"trace-sglang-patches needs the TRACE source checkout (editable install): no {script}")
     spec = importlib.util.spec_from_file_location("trace_sglang_patches", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.main(sys.argv[1:] if argv is None else argv)
 

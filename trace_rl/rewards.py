@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import multiprocessing
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -67,6 +68,7 @@ def load_reward(spec: str) -> RewardFn:
             raise ValueError(f"reward={spec!r}: file {path} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"trace_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module  # dataclasses and pickling look the module up there
         module_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
