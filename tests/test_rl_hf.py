@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.hf_tiny import make_hf_checkpoint
 from trace_rl.config import load_config
@@ -87,16 +86,17 @@ def test_tensorboard_events_hold_the_metrics(run):
 def test_exported_policy_reloads_in_transformers_with_the_trainer_weights_and_logits(run, tmp_path):
     """Every reloaded tensor is the trainer's, bit for bit; the logits are the trainer's Megatron logits (FP32:
     transformers and Megatron kernels differ only in rounding)."""
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     from megatron_trace.rows import pack_microbatch
     from megatron_trace.tiny import build_tiny_moe
+    from trace_rl.cli import main
 
     ctrl, _ = run
     tensors = ctrl.trainer.hf_weights()
-    save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text((ctrl.policy.hf_dir / "config.json").read_text())
+    main(["export", str(ctrl.out), str(tmp_path)])  # from the run's last checkpoint
     reloaded = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert AutoTokenizer.from_pretrained(tmp_path).chat_template == ctrl.policy.tokenizer.chat_template
     for name, t in reloaded.state_dict().items():
         if name.endswith("experts.gate_up_proj"):  # transformers fuses the experts on load
             p = name.removesuffix("gate_up_proj")

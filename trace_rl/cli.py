@@ -6,6 +6,7 @@ trace-rl results run OUT [options]                 the measurements of docs/resu
 trace-rl report  RAW DOCS                          their tables and plots
 trace-rl make-model [options]                      the tiny addition model of the embedded default
 trace-rl inspect MODEL_DIR                         what an HF checkpoint imports as (refusals by name)
+trace-rl export  RUN_DIR OUT                       the latest checkpoint's policy as an HF checkpoint directory
 trace-rl config  [--config FILE] [key=value ...]   the resolved, validated configuration as TOML
 trace-sglang-patches apply|check|export|regenerate the SGLang patch stack (scripts/sglang_patches.py)
 """
@@ -120,6 +121,43 @@ def _inspect(args: argparse.Namespace) -> None:
     print(f"{len(ckpt.files)} tensors in {len(set(ckpt.files.values()))} safetensors file(s)")
 
 
+def export_run(run_dir: str | Path, out: str | Path) -> Path:
+    """The policy of `run_dir`'s latest checkpoint as an HF checkpoint directory `out`: BF16 `model.safetensors`
+    (`megatron_trace.export.export_hf` of the trainer state) with the source checkpoint's config, generation config
+    and tokenizer files."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from trace_rl.controller import record_spec
+    from trace_rl.policy import load_policy
+    from trace_rl.rundir import load_latest
+    from trace_rl.trainer import MegatronTrainer
+
+    loaded = load_latest(Path(run_dir))
+    if loaded is None:
+        raise SystemExit(f"{run_dir} holds no checkpoint")
+    cfg = RLConfig(**loaded.state["config"])
+    policy = load_policy(cfg.model_dir)
+    trainer = MegatronTrainer(
+        policy.dims,
+        policy.state,
+        mode=cfg.mode,
+        spec=record_spec(policy.dims.layers, cfg),
+        lr=cfg.lr,
+        max_version_diff=cfg.max_version_diff,
+    )
+    trainer.load_state_dict(loaded.state["trainer"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(trainer.hf_weights(), out / "model.safetensors")
+    for f in policy.hf_dir.iterdir():
+        if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and not f.name.startswith("model."):
+            shutil.copy(f, out / f.name)
+    print(f"{loaded.path} (policy version {trainer.policy_version()}) -> {out}")
+    return out
+
+
 def _make_model(args: argparse.Namespace) -> None:
     from trace_rl.warmup import make_tiny_model
 
@@ -167,6 +205,11 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="what an HF checkpoint imports as")
     p.add_argument("model_dir", help="HF Qwen3-MoE checkpoint directory (config.json + safetensors)")
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("export", help="the latest checkpoint's policy as an HF checkpoint directory")
+    p.add_argument("run_dir", help="a run directory (out_dir of one mode) holding checkpoint-<step>.pt")
+    p.add_argument("out", help="where model.safetensors, config.json and the tokenizer files go")
+    p.set_defaults(run=lambda a: export_run(a.run_dir, a.out))
 
     p = sub.add_parser("make-model", help="build the tiny addition model (warm-up included)")
     p.add_argument("--out", default="out/tiny-model", help="output directory (default out/tiny-model)")
