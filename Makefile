@@ -32,7 +32,7 @@ test-gpu: $(STAMP)
 
 # The RL loop on the embedded default (tiny Qwen3-MoE, CPU): BF16, FP4 + QAT and FP4 + TRACE side by side.
 demo: $(STAMP)
-	PYTHON=$(PY) scripts/launch_disagg.sh
+	TRACE_RL=$(VENV)/bin/trace-rl scripts/launch_disagg.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -2,13 +2,19 @@
 process-group / parallel-state setup for one rank or a torchrun launch.
 
 Megatron calls `torch.cuda.current_device()` and the CUDA RNG state functions in code paths that are otherwise
-device-agnostic (rotary embedding, router gating, the RNG tracker forked by `DotProductAttention`). On a machine
-without CUDA these shims route them to the CPU; they are never installed when CUDA is available.
+device-agnostic (rotary embedding, router gating, the RNG tracker forked by `DotProductAttention`), the alltoall
+dispatcher copies its split sizes to the host on a CUDA side stream, and the pipeline schedules create their token
+counter with `device="cuda"`, p2p calls `torch.cuda.synchronize()` after batched send / receive and DDP orders its
+gradient reduction on `torch.cuda.current_stream()`. On a machine without CUDA these shims route them to the CPU
+(the split sizes become numpy arrays, as the CUDA path makes them; streams have nothing to wait for); they are never
+installed when CUDA is available. Megatron's optimizers allocate on 'cuda' by name and are not shimmed: on a CPU the
+trainer's DDP and schedules run, the optimizer step needs CUDA.
 """
 
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -29,12 +35,59 @@ def install_cpu_shims() -> None:
     torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
     tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"  # never a stream on CPU: skips torch.cuda.Stream()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchCudaOnCpu("torch")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
     _INSTALLED = True
 
 
-def init_megatron(tensor_parallel: int = 1, expert_parallel: int = 1, seed: int = 1234) -> None:
+class _NoStream:
+    """The CPU's stand-in for a CUDA stream: nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+class _TorchCudaOnCpu(types.ModuleType):
+    """`torch` as Megatron's schedules see it on a CPU machine: `zeros(..., device="cuda")` is made on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _host_split_sizes(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+    """CPU twin of `MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`: the split sizes as numpy arrays."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def init_megatron(
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_pipeline: int | None = None,
+    seed: int = 1234,
+) -> None:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU; torchrun's environment if present, else one rank)
-    and Megatron's parallel state and model-parallel RNG. Idempotent."""
+    and Megatron's parallel state (data parallel = world / (TP * PP); EP is carved out of DP * TP) and
+    model-parallel RNG. Idempotent."""
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as tp
 
@@ -49,7 +102,13 @@ def init_megatron(tensor_parallel: int = 1, expert_parallel: int = 1, seed: int 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_parallel,
+            pipeline_parallel,
+            virtual_pipeline_model_parallel_size=virtual_pipeline,
+            expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=1,  # experts are never TP-split (per-matrix FP4 weight scales)
+        )
     tp.model_parallel_cuda_manual_seed(seed)
 
 

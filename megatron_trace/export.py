@@ -6,7 +6,8 @@ what `from_pretrained` converts to transformers' fused `gate_up_proj [E, 2I, H]`
 SGLang's weight loader and `update_weights_from_tensor` take. NVFP4 experts follow the ModelOpt checkpoint
 convention: `weight` uint8 `[out, in/2]` (two E2M1 codes per byte, element 2i in the low nibble), `weight_scale`
 float8_e4m3fn `[out, in/16]`, `weight_scale_2` FP32 global decode scale `1/S_enc`; gate and up are quantized as one
-FC1 matrix, so they share `weight_scale_2`, exactly as the trainer's fake-quant does. Single rank (TP = EP = PP = 1).
+FC1 matrix, so they share `weight_scale_2`, exactly as the trainer's fake-quant does. Any TP / EP / PP layout: the
+shards are gathered first (`megatron_trace.parallel.gather_full_state`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,13 @@ from trace_core.formats import NVFP4
 from trace_core.quant import quantize
 
 
-def _check_single_rank(model: torch.nn.Module) -> None:
-    c = model.config
-    sizes = {
-        "tensor_model_parallel_size": c.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": c.pipeline_model_parallel_size,
-        "expert_model_parallel_size": c.expert_model_parallel_size,
-    }
-    if any(v != 1 for v in sizes.values()):
-        raise NotImplementedError(f"export gathers nothing across ranks yet: {sizes}")
-    if not c.gated_linear_unit or c.add_bias_linear or not c.qk_layernorm or c.normalization != "RMSNorm":
+def _check_layout(config) -> None:
+    if (
+        not config.gated_linear_unit
+        or config.add_bias_linear
+        or not config.qk_layernorm
+        or config.normalization != "RMSNorm"
+    ):
         raise ValueError("not a Qwen3-MoE layout: needs SwiGLU experts, no biases, QK-norm and RMSNorm")
 
 
@@ -37,7 +35,7 @@ def hf_config(model: torch.nn.Module, *, rope_theta: float, max_position_embeddi
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": model.embedding.word_embeddings.weight.shape[0],
+        "vocab_size": model.vocab_size,
         "hidden_size": c.hidden_size,
         "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads,
@@ -88,36 +86,48 @@ def _split_qkv(w: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple
 
 
 def export_hf(
-    model: torch.nn.Module, *, nvfp4_experts: bool = False, dtype: torch.dtype = torch.bfloat16
+    model: torch.nn.Module | list[torch.nn.Module], *, nvfp4_experts: bool = False, dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3-MoE state dict of `model` in `dtype`; routed experts packed NVFP4 when `nvfp4_experts`."""
-    _check_single_rank(model)
-    c = model.config
-    heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
+    """HF Qwen3-MoE state dict of the model in `dtype` (routed experts packed NVFP4 when `nvfp4_experts`), gathered
+    across its TP / EP / PP shards (`megatron_trace.parallel.gather_full_state`: collective, every rank calls it with
+    its chunks; ranks off the first pipeline stage get `{}`)."""
+    from megatron_trace.parallel import gather_full_state, unwrap
+
+    chunks = model if isinstance(model, list) else [model]
+    state = gather_full_state(chunks)
+    return export_state(state, unwrap(chunks[0]).config, nvfp4_experts=nvfp4_experts, dtype=dtype) if state else {}
+
+
+def export_state(
+    state: dict[str, torch.Tensor], config, *, nvfp4_experts: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """HF Qwen3-MoE state dict of a full single-rank Megatron state dict (`gather_full_state`'s names)."""
+    _check_layout(config)
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    if any(".shared_experts." in k for k in state):
+        raise ValueError("Qwen3-MoE has no shared experts")
     out: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.embedding.word_embeddings.weight,
-        "model.norm.weight": model.decoder.final_layernorm.weight,
-        "lm_head.weight": model.output_layer.weight,
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+        "lm_head.weight": state["output_layer.weight"],
     }
-    for layer in model.decoder.layers:
-        p = f"model.layers.{layer.layer_number - 1}"
-        attn, mlp = layer.self_attention, layer.mlp
-        q, k, v = _split_qkv(attn.linear_qkv.weight, heads, groups, c.kv_channels)
+    for i in range(config.num_layers):
+        p, m = f"model.layers.{i}", f"decoder.layers.{i}"
+        q, k, v = _split_qkv(state[f"{m}.self_attention.linear_qkv.weight"], heads, groups, config.kv_channels)
         out |= {
-            f"{p}.input_layernorm.weight": layer.input_layernorm.weight,
-            f"{p}.post_attention_layernorm.weight": layer.pre_mlp_layernorm.weight,
+            f"{p}.input_layernorm.weight": state[f"{m}.input_layernorm.weight"],
+            f"{p}.post_attention_layernorm.weight": state[f"{m}.pre_mlp_layernorm.weight"],
             f"{p}.self_attn.q_proj.weight": q,
             f"{p}.self_attn.k_proj.weight": k,
             f"{p}.self_attn.v_proj.weight": v,
-            f"{p}.self_attn.o_proj.weight": attn.linear_proj.weight,
-            f"{p}.self_attn.q_norm.weight": attn.q_layernorm.weight,
-            f"{p}.self_attn.k_norm.weight": attn.k_layernorm.weight,
-            f"{p}.mlp.gate.weight": mlp.router.weight,
+            f"{p}.self_attn.o_proj.weight": state[f"{m}.self_attention.linear_proj.weight"],
+            f"{p}.self_attn.q_norm.weight": state[f"{m}.self_attention.q_layernorm.weight"],
+            f"{p}.self_attn.k_norm.weight": state[f"{m}.self_attention.k_layernorm.weight"],
+            f"{p}.mlp.gate.weight": state[f"{m}.mlp.router.weight"],
         }
-        if mlp.shared_experts is not None:
-            raise ValueError("Qwen3-MoE has no shared experts")
-        for e, expert in enumerate(mlp.experts.local_experts):
-            fc1, fc2 = expert.linear_fc1.weight.detach(), expert.linear_fc2.weight.detach()
+        for e in range(config.num_moe_experts):
+            fc1 = state[f"{m}.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            fc2 = state[f"{m}.mlp.experts.local_experts.{e}.linear_fc2.weight"]
             ep = f"{p}.mlp.experts.{e}"
             if nvfp4_experts:
                 w13 = nvfp4_pack(fc1)

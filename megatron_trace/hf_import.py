@@ -28,6 +28,7 @@ from tqdm import tqdm
 from megatron_trace.tiny import TinyMoEConfig
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text")
+HYBRID_KEYS = ("layer_types", "full_attention_interval", "linear_num_value_heads")  # linear-attention layer configs
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
@@ -39,7 +40,7 @@ class UnsupportedCheckpoint(ValueError):
 def model_dims(config: dict) -> TinyMoEConfig:
     """The trainer's model dimensions of an HF Qwen3-MoE `config.json`; refuses unsupported settings by name."""
     kind = config.get("model_type")
-    if kind in HYBRID_TYPES:
+    if kind in HYBRID_TYPES or any(k in config for k in HYBRID_KEYS):
         raise UnsupportedCheckpoint(
             f"model_type={kind!r}: the Qwen3-Next / Qwen3.5 hybrid (Gated DeltaNet linear-attention layers, gated "
             "attention, shared experts) is not supported; the trainer builds Qwen3-MoE (full attention) only"

@@ -6,7 +6,13 @@ rollout mismatch metrics under verl / slime names.
 - PPO: `ratio = exp(logp - logp_old)`, per-token loss `max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))`.
 - TIS: the rollout sampled from its own policy, so each token is reweighted by
   `w = min(exp(logp_old - logp_rollout), C)` (C = 5), detached.
-- Aggregation: mean over all valid response tokens of the micro-batch ("token-mean").
+- Aggregation: per token over the whole step. `grpo_loss_terms` returns the micro-batch's loss *sum* and token
+  count, which Megatron's schedule (`calculate_per_token_loss`) turns into the mean over every response token of
+  the step, across micro-batches and DP ranks, so gradient accumulation and DP do not weight by length;
+  `grpo_loss` is that mean for one micro-batch.
+- Log-probs: `token_logprobs` works on vocab-parallel logits `[B, S, V / TP]` (max, sum of exponentials and the
+  target logit all-reduced over the tensor-parallel group) in row chunks, so no `[B, S, V]` FP32 tensor exists, and
+  recomputes the softmax chunk by chunk in the backward.
 """
 
 from __future__ import annotations
@@ -33,11 +39,61 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
     return adv.view(-1).to(rewards.dtype)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position from logits `[B, S, V]` (FP32 log-softmax) and targets `[B, S]`."""
+_CHUNK_ELEMENTS = 1 << 24  # FP32 elements per row chunk of the log-prob computation (64 MiB)
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log p(target) from logits rows `[N, V_local]` sharded over `group` by vocabulary (rank r holds ids
+    `[vocab_start, vocab_start + V_local)`); FP32 math one row chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
+        n, v = logits.shape
+        step = max(1, _CHUNK_ELEMENTS // v)
+        local = target - vocab_start
+        inside = (local >= 0) & (local < v)
+        local = torch.where(inside, local, torch.zeros_like(local))
+        row_max = torch.cat([logits[i : i + step].float().amax(-1) for i in range(0, n, step)])
+        row_max = _all_reduce(row_max, torch.distributed.ReduceOp.MAX, group)
+        sum_exp = torch.cat(
+            [(logits[i : i + step].float() - row_max[i : i + step, None]).exp().sum(-1) for i in range(0, n, step)]
+        )
+        sum_exp = _all_reduce(sum_exp, torch.distributed.ReduceOp.SUM, group)
+        picked = torch.where(inside, logits.gather(1, local[:, None]).squeeze(1).float(), 0.0)
+        picked = _all_reduce(picked, torch.distributed.ReduceOp.SUM, group)
+        lse = row_max + sum_exp.log()
+        ctx.save_for_backward(logits, local, inside, lse)
+        ctx.step = step
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, local, inside, lse = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        g = grad.float()
+        for i in range(0, logits.shape[0], ctx.step):
+            j = i + ctx.step
+            chunk = -(logits[i:j].float() - lse[i:j, None]).exp() * g[i:j, None]
+            chunk.scatter_add_(1, local[i:j, None], torch.where(inside[i:j], g[i:j], 0.0)[:, None])
+            out[i:j] = chunk.to(out.dtype)
+        return out, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """log p(target) per position (FP32) from logits `[B, S, V]` and targets `[B, S]`. With `tp_group` the logits
+    are Megatron's vocab-parallel output `[B, S, V / TP]` (this rank's contiguous vocabulary slice)."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must be [B, S, V], [B, S]")
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    v = logits.shape[-1]
+    start = v * torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+    flat = _VocabParallelLogprob.apply(logits.reshape(-1, v), targets.reshape(-1).long(), tp_group, start)
+    return flat.view(targets.shape)
 
 
 def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float = 5.0) -> torch.Tensor:
@@ -57,7 +113,7 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask:
     return out
 
 
-def grpo_loss(
+def grpo_loss_terms(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
     logp_rollout: torch.Tensor,
@@ -67,12 +123,13 @@ def grpo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     tis_cap: float | None = 5.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean GRPO/PPO loss with TIS over `mask`ed response tokens, and its metrics.
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """GRPO/PPO loss with TIS summed over the `mask`ed response tokens of one micro-batch, their count (int64
+    tensor) and the metrics (token means over this micro-batch).
 
     `logp [B, S]` carries the gradient; `logp_old` (the trainer's log-probs before the update) and `logp_rollout`
     (the rollout engine's) are constants; `advantages` is `[B]` (one per response) or `[B, S]`. `tis_cap=None`
-    turns TIS off.
+    turns TIS off. A micro-batch without response tokens gives a zero sum and count.
     """
     shape = logp.shape
     for name, t in (("logp_old", logp_old), ("logp_rollout", logp_rollout), ("mask", mask)):
@@ -81,9 +138,7 @@ def grpo_loss(
         advantages = advantages[:, None].expand(shape)
     _check("advantages", advantages, shape)
     m = mask.bool()
-    n = int(m.sum())
-    if n == 0:
-        raise ValueError("grpo_loss: the mask selects no tokens")
+    n = m.sum()
     old = logp_old.detach().float()
     adv = advantages.detach().float()
     ratio = torch.exp(logp.float() - old)
@@ -91,16 +146,34 @@ def grpo_loss(
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
     weights = tis_weights(old, logp_rollout, tis_cap) if tis_cap is not None else torch.ones_like(per_token)
-    loss = (per_token * weights)[m].sum() / n
-    with torch.no_grad():
-        out = {
-            "actor/pg_loss": float(loss),
-            "actor/pg_clipfrac": float((clipped > unclipped)[m].float().mean()),
-            "actor/ppo_kl": float((old - logp.float())[m].mean()),
-            "tis/weight_mean": float(weights[m].mean()),
-        }
-        if tis_cap is not None:
-            raw = torch.exp(old - logp_rollout.float())
-            out["tis/clip_frac"] = float((raw > tis_cap)[m].float().mean())
-        out.update(mismatch_metrics(old, logp_rollout, m))
-    return loss, out
+    total = (per_token * weights)[m].sum()
+    out: dict[str, float] = {}
+    if int(n):
+        with torch.no_grad():
+            out = {
+                "actor/pg_loss": float(total / n),
+                "actor/pg_clipfrac": float((clipped > unclipped)[m].float().mean()),
+                "actor/ppo_kl": float((old - logp.float())[m].mean()),
+                "tis/weight_mean": float(weights[m].mean()),
+            }
+            if tis_cap is not None:
+                raw = torch.exp(old - logp_rollout.float())
+                out["tis/clip_frac"] = float((raw > tis_cap)[m].float().mean())
+            out.update(mismatch_metrics(old, logp_rollout, m))
+    return total, n, out
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    **kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean GRPO/PPO loss with TIS over one micro-batch's `mask`ed response tokens, and its metrics
+    (`grpo_loss_terms` divided by the token count; keyword arguments as there)."""
+    total, n, out = grpo_loss_terms(logp, logp_old, logp_rollout, advantages, mask, **kwargs)
+    if int(n) == 0:
+        raise ValueError("grpo_loss: the mask selects no tokens")
+    return total / n, out

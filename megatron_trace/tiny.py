@@ -1,5 +1,6 @@
-"""A tiny Qwen3-MoE-shaped GPTModel (local spec, SequentialMLP): the model CPU tests, the GPU smoke test and the
-step benchmark build. Qwen3-MoE architecture: RMSNorm, QK-norm, SwiGLU experts, softmax top-k renormalised over the
+"""A tiny Qwen3-MoE-shaped GPTModel (local spec with SP-capable norms, SequentialMLP): the model CPU tests, the GPU
+smoke test, the step benchmark and the RL trainer build, for any TP / EP / PP layout. Qwen3-MoE architecture:
+RMSNorm, QK-norm, SwiGLU experts, softmax top-k renormalised over the
 chosen experts (`norm_topk_prob`), no biases, untied embeddings, RoPE."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def transformer_config(
     `overrides` set further TransformerConfig fields (recomputation, parallelism)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=cfg.layers,
         hidden_size=cfg.hidden,
         num_attention_heads=cfg.heads,
@@ -69,8 +70,8 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        **overrides,
     )
+    return TransformerConfig(**(fields | overrides))
 
 
 def build_tiny_moe(
@@ -79,26 +80,28 @@ def build_tiny_moe(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     routing_replay: bool = True,
+    vp_stage: int | None = None,
     grouped: bool = False,
     **overrides,
 ):
-    """A GPTModel with MoE in every layer, deterministic in `seed`. Needs `megatron_trace.cpu.init_single_rank()`
-    (or torchrun) first; `grouped` builds the TRACE grouped experts (`megatron_trace.grouped`) instead of
-    SequentialMLP; `overrides` go to `transformer_config`."""
-    from megatron.core import tensor_parallel
+    """A GPTModel with MoE in every layer (this pipeline stage's layers, virtual stage `vp_stage`), deterministic in
+    `seed` for a given layout. Needs `megatron_trace.cpu.init_megatron()` first; `grouped` builds the TRACE grouped
+    experts (`megatron_trace.grouped`) instead of SequentialMLP; `overrides` go to `transformer_config` (parallel
+    sizes, sequence parallelism, recomputation)."""
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_trace.specs import block_spec
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    from megatron_trace.grouped import with_grouped_experts
-
-    spec = get_gpt_layer_local_spec(num_experts=cfg.experts, qk_layernorm=True, normalization="RMSNorm")
-    if grouped:
-        spec = with_grouped_experts(spec)
+    config = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, **overrides)
     model = GPTModel(
-        config=transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, **overrides),
-        transformer_layer_spec=spec,
+        config=config,
+        transformer_layer_spec=block_spec(config, cfg.experts, vp_stage, grouped=grouped),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
         vocab_size=cfg.vocab,
         max_sequence_length=cfg.max_seq,
         position_embedding_type="rope",

@@ -8,12 +8,13 @@
 # rollout engine + Megatron trainer, CPU or one GPU) and writes out/rl/: metrics.csv, per-mode metrics.jsonl and
 # checkpoints, PNG plots and the summary table. With a config, `use_ray = true` runs the rollout workers as Ray
 # actors (on the cluster named by RAY_ADDRESS if set); `rollout_backend = "sglang"` with `sglang_urls` uses running
-# patched SGLang servers as the rollout workers (one mode; see docs/deploy.md). See docs/rl.md.
+# patched SGLang servers as the rollout workers (one mode; see docs/deploy.md). See docs/rl.md. It runs
+# `trace-rl demo` (the project's CLI; `trace-rl demo --help` lists every config key).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+TRACE_RL=${TRACE_RL:-$( [ -x .venv/bin/trace-rl ] && echo .venv/bin/trace-rl || echo trace-rl )}
 if [ $# -eq 0 ]; then
-    exec "$PYTHON" -m trace_rl.launch
+    exec "$TRACE_RL" demo
 fi
 config=$1
 shift
@@ -21,4 +22,4 @@ if [ ! -f "$config" ]; then
     echo "launch_disagg.sh: config file '$config' not found" >&2
     exit 2
 fi
-exec "$PYTHON" -m trace_rl.launch --config "$config" "$@"
+exec "$TRACE_RL" demo --config "$config" "$@"

@@ -60,3 +60,9 @@ def make_hf_checkpoint(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     model.to(torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return Path(path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(make_hf_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "out/tiny-hf"))

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf
-from megatron_trace.hf_import import HFCheckpoint, UnsupportedCheckpoint, megatron_state
+from megatron_trace.hf_import import HFCheckpoint, UnsupportedCheckpoint, megatron_state, model_dims
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.tiny import build_tiny_moe
 from tests.hf_tiny import make_hf_checkpoint
@@ -100,6 +100,51 @@ def test_unsupported_configs_are_refused_by_name(ckpt_dir, tmp_path, change, mat
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedCheckpoint, match=match):
         HFCheckpoint(tmp_path)
+
+
+QWEN3_30B_A3B = {  # config.json of Qwen/Qwen3-30B-A3B as published
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_30b_a3b_config_maps_to_the_trainer_dims():
+    d = model_dims(QWEN3_30B_A3B)
+    assert (d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim) == (48, 2048, 32, 4, 128)
+    assert (d.experts, d.topk, d.expert_ffn, d.vocab, d.rope_theta) == (128, 8, 768, 151936, 1e6)
+    with pytest.raises(UnsupportedCheckpoint, match="hybrid"):
+        model_dims(QWEN3_30B_A3B | {"layer_types": ["linear_attention", "full_attention"] * 24})
 
 
 def _worker(ckpt_dir: str, out: str) -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_trace.loss import grpo_advantages, grpo_loss, tis_weights, token_logprobs
+from megatron_trace.loss import grpo_advantages, grpo_loss, grpo_loss_terms, tis_weights, token_logprobs
 
 
 def test_grpo_advantages_by_hand():
@@ -66,3 +66,52 @@ def test_tis_off_token_logprobs_and_bad_inputs():
         grpo_loss(x, x, torch.zeros(2, 2), torch.tensor([1.0]), torch.ones(1, 2))
     with pytest.raises(ValueError, match="NaN"):
         grpo_loss(x, x, torch.full((1, 2), float("nan")), torch.tensor([1.0]), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_and_grpo_tis_equal_the_full_fp32_log_softmax(dtype, monkeypatch):
+    """`token_logprobs` (row chunks, no [B, S, V] FP32 tensor) against the former full FP32 log-softmax: log-probs,
+    the GRPO + token-level TIS (C = 5) loss and its gradient agree to FP32 rounding."""
+    import megatron_trace.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_ELEMENTS", 3 * 50)  # three rows per chunk: several chunks
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 7, 50, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 50, (4, 7), generator=g)
+    rollout = torch.log_softmax(logits.float() + 0.3 * torch.randn(4, 7, 50, generator=g), -1)
+    logp_rollout = rollout.gather(-1, targets[..., None]).squeeze(-1)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0])
+    mask = torch.rand(4, 7, generator=g) > 0.2
+    results = []
+    for fn in (
+        lambda x: torch.log_softmax(x.float(), -1).gather(-1, targets[..., None]).squeeze(-1),
+        lambda x: token_logprobs(x, targets),
+    ):
+        x = logits.clone().requires_grad_()
+        logp = fn(x)
+        loss, metrics = grpo_loss(logp, logp.detach() - 0.05, logp_rollout, adv, mask, tis_cap=5.0)
+        loss.backward()
+        results.append((logp.detach(), float(loss), x.grad.float(), metrics["tis/weight_mean"]))
+    (lp0, l0, g0, w0), (lp1, l1, g1, w1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-6, atol=2e-6)
+    assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7) and w1 == pytest.approx(w0, rel=1e-6)
+    atol = 1e-7 if dtype is torch.float32 else 1e-3  # the gradient is rounded to the logits' dtype
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=atol)
+
+
+def test_grpo_loss_terms_sum_over_micro_batches_to_the_step_token_mean():
+    """(sum, tokens) per micro-batch summed over the step and divided once: the token mean of the whole step, not
+    the mean of micro-batch means (what Megatron's calculate_per_token_loss does over micro-batches and DP)."""
+    g = torch.Generator().manual_seed(1)
+    logp = torch.randn(4, 6, generator=g) - 2
+    old, rollout = logp + 0.1 * torch.randn(4, 6, generator=g), logp - 0.2
+    adv, mask = torch.tensor([1.0, -1.0, 0.5, 2.0]), torch.rand(4, 6, generator=g) > 0.5
+    mask[0, :5] = False  # micro-batch 0 is short
+    whole, _ = grpo_loss(logp, old, rollout, adv, mask)
+    parts = [
+        grpo_loss_terms(logp[i : i + 2], old[i : i + 2], rollout[i : i + 2], adv[i : i + 2], mask[i : i + 2])
+        for i in (0, 2)
+    ]
+    assert float(sum(p[0] for p in parts) / sum(p[1] for p in parts)) == pytest.approx(float(whole), rel=1e-6)
+    means = [float(p[0] / p[1]) for p in parts]
+    assert sum(means) / 2 != pytest.approx(float(whole), rel=1e-3)  # the per-micro-batch mean would bias by length

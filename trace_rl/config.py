@@ -41,6 +41,9 @@ class RLConfig:
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
     and of a whole rollout step (the run then fails). force_resume: resume a checkpoint although settings that
     change the numerics differ (docs/reliability.md).
+    data / eval_data and the fields after them: the prompt dataset (`addition` or a JSONL / Parquet file,
+    `trace_rl.data`), the reward function (`trace_rl.rewards`), held-out evaluation and the loggers
+    (`trace_rl.tracking`); docs/rl.md, "Bring your own model and data".
     """
 
     mode: str = "trace"
@@ -67,6 +70,25 @@ class RLConfig:
     rollout_backend: str = "embedded"
     sglang_urls: str = ""
     sglang_timeout_s: float = 600.0
+    data: str = "addition"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    metadata_keys: str = ""
+    chat_template: bool = True
+    system_prompt: str = ""
+    max_prompt_len: int = 0
+    shuffle: bool = True
+    epochs: int = 0
+    reward: str = "exact_match"
+    reward_workers: int = 4
+    reward_pool: str = "thread"
+    eval_data: str = ""
+    eval_every: int = 0
+    eval_k: int = 4
+    eval_prompts: int = 0
+    loggers: str = "tensorboard"
+    wandb_project: str = "trace"
+    wandb_run: str = ""
     sglang_api_key: str = ""
     sglang_admin_api_key: str = ""
     rollout_call_timeout_s: float = 600.0
@@ -99,6 +121,7 @@ class RLConfig:
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} must be cpu or cuda")
         errors += self._sglang_errors()
+        errors += self._data_errors()
         if errors:
             raise ConfigError("invalid RL config: " + "; ".join(errors))
 
@@ -140,6 +163,37 @@ class RLConfig:
                     f"{key} must name where the key is ('env:VARIABLE' or 'file:PATH'), never the key itself "
                     "(configs are written to checkpoints and logs)"
                 )
+        return errors
+
+    def logger_list(self) -> tuple[str, ...]:
+        return tuple(x.strip() for x in self.loggers.split(",") if x.strip() and x.strip() != "none")
+
+    def metadata_key_list(self) -> tuple[str, ...]:
+        return tuple(x.strip() for x in self.metadata_keys.split(",") if x.strip())
+
+    def _data_errors(self) -> list[str]:
+        errors = []
+        if self.data != "addition" and not self.data.endswith((".jsonl", ".parquet")):
+            errors.append(f"data={self.data!r} must be 'addition' or a .jsonl / .parquet file")
+        if self.eval_data and self.eval_data != "addition" and not self.eval_data.endswith((".jsonl", ".parquet")):
+            errors.append(f"eval_data={self.eval_data!r} must be 'addition' or a .jsonl / .parquet file")
+        negative = [
+            k
+            for k in ("max_prompt_len", "epochs", "reward_workers", "eval_every", "eval_prompts")
+            if getattr(self, k) < 0
+        ]
+        errors += [f"{k}={getattr(self, k)} must be >= 0" for k in negative]
+        if self.eval_k < 1:
+            errors.append(f"eval_k={self.eval_k} must be >= 1")
+        if self.reward_pool not in ("thread", "process"):
+            errors.append(f"reward_pool={self.reward_pool!r} must be thread or process")
+        if bool(self.eval_every) != bool(self.eval_data):
+            errors.append(f"eval_every={self.eval_every} and eval_data={self.eval_data!r} go together")
+        if self.eval_every and self.rollout_backend != "embedded":
+            errors.append("eval_every needs rollout_backend='embedded' (SGLang servers would record the evaluation)")
+        bad = [x for x in self.logger_list() if x not in ("tensorboard", "wandb")]
+        if bad:
+            errors.append(f"loggers {bad}: use tensorboard, wandb, both (comma-separated) or none")
         return errors
 
     def replace(self, **changes: Any) -> RLConfig:

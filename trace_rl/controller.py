@@ -1,5 +1,10 @@
 """The RL controller: rollout → records and routes into the store → rewards → trainer step → weight sync,
-asynchronous by `async_lag` rollout batches within `max_version_diff`, with checkpoint and resume.
+asynchronous by `async_lag` rollout batches within `max_version_diff`, with checkpoint and resume, periodic
+held-out evaluation and TensorBoard / W&B logging.
+
+The policy is the tiny addition model or an HF Qwen3-MoE checkpoint (`trace_rl.policy`), the prompts a dataset
+(`trace_rl.data`), the rewards a reward function scored in a pool as soon as a batch is generated
+(`trace_rl.rewards`), so a slow reward function overlaps the trainer.
 
 A step's GRPO groups are split into one request per rollout worker (`trace_rl.workers`: in-process, or Ray actors
 with `use_ray`; `trace_rl.sglang_worker`: patched SGLang servers with `rollout_backend = "sglang"`); the trainer
@@ -15,6 +20,7 @@ import shutil
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,11 +31,13 @@ from trace_core.records import RecordSpec
 from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
+from trace_rl.data import Prompt, dataset
 from trace_rl.engine import Trajectory
+from trace_rl.policy import RolloutTask, load_policy
+from trace_rl.rewards import RewardPool
 from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
-from trace_rl.task import AdditionTask
+from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
-from trace_rl.warmup import load_megatron_state
 from trace_rl.workers import LocalPool, RayPool, Request
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
@@ -51,6 +59,7 @@ RESUME_KEYS = (
     "rollout_workers",
     "rollout_backend",
     "async_lag",
+    "data",
 )
 
 
@@ -58,9 +67,10 @@ RESUME_KEYS = (
 class RolloutBatch:
     step: int
     version: int
-    operands: torch.Tensor
+    prompts: list[Prompt]
     trajectories: list[Trajectory]
     restarts: int
+    rewards: list[Future]  # one per trajectory, scored in the reward pool
     stale_shards: int = 0  # shards of earlier rollout attempts set aside when the step was finalized
 
 
@@ -94,10 +104,19 @@ class Controller:
     def _start(self, resume: bool) -> None:
         cfg = self.cfg
         self.store = (self.out / "records").resolve()
-        tiny, digits, state = load_megatron_state(cfg.model_dir)
-        self.task = AdditionTask(digits)
-        if self.task.prompt_len + cfg.max_new_tokens > tiny.max_seq:
-            raise ValueError(f"prompt + max_new_tokens exceeds the model's max_seq {tiny.max_seq}")
+        self.policy = policy = load_policy(cfg.model_dir)
+        tiny, state = policy.dims, policy.state
+        self.data = dataset(cfg.data, cfg, policy)
+        self.eval_data = dataset(cfg.eval_data, cfg, policy) if cfg.eval_data else None
+        max_prompt = max(d.max_prompt_len for d in (self.data, self.eval_data) if d is not None)
+        if max_prompt + cfg.max_new_tokens > tiny.max_seq:
+            raise ValueError(f"prompt ({max_prompt}) + max_new_tokens exceeds the model's max_seq {tiny.max_seq}")
+        self.steps = cfg.steps
+        if cfg.epochs and self.data.size is not None:
+            self.steps = min(cfg.steps, cfg.epochs * self.data.size // cfg.prompts_per_step)
+            if self.steps < 1:
+                raise ValueError(f"epochs={cfg.epochs} of {self.data.size} prompts: no step of {cfg.prompts_per_step}")
+        self.rewards = RewardPool(cfg.reward, cfg.reward_workers, cfg.reward_pool)
         self.spec = record_spec(tiny.layers, cfg)
         trainer = RayTrainer if cfg.use_ray else MegatronTrainer
         self.trainer = trainer(
@@ -105,12 +124,13 @@ class Controller:
         )
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
         capture = capture_spec(tiny.layers, cfg)
+        task = RolloutTask(str(policy.hf_dir), max_prompt + cfg.max_new_tokens, policy.eos)
         if cfg.rollout_backend == "sglang":
             from trace_rl.sglang_worker import SGLangPool
 
-            self.pool = SGLangPool(pool_cfg, capture, self.task)
+            self.pool = SGLangPool(pool_cfg, capture, task)
         else:
-            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, self.task)
+            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
         self.step = 0
@@ -125,6 +145,14 @@ class Controller:
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)
+        self.tracker = Tracker(
+            self.out,
+            cfg.logger_list(),
+            config=asdict(cfg),
+            start_step=self.step,
+            wandb_project=cfg.wandb_project,
+            wandb_run=cfg.wandb_run,
+        )
 
     def _discard_unsaved_rollouts(self) -> None:
         """Record-store steps that no checkpoint knows of (a fresh start, or rollouts after the last checkpoint)
@@ -137,7 +165,10 @@ class Controller:
             print(f"discarded record-store steps {stale} of {self.out} (not covered by a checkpoint)")
 
     def close(self) -> None:
-        """Release `out_dir` (the lock); the controller is not used after."""
+        """Close the loggers, stop the reward pool and release `out_dir` (the lock); the controller is not used
+        after."""
+        self.tracker.close()
+        self.rewards.close()
         self.lock.release()
 
     def __enter__(self) -> Controller:
@@ -150,14 +181,14 @@ class Controller:
     def rollout(self, step: int) -> RolloutBatch:
         """Generate step `step`'s trajectories; the workers write their records into the store."""
         cfg, n = self.cfg, self.cfg.group_size
-        operands = self.task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(cfg.seed * 7919 + step))
-        prompts = self.task.prompts(operands).repeat_interleave(n, dim=0)
+        prompts = self.data.batch(step, cfg.prompts_per_step)
+        ids = [p.ids for p in prompts for _ in range(n)]
         requests = []
         for w, groups in enumerate(torch.arange(cfg.prompts_per_step).tensor_split(cfg.rollout_workers)):
             if len(groups):
                 rows = tuple(range(int(groups[0]) * n, (int(groups[-1]) + 1) * n))
                 seed = (cfg.seed * 1_000_003 + step) * 64 + w
-                requests.append(Request(w, step, prompts[list(rows)], rows, seed, str(self.store)))
+                requests.append(Request(w, step, [ids[r] for r in rows], rows, seed, str(self.store)))
         results, restarts = self.pool.run(requests)
         trajs = [t for out in results for t in out]
         index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
@@ -170,16 +201,57 @@ class Controller:
         stale = json.loads(index.read_bytes())["stale"]
         if stale:
             print(f"step {step}: set aside {len(stale)} shards of earlier rollout attempts: {stale}", file=sys.stderr)
-        return RolloutBatch(step, versions.pop(), operands, trajs, restarts, len(stale))
+        return RolloutBatch(step, versions.pop(), prompts, trajs, restarts, self._score(prompts, trajs), len(stale))
+
+    def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Future]:
+        """Submit every trajectory's response text (EOS stripped) with its prompt's answer to the reward pool."""
+        n = len(trajs) // len(prompts)
+        samples = []
+        for i, t in enumerate(trajs):
+            response = t.response
+            if len(response) and int(response[-1]) in self.policy.eos:
+                response = response[:-1]
+            text = self.policy.tokenizer.decode(response.tolist(), skip_special_tokens=True)
+            samples.append((text, prompts[i // n].answer, prompts[i // n].metadata))
+        return self.rewards.submit(samples)
+
+    def _record_bytes_per_token(self, batch: RolloutBatch) -> float:
+        """Bytes of the step's record-store directory per trajectory token."""
+        files = [f for f in step_dir(self.store, batch.step).rglob("*") if f.is_file()]
+        return sum(f.stat().st_size for f in files) / sum(len(t.tokens) for t in batch.trajectories)
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self) -> dict[str, float]:
+        """`eval_k` samples of each held-out prompt with the current policy (no records): mean reward (mean@k),
+        pass@1 (fraction of positive-reward samples) and pass@k (prompts with a positive-reward sample)."""
+        cfg, k = self.cfg, self.cfg.eval_k
+        prompts = self.eval_data.head(cfg.eval_prompts)
+        ids = [p.ids for p in prompts for _ in range(k)]
+        chunk = cfg.prompts_per_step * cfg.group_size
+        requests = []
+        for j, lo in enumerate(range(0, len(ids), chunk)):
+            seed = -((cfg.seed * 1_000_003 + self.step) * 64 + j) - 1  # training seeds are >= 0
+            rows = tuple(range(lo, min(lo + chunk, len(ids))))
+            requests.append(Request(j, self.step, ids[lo : lo + chunk], rows, seed, ""))
+        results, _ = self.pool.run(requests)
+        trajs = [t for out in results for t in out]
+        rewards = torch.tensor([f.result() for f in self._score(prompts, trajs)]).view(len(prompts), k)
+        return {
+            f"eval/mean@{k}": float(rewards.mean()),
+            "eval/pass@1": float((rewards > 0).float().mean()),
+            f"eval/pass@{k}": float((rewards > 0).any(dim=1).float().mean()),
+            "eval/response_len": sum(len(t.response) for t in trajs) / len(trajs),
+        }
 
     # ----------------------------------------------------------------- the loop
     def train_step(self) -> dict:
         """Fill the rollout pipeline, train on its oldest batch, sync weights; returns the step's metrics."""
         start = time.perf_counter()
-        while len(self.pending) <= self.cfg.async_lag and self.step + len(self.pending) < self.cfg.steps:
+        while len(self.pending) <= self.cfg.async_lag and self.step + len(self.pending) < self.steps:
             self.pending.append(self.rollout(self.step + len(self.pending)))
         batch = self.pending.popleft()
-        rewards = self.task.reward(batch.operands.repeat_interleave(self.cfg.group_size, 0), batch_responses(batch))
+        waiting = time.perf_counter()
+        rewards = torch.tensor([f.result() for f in batch.rewards])
         rolled = time.perf_counter()
         metrics = self.trainer.step(
             batch.trajectories, rewards, self.cfg.group_size, str(self.store), batch.step, batch.version
@@ -195,22 +267,29 @@ class Controller:
             "reward/mean": float(rewards.mean()),
             "rollout/response_len": sum(len(t.response) for t in batch.trajectories) / len(batch.trajectories),
             "rollout/restarts": float(batch.restarts),
+            "trace/record_bytes_per_token": self._record_bytes_per_token(batch),
             "rollout/stale_shards": float(batch.stale_shards),
             "time/step_s": synced - start,
             "time/rollout_s": rolled - start,
+            "time/reward_wait_s": rolled - waiting,
             "time/train_s": trained - rolled,
             "time/sync_s": synced - trained,
         }
-        self.history.append(metrics)
         self.step += 1
+        if self.eval_data is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.steps):
+            evaluated = time.perf_counter()
+            metrics |= self.evaluate()
+            metrics["time/eval_s"] = time.perf_counter() - evaluated
+        self.history.append(metrics)
+        self.tracker.log(metrics, metrics["step"])
         with open(self.out / METRICS, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps:
             self.save_checkpoint()
         return metrics
 
     def run(self, desc: str | None = None) -> list[dict]:
-        bar = tqdm(range(self.step, self.cfg.steps), desc=desc or self.cfg.mode, unit="step")
+        bar = tqdm(range(self.step, self.steps), desc=desc or self.cfg.mode, unit="step")
         for _ in bar:
             m = self.train_step()
             bar.set_postfix(reward=f"{m['reward/mean']:.2f}", dlogp=f"{m['train_rollout_logprob_abs_diff']:.4f}")
@@ -228,7 +307,6 @@ class Controller:
             {
                 "step": b.step,
                 "version": b.version,
-                "operands": b.operands,
                 "restarts": b.restarts,
                 "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded, t.attempt) for t in b.trajectories],
             }
@@ -265,23 +343,15 @@ class Controller:
         self.trainer.load_state_dict(state["trainer"], lr=self.cfg.lr)
         self.step, self.history = state["step"], state["history"]
         self.checkpoint_steps = state["checkpoint_steps"]
-        self.pending = deque(
-            RolloutBatch(
-                p["step"],
-                p["version"],
-                p["operands"],
-                [Trajectory(*t[:3], None, *t[3:]) for t in p["trajectories"]],
-                p["restarts"],
+        for p in state["pending"]:  # prompts are a function of the step; rewards are scored again
+            prompts = self.data.batch(p["step"], self.cfg.prompts_per_step)
+            trajs = [Trajectory(*t[:3], None, *t[3:]) for t in p["trajectories"]]
+            self.pending.append(
+                RolloutBatch(p["step"], p["version"], prompts, trajs, p["restarts"], self._score(prompts, trajs))
             )
-            for p in state["pending"]
-        )
         for b in self.pending:
             if not (step_dir(self.store, b.step) / INDEX_NAME).exists():
                 raise StoreError(f"checkpoint {path} needs record step {b.step}, which {self.store} does not hold")
         version = self.trainer.policy_version()
         if version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), version)
-
-
-def batch_responses(batch: RolloutBatch) -> list[torch.Tensor]:
-    return [t.response for t in batch.trajectories]

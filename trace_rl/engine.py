@@ -16,7 +16,7 @@ Generation is batched with a KV cache; prompts share one length, so token (b, po
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -225,13 +225,14 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: torch.Tensor, max_new: int, *, eos: int, seed: int, temperature: float = 1.0
+        self, prompts: torch.Tensor, max_new: int, *, eos: int | Sequence[int], seed: int, temperature: float = 1.0
     ) -> list[Trajectory]:
-        """Sample one response per prompt row (`[B, P]`, one length) until EOS or `max_new` tokens."""
+        """Sample one response per prompt row (`[B, P]`, one length) until an EOS id or `max_new` tokens."""
         b, p = prompts.shape
         if b > self.max_batch or p + max_new > self.max_len:
             raise ValueError(f"batch {b} x {p}+{max_new} tokens exceeds the engine ({self.max_batch} x {self.max_len})")
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos), device=self.device)
         cache = (
             _SiteCache(self._kv_site, self.model.config) if self._sites_run else DynamicCache(config=self.model.config)
         )
@@ -243,7 +244,7 @@ class EmbeddedEngine:
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             tokens.append(tok)
             logps.append(logp.gather(1, tok[:, None]).squeeze(1))
-            done |= tok == eos
+            done |= torch.isin(tok, eos_ids)
             # Every sampled token is fed back once, so each trajectory has records (and routes) at all positions.
             logits = self._forward(tok[:, None], cache, p + t)
             if bool(done.all()):
@@ -252,7 +253,7 @@ class EmbeddedEngine:
         tokens_bt, logps_bt = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
         out = []
         for i in range(b):
-            ends = (tokens_bt[i] == eos).nonzero()
+            ends = torch.isin(tokens_bt[i], eos_ids.cpu()).nonzero()
             r = int(ends[0]) + 1 if ends.numel() else tokens_bt.shape[1]
             full = torch.cat([prompts[i].cpu(), tokens_bt[i, :r]])
             records = self.capturer.gather(torch.arange(len(full)) + i * self.max_len, len(full))

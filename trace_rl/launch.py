@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"--modes {spec!r}: rollout_backend='sglang' runs one mode (the servers' --trace-store is that run's "
             "record store); run the modes one after another"
         )
-    if not (Path(base.model_dir) / MEGATRON_STATE).exists():
+    if not any((Path(base.model_dir) / name).exists() for name in (MEGATRON_STATE, "config.json")):
         print(f"building the tiny model in {base.model_dir}")
         print(json.dumps(make_tiny_model(base.model_dir, seed=base.seed), indent=1))
     out = Path(base.out_dir)

@@ -211,8 +211,8 @@ def timing_section(raw: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("raw", type=Path)
-    ap.add_argument("docs", type=Path)
+    ap.add_argument("raw", type=Path, help="the raw/ directory `trace_rl.results run` wrote")
+    ap.add_argument("docs", type=Path, help="where tables.md and the plots go")
     args = ap.parse_args(argv)
     missing = [name for name in ("warmup.json", "analysis.json") if not (args.raw / name).exists()]
     if missing:  # checked before anything is written

@@ -40,8 +40,8 @@ from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
-from trace_rl.task import EOS, AdditionTask
-from trace_rl.warmup import HF_DIR
+from trace_rl.policy import RolloutTask
+from trace_rl.task import EOS
 from trace_rl.workers import Request, RolloutTimeout
 
 WEIGHTS_DIR = "weights"
@@ -78,10 +78,10 @@ def read_secret(ref: str, name: str) -> str | None:
 
 class SGLangWorker:
     """One patched SGLang server at `url`, serving the policy version it was last updated to; `vocab_size` bounds
-    the token ids it may answer with."""
+    the token ids it may answer with, `eos` ends a response."""
 
-    def __init__(self, url: str, cfg: RLConfig, vocab_size: int):
-        self.url, self.cfg, self.vocab_size = url.rstrip("/"), cfg, vocab_size
+    def __init__(self, url: str, cfg: RLConfig, vocab_size: int, eos: tuple[int, ...] = (EOS,)):
+        self.url, self.cfg, self.vocab_size, self.eos = url.rstrip("/"), cfg, vocab_size, eos
         self.session = requests.Session()
         self._keys = {
             False: read_secret(cfg.sglang_api_key, "sglang_api_key"),
@@ -134,14 +134,14 @@ class SGLangWorker:
                 f"request for rollout step {req.step} sent to {self.url}, which serves policy version "
                 f"{self._version}; the server writes records under its weight version (needs async_lag = 0)"
             )
-        prompts = req.prompts.tolist()
+        prompts = [p.tolist() for p in req.prompts]
         payload = {
             "input_ids": prompts,
             "rid": [rollout_rid(str(r), req.attempt) for r in req.rows],
             "sampling_params": {
                 "max_new_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature,
-                "stop_token_ids": [EOS],
+                "stop_token_ids": list(self.eos),
             },
             "return_logprob": True,
         }
@@ -280,11 +280,11 @@ class SGLangWorker:
 class SGLangPool:
     """One `SGLangWorker` per URL of `cfg.sglang_urls`; requests run concurrently, one server each."""
 
-    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
+    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg = cfg
-        self.hf_config = Path(cfg.model_dir) / HF_DIR / "config.json"
+        self.hf_config = Path(task.hf_dir) / "config.json"
         vocab = json.loads(self.hf_config.read_text())["vocab_size"]
-        self.workers = [SGLangWorker(url, cfg, vocab) for url in cfg.sglang_url_list()]
+        self.workers = [SGLangWorker(url, cfg, vocab, task.eos) for url in cfg.sglang_url_list()]
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
 
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:

@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -27,8 +26,7 @@ from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWriter
 from trace_rl.config import RLConfig
 from trace_rl.engine import EmbeddedEngine, Trajectory, WorkerDied
-from trace_rl.task import EOS, AdditionTask
-from trace_rl.warmup import HF_DIR
+from trace_rl.policy import RolloutTask
 
 
 class RolloutTimeout(RuntimeError):
@@ -37,11 +35,12 @@ class RolloutTimeout(RuntimeError):
 
 @dataclass(frozen=True)
 class Request:
-    """Rows `rows` of a step's batch, sampled with `seed`; records go to `store`, bound to `attempt`."""
+    """Rows `rows` of a step's batch (prompt token ids, any lengths), sampled with `seed`; records go to `store`,
+    bound to `attempt` (`store = ""`: no records, an evaluation)."""
 
     index: int
     step: int
-    prompts: torch.Tensor
+    prompts: Sequence[torch.Tensor]
     rows: tuple[int, ...]
     seed: int
     store: str
@@ -53,29 +52,40 @@ class Request:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
-        self.cfg = cfg
+    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
+        self.cfg, self.task = cfg, task
         self.engine = EmbeddedEngine(
-            str(Path(cfg.model_dir) / HF_DIR),
+            task.hf_dir,
             fp4=cfg.mode != "bf16",
             spec=spec,
             max_batch=cfg.prompts_per_step * cfg.group_size,
-            max_len=task.prompt_len + cfg.max_new_tokens,
+            max_len=task.max_len,
             device=cfg.device,
         )
 
     def generate(self, req: Request) -> list[Trajectory]:
-        out = self.engine.generate(
-            req.prompts, self.cfg.max_new_tokens, eos=EOS, seed=req.seed, temperature=self.cfg.temperature
-        )
-        version = self.engine.version
-        records = {
-            str(r): dataclasses.replace(
-                t.records, binding=Binding(req.step, version, str(r), req.attempt, token_digest(t.tokens))
+        """The engine samples prompts of one length as one batch: one batch per prompt length, the k-th seeded
+        `req.seed + k`."""
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(req.prompts):
+            by_len.setdefault(len(p), []).append(i)
+        out: list[Trajectory] = [None] * len(req.prompts)
+        for k, rows in enumerate(by_len.values()):
+            prompts = torch.stack([req.prompts[i] for i in rows])
+            trajs = self.engine.generate(
+                prompts, self.cfg.max_new_tokens, eos=self.task.eos, seed=req.seed + k, temperature=self.cfg.temperature
             )
-            for r, t in zip(req.rows, out, strict=True)
-        }
-        StepWriter(req.store, req.step).write(records)
+            for i, t in zip(rows, trajs, strict=True):
+                out[i] = t
+        if req.store:
+            version = self.engine.version
+            records = {
+                str(r): dataclasses.replace(
+                    t.records, binding=Binding(req.step, version, str(r), req.attempt, token_digest(t.tokens))
+                )
+                for r, t in zip(req.rows, out, strict=True)
+            }
+            StepWriter(req.store, req.step).write(records)
         return [dataclasses.replace(t, records=None, attempt=req.attempt) for t in out]
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -120,7 +130,7 @@ def init_ray() -> None:
 
 
 class _Pool:
-    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
+    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg, self.spec, self.task = cfg, spec, task
         self.weights: tuple[object, int] | None = None  # the latest policy pushed to the workers
         self.workers = [self._start() for _ in range(cfg.rollout_workers)]
@@ -202,7 +212,7 @@ class LocalPool(_Pool):
 class RayPool(_Pool):
     """Workers as Ray actors (one process each), requests in flight concurrently."""
 
-    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: AdditionTask):
+    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         import ray
 
         init_ray()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Trainer layouts on one host with 2 GPUs: single GPU, then TP=2 (+SP), EP=2 (alltoall), PP=2 and DP=2 (distributed
+# optimizer), each for a few RL steps of the `small` preset in trace mode (bench/megatron_parallel.py); prints the
+# table docs/megatron.md quotes.   bench/megatron_parallel.sh OUT_DIR [extra args for megatron_parallel.py]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bench/megatron_parallel.sh OUT_DIR}
+shift
+mkdir -p "$out"
+work=$(mktemp -d)
+PY=${PYTHON:-python3}
+run() {
+    local n=$1 layout=$2
+    shift 2
+    "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_port $((29500 + RANDOM % 1000)) \
+        bench/megatron_parallel.py --layout "$layout" --work "$work" --out "$out/${layout//[=,]/_}" "$@" \
+        > "$out/${layout//[=,]/_}.log" 2>&1 || { tail -n 40 "$out/${layout//[=,]/_}.log"; exit 1; }
+}
+run 1 single "$@"
+for layout in tp=2 ep=2 pp=2 dp=2; do
+    run 2 "$layout" "$@"
+done
+"$PY" bench/megatron_parallel.py --summary "$out" | tee "$out/summary.md"

@@ -1,0 +1,181 @@
+"""Prompt datasets of the RL loop: the synthetic addition task, or a JSONL / Parquet file of prompts.
+
+A dataset serves `batch(step, n)`: the `n` prompts of RL step `step`, a pure function of (seed, step), so a resumed
+run continues at exactly the sample the uninterrupted run would have used. A file dataset maps its fields by the
+config (`prompt_key`, `answer_key`, `metadata_keys`; dotted keys reach nested fields, e.g. verl's
+`reward_model.ground_truth`), applies the tokenizer's chat template (a prompt may be a string, the user turn, or a
+list of `{role, content}` messages), drops prompts longer than `max_prompt_len` tokens (counted), and walks the
+prompts epoch by epoch, each epoch in its own seeded permutation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from trace_rl.task import EOS, EQUALS, PLUS, AdditionTask
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: token ids `[P]`, the reference answer for the reward, metadata passed to the reward function,
+    and its row in the dataset file (-1 for the synthetic task)."""
+
+    ids: torch.Tensor
+    answer: str | None
+    metadata: dict = field(default_factory=dict)
+    row: int = -1
+
+
+class AdditionTokenizer:
+    """The addition task's vocabulary as text: digits, `+`, `=`; EOS and unused ids are special."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        chars = {PLUS: "+", EQUALS: "="} | {d: str(d) for d in range(10)}
+        return "".join(chars.get(int(i), "" if skip_special_tokens and int(i) == EOS else "?") for i in ids)
+
+
+class AdditionData:
+    """`a+b=` prompts, answered by the sum's digits least significant first (exact-match reward)."""
+
+    def __init__(self, digits: int, seed: int):
+        self.task, self.seed = AdditionTask(digits), seed
+        self.max_prompt_len = self.task.prompt_len
+        self.size: int | None = None  # unbounded
+
+    def batch(self, step: int, n: int) -> list[Prompt]:
+        operands = self.task.sample(n, torch.Generator().manual_seed(self.seed * 7919 + step))
+        ids = self.task.prompts(operands)
+        total = operands.sum(dim=1).tolist()
+        width = self.task.digits + 1
+        return [Prompt(ids[i], str(s).zfill(width)[::-1]) for i, s in enumerate(total)]
+
+    def head(self, n: int) -> list[Prompt]:
+        """`n` prompts (64 with `n = 0`) drawn apart from the training steps: a held-out evaluation set."""
+        return self.batch(-1, n or 64)
+
+
+def dataset(spec: str, cfg, policy) -> AdditionData | PromptDataset:
+    """The dataset `spec` (`addition` or a file) of an `RLConfig` for a `trace_rl.policy.Policy`."""
+    if spec == "addition":
+        if policy.digits is None:
+            raise ValueError("data='addition' needs the tiny addition model (model_dir with megatron.pt)")
+        return AdditionData(policy.digits, cfg.seed)
+    return PromptDataset(
+        spec,
+        policy.tokenizer,
+        prompt_key=cfg.prompt_key,
+        answer_key=cfg.answer_key,
+        metadata_keys=cfg.metadata_key_list(),
+        chat_template=cfg.chat_template,
+        system_prompt=cfg.system_prompt,
+        max_prompt_len=cfg.max_prompt_len or policy.dims.max_seq - cfg.max_new_tokens,
+        seed=cfg.seed,
+        shuffle=cfg.shuffle,
+    )
+
+
+def _field(row: dict, key: str) -> Any:
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(part)
+        value = value[part]
+    return value
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a `.jsonl` (one JSON object a line) or `.parquet` file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    if path.suffix == ".jsonl":
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"dataset {path}: use a .jsonl or .parquet file")
+
+
+class PromptDataset:
+    """Prompts of a JSONL / Parquet file, tokenized (chat template applied), filtered by length."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        metadata_keys: tuple[str, ...] = (),
+        chat_template: bool = True,
+        system_prompt: str = "",
+        max_prompt_len: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"chat_template=true but the tokenizer of {path} has no chat template")
+        self.path, self.seed, self.shuffle = Path(path), seed, shuffle
+        rows = read_rows(path)
+        self.prompts: list[Prompt] = []
+        self.filtered = 0
+        for i, row in enumerate(tqdm(rows, desc=f"tokenize {self.path.name}", unit="prompt", disable=len(rows) < 1000)):
+            try:
+                prompt = _field(row, prompt_key)
+                answer = None if not answer_key else _field(row, answer_key)
+                metadata = {k: _field(row, k) for k in metadata_keys}
+            except KeyError as e:
+                raise KeyError(f"dataset {path} row {i}: no field {e.args[0]!r} (keys {sorted(row)})") from None
+            ids = self._encode(tokenizer, prompt, chat_template, system_prompt)
+            if len(ids) > max_prompt_len:
+                self.filtered += 1
+                continue
+            self.prompts.append(Prompt(torch.tensor(ids), None if answer is None else str(answer), metadata, i))
+        if not self.prompts:
+            raise ValueError(f"dataset {path}: no prompt of at most {max_prompt_len} tokens ({len(rows)} rows)")
+        self.size = len(self.prompts)
+        self.max_prompt_len = max(len(p.ids) for p in self.prompts)
+
+    @staticmethod
+    def _encode(tokenizer, prompt: str | list, chat_template: bool, system_prompt: str) -> list[int]:
+        if not chat_template:
+            if not isinstance(prompt, str):
+                raise ValueError("a list-of-messages prompt needs chat_template=true")
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system_prompt and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.size)
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+
+    def position(self, step: int, n: int) -> tuple[int, int]:
+        """(epoch, index within the epoch) of the first sample of step `step` with `n` prompts a step."""
+        return divmod(step * n, self.size)
+
+    def batch(self, step: int, n: int) -> list[Prompt]:
+        out, orders = [], {}
+        for k in range(step * n, step * n + n):
+            epoch, i = divmod(k, self.size)
+            if epoch not in orders:
+                orders[epoch] = self._order(epoch)
+            out.append(self.prompts[int(orders[epoch][i])])
+        return out
+
+    def head(self, n: int) -> list[Prompt]:
+        """The first `n` prompts in file order (all with `n = 0`): a held-out evaluation set."""
+        return self.prompts[: n or self.size]
