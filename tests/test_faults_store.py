@@ -98,6 +98,27 @@ def test_a_write_racing_finalize_fails_and_leaves_nothing(tmp_path):
     assert RecordReader(tmp_path, 0).trajectories() == ["early"]
     assert [p.name for p in shard_paths(directory)] == [RecordReader(tmp_path, 0).index["early"]]
     assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")] and (directory / INDEX_NAME).exists()
+    with pytest.raises(StoreError, match="is already finalized"):
+        finalize_step(tmp_path, 0)
+
+
+def test_finalize_sets_aside_earlier_attempts_and_refuses_a_mix_or_a_gap(tmp_path):
+    def b(traj: str, attempt: str, step: int = 0) -> Binding:
+        return Binding(step, 0, traj, attempt, "d")
+
+    StepWriter(tmp_path, 0).write({"x": bound(1, 3, b("x", "old")), "y": bound(2, 3, b("y", "new"))})
+    with pytest.raises(StoreError, match="mixes trajectories of the current and of earlier rollout attempts"):
+        finalize_step(tmp_path, 0, attempts={"x": "new", "y": "new"})
+    StepWriter(tmp_path, 1).write({"x": bound(1, 3, b("x", "old", 1))})
+    StepWriter(tmp_path, 1).write({"x": bound(1, 3, b("x", "new", 1))})
+    with pytest.raises(StoreError, match=r"no shard of the current attempt holds trajectories \['y'\]"):
+        finalize_step(tmp_path, 1, attempts={"x": "new", "y": "new"})
+    StepWriter(tmp_path, 2).write({"x": bound(1, 3, b("x", "old", 2))})
+    StepWriter(tmp_path, 2).write({"x": bound(1, 3, b("x", "new", 2))})
+    finalize_step(tmp_path, 2, attempts={"x": "new"})
+    reader = RecordReader(tmp_path, 2)
+    assert reader.binding("x").attempt == "new"
+    assert len([p for p in step_dir(tmp_path, 2).iterdir() if p.name.startswith(".stale-")]) == 1
 
 
 def long_trajectory(rows: int, width: int) -> TrajectoryRecords:

@@ -164,11 +164,8 @@ def reference(tmp_path_factory):
     return work, result, torch.load(work / "update.0.pt")
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_layout_matches_single_rank(name, reference, tmp_path):
+def _check_against_reference(reference, results: list[dict], work: Path) -> None:
     ref_dir, ref, ref_update = reference
-    (tmp_path / "inputs.pt").symlink_to(ref_dir / "inputs.pt")
-    results = _launch(name, 2, tmp_path)
     # Loss: the last pipeline stage of every DP rank reports its micro-batches' sums; each (DP rank) counted once.
     losses = {}
     for r in results:
@@ -178,7 +175,7 @@ def test_layout_matches_single_rank(name, reference, tmp_path):
     assert tokens == ref["tokens"]
     assert total / tokens == pytest.approx(ref["sum"] / ref["tokens"], rel=1e-5, abs=1e-6)
     # Gradients of every parameter (DP-reduced, per-token normalised over the step), gathered to the first stage.
-    got = torch.load(tmp_path / "update.0.pt")
+    got = torch.load(work / "update.0.pt")
     assert got["grad"].keys() == ref_update["grad"].keys()
     for k, v in ref_update["grad"].items():
         torch.testing.assert_close(got["grad"][k], v, rtol=1e-5, atol=1e-7, msg=k)
@@ -195,6 +192,31 @@ def test_layout_matches_single_rank(name, reference, tmp_path):
     assert sites.keys() == ref["sites"].keys()
     for key, ((_, values),) in ref["sites"].items():
         assert [x for _, part in sorted(sites[key]) for x in part] == values, key
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_matches_single_rank(name, reference, tmp_path):
+    (tmp_path / "inputs.pt").symlink_to(reference[0] / "inputs.pt")
+    _check_against_reference(reference, _launch(name, 2, tmp_path), tmp_path)
+
+
+def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, monkeypatch):
+    """The same TP = 2 + SP step with the two ranks as Ray actors of one placement group (gloo across them)."""
+    ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
+    from trace_rl.trainer_group import TrainerGroup
+
+    (tmp_path / "inputs.pt").symlink_to(reference[0] / "inputs.pt")
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        group = TrainerGroup(2, cpus_per_rank=1)
+        group.run(_worker, "tp2_sp", LAYOUTS["tp2_sp"], tmp_path)
+        group.shutdown()
+    finally:
+        ray.shutdown()
+    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
+    _check_against_reference(reference, results, tmp_path)
 
 
 if __name__ == "__main__":
