@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from trace_core.capture import RecordCapturer
+from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.quant import quantize
 from trace_core.records import ModelShape, Record, RecordSpec
 from trace_core.store import StepWriter, TrajectoryRecords, read_header, shard_paths
@@ -86,6 +87,8 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         routes=(args.layers, args.topk),
         device=device,
         drain_thread=drain_thread,
+        marks=2 * args.layers,  # sglang_trace: FusedMoE-hooks and route markers per MoE layer
+        versioned=True,
     )
     recs = records_for(spec, args.hidden, tokens, 0, device)
     ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
@@ -97,6 +100,8 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         rec = recs.get((layer, "moe_in"))
         if rec is not None:
             cap.stage((layer, "moe_in"), rec.low_bits, rec.scales, rec.global_scale)
+        for i in range(2):
+            cap.mark(2 * layer + i, tokens)
 
     def plain() -> None:
         fwd()
@@ -105,7 +110,7 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         fwd(on_layer)
         base = (step[0] % 4) * tokens + 1
         step[0] += 1
-        cap.on_forward_end(torch.arange(base, base + tokens, device=device))
+        cap.on_forward_end(torch.arange(base, base + tokens, device=device), version=0)
 
     def timed(fn) -> float:
         sync(device)
@@ -132,6 +137,31 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         "stalls": cap.stats.stalls,
         "waits": cap.stats.waits,
     }
+
+
+def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
+    """emulate-nvfp4's FC2-input fake-quant (`trace_core.fc2`, every MoE layer on `[tokens * topk, moe_inter]`)
+    against the simulated forward of the same tokens (not capture: the numerics of the emulated rollout)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fwd = SimulatedForward(args, tokens, decode, device, dtype)
+    h = torch.randn(tokens * args.topk, args.moe_inter, device=device, dtype=dtype)
+
+    def fc2() -> None:
+        for _ in range(args.layers):
+            fc2_input_fake_quant(h)
+
+    def timed(fn) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / args.iters
+
+    timed(fwd), timed(fc2)
+    b = statistics.median(timed(fwd) for _ in range(args.repeats))
+    q = statistics.median(timed(fc2) for _ in range(args.repeats))
+    return {"tokens": tokens, "forward_ms": b * 1e3, "fc2_qdq_ms": q * 1e3, "fc2_qdq_pct": 100 * q / b}
 
 
 def bench_d2h(args, device: torch.device, tokens: int) -> dict:
@@ -248,6 +278,11 @@ def table(result: dict) -> str:
             f"| capture, {name} ({r['tokens']} tokens, {r['bytes_per_forward'] / 1e6:.2f} MB) | "
             f"{r['captured_ms']:.3f} ms | {r['forward_ms']:.3f} ms forward | +{r['overhead_pct']:.2f} % |"
         )
+    for name, r in result.get("fc2", {}).items():
+        rows.append(
+            f"| FC2-input fake-quant, {name} ({r['tokens']} tokens, every MoE layer) | {r['fc2_qdq_ms']:.3f} ms | "
+            f"{r['forward_ms']:.3f} ms forward | {r['fc2_qdq_pct']:.2f} % |"
+        )
     if d := result.get("d2h"):
         rows.append(
             f"| D2H ring ({d['bytes_per_forward'] / 1e6:.1f} MB/forward) | {d['ring_GBps']:.2f} GB/s | "
@@ -277,13 +312,13 @@ def main() -> None:
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--parts", default="overhead,d2h,store", help="comma-separated subset of overhead,d2h,store")
+    p.add_argument("--parts", default="overhead,fc2,d2h,store", help="comma-separated subset of overhead,fc2,d2h,store")
     p.add_argument("--trajectories", type=int, help="store part: trajectories written (default 16; small: 4)")
     p.add_argument("--traj-tokens", type=int, help="store part: tokens per trajectory (default 4096; small: 256)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"overhead", "d2h", "store"}:
-        raise ValueError(f"--parts must name overhead, d2h and/or store, got {args.parts!r}")
+    if not parts <= {"overhead", "fc2", "d2h", "store"}:
+        raise ValueError(f"--parts must name overhead, fc2, d2h and/or store, got {args.parts!r}")
     big = dict(hidden=2048, layers=48, experts=128, topk=8, moe_inter=768, decode=64, prefill=8192)
     small = dict(hidden=256, layers=4, experts=16, topk=4, moe_inter=64, decode=8, prefill=256)
     for k, v in (small if args.small else big).items():
@@ -305,6 +340,11 @@ def main() -> None:
         if device.type == "cuda":  # host scatter on the scheduler thread instead of the drain thread
             result["overhead"]["decode, inline drain"] = bench_overhead(args, device, args.decode, True, False)
             result["overhead"]["prefill, inline drain"] = bench_overhead(args, device, args.prefill, False, False)
+    if "fc2" in parts:
+        result["fc2"] = {
+            "decode": bench_fc2(args, device, args.decode, decode=True),
+            "prefill": bench_fc2(args, device, args.prefill, decode=False),
+        }
     if "d2h" in parts:
         result["d2h"] = bench_d2h(args, device, args.prefill)
     if "store" in parts:

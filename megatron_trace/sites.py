@@ -3,7 +3,7 @@
 - MoE input (`moe_in`) and K / V (`k`, `v`): guided rounding toward the rollout's record at captured sites in
   `trace` mode, RTN elsewhere; per-token NVFP4 scale for the MoE input, KV_FP4 per 16 elements of a head vector.
 - Routed-expert weights: NVFP4 RTN with one global scale per expert matrix (gate and up share it: they are one
-  FC1 matrix); FC2 input: NVFP4 RTN with a per-token scale. Both straight-through.
+  FC1 matrix); FC2 input: `trace_core.fc2`'s convention (NVFP4 RTN, per-row scale). Both straight-through.
 Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site as device
 tensors: the forward never waits on the device, and `metrics()` reads all counters in one transfer per step. The
 fake-quant runs through `trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere), the kernel twins
@@ -19,6 +19,7 @@ import torch
 from megatron_trace.config import Mode, TraceConfig
 from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
+from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant, rtn_fake_quant
 from trace_core.quant import nvfp4_global_scale, quantize
@@ -127,9 +128,10 @@ class SiteNumerics:
             self._weights[w] = cached
         return cached[1]
 
-    def fc2_input(self, x: torch.Tensor) -> torch.Tensor:
-        """NVFP4 RTN of the unweighted expert FC2 input with a per-token scale, straight-through."""
-        return rtn_fake_quant(x, self.cfg.weight_format, per_token=True)
+    def fc2_input(self, x: torch.Tensor, full_row_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The unweighted expert FC2 input under the shared convention (`trace_core.fc2`: NVFP4 RTN, per-row scale
+        over the full intermediate width), straight-through. Under expert TP pass the TP-max `full_row_amax`."""
+        return fc2_input_fake_quant(x, full_row_amax)
 
     def metrics(self) -> dict[str, float]:
         """`trace/L{layer}.{kind}/...` counters of the step; `code_flip_rate` only where records were compared;

@@ -19,29 +19,35 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
-from sglang_trace.kv import gather_kv_records, request_slots
-from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input
+from sglang_trace.kv import gather_kv_raw, gather_kv_raw_tp, kv_records_from_shards, request_slots
+from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.capture import RecordCapturer
-from trace_core.records import Binding, ModelShape, Record, token_digest
-from trace_core.store import Site, StepWriter, TrajectoryRecords, parse_rollout_rid
+from trace_core.records import Binding, ModelShape, token_digest
+from trace_core.store import StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
 
 logger = logging.getLogger(__name__)
+
+UNKNOWN_VERSION = -1  # rows computed after a weight update that carried no usable weight_version
+MAX_PENDING_WRITES = 256  # shards queued for the writer thread before request finish waits (backpressure)
 
 
 @dataclass
 class TraceStats:
-    """Counters a server reports: requests and tokens recorded, store writes done and failed."""
+    """Counters a server reports: requests and tokens recorded, store writes done, failed (records refused or
+    the write failed) and waits on a full write queue."""
 
     requests: int = 0
     tokens: int = 0
     shards_written: int = 0
     write_failures: int = 0
+    write_stalls: int = 0
+    failed: list[str] = field(default_factory=list)  # trajectories (rids) refused or not written, last 1000
 
 
 class TraceCapturer(RoutedExpertsCapturer):
@@ -54,6 +60,13 @@ class TraceCapturer(RoutedExpertsCapturer):
         device: where staging lives. return_routes: answer `get_routed_experts` (R3's flag).
         weights: the emulated expert weights whose completeness every forward checks.
         tp_rank, tp_group: attention-TP rank and group (K/V shards are gathered over it; rank 0 writes the store).
+        moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
+
+    Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
+    emulate mode, the MoE-input site in native mode) and the route capture each mark the forward's rows, in CUDA
+    graphs too; a request with a row a hook did not mark is refused, never stored. Every row also carries the weight
+    version (RL step) of the forward that wrote it; a request whose rows were computed under another version than
+    the step it finishes in is refused.
     """
 
     def __init__(
@@ -69,6 +82,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         weights: ExpertWeights,
         tp_rank: int = 0,
         tp_group=None,
+        moe_tp_group=None,
     ) -> None:
         if not args.enabled:
             raise ValueError("TraceCapturer needs --trace-mode other than off")
@@ -78,6 +92,9 @@ class TraceCapturer(RoutedExpertsCapturer):
             raise ValueError("k/v sites are recorded but no FP4 KV pool was given")
         self.kv_pool, self.kv_kinds = kv_pool, kv_kinds(args)
         self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
+        # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
+        # site), so its last hook marks the layer; routes come from the top-k module and are marked separately
+        self.moe_mark = "fc2" if args.mode == "emulate-nvfp4" else "moe_in"
         shape = ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
         # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
         self.records = (
@@ -89,18 +106,21 @@ class TraceCapturer(RoutedExpertsCapturer):
                 sites=[s for s in self.spec.sites() if s[1] == "moe_in"],
                 routes=(len(layout.moe_layers), layout.topk),
                 device=device,
+                marks=2 * len(layout.moe_layers),
+                versioned=True,
             )
             if tp_rank == 0
             else None
         )
         self.return_routes = return_routes
-        self.tp_rank, self.tp_group = tp_rank, tp_group
+        self.tp_rank, self.tp_group, self.moe_tp_group = tp_rank, tp_group, moe_tp_group
         self.step = args.step
         self.stats = TraceStats()
         self._writer = StepWriter(args.store, self.step) if tp_rank == 0 else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store") if tp_rank == 0 else None
         self._writes: list[Future] = []
         self._lock = threading.Lock()
+        self._moe_rows: dict[int, int] = {}  # MoE layer -> token rows of its current forward
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
 
     # --- forward side -------------------------------------------------------------------------------------------
@@ -110,6 +130,9 @@ class TraceCapturer(RoutedExpertsCapturer):
         experts compute with (emulate-nvfp4: the NVFP4 quantize-dequantized input; native: `x` itself)."""
         site = (layer_id, "moe_in")
         rows = None
+        self._moe_rows[layer_id] = x.shape[0]
+        if self.moe_mark == "moe_in":
+            self._mark(layer_id, "moe", x.shape[0])
         if self.records is not None and site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate-nvfp4":
@@ -120,17 +143,35 @@ class TraceCapturer(RoutedExpertsCapturer):
             native_moe_input(x, self.spec.bits, input_scale, rows)
         return x
 
+    def fc2_input(self, layer_id: int, h: torch.Tensor) -> torch.Tensor:
+        """The FC2-input site of MoE layer `layer_id` on this rank's `act(gate) * up` rows: what the second GEMM
+        computes with (emulate-nvfp4: `trace_core.fc2`'s quantize-dequantize; native: the kernel quantizes)."""
+        if self.args.mode != "emulate-nvfp4":
+            return h
+        # token rows of this layer's forward (the CPU path calls this once per expert, on that expert's rows)
+        self._mark(layer_id, "moe", self._moe_rows.get(layer_id, 0))
+        return fc2_input(h, self.moe_tp_group)
+
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
         if self.records is not None:
             self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
+            self._mark(layer_id, "routes", topk_ids.shape[0])
+
+    def _mark(self, layer_id: int, kind: str, rows: int) -> None:
+        """Set the hook marker of (`layer_id`, `kind`: "moe" or "routes") on the forward's token rows [0, rows)
+        (rank 0 only)."""
+        if self.records is None:
+            return
+        self.records.mark(2 * self.route_index[layer_id] + (kind == "routes"), rows)
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
         """After every forward: ship the staged rows to the host store at the batch's KV slots (async on CUDA)."""
         self.weights.check_complete()
         if self.records is None or forward_batch.forward_mode.is_idle():
             return
-        self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph))
+        version = UNKNOWN_VERSION if self.step is None else self.step
+        self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph), version=version)
 
     # --- request finish -----------------------------------------------------------------------------------------
 
@@ -147,67 +188,104 @@ class TraceCapturer(RoutedExpertsCapturer):
         (ordered before any reuse of the slots) and copied to pinned memory without waiting; the MoE records and
         routes are read from the host store on the capture drain thread, after every forward submitted so far;
         the writer thread waits for both and writes the shard. Only R3's answer (`--enable-return-routed-experts`)
-        is waited for here. A failed gather or write is raised at the next finish or `flush`."""
-        self._raise_failed_writes()
+        is waited for here. A request whose records are refused (a hook did not run, rows of another weight
+        version, unwritten rows) or whose write fails is not stored: it is counted in `stats`, logged, and marked
+        failed in the store (`trace_core.store.write_failure`, which the reader reports); the server keeps
+        serving. When that is known at finish (R3 on), the handle also says so (`"error"`)."""
         if len(tokens) != seqlen:
             raise ValueError(f"request {rid!r}: {len(tokens)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
-        kv: dict = {}
-        if self.spec.attn_layers:  # a collective over attention TP: every rank takes part
-            kv = gather_kv_records(
-                self.kv_pool,
-                slots,
-                self.spec.attn_layers,
-                self.kv_kinds,
-                self.spec.bits,
-                num_kv_heads=self.layout.num_kv_heads,
-                tp_group=self.tp_group,
-            )
+        raws: list[torch.Tensor] = []
+        if self.spec.attn_layers:  # one all-gather over attention TP: every rank takes part
+            raw = gather_kv_raw(self.kv_pool, slots, self.spec.attn_layers, self.kv_kinds)
+            raws = [raw] if self.tp_group is None else gather_kv_raw_tp(raw, self.tp_group)
         self.stats.requests += 1
         self.stats.tokens += length
         if self._writer is None:
             return None  # other ranks send no output: neither records nor R3 routes are needed there
-        moe = self.records.gather_async(slots, length)
-        kv, copied = _to_host(kv)
-        if self.return_routes:
-            self._routes[req_pool_idx] = self._r3_routes(moe.result().routes)
         writer, step = self._writer, self.step
         trajectory, attempt = parse_rollout_rid(str(rid))
-        binding = Binding(step, step, trajectory, attempt, token_digest(tokens))
-        self._writes.append(self._pool.submit(self._write, writer, binding, length, moe, kv, copied))
-        return {
-            "store": str(writer.root),
+        handle = {
+            "store": str(self.args.store),
             "step": step,
             "trajectory": trajectory,
             "attempt": attempt,
             "policy_version": step,
             "tokens": length,
-            "token_digest": binding.tokens,
         }
+        if step is None:
+            self._failed(trajectory, attempt, None, "the weights were updated without an integer weight_version")
+            return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
+        binding = Binding(step, step, trajectory, attempt, token_digest(tokens))
+        handle["token_digest"] = binding.tokens
+        moe = self.records.gather_async(slots, length, version=step)
+        kv, copied = _to_host(raws)
+        if self.return_routes:
+            try:
+                self._routes[req_pool_idx] = self._r3_routes(moe.result().routes)
+            except ValueError as e:
+                self._failed(trajectory, attempt, step, f"records refused: {e}")
+                return {**handle, "error": f"TRACE records refused: {e}"}
+        self._bound_writes()
+        self._writes.append(self._pool.submit(self._write, writer, binding, length, moe, kv, copied))
+        return handle
 
     def _write(
-        self, writer: StepWriter, binding: Binding, length: int, moe: Future, kv: dict, copied: torch.cuda.Event | None
+        self,
+        writer: StepWriter,
+        binding: Binding,
+        length: int,
+        moe: Future,
+        raws: list[torch.Tensor],
+        copied: torch.cuda.Event | None,
     ) -> None:
+        """Writer thread: one trajectory's shard (K/V records unpacked from the ranks' raw bytes here, off the
+        scheduler thread); a refusal or write error is counted, logged and marked in the store, never raised."""
         try:
             gathered = moe.result()
             if copied is not None:
                 copied.synchronize()
+            kv = {}
+            if raws:
+                pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
+                kv = kv_records_from_shards(
+                    raws,
+                    self.spec.attn_layers,
+                    self.kv_kinds,
+                    self.spec.bits,
+                    shard_width=pool.head_num * pool.head_dim,
+                    num_kv_heads=self.layout.num_kv_heads,
+                )
             records = {**gathered.records, **kv}
             tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
             writer.write({binding.trajectory: tr})
-        except Exception:
-            with self._lock:
-                self.stats.write_failures += 1
-            raise
+        except Exception as e:  # noqa: BLE001 - any failure of one request must not take the server down
+            self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
+            return
         with self._lock:
             self.stats.shards_written += 1
 
-    def _raise_failed_writes(self) -> None:
-        done = [f for f in self._writes if f.done()]
+    def _failed(self, trajectory: str, attempt: str, step: int | None, message: str) -> None:
+        """Count and log a request whose records are not stored; mark it failed in the store when its step is
+        known (a marker that cannot be written either is logged too)."""
+        logger.error("TRACE records of trajectory %s (attempt %r) not stored: %s", trajectory, attempt, message)
+        with self._lock:
+            self.stats.write_failures += 1
+            self.stats.failed = (self.stats.failed + [trajectory])[-1000:]
+        if step is None:
+            return
+        try:
+            write_failure(self.args.store, step, trajectory, attempt, message)
+        except OSError as e:
+            logger.error("TRACE could not mark trajectory %s failed in the store: %s", trajectory, e)
+
+    def _bound_writes(self) -> None:
+        """Backpressure: at most `MAX_PENDING_WRITES` shards queued; a full queue waits for the oldest (counted)."""
         self._writes = [f for f in self._writes if not f.done()]
-        for f in done:
-            f.result()  # re-raises a failed store write on the scheduler thread
+        if len(self._writes) >= MAX_PENDING_WRITES:
+            self.stats.write_stalls += 1
+            self._writes.pop(0).result()
 
     def _r3_routes(self, routes: torch.Tensor) -> torch.Tensor:
         """Routes of the MoE layers in R3's layout: `[tokens, num_hidden_layers, topk]`, zeros for other layers."""
@@ -223,20 +301,21 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
-    def set_step(self, step: int) -> None:
-        """Later records belong to RL step `step` (after a weight update); writes in flight finish first."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"RL step must be a non-negative int, got {step!r}")
+    def set_step(self, step: int | None) -> None:
+        """Later forwards run the weights of RL step `step` (after a weight update; None: unknown, their requests
+        are refused); writes in flight finish first."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"RL step must be a non-negative int or None, got {step!r}")
         if step == self.step:
             return
         self.flush()
-        logger.info("TRACE step %d done: %s", self.step, self.stats)
+        logger.info("TRACE step %s done: %s", self.step, self.stats)
         self.step = step
-        if self._writer is not None:
-            self._writer = StepWriter(self.args.store, self.step)
+        if self._writer is not None and step is not None:
+            self._writer = StepWriter(self.args.store, step)
 
     def flush(self) -> None:
-        """Wait for every store write; re-raise the first failure."""
+        """Wait for every store write queued so far (failures are in `stats`)."""
         writes, self._writes = self._writes, []
         for f in writes:
             f.result()
@@ -255,17 +334,14 @@ class TraceCapturer(RoutedExpertsCapturer):
         return None if self.records is None else self.records.staging
 
 
-def _to_host(records: dict[Site, Record]) -> tuple[dict[Site, Record], torch.cuda.Event | None]:
-    """Copies of device records in pinned host memory, started without waiting; the event marks their end."""
-    if not records or next(iter(records.values())).low_bits.device.type != "cuda":
-        return records, None
-    out = {}
-    for site, rec in records.items():
-        low = torch.empty(rec.low_bits.shape, dtype=torch.uint8, pin_memory=True)
-        scales = torch.empty(rec.scales.shape, dtype=torch.uint8, pin_memory=True)
-        low.copy_(rec.low_bits, non_blocking=True)
-        scales.copy_(rec.scales, non_blocking=True)
-        out[site] = Record(rec.fmt, rec.bits, rec.n, low, scales, rec.global_scale)
+def _to_host(raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies of the ranks' raw K/V bytes in one pinned host tensor (PyTorch's caching host allocator), started
+    without waiting; the event marks their end."""
+    if not raws or raws[0].device.type != "cuda":
+        return raws, None
+    stacked = torch.stack(raws) if len(raws) > 1 else raws[0].unsqueeze(0)
+    host = torch.empty(stacked.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return out, copied
+    return list(host.unbind(0)), copied

@@ -27,6 +27,13 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_step": 0,
 }
 
+# Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate-nvfp4
+# quantizes them); every other format is refused by name.
+HOOKED_LOAD_FORMATS = ("auto", "pt", "safetensors", "npcache", "dummy")
+# MoE runner backends whose expert path carries the FC2-input hook (emulate-nvfp4); "auto" is checked again on
+# every FusedMoE layer once the model is built (SGLang resolves it per model and GPU).
+HOOKED_MOE_RUNNERS = ("auto", "triton")
+
 # Architectures whose MoE block is one FusedMoE per layer fed by the standard dispatcher.
 DENSE_ATTENTION_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # Hybrid linear-attention models: k/v sites on the full-attention layers only (their FP4 KV pool is patch 0010).
@@ -74,7 +81,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--trace-step",
         type=int,
         default=SERVER_ARGS_FIELDS["trace_step"],
-        help="RL step the first records are written under; every weight update advances it by one.",
+        help="RL step the first records are written under; afterwards every weight update must carry "
+        "weight_version=<RL step> (an update without one is refused while TRACE is on).",
     )
 
 
@@ -134,7 +142,9 @@ def check_server_args(server_args) -> TraceArgs:
     """Validate the `--trace-*` fields of a ServerArgs against the rest of its settings; return them parsed.
 
     Raises ValueError naming the flag and the problem. Settings TRACE does not handle (DP attention, expert
-    parallelism, speculative decoding) are refused rather than recorded wrongly.
+    parallelism, speculative decoding, ...) are refused rather than recorded wrongly. The patched ServerArgs calls
+    this twice: on the flags as given, and at the end of `__post_init__` on the final settings (after SGLang's
+    per-model and per-GPU defaults, e.g. its switch to `flashinfer_trtllm` for Qwen3-MoE on SM100).
     """
     mode = server_args.trace_mode
     if mode not in MODES:
@@ -176,6 +186,7 @@ def check_server_args(server_args) -> TraceArgs:
             f"--trace-mode emulate-nvfp4 needs a BF16 checkpoint (it quantizes the experts itself); got "
             f"--quantization {server_args.quantization}"
         )
+    problems += _untraceable_settings(server_args, mode)
     if mode == "native" and server_args.quantization not in ("modelopt_fp4",):
         problems.append(f"--trace-mode native needs --quantization modelopt_fp4, got {server_args.quantization!r}")
     if mode == "native" and server_args.moe_runner_backend != "flashinfer_cutlass":
@@ -186,6 +197,50 @@ def check_server_args(server_args) -> TraceArgs:
     if problems:
         raise ValueError("TRACE server arguments: " + "; ".join(problems))
     return args
+
+
+def _untraceable_settings(server_args, mode: str) -> list[str]:
+    """Settings under which records would be lost, stale or describe other numerics, each named."""
+    problems = []
+    if server_args.enable_hierarchical_cache or getattr(server_args, "enable_lmcache", False):
+        problems.append(
+            "--enable-hierarchical-cache / --enable-lmcache is not supported (KV moved back from the host tier "
+            "lands in slots whose records were not captured)"
+        )
+    if server_args.disaggregation_mode != "null":
+        problems.append(
+            f"--disaggregation-mode {server_args.disaggregation_mode} is not supported (prefill records stay on the "
+            "prefill server)"
+        )
+    if server_args.enable_pdmux:
+        problems.append("--enable-pdmux is not supported (prefill and decode run on split streams)")
+    if server_args.enable_two_batch_overlap or server_args.enable_single_batch_overlap:
+        problems.append(
+            "--enable-two-batch-overlap / --enable-single-batch-overlap are not supported (a forward runs the MoE "
+            "layers per micro-batch; staging rows are per forward)"
+        )
+    if server_args.load_format not in HOOKED_LOAD_FORMATS:
+        problems.append(
+            f"--load-format {server_args.load_format} is not supported (it does not load routed experts through "
+            f"FusedMoE.weight_loader; supported: {HOOKED_LOAD_FORMATS})"
+        )
+    if mode == "emulate-nvfp4":
+        if server_args.moe_runner_backend not in HOOKED_MOE_RUNNERS:
+            problems.append(
+                f"--trace-mode emulate-nvfp4 needs the triton MoE runner (its expert path carries the FC2-input "
+                f"site); got --moe-runner-backend {server_args.moe_runner_backend}"
+            )
+        if server_args.enable_torch_compile:
+            problems.append(
+                "--enable-torch-compile is not supported in emulate-nvfp4 (batch-1 graphs run "
+                "fused_moe_forward_native, which has no FC2-input site)"
+            )
+        if server_args.custom_weight_loader:
+            problems.append(
+                f"--custom-weight-loader {server_args.custom_weight_loader} is not supported in emulate-nvfp4 "
+                "(custom loaders write experts without FusedMoE.weight_loader)"
+            )
+    return problems
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ when `--trace-mode` is off, so the patched engine behaves as upstream unless TRA
 | `on_expert_weight_loaded` | `FusedMoE.weight_loader`, after every write (initial load and every weight update) |
 | `install_capturer` | `ModelRunner.init_routed_experts_capturer` (after the KV pool exists, before CUDA graphs) |
 | `on_moe_input` | `FusedMoE.forward_impl`, right after dispatch |
+| `on_fc2_input` | the triton MoE runner and the CPU expert path, between the activation and the second GEMM |
 | `on_request_finished` | `SchedulerOutputProcessorMixin.maybe_collect_routed_experts` (before the KV is released) |
-| `on_weights_updated` | the scheduler's `update_weights_from_{disk,tensor,distributed}` after success |
+| `refuse_weight_update` | the scheduler's `update_weights_from_{disk,tensor,distributed,ipc}`, before updating |
+| `on_weights_updated` | the same four, after a successful update |
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ __all__ = [
     "check_server_args",
     "install_capturer",
     "on_expert_weight_loaded",
+    "on_fc2_input",
     "on_moe_input",
     "on_request_finished",
     "on_weights_updated",
+    "refuse_weight_update",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,12 +69,50 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
 
 
-def forward_rows(server_args, max_running_requests: int) -> int:
-    """Most token rows one forward can run: a prefill chunk (the whole prefill budget when chunking is off), a
-    decode batch, or a padded CUDA-graph batch."""
+def forward_rows(server_args, max_running_requests: int, context_len: int) -> int:
+    """Most token rows one forward can run: a prefill chunk, a decode batch, or a padded CUDA-graph batch. With
+    chunked prefill off, SGLang admits a first request longer than the prefill budget (up to the context length),
+    and a mixed-chunk batch adds a decode row per running request."""
     chunk = server_args.chunked_prefill_size
-    prefill = chunk if chunk and chunk > 0 else server_args.max_prefill_tokens
+    prefill = chunk if chunk and chunk > 0 else max(server_args.max_prefill_tokens, context_len)
+    if server_args.enable_mixed_chunk:
+        prefill += max_running_requests
     return max(prefill, max_running_requests, server_args.cuda_graph_max_bs or 0)
+
+
+def check_moe_layers(model, mode: str) -> int:
+    """Every FusedMoE layer of `model` runs an expert path whose sites are hooked; returns how many were checked.
+
+    SGLang resolves `--moe-runner-backend auto` per model and GPU when it builds the layers, so the server
+    arguments alone do not say which path runs. emulate-nvfp4 needs BF16 experts on the triton runner (CUDA) or
+    the torch-native CPU path; native needs standard top-k (routes reach the capturer) on flashinfer_cutlass."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerBackend
+
+    checked = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, FusedMoE):
+            continue
+        method = layer.quant_method
+        runner = getattr(getattr(method, "runner", None), "runner_backend", None)
+        if mode == "emulate-nvfp4":
+            kind = type(method).__name__
+            unhooked = [
+                flag
+                for flag in ("use_flashinfer_cutlass", "use_flashinfer_trtllm_moe", "use_triton_kernels")
+                if getattr(method, flag, False)
+            ]
+            if getattr(layer, "use_intel_amx_backend", False):
+                unhooked.append("CPU AMX fused_experts_cpu")
+            if kind != "UnquantizedFusedMoEMethod" or unhooked or runner not in (None, MoeRunnerBackend.TRITON):
+                raise ValueError(
+                    f"--trace-mode emulate-nvfp4: MoE layer {name} runs {kind} on runner {runner} {unhooked}; only "
+                    "BF16 experts on the triton runner carry the FC2-input site (pass --moe-runner-backend triton)"
+                )
+        elif runner is not None and runner.is_flashinfer_trtllm():
+            raise ValueError(f"--trace-mode native: MoE layer {name} routes inside flashinfer_trtllm (no routes)")
+        checked += 1
+    return checked
 
 
 def install_capturer(model_runner) -> bool:
@@ -80,12 +122,14 @@ def install_capturer(model_runner) -> bool:
     args: TraceArgs = check_server_args(server_args)
     if not args.enabled:
         return False
-    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.distributed.parallel_state import get_moe_tp_group, get_tp_group
     from sglang.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
 
     from sglang_trace.capturer import TraceCapturer
 
     layout = model_layout(model_runner.model_config.hf_config)
+    if check_moe_layers(model_runner.model, args.mode) != len(layout.moe_layers):
+        raise ValueError(f"{layout.arch}: expected {len(layout.moe_layers)} FusedMoE layers in the built model")
     EXPERT_WEIGHTS.check_complete()
     if args.mode == "emulate-nvfp4" and EXPERT_WEIGHTS.stats.w13 == 0:
         if server_args.load_format != "dummy":
@@ -94,18 +138,19 @@ def install_capturer(model_runner) -> bool:
             "TRACE emulate-nvfp4 with --load-format dummy: routed experts stay unquantized until the first weight "
             "update writes them (records of earlier requests do not describe an NVFP4 model)"
         )
-    tp = get_tp_group()
+    tp, moe_tp = get_tp_group(), get_moe_tp_group()
     capturer = TraceCapturer(
         args,
         layout,
         kv_pool=model_runner.token_to_kv_pool if args.kv_sites else None,
-        max_tokens=forward_rows(server_args, model_runner.max_running_requests),
+        max_tokens=forward_rows(server_args, model_runner.max_running_requests, model_runner.model_config.context_len),
         num_slots=model_runner.max_total_num_tokens + model_runner.page_size,
         device=model_runner.device,
         return_routes=server_args.enable_return_routed_experts,
         weights=EXPERT_WEIGHTS,
         tp_rank=tp.rank_in_group,
         tp_group=tp.device_group if tp.world_size > 1 else None,
+        moe_tp_group=moe_tp if moe_tp.world_size > 1 else None,
     )
     set_global_experts_capturer(capturer)
     logger.info(
@@ -133,6 +178,14 @@ def on_moe_input(layer, dispatch_output):
     return dispatch_output._replace(hidden_states=x)
 
 
+def on_fc2_input(layer_id: int, h: torch.Tensor) -> torch.Tensor:
+    """Expert path between the activation and the second GEMM: the FC2-input site. Returns what FC2 runs on."""
+    capturer = _capturer()
+    if capturer is None:
+        return h
+    return capturer.fc2_input(layer_id, h)
+
+
 def on_request_finished(scheduler, req) -> None:
     """A request finished: its records go to the store and `req.trace_handle` names them (before KV release)."""
     capturer = _capturer()
@@ -144,18 +197,42 @@ def on_request_finished(scheduler, req) -> None:
     )
 
 
+def refuse_weight_update(recv_req) -> str | None:
+    """Before a tensor weight update: why TRACE refuses it (the update is then not applied), or None. A
+    `load_format` of `direct` or a custom loader writes parameters without FusedMoE.weight_loader, where
+    emulate-nvfp4 quantizes the experts."""
+    capturer = _capturer()
+    if capturer is None:
+        return None
+    load_format = getattr(recv_req, "load_format", None)
+    if load_format not in (None, "flattened_bucket"):
+        return (
+            f"TRACE is on: update_weights_from_tensor with load_format={load_format!r} writes parameters without "
+            "FusedMoE.weight_loader (experts would not be NVFP4); use load_format None or 'flattened_bucket'"
+        )
+    return None
+
+
 def on_weights_updated(scheduler, recv_req) -> None:
-    """A weight update succeeded: an integer `weight_version` selects the RL step later records are written under
-    (chunked updates of one version keep one step). Expert completeness is checked by the next forward, not here:
-    one update may send an expert's gate and up in different chunks."""
+    """A weight update succeeded (from disk, tensor, distributed or IPC): its integer `weight_version` is the RL
+    step of every later forward (chunked updates of one version keep one step). Without a usable version the
+    step is unknown: every request finishing before the next versioned update is refused with an error in its
+    handle, never filed under the old step. Expert completeness is checked by the next forward, not here: one
+    update may send an expert's gate and up in different chunks."""
     capturer = _capturer()
     if capturer is None:
         return
     version = getattr(recv_req, "weight_version", None)
-    if version is None:
-        return
     try:
         step = int(version)
-    except ValueError:
-        raise ValueError(f"TRACE needs integer weight versions (the RL step of the records), got {version!r}") from None
+    except (TypeError, ValueError):
+        step = None
+    if step is None or step < 0 or step < (capturer.step if capturer.step is not None else -1):
+        logger.error(
+            "TRACE: weight update with weight_version=%r (need an integer RL step >= the current step %s); records "
+            "are refused until an update carries one",
+            version,
+            capturer.step,
+        )
+        step = None
     capturer.set_step(step)

@@ -18,7 +18,7 @@ import torch
 
 from trace_core.e2m1 import unpack_fp4
 from trace_core.formats import KV_FP4
-from trace_core.records import Record, pack_low_bits
+from trace_core.records import Record, check_bits, pack_low_bits
 from trace_core.store import Site
 
 KV_BLOCK = KV_FP4.block
@@ -56,6 +56,44 @@ def _layer_index(pool, layer: int) -> tuple[object, int]:
     return pool, local
 
 
+def gather_kv_raw(pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str]) -> torch.Tensor:
+    """This rank's raw K/V bytes of `layers` x `kinds` at KV `slots` `[L]`: one uint8 tensor `[L, sites * (W/2 +
+    W/16)]` (W = head_num * head_dim; per site the packed E2M1 codes then the E8M0 bytes), on the pool's device.
+
+    Two index ops per site and one concatenation: the only K/V work request finish does on the scheduler thread
+    (unpacking and keeping the low bits happen on the writer thread, `kv_records_from_raw`)."""
+    check_fp4_pool(getattr(pool, "full_kv_pool", pool))
+    parts = []
+    for layer in layers:
+        fp4, local = _layer_index(pool, layer)
+        slots = slots.to(device=fp4.k_buffer[0].device, dtype=torch.int64)
+        for kind in kinds:
+            codes_buf = fp4.k_buffer if kind == "k" else fp4.v_buffer
+            scale_buf = fp4.k_scale_buffer if kind == "k" else fp4.v_scale_buffer
+            parts.append(codes_buf[local][slots].reshape(slots.shape[0], -1))  # uint8 [L, W/2]
+            parts.append(scale_buf[local][slots].reshape(slots.shape[0], -1))  # uint8 [L, W/16]
+    return torch.cat(parts, dim=1)
+
+
+def kv_records_from_raw(
+    raw: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], width: int, bits: int
+) -> dict[Site, Record]:
+    """Records (low `bits` of each code, scale bytes) of the sites in `raw` (`gather_kv_raw`'s layout; `width`
+    elements per site row, this shard's)."""
+    out: dict[Site, Record] = {}
+    offset, codes_len, scales_len = 0, width // 2, width // KV_BLOCK
+    if raw.shape[1] != len(layers) * len(kinds) * (codes_len + scales_len):
+        raise ValueError(f"raw K/V rows of {raw.shape[1]} bytes do not hold {len(layers)}x{len(kinds)} sites")
+    for layer in layers:
+        for kind in kinds:
+            packed = raw[:, offset : offset + codes_len]
+            scales = raw[:, offset + codes_len : offset + codes_len + scales_len]
+            offset += codes_len + scales_len
+            codes = unpack_fp4(packed)  # [L, W]
+            out[(layer, kind)] = Record(KV_FP4, bits, width, pack_low_bits(codes, bits), scales.contiguous(), None)
+    return out
+
+
 def gather_kv_shard(
     pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], bits: int
 ) -> dict[Site, Record]:
@@ -63,19 +101,10 @@ def gather_kv_shard(
 
     Reads the pool's codes and scale bytes (no requantization) and keeps the low `bits` of each code. `pool` is an
     `MHATokenToKVPoolFP4` or a `HybridLinearKVPool` holding one (patch 0010)."""
-    check_fp4_pool(getattr(pool, "full_kv_pool", pool))
-    out: dict[Site, Record] = {}
-    for layer in layers:
-        fp4, local = _layer_index(pool, layer)
-        slots = slots.to(device=fp4.k_buffer[0].device, dtype=torch.int64)
-        for kind in kinds:
-            codes_buf = fp4.k_buffer if kind == "k" else fp4.v_buffer
-            scale_buf = fp4.k_scale_buffer if kind == "k" else fp4.v_scale_buffer
-            packed = codes_buf[local][slots]  # uint8 [L, H, D/2]
-            codes = unpack_fp4(packed).reshape(slots.shape[0], -1)  # [L, H*D]
-            scales = scale_buf[local][slots]  # uint8 [L, H*D/16]
-            out[(layer, kind)] = Record(KV_FP4, bits, codes.shape[1], pack_low_bits(codes, bits), scales, None)
-    return out
+    check_bits(bits)
+    fp4 = getattr(pool, "full_kv_pool", pool)
+    raw = gather_kv_raw(pool, slots, layers, kinds)
+    return kv_records_from_raw(raw, layers, kinds, fp4.head_num * fp4.head_dim, bits)
 
 
 def merge_tp_shards(shards: Sequence[dict[Site, Record]], tp_size: int, num_kv_heads: int) -> dict[Site, Record]:
@@ -97,6 +126,31 @@ def merge_tp_shards(shards: Sequence[dict[Site, Record]], tp_size: int, num_kv_h
     return merged
 
 
+def gather_kv_raw_tp(raw: torch.Tensor, tp_group) -> list[torch.Tensor]:
+    """Every attention-TP rank's raw K/V bytes (`gather_kv_raw`), in rank order: one all-gather per request over
+    `tp_group` (every rank calls this in lockstep, as the scheduler does at request finish)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(tp_group)
+    out = torch.empty((size * raw.shape[0], *raw.shape[1:]), dtype=raw.dtype, device=raw.device)
+    dist.all_gather_into_tensor(out, raw.contiguous(), group=tp_group)
+    return list(out.view(size, *raw.shape).unbind(0))
+
+
+def kv_records_from_shards(
+    raws: Sequence[torch.Tensor],
+    layers: Sequence[int],
+    kinds: Sequence[str],
+    bits: int,
+    *,
+    shard_width: int,
+    num_kv_heads: int,
+) -> dict[Site, Record]:
+    """Full-width K/V records from the TP ranks' raw bytes (rank order; one shard: no merge)."""
+    shards = [kv_records_from_raw(raw, layers, kinds, shard_width, bits) for raw in raws]
+    return shards[0] if len(shards) == 1 else merge_tp_shards(shards, len(shards), num_kv_heads)
+
+
 def gather_kv_records(
     pool,
     slots: torch.Tensor,
@@ -110,22 +164,16 @@ def gather_kv_records(
     """K/V records of a request at `slots`, full width across attention TP.
 
     `num_kv_heads`: the model's KV heads (all ranks). `tp_group`: the attention-TP process group (every rank calls
-    this in lockstep, as the scheduler does at request finish); None for a single rank. Records travel over the
-    group as uint8 tensors."""
-    local = gather_kv_shard(pool, slots, layers, kinds, bits)
+    this in lockstep, as the scheduler does at request finish); None for a single rank. The raw bytes travel over
+    the group in one all-gather."""
+    check_bits(bits)
+    fp4 = getattr(pool, "full_kv_pool", pool)
+    raw = gather_kv_raw(pool, slots, layers, kinds)
     if tp_group is None:
-        if pool.head_num != num_kv_heads:
-            raise ValueError(f"pool holds {pool.head_num} of {num_kv_heads} KV heads but no TP group was given")
-        return local
-    import torch.distributed as dist
-
-    size = dist.get_world_size(tp_group)
-    shards: list[dict[Site, Record]] = [dict() for _ in range(size)]
-    for site, rec in local.items():
-        lows = [torch.empty_like(rec.low_bits) for _ in range(size)]
-        scales = [torch.empty_like(rec.scales) for _ in range(size)]
-        dist.all_gather(lows, rec.low_bits.contiguous(), group=tp_group)
-        dist.all_gather(scales, rec.scales.contiguous(), group=tp_group)
-        for r in range(size):
-            shards[r][site] = Record(KV_FP4, bits, rec.n, lows[r], scales[r], None)
-    return merge_tp_shards(shards, size, num_kv_heads)
+        if fp4.head_num != num_kv_heads:
+            raise ValueError(f"pool holds {fp4.head_num} of {num_kv_heads} KV heads but no TP group was given")
+        raws = [raw]
+    else:
+        raws = gather_kv_raw_tp(raw, tp_group)
+    width = fp4.head_num * fp4.head_dim
+    return kv_records_from_shards(raws, layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads)

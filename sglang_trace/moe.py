@@ -6,6 +6,11 @@ called after every FusedMoE weight-loader write, so the initial load and every `
 covered); the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes
 the record into the capturer's staging rows in the same pass (`emulate_moe_input`).
 
+The FC2 input (`act(gate) * up`, before the down projection) is quantize-dequantized in the expert path itself
+(`fc2_input`, called between the activation and the second GEMM of SGLang's triton runner and of its CPU path),
+under the one convention of `trace_core.fc2`: NVFP4 per (token, expert) row, its scale from the amax over the full
+intermediate width, i.e. the max over the MoE-TP ranks' shards (one all-gather of `[rows]` FP32 amax per layer).
+
 native (Blackwell NVFP4 checkpoints): the MoE kernel quantizes the input itself with the layer's static input
 scale; `native_moe_input` reproduces its codes with the exact-math quantizer and leaves the input untouched.
 """
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_core.capture import SiteBuffers
+from trace_core.fc2 import fc2_input_fake_quant, row_amax
 from trace_core.formats import NVFP4
 from trace_core.kernels import quantize_record, rtn_fake_quant
 from trace_core.quant import nvfp4_global_scale
@@ -43,6 +49,16 @@ def emulate_moe_input(x: torch.Tensor, bits: int, record: SiteBuffers | None) ->
             token_scale=record.global_scale,
         )
     return out
+
+
+def fc2_input(h: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """emulate-nvfp4: the FC2 input `[rows, intermediate / tp]` of this MoE-TP rank, quantize-dequantized under
+    `trace_core.fc2`'s convention. `tp_group`: SGLang's MoE-TP `GroupCoordinator` when the intermediate is sharded
+    (every rank calls this in lockstep, as the forward does); its all-gather is SGLang's CUDA-graph-safe one."""
+    amax = row_amax(h)
+    if tp_group is not None and tp_group.world_size > 1:
+        amax = tp_group.all_gather(amax, dim=-1).amax(dim=-1, keepdim=True)
+    return fc2_input_fake_quant(h, amax)
 
 
 def native_moe_input(x: torch.Tensor, bits: int, input_scale: torch.Tensor, record: SiteBuffers) -> None:

@@ -69,18 +69,31 @@ def install_sgl_kernel_stand_in() -> bool:
     return True
 
 
-def init_cpu_parallel_state() -> None:
-    """SGLang's TP/PP/EP groups for one CPU process (gloo), so layers such as FusedMoE can be built; idempotent."""
+def init_cpu_parallel_state(world_size: int = 1, rank: int = 0, port: int | None = None) -> None:
+    """SGLang's TP/PP/EP groups on CPU (gloo), so layers such as FusedMoE can be built; idempotent. With
+    `world_size` > 1 every rank calls this with the same free `port`. SGLang would add a PyNccl communicator to
+    every multi-rank group; there is no NCCL on CPU, so the groups are built without it (collectives then go
+    through torch.distributed on the gloo groups, SGLang's own fallback)."""
     import socket
 
     from sglang.srt.distributed import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ps.init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
-    )
-    ps.initialize_model_parallel(1)
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    build = ps.init_model_parallel_group
+    ps.init_model_parallel_group = lambda *args, **kwargs: build(*args, **{**kwargs, "use_pynccl": False})
+    try:
+        ps.init_distributed_environment(
+            world_size=world_size,
+            rank=rank,
+            local_rank=rank,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+        )
+        ps.initialize_model_parallel(world_size)
+    finally:
+        ps.init_model_parallel_group = build

@@ -83,6 +83,16 @@ def test_cli_flags_parse_into_server_args():
         (dict(enable_dp_attention=True), "--enable-dp-attention"),
         (dict(ep_size=2), "expert parallelism"),
         (dict(trace_step=-1), "--trace-step"),
+        (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
+        (dict(disaggregation_mode="prefill"), "--disaggregation-mode prefill"),
+        (dict(enable_pdmux=True), "--enable-pdmux"),
+        (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+        (dict(load_format="sharded_state"), "--load-format sharded_state"),
+        (dict(load_format="remote_instance"), "--load-format remote_instance"),
+        (dict(moe_runner_backend="flashinfer_trtllm"), "--moe-runner-backend flashinfer_trtllm"),
+        (dict(moe_runner_backend="triton_kernel"), "--moe-runner-backend triton_kernel"),
+        (dict(enable_torch_compile=True), "--enable-torch-compile"),
+        (dict(custom_weight_loader=["my.loader"]), "--custom-weight-loader"),
     ],
 )
 def test_bad_trace_args_fail_naming_the_problem(kw, message):
@@ -141,3 +151,24 @@ def test_qwen2_moe_layout_follows_sparse_step_and_mlp_only_layers():
     )
     layout = model_layout(cfg)
     assert layout.moe_layers == (1, 3) and layout.attn_layers == tuple(range(6)) and layout.head_dim == 16
+
+
+def test_final_settings_are_validated_after_sglang_defaults(tmp_path):
+    """The patched `__post_init__` runs the TRACE check again as its last statement, after every `_handle_*` step
+    that applies SGLang's per-model / per-GPU defaults (e.g. `flashinfer_trtllm` for Qwen3-MoE on SM100). No such
+    default fires on a CPU machine, so the placement is checked on the installed source, and the full
+    `__post_init__` (real model directory, CPU) is run once with a refused setting to see the check fire there."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ServerArgs.__post_init__)))
+    body = tree.body[0].body
+    calls = [ast.unparse(n.value.func) for n in body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+    handlers = [i for i, c in enumerate(calls) if c.startswith("self._handle_")]
+    assert calls[-1] == "check_trace_args" and handlers and handlers[-1] < len(calls) - 1
+    qwen3_moe(layers=2).save_pretrained(tmp_path / "qwen3-moe-tiny")
+    kw = dict(model_path=str(tmp_path / "qwen3-moe-tiny"), device="cpu", trace_mode="emulate-nvfp4", trace_store="/r")
+    assert ServerArgs(**kw, trace_sites="moe_in").load_format == "auto"
+    with pytest.raises(ValueError, match="--enable-pdmux"):
+        ServerArgs(**kw, trace_sites="moe_in", enable_pdmux=True)

@@ -9,6 +9,7 @@ stand-in whose placeholders raise if called — none is called on these paths.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.sglang_cpu import install_sgl_kernel_stand_in
 
@@ -123,7 +124,9 @@ def test_emulated_input_site_equals_reference_and_writes_record():
 
 
 def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_path):
-    """FusedMoE.forward_impl with TRACE on equals the same layer run on the reference-quantized input."""
+    """FusedMoE.forward_impl with TRACE on equals the reference: NVFP4 MoE input, NVFP4 FC2 input per (token,
+    expert) row (`trace_core.fc2`), the top-k weight applied to each expert's BF16 FC2 output in FP32 and summed
+    in FP32 (SGLang's CPU expert path, `moe_forward_native`)."""
     from sglang_trace.capturer import TraceCapturer
     from sglang_trace.config import ModelLayout, check_server_args
 
@@ -134,7 +137,15 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(6)]).to(torch.int32)
     topk = StandardTopKOutput(topk_weights=torch.rand(6, TOPK, generator=gen), topk_ids=ids, router_logits=None)
 
-    reference = layer.forward_impl(dequantize(quantize(x, "nvfp4", per_token=True), x.dtype), topk)  # TRACE off
+    xq = dequantize(quantize(x, "nvfp4", per_token=True), x.dtype)
+    rows = []
+    for t in range(6):
+        for k in range(TOPK):
+            e = int(ids[t, k])
+            gate, up = F.linear(xq[t : t + 1], layer.w13_weight[e]).chunk(2, dim=-1)
+            h = dequantize(quantize(F.silu(gate) * up, "nvfp4", per_token=True), x.dtype)
+            rows.append(F.linear(h, layer.w2_weight[e])[0].float() * topk.topk_weights[t, k])
+    reference = torch.stack(rows).view(6, TOPK, H).sum(dim=1).to(x.dtype)
     unquantized = layer.forward_impl(x, topk)
     layout = ModelLayout("Qwen3MoeForCausalLM", 2, (0, 1), (0, 1), H, 1, 16, TOPK)
     args = check_server_args(

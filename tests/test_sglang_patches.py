@@ -71,3 +71,26 @@ def test_git_apply_accepts_the_stack_in_upstream_layout(installed, tmp_path):
     subprocess.run(["git", "apply", *files], cwd=tmp_path, check=True)
     for patch in patches:
         assert (tmp_path / patch.path).read_text() == (root / patch.package_path).read_text()
+
+
+@pytest.mark.parametrize("kind", ["BatchTokenIDOutput", "BatchStrOutput"])
+def test_multi_tokenizer_split_keeps_each_requests_trace_handle(kind):
+    """The multi-tokenizer router splits a batch output per request (`_handle_output_by_index`); both branches a
+    generate request takes carry its TRACE handle (0008)."""
+    import dataclasses
+
+    from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+    install_sgl_kernel_stand_in()
+    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
+    mixin = pytest.importorskip("sglang.srt.managers.multi_tokenizer_mixin")
+    cls = getattr(io_struct, kind)
+    handles = [{"trajectory": "a"}, None]
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            values[f.name] = [None, None]
+    values.update(rids=["a", "b"], trace_handles=handles)
+    out = cls(**values)
+    assert mixin._handle_output_by_index(out, 0).trace_handles == [handles[0]]
+    assert mixin._handle_output_by_index(out, 1).trace_handles == [None]

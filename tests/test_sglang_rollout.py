@@ -10,6 +10,7 @@ plain data holders (`SimpleNamespace`) in their place: `capture(layer_id, topk_i
 (`tests/sglang_cpu.py`); nothing here calls it.
 """
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -38,7 +39,7 @@ from sglang_trace import hooks  # noqa: E402
 from sglang_trace.capturer import TraceCapturer  # noqa: E402
 from trace_core.quant import quantize  # noqa: E402
 from trace_core.records import Binding, Record, token_digest  # noqa: E402
-from trace_core.store_reader import RecordReader  # noqa: E402
+from trace_core.store_reader import FailedRecordError, RecordReader  # noqa: E402
 
 H, KV_HEADS, HEAD_DIM, EXPERTS, TOPK, INTER, LAYERS = 64, 2, 32, 4, 2, 32, 2
 
@@ -100,7 +101,8 @@ class Rollout:
         self.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
         runner = SimpleNamespace(
             server_args=self.args,
-            model_config=SimpleNamespace(hf_config=qwen3_moe()),
+            model=torch.nn.ModuleList(self.moe),
+            model_config=SimpleNamespace(hf_config=qwen3_moe(), context_len=32),
             token_to_kv_pool=self.pool,
             max_running_requests=16,
             max_total_num_tokens=64,
@@ -121,9 +123,11 @@ class Rollout:
                     w = (torch.randn(*shape, generator=self.gen) * 0.05).to(torch.bfloat16)
                     layer.weight_loader(getattr(layer, name), w, name, sid, e)
 
-    def forward(self, slots: list[int], mode: ForwardMode) -> None:
+    def forward(self, slots: list[int], mode: ForwardMode, *, graph_replay: bool = False, skip_moe=()) -> None:
         """One model forward over rows `slots`: each MoE layer routes and runs its experts, each attention layer
-        writes K/V; then the forward ends, as in ModelRunner.forward."""
+        writes K/V; then the forward ends, as in ModelRunner.forward. `graph_replay`: report the forward as a CUDA
+        graph replay (no eager staging check); `skip_moe`: MoE layers whose FusedMoE does not run (a replay whose
+        captured graph lacks the TRACE hooks)."""
         t = len(slots)
         loc = torch.tensor(slots, dtype=torch.int64)
         rows = [dict() for _ in range(t)]
@@ -132,7 +136,8 @@ class Rollout:
             ids = torch.stack([torch.randperm(EXPERTS, generator=self.gen)[:TOPK] for _ in range(t)]).to(torch.int32)
             get_global_experts_capturer().capture(layer_id=layer, topk_ids=ids)
             topk = StandardTopKOutput(torch.rand(t, TOPK, generator=self.gen), ids, None)
-            self.moe[layer].forward_impl(x, topk)
+            if layer not in skip_moe:
+                self.moe[layer].forward_impl(x, topk)
             k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=self.gen).to(torch.bfloat16)
             v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=self.gen).to(torch.bfloat16)
             self.pool.set_kv_buffer(None, loc, k.clone(), v.clone(), layer_id_override=layer)
@@ -144,7 +149,9 @@ class Rollout:
         for slot, row in zip(slots, rows, strict=True):
             self.seen[slot] = row
         batch = SimpleNamespace(forward_mode=mode, out_cache_loc=loc)
-        get_global_experts_capturer().on_forward_end(forward_batch=batch, can_run_graph=False, cuda_graph_batch=None)
+        get_global_experts_capturer().on_forward_end(
+            forward_batch=batch, can_run_graph=graph_replay, cuda_graph_batch=None
+        )
 
     def finish(self, rid: str, req_pool_idx: int, slots: list[int]):
         """Request finish as the scheduler runs it: req_to_token holds its slots, seqlen = len(slots) + 1 (the
@@ -220,25 +227,88 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
 
 
-def test_retraction_slot_reuse_and_weight_update_step(rollout):
-    rollout.forward([1, 2, 3], ForwardMode.EXTEND)  # request A, retracted afterwards: slots 2, 3 go back
-    rollout.forward([2, 3, 7], ForwardMode.EXTEND)  # request C reuses them
-    rollout.forward([4, 5], ForwardMode.EXTEND)  # A recomputed into new slots after its prefix slot 1
-    before = hooks.EXPERT_WEIGHTS.stats.w13
+def disk_update(rollout: Rollout, version: str | None, flush_cache: bool = False):
+    """`update_weights_from_disk` through the patched scheduler mixin; the tp worker's reload runs the same FusedMoE
+    weight loader."""
 
-    def reload(recv_req):  # the tp worker's disk update runs the same FusedMoE weight loader
+    def reload(recv_req):
         rollout.load_weights()
         return True, "ok"
 
     scheduler = SimpleNamespace(tp_worker=SimpleNamespace(update_weights_from_disk=reload))
-    req = UpdateWeightFromDiskReqInput(model_path="unused", weight_version="7", flush_cache=False)
-    assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success
-    assert hooks.EXPERT_WEIGHTS.stats.w13 - before == LAYERS * EXPERTS
-    finished = rollout.finish("traj-A", 0, [1, 4, 5])
-    assert finished.trace_handle["step"] == 7
-    check_store(rollout, 7, "traj-A", [1, 4, 5])
+    req = UpdateWeightFromDiskReqInput(model_path="unused", weight_version=version, flush_cache=flush_cache)
+    return SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req)
+
+
+def test_retraction_slot_reuse_and_weight_update_step(rollout):
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)  # request A, retracted afterwards: slots 2, 3 go back
+    rollout.forward([2, 3, 7], ForwardMode.EXTEND)  # request C reuses them
+    rollout.forward([4, 5], ForwardMode.EXTEND)  # A recomputed into new slots after its prefix slot 1
     rollout.finish("traj-C", 1, [2, 3, 7])
-    check_store(rollout, 7, "traj-C", [2, 3, 7])
+    check_store(rollout, 0, "traj-C", [2, 3, 7])
+    before = hooks.EXPERT_WEIGHTS.stats.w13
+    assert disk_update(rollout, "7").success
+    assert hooks.EXPERT_WEIGHTS.stats.w13 - before == LAYERS * EXPERTS
+    rollout.forward([1, 4, 5], ForwardMode.EXTEND)  # A after the update (cache flushed: recomputed)
+    finished = rollout.finish("traj-A", 0, [1, 4, 5])
+    assert finished.trace_handle["step"] == 7 and "error" not in finished.trace_handle
+    check_store(rollout, 7, "traj-A", [1, 4, 5])
+
+
+def test_old_weight_tokens_are_never_filed_under_the_new_step(rollout):
+    """flush_cache=False (or an in-place pause): a request whose prefix was computed before the update finishes
+    after it. Its rows carry weight version 0, the step is 7: the request is refused, not stored under 7."""
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)
+    assert disk_update(rollout, "7", flush_cache=False).success
+    rollout.forward([4], ForwardMode.DECODE)  # decodes on with the new weights
+    req = rollout.finish("mixed", 0, [1, 2, 3, 4])
+    assert req.trace_handle["step"] == 7 and "weight versions [0, 7]" in req.trace_handle["error"]
+    assert req.routed_experts is None
+    rollout.forward([10, 11], ForwardMode.EXTEND)
+    rollout.finish("fresh", 1, [10, 11])
+    check_store(rollout, 7, "fresh", [10, 11])
+    with pytest.raises(FailedRecordError, match=r"weight versions \[0, 7\]"):
+        RecordReader(rollout.args.trace_store, 7).load([("mixed", 0, 4)])
+    assert rollout.capturer.stats.failed == ["mixed"]
+
+
+def test_an_update_without_weight_version_refuses_records_until_a_versioned_one(rollout):
+    assert disk_update(rollout, None).success
+    rollout.forward([1, 2], ForwardMode.EXTEND)
+    req = rollout.finish("unversioned", 0, [1, 2])
+    assert req.trace_handle["step"] is None and "without a weight_version" in req.trace_handle["error"]
+    assert disk_update(rollout, "3").success
+    rollout.forward([1, 2], ForwardMode.EXTEND)
+    assert "error" not in rollout.finish("versioned", 0, [1, 2]).trace_handle
+    check_store(rollout, 3, "versioned", [1, 2])
+
+
+def test_tensor_update_that_bypasses_the_expert_loader_is_refused_and_ipc_moves_the_step(rollout):
+    from sglang.srt.managers.io_struct import UpdateWeightsFromIPCReqInput, UpdateWeightsFromTensorReqInput
+
+    applied = []
+    worker = SimpleNamespace(
+        update_weights_from_tensor=lambda req: applied.append(req) or (True, "ok"),
+        update_weights_from_ipc=lambda req: (rollout.load_weights(), (True, "ok"))[1],
+    )
+    scheduler = SimpleNamespace(tp_worker=worker, draft_worker=None, tp_cpu_group=None)  # barrier: world group
+    req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[], load_format="direct", weight_version="4")
+    out = SchedulerUpdateWeightsMixin.update_weights_from_tensor(scheduler, req)
+    assert not out.success and "load_format='direct'" in out.message and applied == []
+    ipc = UpdateWeightsFromIPCReqInput(zmq_handles={}, weight_version="5", flush_cache=False)
+    assert SchedulerUpdateWeightsMixin.update_weights_from_ipc(scheduler, ipc).success
+    assert rollout.capturer.step == 5
+
+
+def test_a_graph_replay_in_which_a_hook_did_not_run_is_refused_not_stored(rollout):
+    """A CUDA-graph replay skips the eager staging check; the in-graph markers catch a layer whose TRACE hooks did
+    not run (its staging rows still hold the previous forward's records)."""
+    rollout.forward([1, 2], ForwardMode.EXTEND, graph_replay=True)
+    rollout.forward([3, 4], ForwardMode.EXTEND, graph_replay=True, skip_moe=(1,))
+    ok, stale = rollout.finish("ok", 0, [1, 2]), rollout.finish("stale", 1, [3, 4])
+    assert "error" not in ok.trace_handle and "a hook did not run" in stale.trace_handle["error"]
+    check_store(rollout, 0, "ok", [1, 2])
+    assert rollout.capturer.stats.failed == ["stale"]
 
 
 def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):
@@ -248,19 +318,35 @@ def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):
         rollout.capturer.on_forward_end(
             SimpleNamespace(forward_mode=ForwardMode.DECODE, out_cache_loc=loc), False, None
         )
-    with pytest.raises(ValueError, match="no captured record"):
-        rollout.finish("never-run", 2, [40, 41])  # R3 on: the routes are read at once
+    req = rollout.finish("never-run", 2, [40, 41])  # R3 on: the routes are read at once
+    assert "no captured record" in req.trace_handle["error"] and req.routed_experts is None
 
 
-def test_without_r3_a_failed_gather_is_raised_at_flush(rollout):
-    """With routes not returned, finish only enqueues the gather; its failure is counted and raised at flush."""
+def test_failed_gathers_and_writes_are_counted_and_the_server_keeps_serving(rollout, tmp_path):
+    """With routes not returned, finish only enqueues the gather and the write; a failure of either is counted and
+    logged on the writer thread, that trajectory is not stored, and later requests are."""
     rollout.capturer.return_routes = False
     rollout.forward([1, 2], ForwardMode.EXTEND)
     assert rollout.finish("ok", 0, [1, 2]).trace_handle["tokens"] == 2
     assert rollout.finish("never-run", 2, [40, 41]).trace_handle["trajectory"] == "never-run"
-    with pytest.raises(ValueError, match="no captured record"):
-        rollout.capturer.flush()
-    assert rollout.capturer.stats.write_failures == 1 and rollout.capturer.stats.shards_written == 1
+    rollout.capturer.flush()
+    good = rollout.capturer._writer
+    rollout.capturer._writer = broken = type(good)(str(tmp_path / "other-store"), 0)
+    shutil.rmtree(broken.dir)
+    broken.dir.write_text("not a directory")  # the step directory became unwritable
+    rollout.forward([3], ForwardMode.EXTEND)
+    rollout.finish("disk-error", 1, [3])
+    rollout.capturer.flush()
+    rollout.capturer._writer = good
+    rollout.forward([5, 6], ForwardMode.EXTEND)
+    rollout.finish("after", 3, [5, 6])
+    check_store(rollout, 0, "after", [5, 6])
+    reader = RecordReader(rollout.args.trace_store, 0)
+    for rid, message in (("never-run", "no captured record"), ("disk-error", "NotADirectoryError")):
+        with pytest.raises(FailedRecordError, match=message):
+            reader.load([(rid, 0, 1)])
+    stats = rollout.capturer.stats
+    assert stats.failed == ["never-run", "disk-error"] and stats.write_failures == 2 and stats.shards_written == 2
 
 
 def test_chunked_update_may_split_gate_and_up_but_no_forward_runs_half_updated(rollout):

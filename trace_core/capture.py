@@ -53,11 +53,17 @@ class RowLayout:
     row_bytes: int
 
     @classmethod
-    def build(cls, sites: dict[Site, SiteLayout], routes: tuple[int, int] | None) -> RowLayout:
+    def build(
+        cls, sites: dict[Site, SiteLayout], routes: tuple[int, int] | None, marks: int = 0, version: bool = False
+    ) -> RowLayout:
         wide: list[tuple[tuple[str, str], int]] = []
         narrow: list[tuple[tuple[str, str], int]] = []
         if routes is not None:
             wide.append((("routes", "routes"), 4 * routes[0] * routes[1]))
+        if version:
+            wide.append((("meta", "version"), 4))
+        if marks:
+            narrow.append((("meta", "marks"), marks))
         for (layer, kind), (fmt_name, bits, n) in sites.items():
             fmt, owner = get_format(fmt_name), f"{layer}.{kind}"
             if fmt.has_global_scale:
@@ -89,6 +95,11 @@ class RecordCapturer:
         ring_depth: forwards whose copies may be in flight at once (CUDA).
         drain_thread: scatter finished copies into the host store on a background thread (CUDA), keeping that
             CPU work off the scheduler thread; otherwise the calling thread does it in `on_forward_end`/`flush`.
+        marks: hook markers per row (`mark`): every forward must set all of them on its rows, inside a CUDA graph
+            too; `on_forward_end` clears them after shipping the rows, so a replay in which a hook did not run
+            leaves its marker at 0 and every gather through those rows fails (a stale row is never stored).
+        versioned: keep the weight version of the forward that wrote each row (`on_forward_end(version=...)`);
+            `gather(version=v)` refuses rows written under another version.
     """
 
     def __init__(
@@ -103,6 +114,8 @@ class RecordCapturer:
         device: torch.device | str = "cpu",
         ring_depth: int = 4,
         drain_thread: bool = True,
+        marks: int = 0,
+        versioned: bool = False,
     ) -> None:
         if max_tokens < 1 or num_slots < 1:
             raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
@@ -115,7 +128,10 @@ class RecordCapturer:
             raise ValueError(f"routes must be (route_layers >= 1, topk >= 1), got {routes!r}")
         self.layouts: dict[Site, SiteLayout] = {s: full[s] for s in chosen}
         self.routes_shape = routes
-        self.row = RowLayout.build(self.layouts, routes)
+        if marks < 0:
+            raise ValueError(f"marks must be >= 0, got {marks}")
+        self.marks, self.versioned = marks, versioned
+        self.row = RowLayout.build(self.layouts, routes, marks, versioned)
         self.max_tokens, self.num_slots = max_tokens, num_slots
         self.device = torch.device(device)
         self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=self.device)
@@ -209,14 +225,31 @@ class RecordCapturer:
         buf[: topk_ids.shape[0], layer].copy_(topk_ids)
         self._staged[layer] = topk_ids.shape[0]
 
-    def on_forward_end(self, out_cache_loc: torch.Tensor, *, row_start: int = 0, graph_replay: bool = False) -> int:
+    def mark(self, index: int, rows: int) -> None:
+        """Set hook marker `index` on staging rows [0, rows): the hook ran in this forward. CUDA-graph safe (a
+        fill of a fixed view), so a replay sets it exactly when the captured hook runs."""
+        if not 0 <= index < self.marks or not 0 <= rows <= self.max_tokens:
+            raise ValueError(f"marker {index} of {self.marks} on {rows} rows (max_tokens {self.max_tokens})")
+        self.row.view(self.staging, "meta", "marks")[:rows, index].fill_(1)
+
+    def on_forward_end(
+        self,
+        out_cache_loc: torch.Tensor,
+        *,
+        row_start: int = 0,
+        graph_replay: bool = False,
+        version: int | None = None,
+    ) -> int:
         """Send staging rows [row_start, row_start + T) to the host store at KV slots `out_cache_loc` `[T]`;
         returns the forward id (0, 1, ...) to pass as `after_forward` to `gather` / `flush`.
 
         In eager mode every captured site and route layer must have staged at least row_start + T rows since the
         last call (a hook that did not fire would otherwise ship stale rows); pass `graph_replay=True` after
-        replaying a CUDA graph, whose staging writes run without Python.
+        replaying a CUDA graph, whose staging writes run without Python (the markers catch a hook missing there).
+        `version`: the weight version the forward ran with (required when built `versioned`).
         """
+        if self.versioned != (version is not None):
+            raise ValueError(f"version {version!r}: pass one exactly when the capturer is versioned")
         staged, self._staged = self._staged, {}
         if not graph_replay:
             need = row_start + out_cache_loc.shape[0]
@@ -227,7 +260,13 @@ class RecordCapturer:
                     f"forward ended with rows [{row_start}, {need}) but {short} (site, or route layer) staged "
                     f"{[staged.get(k, 0) for k in short]} rows; nothing was captured"
                 )
-        return self.ring.submit(row_start, out_cache_loc)
+        rows = slice(row_start, row_start + out_cache_loc.shape[0])
+        if version is not None:
+            self.row.view(self.staging, "meta", "version", torch.int32)[rows].fill_(version)
+        forward = self.ring.submit(row_start, out_cache_loc)
+        if self.marks:  # after the ring's snapshot of the rows, on the same stream
+            self.row.view(self.staging, "meta", "marks").zero_()
+        return forward
 
     def poll(self) -> None:
         """Move completed copies into the host store without blocking (also done by every `on_forward_end`)."""
@@ -281,26 +320,29 @@ class RecordCapturer:
             resolve()  # CPU slots: bad input fails here, on the caller's thread
         return resolve
 
-    def gather(self, slots: torch.Tensor, length: int, after_forward: int | None = None) -> TrajectoryRecords:
+    def gather(
+        self, slots: torch.Tensor, length: int, after_forward: int | None = None, *, version: int | None = None
+    ) -> TrajectoryRecords:
         """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`.
 
         `after_forward`: id of the last forward that wrote the request's rows (the batch whose results are being
         processed). Only copies up to it are waited for, so a forward already launched by an overlap scheduler is
         not; default: wait for every submitted forward. Pass `slots` on the CPU to avoid waiting for the current
-        CUDA stream."""
+        CUDA stream. `version` (versioned capturers): every row must have been written under that weight version.
+        Raises ValueError for unwritten rows, rows whose hook markers are not all set, or another version."""
         idx = self._slot_index(slots, length)()
         self.flush(after_forward)
-        return self._read(idx)
+        return self._read(idx, version)
 
-    def gather_async(self, slots: torch.Tensor, length: int) -> Future:
+    def gather_async(self, slots: torch.Tensor, length: int, *, version: int | None = None) -> Future:
         """`gather` as a future: the slot transfer and the copy out of the host store run on the drain thread,
         after every forward submitted so far, so the scheduler thread neither waits nor copies (at once on the
         other paths)."""
         resolve = self._slot_index(slots, length)
-        return self.ring.run_after(lambda: self._read(resolve()))
+        return self.ring.run_after(lambda: self._read(resolve(), version))
 
-    def _read(self, idx: torch.Tensor) -> TrajectoryRecords:
-        """The records of host-store rows `idx`, as views of one gathered copy."""
+    def _read(self, idx: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
+        """The records of host-store rows `idx`, as views of one gathered copy (checks: see `gather`)."""
         length = idx.shape[0]
         unwritten = (~self.written[idx]).nonzero().flatten()
         if unwritten.numel():
@@ -309,6 +351,22 @@ class RecordCapturer:
                 f"{unwritten[:8].tolist()}, slots {idx[unwritten[:8]].tolist()})"
             )
         rows = self.host[idx]
+        if self.marks:
+            missing = (self.row.view(rows, "meta", "marks") == 0).nonzero()
+            if missing.numel():
+                raise ValueError(
+                    f"{missing[:, 0].unique().numel()} of {length} positions were written by a forward in which a "
+                    f"hook did not run (first (position, marker) {missing[:4].tolist()}); records refused"
+                )
+        if version is not None:
+            if not self.versioned:
+                raise ValueError("gather(version=...) needs a capturer built with versioned=True")
+            versions = self.row.view(rows, "meta", "version", torch.int32).flatten()
+            if length and not bool((versions == version).all()):
+                raise ValueError(
+                    f"positions were computed under weight versions {versions.unique().tolist()}, not {version} only "
+                    "(a weight update without a cache flush, or an in-place pause across an update); records refused"
+                )
         records = {}
         for site, (fmt_name, bits, n) in self.layouts.items():
             buf = self._buffers(rows, site)

@@ -4,7 +4,8 @@ FP4 mode (DESIGN §4, emulated NVFP4 W4A4 + FP4 KV):
 - routed-expert weights are quantize-dequantized to NVFP4 (one global scale per expert matrix, gate and up as one
   FC1 matrix) at load and at every weight update;
 - the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes the
-  record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets NVFP4 RTN;
+  record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets `trace_core.fc2`'s
+  NVFP4 RTN (per-row scale), the top-k weight multiplies the FC2 output;
 - K (after QK-norm and RoPE) and V are quantize-dequantized to `kv_fp4` as they enter the KV cache, with records
   of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
 Both modes stage every MoE layer's top-k routes for R3; an `ActivationTap` sees every site's rows (analyses).
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, Qwen3MoeForCausalLM
 
 from trace_core.capture import RecordCapturer
+from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.formats import KV_FP4, NVFP4
 from trace_core.kernels import quantize_record, rtn_fake_quant
 from trace_core.records import ModelShape, RecordSpec
@@ -199,7 +201,7 @@ class EmbeddedEngine:
                 gate, up = F.linear(hidden[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
                 h = experts.act_fn(gate) * up
                 if self.fp4:
-                    h = rtn_fake_quant(h.contiguous(), NVFP4, per_token=True)
+                    h = fc2_input_fake_quant(h.contiguous())
                 y = F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None]
                 out.index_add_(0, token, y.to(out.dtype))
             return out
