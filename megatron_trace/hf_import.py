@@ -7,18 +7,15 @@ name, every setting the trainer's Megatron spec does not build (Qwen3-Next / Qwe
 layers, shared experts, tied embeddings, biases, RoPE scaling, sliding windows, `norm_topk_prob = false`).
 
 Megatron names and layouts (what `export_hf` reads back): the fused QKV rows are grouped per KV head
-`[q heads of the group, k, v] × groups`; expert FC1 is `[gate; up]`. Under tensor parallelism a rank holds a
-contiguous block of KV-head groups of QKV, of the vocabulary (embedding, output layer) and of the rows of a
-column-parallel weight; row-parallel weights (`linear_proj`, `linear_fc2`) are split on the input dimension; FC1
-holds `[gate_r; up_r]` (each half split separately, as Megatron's GLU layout). Under expert parallelism a rank
-holds experts `[ep_rank × local, (ep_rank + 1) × local)`; under pipeline parallelism its layers carry their global
-`layer_number`. Norms and the router are replicated.
+`[q heads of the group, k, v] × groups`; expert FC1 is `[gate; up]`. `load_hf_into` gives each rank of a TP / EP /
+PP layout its shard by the rules of `megatron_trace.parallel` (`load_full_state`), reading only the tensors it needs.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -172,9 +169,8 @@ def megatron_tensor(ckpt: HFCheckpoint, name: str) -> torch.Tensor:
     raise KeyError(f"no HF tensor for Megatron parameter {name}")
 
 
-def megatron_state(ckpt: HFCheckpoint) -> dict[str, torch.Tensor]:
-    """The full single-rank Megatron state dict (TP = EP = PP = 1) of the checkpoint, in its stored dtype."""
-    d = ckpt.dims
+def megatron_names(d: TinyMoEConfig) -> list[str]:
+    """Parameter names of the single-rank Megatron model of dims `d`."""
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     per_layer = [
         "input_layernorm.weight",
@@ -186,64 +182,41 @@ def megatron_state(ckpt: HFCheckpoint) -> dict[str, torch.Tensor]:
         "mlp.router.weight",
     ]
     per_layer += [f"mlp.experts.local_experts.{e}.linear_fc{j}.weight" for e in range(d.experts) for j in (1, 2)]
-    names += [f"decoder.layers.{i}.{n}" for i in range(d.layers) for n in per_layer]
+    return names + [f"decoder.layers.{i}.{n}" for i in range(d.layers) for n in per_layer]
+
+
+def megatron_state(ckpt: HFCheckpoint) -> dict[str, torch.Tensor]:
+    """The full single-rank Megatron state dict (TP = EP = PP = 1) of the checkpoint, in its stored dtype."""
+    names = megatron_names(ckpt.dims)
     return {n: megatron_tensor(ckpt, n) for n in tqdm(names, desc=f"import {ckpt.path.name}", unit="tensor")}
 
 
-def _global_name(model: torch.nn.Module, name: str) -> str:
-    """A local parameter name → its unsharded name: the layer's global number (PP), the expert's global id (EP)."""
-    m = LAYER.fullmatch(name)
-    if m is None:
-        return name
-    layer = model.decoder.layers[int(m[1])]
-    rest = m[2]
-    e = EXPERT.fullmatch(rest)
-    if e is not None:
-        local = len(layer.mlp.experts.local_experts)
-        first = _ep_rank() * local
-        rest = f"mlp.experts.local_experts.{first + int(e[1])}.{e[2]}.weight"
-    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+class LazyMegatronState(Mapping):
+    """The full single-rank Megatron state of a checkpoint as a mapping that reads each tensor when asked for it,
+    so a rank of a parallel layout reads only what it loads."""
 
+    def __init__(self, ckpt: HFCheckpoint):
+        self.ckpt = ckpt
+        self.names = megatron_names(ckpt.dims)
 
-def _ep_rank() -> int:
-    from megatron.core import parallel_state
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return megatron_tensor(self.ckpt, name)
 
-    return parallel_state.get_expert_model_parallel_rank()
+    def __iter__(self):
+        return iter(self.names)
 
-
-def _tp(expert: bool) -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    if expert:
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-def _shard(name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's block of the full tensor `full` for the local parameter `param`."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    rank, size = _tp(".experts." in name)
-    dim = param.partition_dim
-    if full.shape[dim] % size:
-        raise ValueError(f"{name}: dimension {dim} of {tuple(full.shape)} does not split over {size} TP ranks")
-    if name.endswith("linear_fc1.weight"):  # GLU: [gate_r; up_r]
-        return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
-    return full.chunk(size, dim)[rank]
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 @torch.no_grad()
 def load_hf_into(model: torch.nn.Module, ckpt: HFCheckpoint) -> None:
-    """Copy the checkpoint into `model`, this rank's shard of every parameter under Megatron's parallel state
-    (TP / EP / PP as the model was built). Every local parameter must be covered, with the right shape."""
-    c = model.config
-    d = ckpt.dims
+    """Copy the checkpoint into `model` (one chunk): this rank's shard of every parameter, by the shard rules of
+    `megatron_trace.parallel` (`load_full_state`) under Megatron's parallel state."""
+    from megatron_trace.parallel import load_full_state, unwrap
+
+    c, d = unwrap(model).config, ckpt.dims
     built = (c.num_layers, c.hidden_size, c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size)
     if built != (d.layers, d.hidden, d.experts, d.topk, d.expert_ffn):
         raise ValueError(f"model (layers, hidden, experts, topk, ffn) {built} is not the checkpoint's dims {d}")
-    params = list(model.named_parameters())
-    for name, param in tqdm(params, desc=f"import {ckpt.path.name}", unit="tensor"):
-        block = _shard(name, param, megatron_tensor(ckpt, _global_name(model, name)))
-        if block.shape != param.shape:
-            raise ValueError(f"{name}: checkpoint block {tuple(block.shape)}, model has {tuple(param.shape)}")
-        param.copy_(block)
+    load_full_state(model, LazyMegatronState(ckpt))

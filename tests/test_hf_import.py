@@ -148,8 +148,9 @@ def test_qwen3_30b_a3b_config_maps_to_the_trainer_dims():
 
 
 def _worker(ckpt_dir: str, out: str) -> None:
-    """On each of 2 ranks: TP = 2, then EP = 2, then PP = 2; every local parameter must equal the rank's block
-    of the single-rank import (which the tests above tie to the checkpoint), and with TP / EP the logits too."""
+    """On each of 2 ranks: TP = 2, then EP = 2, then PP = 2 (`megatron_trace.parallel`'s shard rules: experts are
+    not TP-split); local parameters must equal the rank's block of the single-rank import (which the tests above tie
+    to the checkpoint), and with TP / EP the logits the single rank's."""
     from megatron.core import parallel_state as ps
 
     from megatron_trace.cpu import init_megatron
@@ -162,19 +163,16 @@ def _worker(ckpt_dir: str, out: str) -> None:
     ids = torch.randint(0, 98, (2, 24), generator=torch.Generator().manual_seed(0))
     mb = pack_microbatch(list(enumerate(ids)))
     for layout in ({"tp": 2}, {"ep": 2}, {"pp": 2}):
+        tp, pp, ep = layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1)
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(
-            layout.get("tp", 1), layout.get("pp", 1), expert_model_parallel_size=layout.get("ep", 1)
-        )
+        ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
         kw = {
-            "tensor_model_parallel_size": layout.get("tp", 1),
-            "expert_model_parallel_size": layout.get("ep", 1),
-            "pipeline_model_parallel_size": layout.get("pp", 1),
+            "tensor_model_parallel_size": tp,
+            "expert_model_parallel_size": ep,
+            "pipeline_model_parallel_size": pp,
+            "expert_tensor_parallel_size": 1,
         }
-        if "pp" in layout:
-            model = _pp_stage(ckpt, rank, kw)
-        else:
-            model = build_tiny_moe(ckpt.dims, dtype=torch.float32, routing_replay=False, **kw)
+        model = build_tiny_moe(ckpt.dims, dtype=torch.float32, routing_replay=False, **kw)
         load_hf_into(model, ckpt)
         locals_ = dict(model.named_parameters())
         if "ep" in layout:
@@ -196,28 +194,6 @@ def _worker(ckpt_dir: str, out: str) -> None:
         torch.save(logits, Path(out) / f"{next(iter(layout))}_rank{rank}.pt")
     print(f"rank {rank} ok", flush=True)
     torch.distributed.destroy_process_group()
-
-
-def _pp_stage(ckpt: HFCheckpoint, rank: int, kw: dict):
-    """One pipeline stage of the model: stage 0 has the embedding and layer 1, stage 1 layer 2 and the head."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_trace.tiny import transformer_config
-
-    d = ckpt.dims
-    spec = get_gpt_layer_local_spec(num_experts=d.experts, qk_layernorm=True, normalization="RMSNorm")
-    return GPTModel(
-        config=transformer_config(d, dtype=torch.float32, routing_replay=False, **kw),
-        transformer_layer_spec=spec,
-        vocab_size=d.vocab,
-        max_sequence_length=d.max_seq,
-        pre_process=rank == 0,
-        post_process=rank == 1,
-        position_embedding_type="rope",
-        rotary_base=int(d.rope_theta),
-        share_embeddings_and_output_weights=False,
-    )
 
 
 def test_tp_ep_pp_shards_with_torchrun_on_cpu(ckpt_dir, tmp_path):
