@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
 from trace_core.records import Binding, token_digest
 from trace_core.store import StepWriter, TrajectoryRecords, list_steps, parse_rollout_rid, write_failure
@@ -39,6 +38,10 @@ from trace_rl.sglang_worker import SGLangError, SGLangWorker, StaleRolloutHandle
 from trace_rl.task import VOCAB
 from trace_rl.warmup import HF_DIR, load_megatron_state, make_tiny_model
 from trace_rl.workers import Request
+
+# SGLang's package root imports its server dependencies (pybase64, ...): installed by `make setup`.
+_auth = pytest.importorskip("sglang.srt.utils.auth", reason="sglang and its CPU deps: make setup")
+AuthLevel, decide_request_auth = _auth.AuthLevel, _auth.decide_request_auth
 
 SMALL = dict(prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace", rollout_backend="sglang")
 AUTH_LEVELS = {  # sglang 0.5.10.post1 http_server.py
