@@ -39,6 +39,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def mean_time(fn, iters: int, device: torch.device) -> float:
+    """Mean seconds per call of `fn` over `iters` calls, the device synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
 def synthetic_activations(rows: int, hidden: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """Gaussian activations with log-normal per-channel (outlier channels) and per-token magnitudes."""
     channel = torch.exp(1.5 * torch.randn(hidden, generator=gen))
@@ -113,12 +123,7 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         cap.on_forward_end(torch.arange(base, base + tokens, device=device), version=0)
 
     def timed(fn) -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            fn()
-        sync(device)
-        return (time.perf_counter() - t0) / args.iters
+        return mean_time(fn, args.iters, device)
 
     for fn in (plain, captured):  # warm-up
         timed(fn)
@@ -151,12 +156,7 @@ def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
             fc2_input_fake_quant(h)
 
     def timed(fn) -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            fn()
-        sync(device)
-        return (time.perf_counter() - t0) / args.iters
+        return mean_time(fn, args.iters, device)
 
     timed(fwd), timed(fc2)
     b = statistics.median(timed(fwd) for _ in range(args.repeats))
