@@ -139,11 +139,15 @@ def _code_sign(z, FMT: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(amax_blk, s_enc, FMT: tl.constexpr):
-    """(decode, encode, byte) of each block from its amax (and S_enc for nvfp4)."""
+def _block_scales(amax_blk, s_enc, FMT: tl.constexpr, HW_E4M3: tl.constexpr = False):
+    """(decode, encode, byte) of each block from its amax (and S_enc for nvfp4); HW_E4M3 rounds the E4M3 scale
+    with the hardware FP8 conversion instead of the bit arithmetic (same values)."""
     if FMT == NVFP4:
-        sf = amax_blk * (s_enc * ONE_SIXTH)
-        value, byte = _e4m3_round(tl.minimum(sf, 448.0))
+        sf = tl.minimum(amax_blk * (s_enc * ONE_SIXTH), 448.0)
+        if HW_E4M3:
+            value, byte = _e4m3_round_hw(sf)
+        else:
+            value, byte = _e4m3_round(sf)
         decode = value * tl.math.div_rn(1.0, s_enc)
         encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
     else:
@@ -375,21 +379,6 @@ def _e4m3_round_hw(v):
 
 
 @triton.jit
-def _block16_scales(amax_blk, s_enc, FMT: tl.constexpr):
-    """`_block_scales` with the hardware E4M3 rounding."""
-    if FMT == NVFP4:
-        value, byte = _e4m3_round_hw(tl.minimum(amax_blk * (s_enc * ONE_SIXTH), 448.0))
-        decode = value * tl.math.div_rn(1.0, s_enc)
-        encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
-    else:
-        e = _e8m0_exponent(amax_blk, FMT)
-        byte = e + 127
-        decode = _pow2(e)
-        encode = _pow2(-e)
-    return decode, encode, byte
-
-
-@triton.jit
 def _half_word(q, z, BITS: tl.constexpr, FMT: tl.constexpr):
     """Low BITS bits of the 8 codes of a half [RB, NB, 8], element i at bit i * BITS: int32 [RB, NB]."""
     k = _index(q)
@@ -502,7 +491,7 @@ def _quantize_record16_kernel(
                 if BITS > 0:
                     tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
                 s_enc = s_tok[:, None]
-        decode, encode, byte = _block16_scales(amax_blk, s_enc, FMT)
+        decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
         za = _code_sign(xa * encode[:, :, None], FMT)
         zb = _code_sign(xb * encode[:, :, None], FMT)
         qa, _ = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
