@@ -93,7 +93,7 @@ class MegatronTrainer:
         reader = RecordReader(store, step)
         reader.check_bindings(
             {
-                str(i): Binding(step, version, str(i), t.attempt or "", token_digest(t.tokens))
+                str(i): Binding(step, version, str(i), t.attempt or "", token_digest(t.tokens), self.cfg.recipe.name)
                 for i, t in enumerate(trajs)
             }
         )
