@@ -1,7 +1,9 @@
 """The RL loop with a parallel trainer layout on CPU: the controller runs the trainer as a Ray group of two gloo
 ranks (`trace_rl.parallel_trainer`), each rank reading its own trajectories' records from the store (and its
-stage's sites), the sessions slicing them by KV head and sequence-parallel chunk; a few `trace` steps with R3
-against the same run on one rank (`trace_rl.trainer.MegatronTrainer`).
+stage's sites), the sessions slicing them by KV head and sequence-parallel chunk; two `trace` steps with R3 at
+TP = 2 + SP with EP = 2 (alltoall, EP carved out of TP), DP = 2 and PP = 2, against the same run on one rank
+(`trace_rl.trainer.MegatronTrainer`). Summed over the ranks, every site's guided / fallback counters equal the single
+rank's: each row and KV head is guided exactly once.
 
 Tolerance: the trainer is FP32 (`trainer_dtype`), so the layouts differ from one rank only by the order of FP32 sums
 (TP all-reduces, the vocab-parallel log-softmax, the DP gradient reduction, the per-token loss normalised over the
@@ -36,7 +38,7 @@ RUN = dict(
     loggers="none",
     reward=f"{__name__}:varied_reward",
 )
-LAYOUTS = {"tp2_sp": dict(tp=2), "dp2_ep2": dict(dp=2, ep=2), "pp2": dict(pp=2)}
+LAYOUTS = {"tp2_ep2": dict(tp=2, ep=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
 
 
 def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
