@@ -224,11 +224,11 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("results", help="the measurements of docs/results.md (see `results run --help`)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: _module_main("trace_rl.results", a.args))
+    p.set_defaults(run=lambda a: _module_main("trace_rl.experiments.results", a.args))
 
     p = sub.add_parser("report", help="tables and plots of docs/results.md (`trace-rl report --help`)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: _module_main("trace_rl.results_report", a.args))
+    p.set_defaults(run=lambda a: _module_main("trace_rl.experiments.results_report", a.args))
     return ap
 
 
