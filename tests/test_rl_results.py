@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from trace_rl.experiments import results, results_report
-from trace_rl.experiments.analysis import BITS, LAYERS
+from trace_rl.experiments.analysis import BITS, LAYER_SETS
 from trace_rl.warmup import PRESETS
 
 STEPS = 2
@@ -76,7 +76,7 @@ def _md_table(md: str, heading: str) -> list[dict[str, str]]:
 
 
 def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
-    expected = {f"rl_{name}.csv" for name in results.RUNS}
+    expected = {f"rl_{name}.csv" for name in results.DEFAULT_RUNS}
     expected |= {f"timing_{mode}_r{r}.csv" for mode in results.TIMING for r in range(1, results.TIMING_ROUNDS + 1)}
     expected |= {"analysis.json", "warmup.json"}
     assert {p.name for p in raw.iterdir()} == expected
@@ -85,7 +85,7 @@ def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
 
 
 def test_rl_runs_log_the_per_step_metrics(raw):
-    for name in results.RUNS:
+    for name in results.DEFAULT_RUNS:
         rows = _rows(raw / f"rl_{name}.csv")
         assert [int(float(r["step"])) for r in rows] == list(range(STEPS)), name
         for key in PER_STEP:
@@ -124,33 +124,42 @@ def test_timing_runs_alternate_modes_over_the_rounds(raw):
 
 def test_analysis_scores_every_configuration_on_one_batch(raw):
     payload = json.loads((raw / "analysis.json").read_text())
-    configs = [r["config"] for r in payload["results"]]
-    ablation = [f"b{b}/{which}" for which in LAYERS for b in BITS]
+    configs = [r["config"] for r in payload["results"] if r["batch"] == 0]
+    ablation = [f"b{b}/{which}" for which in LAYER_SETS for b in BITS]
     assert sorted(configs) == sorted(["bf16", "qat", *ablation])
     assert set(payload["relative_excess"]) == {"qat", *ablation}
+    assert [r["config"] for r in payload["results"] if r["batch"] != 0] == ["qat"]  # the calibration batch (-1)
     for r in payload["results"]:
-        assert r["batch"] == 0
         assert set(POLICY_METRICS) <= set(r)
     assert set(payload["relative_excess"]["qat"]) == {f"L{layer}.{kind}" for layer in LAYER_IDS for kind in KINDS}
 
 
 def test_report_writes_the_tables_and_figures(docs):
     md = (docs / "tables.md").read_text()
-    for label in results_report.RUN_LABELS.values():
-        assert f"| {label} |" in md
+    for name in results.DEFAULT_RUNS:
+        assert f"| {results_report.RUN_LABELS[name]} |" in md
     ablation = _md_table(md, "### Same-batch ablation (bits x captured layers)")
     configs = [row["config"] for row in ablation]
     assert configs[:2] == ["bf16", "qat"]
-    assert sorted(configs[2:]) == sorted(f"b{b}/{which}" for which in LAYERS for b in BITS)
+    assert sorted(configs[2:]) == sorted(f"b{b}/{which}" for which in LAYER_SETS for b in BITS)
     assert all(row["batches"] == "1" for row in ablation)
-    for png in ("rl_mismatch.png", "relative_excess.png", "flip_distance.png"):
+    front = _md_table(md, "Pareto front (mean abs Δ logp against record bytes / token: no other configuration has "
+                      "both fewer bytes and less mismatch):")  # fmt: skip
+    rows = {row["config"]: row for row in ablation}
+    for row in front:  # on the front: no configuration with fewer bytes has less mismatch
+        bytes_, dlogp = float(row["record bytes / token"]), float(row["mean abs Δ logp"])
+        assert rows[row["config"]]["mean abs Δ logp"] == row["mean abs Δ logp"]
+        for other in rows.values():
+            if other["config"] not in ("bf16", "qat") and float(other["record bytes / token"]) < bytes_:
+                assert float(other["mean abs Δ logp"]) >= dlogp
+    for png in ("rl_mismatch.png", "relative_excess.png", "flip_distance.png", "pareto.png"):
         data = (docs / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 1000, png
 
 
 def test_rl_table_numbers_come_from_the_raw_csv(raw, docs):
     table = {row["run"]: row for row in _md_table((docs / "tables.md").read_text(), "### RL runs")}
-    assert set(table) == set(results_report.RUN_LABELS.values())
+    assert set(table) == {results_report.RUN_LABELS[name] for name in results.DEFAULT_RUNS}
     qat = _rows(raw / "rl_qat.csv")
     row = table["FP4 + QAT"]
     assert row["steps"] == f"{STEPS}"
@@ -180,10 +189,36 @@ def test_step_time_overhead_is_the_ratio_of_the_medians(raw, docs):
     assert overhead["train s (median)"] == f"{train:+.1f} %"
 
 
-def test_report_without_the_analysis_names_the_missing_file(raw, tmp_path):
+def test_report_without_the_warmup_names_the_missing_file(raw, tmp_path):
     partial = tmp_path / "raw"
     shutil.copytree(raw, partial)
-    (partial / "analysis.json").unlink()
-    with pytest.raises(FileNotFoundError, match="analysis.json"):
+    (partial / "warmup.json").unlink()
+    with pytest.raises(FileNotFoundError, match="warmup.json"):
         results_report.main([str(partial), str(tmp_path / "docs")])
     assert not (tmp_path / "docs").exists()  # refused before anything is written
+
+
+def test_run_names_per_recipe_and_seed():
+    named = results.run_names(["bf16", "qat"], ["nvfp4-w4a4-kv4", "mxfp4-w4a8-kv4"], [0, 1], seed=0)
+    assert list(named) == ["bf16", "qat", "bf16-s1", "qat-s1", "qat-mxfp4-w4a8-kv4", "qat-mxfp4-w4a8-kv4-s1"]
+    assert named["qat-mxfp4-w4a8-kv4-s1"] == [*results.RUNS["qat"], "recipe=mxfp4-w4a8-kv4", "seed=1"]
+    assert results_report.run_label("qat-mxfp4-w4a8-kv4-s1") == "FP4 + QAT, mxfp4-w4a8-kv4, seed 1"
+    assert list(results.run_names(["qat"], ["nvfp4-w4a4-kv4"], [1, 2], seed=0)) == ["qat-s1", "qat-s2"]
+    with pytest.raises(ValueError, match="not a run name"):
+        results_report.run_label("sgd")
+
+
+def test_runs_over_seeds_get_a_mean_and_interval(raw, tmp_path):
+    """Three seeds of one run (here: the same per-step file three times) -> one row, the mean of the per-run values
+    and a zero-width interval."""
+    seeds = tmp_path / "raw"
+    seeds.mkdir()
+    shutil.copy(raw / "warmup.json", seeds)
+    for name in ("qat", "qat-s1", "qat-s2"):
+        shutil.copy(raw / "rl_qat.csv", seeds / f"rl_{name}.csv")
+    results_report.main([str(seeds), str(tmp_path / "docs")])
+    md = (tmp_path / "docs" / "tables.md").read_text()
+    (row,) = _md_table(md, "Over seeds (mean ± half-width of the 95 % t-interval over the runs):")
+    dlogp = statistics.fmean(_col(_rows(raw / "rl_qat.csv"), "train_rollout_logprob_abs_diff"))
+    assert (row["run"], row["seeds"]) == ("FP4 + QAT", "3")
+    assert row["mean abs Δ logp"] == f"{dlogp:.4g} ± 0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +42,19 @@ PRESETS = {
         expert_ffn=512,
         max_seq=32,
     ),
+    # the depth study (docs/results.md): the same family, 32 layers, narrower so it warms up and trains quickly
+    "deep": TinyMoEConfig(
+        vocab=VOCAB,
+        hidden=256,
+        layers=32,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        experts=8,
+        topk=2,
+        expert_ffn=256,
+        max_seq=32,
+    ),
 }
 
 
@@ -69,11 +83,13 @@ def make_tiny_model(
     preset: str = "tiny",
     lr: float = 3e-3,
     target_accuracy: float | None = None,
+    time_limit_s: float | None = None,
 ) -> dict:
     """Build, warm up and save a model of `preset` under `out`; returns the warm-up summary.
 
     Warm-up runs `steps` steps, or stops early once the teacher-forced accuracy (checked every 10 steps) reaches
-    `target_accuracy`: RL needs a policy that is sometimes, not always, right. On CUDA when available.
+    `target_accuracy` (RL needs a policy that is sometimes, not always, right) or, at such a check, after
+    `time_limit_s` seconds; the summary says which (`stopped`). On CUDA when available.
     """
     if steps < 4:
         raise ValueError(f"warm-up needs at least 4 steps, got {steps}")
@@ -91,7 +107,7 @@ def make_tiny_model(
     gen = torch.Generator().manual_seed(seed)
     p = task.prompt_len
     bar = tqdm(range(steps), desc="warm-up", unit="step")
-    done = 0
+    done, stopped, start = 0, "steps", time.monotonic()
     for i in bar:
         ids, mb = _batch(task, batch, gen, device)
         logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
@@ -103,7 +119,13 @@ def make_tiny_model(
         sched.step()
         done = i + 1
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if target_accuracy is not None and done % 10 == 0 and _accuracy(model, task, gen, device) >= target_accuracy:
+        if done % 10:
+            continue
+        if target_accuracy is not None and _accuracy(model, task, gen, device) >= target_accuracy:
+            stopped = "target_accuracy"
+            break
+        if time_limit_s is not None and time.monotonic() - start > time_limit_s:
+            stopped = "time_limit"
             break
     accuracy = _accuracy(model, task, gen, device)
     model = model.to(torch.bfloat16)
@@ -119,6 +141,8 @@ def make_tiny_model(
         "parameters": sum(t.numel() for t in state.values()),
         "digits": digits,
         "steps": done,
+        "stopped": stopped,
+        "seconds": time.monotonic() - start,
         "final_loss": loss.item(),
         "teacher_forced_accuracy": accuracy,
     }

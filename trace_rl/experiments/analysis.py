@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from megatron_trace.config import TraceConfig
+from megatron_trace.config import Mode, TraceConfig
 from megatron_trace.rows import TokenRows
 from megatron_trace.source import Site
-from trace_core.records import Binding, RecordSpec, token_digest
+from megatron_trace.tiny import TinyMoEConfig
+from trace_core.records import Binding, ModelShape, RecordSpec, bytes_per_token, token_digest
 from trace_core.store import StepWriter, finalize_step
 from trace_rl.engine import EmbeddedEngine
 from trace_rl.task import EOS, AdditionTask
@@ -28,24 +30,66 @@ from trace_rl.trainer import MegatronTrainer
 from trace_rl.warmup import HF_DIR, load_megatron_state
 
 BITS = (1, 2, 4)
-LAYERS = {"all": 1, "half": 2, "quarter": 4}  # captured: the latter 1/k of the layers
+LAYER_SETS = ("all", "half", "quarter", "first_half", "every_other", "flips")
+"""Captured layers of the ablation: every layer; the latter half (the paper's default); the latter quarter; the
+first half; every other layer from layer 0; `flips`: as many layers as the latter half, those with the highest
+code-flip rates under FP4 + QAT on a calibration batch (`flip_policy`)."""
 MSE = re.compile(r"mse/L(\d+)\.(moe_in|k|v)")
+FLIP = re.compile(r"trace/L(\d+)\.(moe_in|k|v)/code_flip_rate")
 
 
 def captured_layers(layers: int, which: str) -> tuple[int, ...]:
-    """The latter 1/k of `layers` layer ids (at least one) for `which` in `LAYERS`."""
-    keep = max(1, layers // LAYERS[which])
-    return tuple(range(layers - keep, layers))
+    """The layer ids of the fixed layer set `which` (every entry of `LAYER_SETS` but `flips`) of a `layers`-layer
+    model; at least one layer."""
+    half, quarter = max(1, layers // 2), max(1, layers // 4)
+    sets = {
+        "all": range(layers),
+        "half": range(layers - half, layers),
+        "quarter": range(layers - quarter, layers),
+        "first_half": range(half),
+        "every_other": range(0, layers, 2),
+    }
+    if which not in sets:
+        raise ValueError(f"unknown fixed layer set {which!r}; use one of {sorted(sets)}")
+    return tuple(sets[which])
 
 
-def ablation_specs(layers: int) -> dict[str, RecordSpec]:
-    """`b{bits}/{layers}` -> the guidance spec, for every bits x captured-layers combination."""
+def flip_policy(flip_rates: dict[str, float], layers: int, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(MoE layers, attention layers): the `count` layers with the highest code-flip rate of each site kind (K and V
+    averaged), given `trace/L{l}.{kind}/code_flip_rate` metrics of an FP4 + QAT forward."""
+    rates: dict[str, dict[int, list[float]]] = {"moe": {}, "attn": {}}
+    for key, value in flip_rates.items():
+        hit = FLIP.fullmatch(key)
+        if hit:
+            rates["moe" if hit[2] == "moe_in" else "attn"].setdefault(int(hit[1]), []).append(value)
+    chosen = []
+    for kind in ("moe", "attn"):
+        if sorted(rates[kind]) != list(range(layers)):
+            raise ValueError(f"flip rates of {kind} sites cover layers {sorted(rates[kind])}, not all {layers}")
+        mean = {layer: sum(v) / len(v) for layer, v in rates[kind].items()}
+        chosen.append(tuple(sorted(sorted(mean, key=lambda layer: (-mean[layer], layer))[:count])))
+    return chosen[0], chosen[1]
+
+
+def ablation_specs(layers: int, flip_rates: dict[str, float] | None = None) -> dict[str, RecordSpec]:
+    """`b{bits}/{layer set}` -> the guidance spec, for every bits x layer set of `LAYER_SETS` (`flips` only with
+    the calibration batch's QAT `flip_rates`)."""
     out = {}
-    for which in LAYERS:
-        ids = captured_layers(layers, which)
+    for which in LAYER_SETS:
+        if which == "flips":
+            if flip_rates is None:
+                continue
+            moe, attn = flip_policy(flip_rates, layers, len(captured_layers(layers, "half")))
+        else:
+            moe = attn = captured_layers(layers, which)
         for bits in BITS:
-            out[f"b{bits}/{which}"] = RecordSpec(bits=bits, moe_layers=ids, attn_layers=ids)
+            out[f"b{bits}/{which}"] = RecordSpec(bits=bits, moe_layers=moe, attn_layers=attn)
     return out
+
+
+def record_bytes(tiny: TinyMoEConfig, spec: RecordSpec) -> float:
+    """Record bytes per token of `spec` on the model `tiny` (`trace_core.records.bytes_per_token`)."""
+    return bytes_per_token(ModelShape(tiny.hidden, tiny.kv_heads, tiny.head_dim), spec).total
 
 
 class RolloutActivations:
@@ -108,11 +152,14 @@ def analyze(
     temperature: float = 1.0,
     seed: int = 0,
     device: str = "cpu",
+    on_batch: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Run the analyses on the policy in `model_dir`; one result row per (rollout batch, configuration).
 
     Configurations: `bf16` on a BF16 rollout; `qat` (RTN everywhere) and every `ablation_specs` entry on an FP4
-    rollout. `out_dir` holds the record store of the analysed batches.
+    rollout, each row with its `record_bytes_per_token`. An extra FP4 batch before them (`batch` -1, a `qat` row
+    only) calibrates the `flips` layer set; it is not one of the `batches` compared. `out_dir` holds the record
+    store of the analysed batches. `on_batch` gets the rows so far after each batch.
     """
     tiny, digits, state = load_megatron_state(model_dir)
     task = AdditionTask(digits)
@@ -122,16 +169,21 @@ def analyze(
     max_len = task.prompt_len + max_new_tokens
     n = prompts * group_size
     store = Path(out_dir) / "records"
-    fp4_configs = {"qat": TraceConfig(mode="qat", spec=full)}
-    fp4_configs |= {name: TraceConfig(mode="trace", spec=spec) for name, spec in ablation_specs(tiny.layers).items()}
+    qat = {"qat": TraceConfig(mode="qat", spec=full)}
     results = []
     for fp4 in (False, True):
         engine = EmbeddedEngine(
             str(Path(model_dir) / HF_DIR), fp4=fp4, spec=full, max_batch=n, max_len=max_len, device=device
         )
-        configs = fp4_configs if fp4 else {"bf16": TraceConfig(mode="bf16", spec=full)}
-        for k in range(batches):
-            step = 2 * k + int(fp4)
+        configs = {"bf16": TraceConfig(mode="bf16", spec=full)}
+        for k in range(-1 if fp4 else 0, batches):
+            if fp4 and k >= 0 and "b1/flips" not in configs:  # after the calibration batch
+                flips = {key: v for key, v in results[-1].items() if FLIP.fullmatch(key)}
+                configs = qat | {name: TraceConfig(mode="trace", spec=spec) for name, spec in ablation_specs(
+                    tiny.layers, flips).items()}  # fmt: skip
+            elif fp4 and k < 0:
+                configs = qat
+            step = 2 * (k + 1) + int(fp4)
             tap = RolloutActivations(n * max_len)
             engine.tap = tap
             operands = task.sample(prompts, torch.Generator().manual_seed(seed * 7919 + k))
@@ -158,7 +210,13 @@ def analyze(
                 disc = SiteDiscrepancy(tap, max_len, values="y" if fp4 else "x")
                 metrics = trainer.evaluate(batch, cfg, tap=disc)
                 row = {"config": name, "batch": k, "rollout": "fp4" if fp4 else "bf16"}
+                trace = cfg.mode is Mode.TRACE
+                row["record_bytes_per_token"] = record_bytes(tiny, cfg.spec) if trace else 0.0
+                if trace:
+                    row["moe_layers"], row["attn_layers"] = list(cfg.spec.moe_layers), list(cfg.spec.attn_layers)
                 results.append(row | {"reward/mean": float(rewards.mean())} | metrics | disc.mse())
+            if on_batch is not None:
+                on_batch(results)
         del engine
     return results
 
@@ -168,7 +226,7 @@ def relative_excess(results: list[dict]) -> dict[str, dict[str, float]]:
     over the analysed batches."""
 
     def mean_mse(config: str) -> dict[str, float]:
-        rows = [r for r in results if r["config"] == config]
+        rows = [r for r in results if r["config"] == config and r["batch"] >= 0]
         keys = sorted({k for r in rows for k in r if MSE.fullmatch(k)})
         return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
 

@@ -20,7 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trace_core.recipe import DEFAULT_RECIPE, recipe_names
+from trace_rl.controller import METRICS
 from trace_rl.experiments.analysis import analyze, relative_excess
+from trace_rl.experiments.report import write_csv
 from trace_rl.task import AdditionTask
 from trace_rl.warmup import make_tiny_model
 
@@ -31,9 +34,26 @@ RUNS = {
     "qat": ["mode=qat", "measure_all_sites=true"],
     "trace_full": ["mode=trace", "record_bits=4", "record_all_layers=true"],
     "trace": ["mode=trace", "measure_all_sites=true"],
+    "trace_all": ["mode=trace", "record_all_layers=true", "measure_all_sites=true"],  # b = 1 at every layer
 }
+DEFAULT_RUNS = ("bf16", "qat", "trace_full", "trace")
 TIMING = {"qat": ["mode=qat"], "trace": ["mode=trace"]}
 TIMING_ROUNDS = 2  # qat, trace, qat, trace: drift over the session hits both modes alike
+
+
+def run_names(runs: list[str], recipes: list[str], seeds: list[int], seed: int = 0) -> dict[str, list[str]]:
+    """Run name -> its overrides: each of `runs` under each recipe and seed. The first recipe and the seed `seed`
+    keep the plain name; others append `-<recipe>` / `-s<seed>`. `bf16` has no recipe and runs under the first
+    only."""
+    out = {}
+    for recipe in recipes:
+        for s in seeds:
+            for name in runs:
+                if name == "bf16" and recipe != recipes[0]:
+                    continue
+                tag = name + (f"-{recipe}" if recipe != recipes[0] else "") + (f"-s{s}" if s != seed else "")
+                out[tag] = [*RUNS[name], f"recipe={recipe}", f"seed={s}"]
+    return out
 
 
 def _launch(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
@@ -56,7 +76,7 @@ def _wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
 
 def run_all(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    model = out / "model"
+    model = Path(args.model) if args.model else out / "model"
     task = AdditionTask(args.digits)
     if not (model / "warmup.json").exists():
         summary = make_tiny_model(
@@ -68,8 +88,9 @@ def run_all(args: argparse.Namespace) -> None:
             preset=args.preset,
             lr=args.warmup_lr,
             target_accuracy=args.target_accuracy,
+            time_limit_s=args.warmup_time_limit,
         )
-        print(json.dumps(summary))
+        print(json.dumps(summary), flush=True)
 
     def shared(steps: int) -> list[str]:
         """Overrides every run shares; one checkpoint, at the end."""
@@ -81,29 +102,37 @@ def run_all(args: argparse.Namespace) -> None:
             f"max_new_tokens={task.answer_len + 1}",
             "rollout_workers=1",
             f"checkpoint_every={steps}",
-            f"seed={args.seed}",
         ]
 
-    names = [n for n in RUNS if n in args.runs.split(",")]
+    unknown = [n for n in args.runs.split(",") if n and n not in RUNS]
+    if unknown:
+        raise SystemExit(f"--runs: unknown runs {unknown}; use a subset of {list(RUNS)}")
+    recipes = args.recipes.split(",")
+    seeds = [int(s) for s in args.rl_seeds.split(",")] if args.rl_seeds else [args.seed]
+    named = run_names([n for n in RUNS if n in args.runs.split(",")], recipes, seeds, args.seed)
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-    for name in names:
+    for name, overrides in named.items():
         if len(procs) >= args.parallel:
             _wait({k: procs.pop(k) for k in list(procs)[:1]})
         (out / "rl").mkdir(parents=True, exist_ok=True)
         log = out / "rl" / f"{name}.log"
-        procs[name] = (_launch(out / "rl" / name, shared(args.steps) + RUNS[name], log), log)
+        procs[name] = (_launch(out / "rl" / name, shared(args.steps) + overrides, log), log)
     try:
         if args.analysis_batches:
-            results = analyze(
+
+            def save(results: list[dict]) -> None:  # after every batch: a run cut short keeps what it measured
+                payload = {"results": results, "relative_excess": relative_excess(results)}
+                (out / "analysis" / "analysis.json").write_text(json.dumps(payload, indent=1))
+
+            analyze(
                 model,
                 out / "analysis",
                 batches=args.analysis_batches,
                 max_new_tokens=task.answer_len + 1,
                 seed=args.seed,
                 device=args.device,
+                on_batch=save,
             )
-            payload = {"results": results, "relative_excess": relative_excess(results)}
-            (out / "analysis" / "analysis.json").write_text(json.dumps(payload, indent=1))
     except BaseException:
         for proc, _ in procs.values():  # no RL run outlives a failed driver
             proc.kill()
@@ -114,21 +143,36 @@ def run_all(args: argparse.Namespace) -> None:
             for name, extra in TIMING.items():
                 log = out / "timing" / f"{name}_r{r}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                _wait({name: (_launch(out / "timing" / f"{name}_r{r}", shared(args.timing_steps) + extra, log), log)})
-    collect(out)
+                _wait(
+                    {
+                        name: (
+                            _launch(
+                                out / "timing" / f"{name}_r{r}",
+                                shared(args.timing_steps) + extra + [f"seed={args.seed}"],
+                                log,
+                            ),
+                            log,
+                        )
+                    }
+                )
+    collect(out, model)
 
 
-def collect(out: Path) -> Path:
-    """Copy the small result files (metrics, summaries, analysis, warm-up) into `out/raw`."""
+def collect(out: Path, model: Path | None = None) -> Path:
+    """Copy the small result files (analysis, warm-up) into `out/raw`, and each run's per-step metrics (its
+    `metrics.jsonl`, written every step, so a run cut short keeps the steps it made) as `<kind>_<run>.csv`."""
     raw = out / "raw"
     raw.mkdir(exist_ok=True)
-    pairs = [(out / "model" / "warmup.json", "warmup.json"), (out / "analysis" / "analysis.json", "analysis.json")]
-    for kind in ("rl", "timing"):
-        for run in sorted((out / kind).glob("*/metrics.csv")) if (out / kind).exists() else []:
-            pairs.append((run, f"{kind}_{run.parent.name}.csv"))
+    model = model or out / "model"
+    pairs = [(model / "warmup.json", "warmup.json"), (out / "analysis" / "analysis.json", "analysis.json")]
     for src, name in pairs:
         if src.exists():
             shutil.copy(src, raw / name)
+    for kind in ("rl", "timing"):
+        for run in sorted((out / kind).glob(f"*/*/{METRICS}")) if (out / kind).exists() else []:
+            history = [json.loads(line) for line in run.read_text().splitlines() if line.strip()]
+            if history:
+                write_csv({run.parent.name: history}, raw / f"{kind}_{run.parent.parent.name}.csv")
     return raw
 
 
@@ -137,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("command", choices=["run"])
     ap.add_argument("out", help="output directory")
     ap.add_argument("--preset", default="small", help="model size (trace_rl.warmup.PRESETS)")
+    ap.add_argument("--model", help="a warmed-up model directory to use (default: OUT/model, built if missing)")
+    ap.add_argument("--warmup-time-limit", type=float, help="warm-up stops at a check after this many seconds")
     ap.add_argument("--digits", type=int, default=2, help="operand digits of the addition task")
     ap.add_argument("--warmup-steps", type=int, default=600, help="supervised warm-up steps at most")
     ap.add_argument("--warmup-batch", type=int, default=256, help="problems per warm-up step")
@@ -144,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-accuracy", type=float, default=0.5, help="warm-up stops at this accuracy")
     ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
     ap.add_argument("--lr", type=float, default=2e-5, help="RL learning rate")
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    ap.add_argument("--recipes", default=DEFAULT_RECIPE, help=f"comma-separated precision recipes of {recipe_names()}")
+    ap.add_argument("--rl-seeds", help="comma-separated seeds of the RL runs (default: --seed)")
     ap.add_argument("--parallel", type=int, default=4, help="RL runs at a time")
     ap.add_argument("--analysis-batches", type=int, default=4, help="0 skips the analyses")
     ap.add_argument("--timing-steps", type=int, default=12, help="0 skips the timing runs")

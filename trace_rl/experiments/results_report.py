@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -19,16 +20,31 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trace_rl.experiments.analysis import BITS, LAYERS  # noqa: E402
+from trace_rl.experiments.analysis import BITS, LAYER_SETS, ablation_specs, record_bytes  # noqa: E402
 from trace_rl.experiments.report import FLIP, mean_or_nan  # noqa: E402
+from trace_rl.warmup import PRESETS  # noqa: E402
 
 RUN_LABELS = {
     "bf16": "BF16",
     "qat": "FP4 + QAT",
     "trace": "FP4 + TRACE (b=1, latter half)",
     "trace_full": "FP4 + TRACE (full information)",
+    "trace_all": "FP4 + TRACE (b=1, all layers)",
 }
-COLORS = {name: f"C{i}" for i, name in enumerate(RUN_LABELS)}  # one color per run in every panel
+RUN_NAME = re.compile(r"(?P<run>[a-z_0-9]+?)(?:-(?P<recipe>[a-z0-9]+-[a-z0-9]+-[a-z0-9]+))?(?:-s(?P<seed>\d+))?")
+
+
+def run_label(name: str) -> str:
+    """`qat-mxfp4-w4a8-kv4-s1` -> `FP4 + QAT, mxfp4-w4a8-kv4, seed 1` (`trace_rl.experiments.results.run_names`)."""
+    m = RUN_NAME.fullmatch(name)
+    if m is None or m["run"] not in RUN_LABELS:
+        raise ValueError(f"run {name!r} is not a run name of trace_rl.experiments.results")
+    parts = (
+        [RUN_LABELS[m["run"]]] + ([m["recipe"]] if m["recipe"] else []) + ([f"seed {m['seed']}"] if m["seed"] else [])
+    )
+    return ", ".join(parts)
+
+
 POLICY = [
     ("train_rollout_logprob_abs_diff", "mean abs Δ logp", "{:.5f}"),
     ("train_rollout_logprob_diff_max", "Δ logp max", "{:.3f}"),
@@ -65,8 +81,15 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _run_order(name: str) -> tuple:
+    """Runs of the default recipe first, then by recipe; within one, by seed and then in `RUN_LABELS` order."""
+    m = RUN_NAME.fullmatch(name)
+    return (m["recipe"] or "", int(m["seed"] or 0), list(RUN_LABELS).index(m["run"]))
+
+
 def rl_section(raw: Path, docs: Path) -> str:
-    runs = {name: _csv(raw / f"rl_{name}.csv") for name in RUN_LABELS if (raw / f"rl_{name}.csv").exists()}
+    runs = {f.stem[3:]: _csv(f) for f in sorted(raw.glob("rl_*.csv"))}
+    runs = dict(sorted(runs.items(), key=lambda kv: _run_order(kv[0])))
     rows = []
     for name, hist in runs.items():
 
@@ -79,7 +102,7 @@ def rl_section(raw: Path, docs: Path) -> str:
         policy = [fmt.format(_over_steps(key, col(key))) for key, _, fmt in POLICY]
         rows.append(
             [
-                RUN_LABELS[name],
+                run_label(name),
                 f"{len(hist)}",
                 f"{mean_or_nan(reward[:5]):.3f}",
                 f"{mean_or_nan(reward[-10:]):.3f}",
@@ -105,57 +128,99 @@ def rl_section(raw: Path, docs: Path) -> str:
                     continue
             else:
                 ys = [m.get(key) for m in hist]
-            ax.plot([m["step"] for m in hist], ys, label=RUN_LABELS[name], color=COLORS[name])
+            ax.plot([m["step"] for m in hist], ys, label=run_label(name), lw=1)
         ax.set_title(title)
         ax.set_xlabel("RL step")
         if log:
             ax.set_yscale("log")
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(docs / "rl_mismatch.png", dpi=110)
     plt.close(fig)
-    return "### RL runs\n\n" + _table(header, rows)
+    return "### RL runs\n\n" + _table(header, rows) + seeds_section(runs)
+
+
+def seeds_section(runs: dict[str, list[dict]]) -> str:
+    """Runs repeated over seeds: mean over seeds with a 95 % t-interval of the per-run values."""
+    groups: dict[str, list[list[dict]]] = {}
+    for name, hist in runs.items():
+        m = RUN_NAME.fullmatch(name)
+        groups.setdefault(name if m is None else name[: m.start("seed") - 2] if m["seed"] else name, []).append(hist)
+    rows = []
+    for base, hists in groups.items():
+        if len(hists) < 2:
+            continue
+        cells = [run_label(base), f"{len(hists)}", f"{min(len(h) for h in hists)}"]
+        for key, tail in (("reward/mean", 10), ("train_rollout_logprob_abs_diff", None), ("train_rollout_k3_kl", None)):
+            per_run = [mean_or_nan([m[key] for m in h if key in m][-tail if tail else 0 :]) for h in hists]
+            mean, half = mean_or_nan(per_run), _t95(len(per_run)) * statistics.stdev(per_run) / len(per_run) ** 0.5
+            cells.append(f"{mean:.4g} ± {half:.2g}")
+        rows.append(cells)
+    if not rows:
+        return ""
+    header = ["run", "seeds", "steps (min)", "reward (last 10)", "mean abs Δ logp", "k3 KL"]
+    return "\n\nOver seeds (mean ± half-width of the 95 % t-interval over the runs):\n\n" + _table(header, rows)
+
+
+def _t95(n: int) -> float:
+    """Two-sided 95 % Student t quantile with n - 1 degrees of freedom (n = 2..6)."""
+    return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}[n]
+
+
+def _config_mean(rows: list[dict], key: str) -> float:
+    return mean_or_nan([r[key] for r in rows if key in r])
 
 
 def analysis_section(raw: Path, docs: Path) -> str:
     payload = json.loads((raw / "analysis.json").read_text())
-    results, excess = payload["results"], payload["relative_excess"]
-    configs = list(dict.fromkeys(r["config"] for r in results))
+    results = [r for r in payload["results"] if r["batch"] >= 0]  # batch -1: the calibration of `flips`
+    preset = PRESETS[json.loads((raw / "warmup.json").read_text())["preset"]]
+    specs = ablation_specs(preset.layers)
+    for r in results:  # earlier analyses stored no bytes: a fixed layer set's follow from its spec
+        if "record_bytes_per_token" not in r and (r["config"] in specs or "/" not in r["config"]):
+            r["record_bytes_per_token"] = record_bytes(preset, specs[r["config"]]) if "/" in r["config"] else 0.0
+    excess = payload["relative_excess"]
+    by_config = {c: [r for r in results if r["config"] == c] for c in dict.fromkeys(r["config"] for r in results)}
     rows = []
-    for c in configs:
-        rs = [r for r in results if r["config"] == c]
+    for c, rs in by_config.items():
         per_row = [_flipmean_or_nan(r, ("moe_in", "k", "v")) for r in rs]
         flips = [f for f in per_row if f is not None]
         rows.append(
-            [c, f"{len(rs)}"]
-            + [fmt.format(mean_or_nan([r[key] for r in rs])) for key, _, fmt in POLICY]
+            [c, f"{len(rs)}", f"{_config_mean(rs, 'record_bytes_per_token'):.0f}"]
+            + [fmt.format(_config_mean(rs, key)) for key, _, fmt in POLICY]
             + [f"{mean_or_nan(flips):.4f}" if flips else "—"]
         )
-    out = ["### Same-batch ablation (bits x captured layers)\n", _table(
-        ["config", "batches"] + [label for _, label, _ in POLICY] + ["code flips (all sites)"], rows)]  # fmt: skip
-    # Table 5 as a grid: |Δ logp| by bits x layers
+    header = ["config", "batches", "record bytes / token"] + [label for _, label, _ in POLICY]
+    out = ["### Same-batch ablation (bits x captured layers)\n", _table(header + ["code flips (all sites)"], rows)]
+    calib = [r for r in payload["results"] if r["batch"] < 0]
+    chosen = next((r for r in results if r["config"] == "b1/flips"), None)
+    if chosen is not None:
+        out.append(
+            f"\nLayer set `flips` (chosen on {len(calib)} calibration batch(es) by FP4 + QAT code-flip rate): MoE "
+            f"layers {chosen['moe_layers']}, attention layers {chosen['attn_layers']}."
+        )
+    qat, bf16 = (_config_mean(by_config.get(c, []), "train_rollout_logprob_abs_diff") for c in ("qat", "bf16"))
     grid = []
-    for which in LAYERS:
-        cells = []
-        for b in BITS:
-            rs = [r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == f"b{b}/{which}"]
-            cells.append(f"{mean_or_nan(rs):.5f}")
-        grid.append([which] + cells)
-    qat = mean_or_nan([r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == "qat"])
-    bf16 = mean_or_nan([r["train_rollout_logprob_abs_diff"] for r in results if r["config"] == "bf16"])
+    for which in LAYER_SETS:
+        cells = [_config_mean(by_config.get(f"b{b}/{which}", []), "train_rollout_logprob_abs_diff") for b in BITS]
+        if all(v != v for v in cells):
+            continue
+        sizes = [_config_mean(by_config[f"b{b}/{which}"], "record_bytes_per_token") for b in BITS]
+        grid.append([which] + [f"{v:.5f}" for v in cells] + [", ".join(f"{x:.0f}" for x in sizes)])
     out += [
         f"\nMean abs Δ logp by bits x captured layers (FP4 + QAT: {qat:.5f}, BF16: {bf16:.5f}):\n",
-        _table(["captured layers"] + [f"b = {b}" for b in BITS], grid),
+        _table(["captured layers"] + [f"b = {b}" for b in BITS] + ["record bytes / token (b = 1, 2, 4)"], grid),
+        pareto(by_config, docs),
     ]
     # Fig. 4b: relative excess discrepancy per layer
-    shown = [c for c in ("qat", "b1/half", "b1/all", "b4/all") if c in excess]
+    shown = [c for c in ("qat", "b1/half", "b1/flips", "b1/all", "b4/all") if c in excess]
     layers = sorted({int(s[1 : s.index(".")]) for s in excess["qat"]})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     table = []
     for ax, kinds, title in ((axes[0], ("moe_in",), "MoE input"), (axes[1], ("k", "v"), "K and V")):
         for c in shown:
             ys = [mean_or_nan([excess[c][f"L{i}.{k}"] for k in kinds]) for i in layers]
-            ax.plot(layers, ys, marker="o", label=c)
+            ax.plot(layers, ys, marker="o", ms=3, label=c)
         ax.set_yscale("symlog", linthresh=1)
         ax.axhline(0, color="gray", lw=0.5)
         ax.set_title(f"relative excess discrepancy, {title}")
@@ -172,7 +237,7 @@ def analysis_section(raw: Path, docs: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     dist_rows = []
     for c in shown:
-        rs = [r for r in results if r["config"] == c]
+        rs = by_config[c]
         counts = [sum(r.get(f"trace/flip_distance/{d}", 0.0) for r in rs) for d in range(1, 15)]
         total = sum(counts)
         if not total:
@@ -190,6 +255,46 @@ def analysis_section(raw: Path, docs: Path) -> str:
     out += ["\nCodebook distance of code flips (all sites):\n",
             _table(["config", "flips", "d = 1", "d = 2", "d = 3", "d ≥ 4"], dist_rows)]  # fmt: skip
     return "\n".join(out)
+
+
+def pareto(by_config: dict[str, list[dict]], docs: Path) -> str:
+    """`pareto.png`: mean abs Δ logp and k3 KL against record bytes per token for every TRACE configuration (QAT
+    and BF16 as lines), and the table of the configurations no other beats in both mismatch and bytes."""
+    trace = {c: rs for c, rs in by_config.items() if "/" in c}
+    metrics = (("train_rollout_logprob_abs_diff", "mean abs Δ logp"), ("train_rollout_k3_kl", "k3 KL"))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    markers = {b: m for b, m in zip(BITS, "o^s", strict=True)}
+    colors = {which: f"C{i}" for i, which in enumerate(LAYER_SETS)}
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        for c, rs in trace.items():
+            bits, which = c[1 : c.index("/")], c[c.index("/") + 1 :]
+            x, y = _config_mean(rs, "record_bytes_per_token"), _config_mean(rs, key)
+            ax.scatter(x, y, marker=markers[int(bits)], color=colors[which], label=c if key == metrics[0][0] else None)
+        for ref, style in (("qat", "--"), ("bf16", ":")):
+            if ref in by_config:
+                ax.axhline(_config_mean(by_config[ref], key), ls=style, color="gray", label=ref.upper())
+        ax.set_xlabel("record bytes / token")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(docs / "pareto.png", dpi=110)
+    plt.close(fig)
+    point = {
+        c: (_config_mean(rs, "record_bytes_per_token"), _config_mean(rs, metrics[0][0])) for c, rs in trace.items()
+    }
+
+    def dominated(x: float, y: float) -> bool:
+        return any(x2 <= x and y2 <= y and (x2, y2) != (x, y) for x2, y2 in point.values())
+
+    front = sorted((c for c, xy in point.items() if not dominated(*xy)), key=lambda c: point[c][0])
+    rows = [
+        [c, f"{point[c][0]:.0f}", f"{point[c][1]:.5f}", f"{_config_mean(trace[c], metrics[1][0]):.2e}"] for c in front
+    ]
+    intro = "Pareto front (mean abs Δ logp against record bytes / token: no other configuration has both fewer bytes"
+    return f"\n{intro} and less mismatch):\n\n" + _table(
+        ["config", "record bytes / token", "mean abs Δ logp", "k3 KL"], rows
+    )
 
 
 def timing_section(raw: Path) -> str:
@@ -214,20 +319,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("raw", type=Path, help="the raw/ directory `trace_rl.experiments.results run` wrote")
     ap.add_argument("docs", type=Path, help="where tables.md and the plots go")
     args = ap.parse_args(argv)
-    missing = [name for name in ("warmup.json", "analysis.json") if not (args.raw / name).exists()]
-    if missing:  # checked before anything is written
-        raise FileNotFoundError(
-            f"{args.raw} lacks {missing}: run `python -m trace_rl.experiments.results run` to completion"
-        )
+    if not (args.raw / "warmup.json").exists():  # checked before anything is written
+        raise FileNotFoundError(f"{args.raw} lacks warmup.json: run `python -m trace_rl.experiments.results run`")
     args.docs.mkdir(parents=True, exist_ok=True)
     warmup = json.loads((args.raw / "warmup.json").read_text())
     parts = [
         f"Model: preset `{warmup['preset']}`, {warmup['parameters'] / 1e6:.1f} M parameters, {warmup['digits']}-digit "
         f"addition, {warmup['steps']} warm-up steps, teacher-forced accuracy {warmup['teacher_forced_accuracy']:.3f}.",
-        rl_section(args.raw, args.docs),
-        analysis_section(args.raw, args.docs),
-        timing_section(args.raw),
     ]
+    if any(args.raw.glob("rl_*.csv")):
+        parts.append(rl_section(args.raw, args.docs))
+    if (args.raw / "analysis.json").exists():
+        parts.append(analysis_section(args.raw, args.docs))
+    if any(args.raw.glob("timing_*.csv")):
+        parts.append(timing_section(args.raw))
     (args.docs / "tables.md").write_text("\n\n".join(parts) + "\n")
     print((args.docs / "tables.md").read_text())
 
