@@ -259,3 +259,33 @@ def test_packed_expert_export_only_where_sglang_loads_it():
     for name in ("mxfp4-w4a4-kv4", "mxfp4-w4a8-kv4"):
         with pytest.raises(ValueError, match=f"packed routed-expert export for recipe {name} .*refused"):
             check_packed_export(name)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory) -> str:
+    from trace_rl.warmup import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-policy")
+    make_tiny_model(out, steps=4, batch=8)  # the numerics, not the policy quality, are under test
+    return str(out)
+
+
+@pytest.mark.parametrize("name", ["mxfp4-w4a4-kv4", "mxfp4-w4a8-kv4"])  # nvfp4-w4a4-kv4: tests/test_rl_loop.py
+def test_demo_runs_each_recipe(tiny_policy, tmp_path, name):
+    from trace_core.store import read_header, shard_paths, step_dir
+    from trace_rl.launch import main
+
+    size = ["steps=1", "prompts_per_step=2", "group_size=2", "max_new_tokens=3", "rollout_workers=1"]
+    table = main([f"model_dir={tiny_policy}", f"out_dir={tmp_path}", f"recipe={name}", *size, "--modes", "qat,trace"])
+    assert table["trace"]["RTN fallback (real tokens)"] == 0
+    assert table["trace"]["code flips k/v"] < table["qat"]["code flips k/v"]
+    if get_recipe(name).recorded("moe_in"):
+        assert table["trace"]["code flips moe_in"] < table["qat"]["code flips moe_in"]
+    else:  # FP8 MoE input: no record, nothing to compare
+        assert math.isnan(table["trace"]["code flips moe_in"]) and math.isnan(table["qat"]["code flips moe_in"])
+    shards = shard_paths(step_dir(tmp_path / "trace" / "records", 0))
+    headers = [read_header(p) for p in shards]
+    bindings = [entry["binding"] for h in headers for entry in h["trajectories"].values()]
+    assert len(bindings) == 4 and {b["recipe"] for b in bindings} == {name}
+    formats = {site["fmt"] for h in headers for e in h["trajectories"].values() for site in e["sites"].values()}
+    assert formats == ({"mxfp4", "kv_fp4"} if get_recipe(name).recorded("moe_in") else {"kv_fp4"})
