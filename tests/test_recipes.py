@@ -270,7 +270,7 @@ def tiny_policy(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("name", ["mxfp4-w4a4-kv4", "mxfp4-w4a8-kv4"])  # nvfp4-w4a4-kv4: tests/test_rl_loop.py
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != DEFAULT_RECIPE])  # the default: tests/test_rl_loop.py
 def test_demo_runs_each_recipe(tiny_policy, tmp_path, name):
     from trace_core.store import read_header, shard_paths, step_dir
     from trace_rl.launch import main
@@ -288,4 +288,19 @@ def test_demo_runs_each_recipe(tiny_policy, tmp_path, name):
     bindings = [entry["binding"] for h in headers for entry in h["trajectories"].values()]
     assert len(bindings) == 4 and {b["recipe"] for b in bindings} == {name}
     formats = {site["fmt"] for h in headers for e in h["trajectories"].values() for site in e["sites"].values()}
-    assert formats == ({"mxfp4", "kv_fp4"} if get_recipe(name).recorded("moe_in") else {"kv_fp4"})
+    recipe = get_recipe(name)
+    assert formats == {recipe.role(kind).fmt.name for kind in ("moe_in", "k", "v") if recipe.recorded(kind)}
+
+
+def test_records_of_another_recipe_are_refused_by_the_trainer_check(tmp_path):
+    from trace_core.store import StepWriter, TrajectoryRecords
+    from trace_core.store_reader import BindingMismatchError, RecordReader
+
+    x = torch.randn(3, H)
+    record = Record.from_quantized(quantize_role(get_recipe("mxfp4-w4a4-kv4").moe_in, x), 1)
+    written = Binding(0, 0, "0", "a", "d", recipe="mxfp4-w4a4-kv4")
+    StepWriter(tmp_path, 0).write({"0": TrajectoryRecords(3, {(1, "moe_in"): record}, binding=written)})
+    reader = RecordReader(tmp_path, 0)
+    reader.check_bindings({"0": written})
+    with pytest.raises(BindingMismatchError, match="recipe 'mxfp4-w4a4-kv4' != expected 'nvfp4-w4a4-kv4'"):
+        reader.check_bindings({"0": Binding(0, 0, "0", "a", "d")})
