@@ -16,6 +16,7 @@ from megatron_trace.emulate import emulate_rollout
 from megatron_trace.grouped import (
     TraceGroupedLinear,
     group_offsets,
+    grouped_expert_names,
     is_trace_grouped,
     row_scaled_grouped_mm,
     row_scaled_grouped_mm_reference,
@@ -44,17 +45,15 @@ def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
 
 
 def grouped_twin(seq_model: torch.nn.Module, **overrides) -> torch.nn.Module:
-    """A grouped-experts model with the weights of a SequentialMLP model (expert i of each linear stacked)."""
+    """A grouped-experts model with the weights of a SequentialMLP model (its parameters in SequentialMLP names,
+    mapped by `grouped_expert_names`)."""
     model = build_tiny_moe(CFG, dtype=next(seq_model.parameters()).dtype, grouped=True, **overrides)
-    own = model.state_dict()
+    full = dict(seq_model.named_parameters())
     with torch.no_grad():
-        for name, t in seq_model.state_dict().items():
-            if "local_experts" in name and name.endswith(".weight"):
-                head, tail = name.split(".local_experts.")
-                expert, linear = tail.split(".", 1)
-                own[f"{head}.{linear.removesuffix('.weight')}.weight{expert}"].copy_(t)
-            elif name in own and isinstance(t, torch.Tensor):
-                own[name].copy_(t)
+        for name, p in model.named_parameters():
+            names = grouped_expert_names(name, 0, p.shape[0])
+            p.copy_(torch.stack([full.pop(n) for n in names]) if names else full.pop(name))
+    assert not full, sorted(full)  # every SequentialMLP parameter has its place
     return model
 
 
@@ -91,6 +90,13 @@ def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp()
             for t in sh.build() if hasattr(sh, "build") else [sh]:  # gate/up factory -> two shards
                 out[(t.key, t.global_offset)] = (t.global_shape, t.data)
         return out
+
+    # Global naming (the parallel layouts' full state dicts): an EP rank's rows map to its experts' SequentialMLP names.
+    assert grouped_expert_names("decoder.layers.3.mlp.experts.linear_fc2.weight", 8, 2) == [
+        "decoder.layers.3.mlp.experts.local_experts.8.linear_fc2.weight",
+        "decoder.layers.3.mlp.experts.local_experts.9.linear_fc2.weight",
+    ]
+    assert grouped_expert_names("decoder.layers.3.mlp.router.weight", 8, 2) is None
 
     a, b = expert_shards(seq), expert_shards(grp)
     assert a and a.keys() == b.keys()
