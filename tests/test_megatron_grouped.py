@@ -392,6 +392,31 @@ def test_sites_trace_under_torch_compile_without_graph_breaks():
     assert 0 < m_eager["trace/L1.moe_in/code_flip_rate"] < 1
 
 
+def test_session_refuses_te_expert_linears_by_name_before_installing_anything():
+    """TEGroupedMLP whose linears are not TRACE's (TE's `GroupedLinear` when TE is installed), and SequentialMLP with
+    another linear than Megatron's local ones (a TE linear), are refused in `qat` naming the classes, and the model
+    is left without hooks (`bf16`, which has no weight or FC2-input site, then installs)."""
+
+    class GroupedLinear(torch.nn.Module):  # the class names of TE's linears; TE is not installed here
+        pass
+
+    class TEColumnParallelLinear(torch.nn.Module):
+        pass
+
+    grouped, sequential = build_tiny_moe(CFG, grouped=True), build_tiny_moe(CFG)
+    grouped.decoder.layers[1].mlp.experts.linear_fc1 = GroupedLinear()
+    sequential.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1 = TEColumnParallelLinear()
+    cases = [
+        (grouped, r"layer 1: experts TEGroupedMLP with linears \['GroupedLinear', 'TraceGroupedLinear'\]"),
+        (sequential, r"layer 1: SequentialMLP expert linear TEColumnParallelLinear"),
+    ]
+    for model, message in cases:
+        with pytest.raises(NotImplementedError, match=message):
+            TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES))
+        assert not model._forward_pre_hooks and not model.decoder.layers[1].mlp.router._forward_pre_hooks
+        TraceSession(model, TraceConfig(mode="bf16", spec=ALL_SITES)).remove()
+
+
 def test_grouped_linear_refuses_what_it_does_not_implement():
     from megatron_trace.tiny import transformer_config
 
