@@ -431,6 +431,11 @@ def test_grouped_linear_refuses_what_it_does_not_implement():
     )
     with pytest.raises(NotImplementedError, match="bias"):
         TraceGroupedLinear(2, 8, 8, bias=True, **kwargs)
+    lin = TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)
+    lin.row_scale = torch.ones(4)  # probabilities of another micro-batch's rows
+    with pytest.raises(ValueError, match=r"row_scale \(4,\) does not match the 5 input rows"):
+        lin(torch.randn(5, 8), [2, 3])
+    assert lin.row_scale is None  # taken by the call that refused it
     config.delay_wgrad_compute = True
     with pytest.raises(NotImplementedError, match="delay_wgrad"):
         TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)
