@@ -1,4 +1,4 @@
-"""The numerics at each FP4 site of the trainer, all delegated to `trace_core` (DESIGN §2, §5).
+"""The numerics at each FP4 site of the trainer, all delegated to `trace_core` (docs/design.md, "Numerics contract").
 
 - MoE input (`moe_in`) and K / V (`k`, `v`): guided rounding toward the rollout's record at captured sites in
   `trace` mode, RTN elsewhere; per-token NVFP4 scale for the MoE input, KV_FP4 per 16 elements of a head vector.
@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_trace.config import Mode, TraceConfig
+from megatron_trace.config import TraceConfig
 from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant, rtn_fake_quant
+from trace_core.modes import Mode
 from trace_core.quant import nvfp4_global_scale, quantize
 from trace_core.records import low_bits_mask
 

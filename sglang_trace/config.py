@@ -12,9 +12,9 @@ import argparse
 from dataclasses import dataclass
 
 from trace_core.records import RecordSpec, check_bits
+from trace_core.sites import SITE_KINDS
 
 MODES = ("off", "emulate-nvfp4", "native")
-SITE_KINDS = ("moe_in", "k", "v")
 LAYER_PRESETS = ("latter-half", "all")
 
 # Field name -> default, added to ServerArgs by the patch (SGLang keeps every flag as a dataclass field).

@@ -1,4 +1,4 @@
-"""Records: what the rollout keeps of each FP4 rounding outcome (DESIGN §3).
+"""Records: what the rollout keeps of each FP4 rounding outcome (docs/design.md, "Records").
 
 A record holds, per token row of one site, the low `b` bits of every element's code packed densely (exactly b bits
 per element, element i at bit offset i*b, LSB first, so b = 4 is the nibble packing of `pack_fp4`), the block
@@ -16,8 +16,7 @@ import torch
 
 from trace_core.formats import FP4Format, get_format
 from trace_core.quant import Quantized
-
-SITE_KINDS = ("moe_in", "k", "v")
+from trace_core.sites import Site
 
 
 def check_bits(bits: int) -> int:
@@ -159,7 +158,7 @@ class RecordSpec:
         """b = `bits` on the latter half of the given MoE and attention layers."""
         return cls(bits=bits, moe_layers=_latter_half(tuple(moe_layers)), attn_layers=_latter_half(tuple(attn_layers)))
 
-    def sites(self) -> list[tuple[int, str]]:
+    def sites(self) -> list[Site]:
         """All captured sites as (layer, kind)."""
         return [(i, "moe_in") for i in self.moe_layers] + [(i, k) for i in self.attn_layers for k in ("k", "v")]
 
@@ -179,7 +178,7 @@ class RecordBytes:
 
     moe_in: float
     kv: float
-    per_site: dict[tuple[int, str], float] = field(default_factory=dict)
+    per_site: dict[Site, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -192,10 +191,10 @@ def site_bytes(width: int, bits: int, block: int, token_scale: bool) -> float:
 
 
 def bytes_per_token(shape: ModelShape, spec: RecordSpec) -> RecordBytes:
-    """Record bytes one token produces under `spec` (DESIGN §3)."""
+    """Record bytes one token produces under `spec` (docs/design.md, "Records")."""
     moe_fmt, kv_fmt = get_format(spec.moe_format), get_format(spec.kv_format)
     token_scale = spec.per_token_scale and moe_fmt.has_global_scale
-    per_site: dict[tuple[int, str], float] = {}
+    per_site: dict[Site, float] = {}
     for layer, kind in spec.sites():
         if kind == "moe_in":
             per_site[(layer, kind)] = site_bytes(shape.hidden, spec.bits, moe_fmt.block, token_scale)
