@@ -1,6 +1,6 @@
 """Embedded reference engine: transformers `Qwen3MoeForCausalLM` in BF16 with the FP4 numerics of the SGLang side.
 
-FP4 mode (DESIGN §4, emulated NVFP4 W4A4 + FP4 KV):
+FP4 mode (emulated NVFP4 W4A4 + FP4 KV; docs/design.md, "Numerics contract"):
 - routed-expert weights are quantize-dequantized to NVFP4 (one global scale per expert matrix, gate and up as one
   FC1 matrix) at load and at every weight update;
 - the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes the
