@@ -26,10 +26,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import graph_ms  # noqa: E402
-from tests.fp4_attention_checks import sglang_decode_attention, sglang_module  # noqa: E402
-from trace_core.kernels.fp4_attention import fp4_decode_attention  # noqa: E402
-from trace_core.kv_attention import dequantize_kv  # noqa: E402
+from bench.kernels import graph_ms
+from tests.fp4_attention_checks import sglang_decode_attention, sglang_module
+from trace_core.kernels.fp4_attention import fp4_decode_attention
+from trace_core.kv_attention import dequantize_kv
 
 CASES = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]  # (batch, tokens per request)
 SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
@@ -44,7 +44,7 @@ def dequant_decode(decode_attention_fwd, util, q, codes, scales, out, common) ->
 
 def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
     decode_attention_fwd = sglang_decode_attention()
-    KVFP4QuantizeUtil = sglang_module("srt/layers/quantization/kvfp4_tensor.py").KVFP4QuantizeUtil  # noqa: N806
+    KVFP4QuantizeUtil = sglang_module("srt/layers/quantization/kvfp4_tensor.py").KVFP4QuantizeUtil
 
     dev = "cuda"
     codes = [torch.randint(0, 256, (slots, kv_heads, d // 2), dtype=torch.uint8, device=dev) for _ in range(2)]

@@ -32,11 +32,11 @@ class _ContiguousGrad(torch.autograd.Function):
     gradients such as the one of `y.sum()`)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
         return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 
