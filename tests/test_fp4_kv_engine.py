@@ -6,7 +6,9 @@ On CPU decode runs the pure-torch twin; on CUDA the Triton kernel, checked on ev
 same pool within the kernel-vs-twin tolerance of tests/test_fp4_attention.py (one BF16 rounding: 2^-7 relative +
 2^-7 absolute). End to end the comparison is teacher-forced (the reference scores the FP4 engine's own tokens), so
 a sampling draw near a boundary cannot turn a rounding difference into a different trajectory. Log-probs are
-differences of BF16 logits: within 2^-5, two BF16 ulps of the tiny model's logits (|logit| < 4, asserted).
+differences of BF16 logits: within 2^-5, two BF16 ulps of the model's logits (|logit| < 4, asserted).
+The CUDA case runs the `small` preset (head dim 64; the kernel refuses the tiny model's 16, see
+`trace_core.kernels.fp4_attention.MIN_HEAD_DIM`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from trace_core.records import RecordSpec
 from trace_rl.engine import EmbeddedEngine, _SiteCache
 from trace_rl.fp4_kv_engine import FP4AttentionEngine
 from trace_rl.task import EOS, AdditionTask
-from trace_rl.warmup import HF_DIR
+from trace_rl.warmup import HF_DIR, make_tiny_model
 
 TASK = AdditionTask(1)
 SPEC = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,))
@@ -28,8 +30,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model):
+def tiny_dir(tiny_model):
     out = tiny_model(10)
+    return str(out / HF_DIR)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """The `small` preset (head dim 64, 3 query heads per KV head): the CUDA kernel refuses the tiny model's 16."""
+    out = tmp_path_factory.mktemp("small")
+    make_tiny_model(out, steps=4, preset="small")
     return str(out / HF_DIR)
 
 
@@ -64,7 +74,8 @@ def _forced(engine: EmbeddedEngine, prompts: torch.Tensor, tokens: torch.Tensor)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_pool_holds_the_attended_values_and_decode_reads_it(model_dir, device):
+def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
+    model_dir = request.getfixturevalue("tiny_dir" if device == "cpu" else "small_dir")
     prompts = TASK.prompts(torch.tensor([[3, 4], [9, 9], [0, 1]]))
     engine = FP4AttentionEngine(model_dir, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
     engine.tap = tap = _KVTap()

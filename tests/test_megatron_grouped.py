@@ -259,9 +259,9 @@ def test_expert_weights_fake_quantized_once_per_step(monkeypatch):
     optimizer step (in-place update) or a new step recomputes it; the straight-through gradient is exact."""
     calls = []
 
-    def counting(w):
+    def counting(w, role):
         calls.append(tuple(w.shape))
-        return expert_weight_fake_quant(w)
+        return expert_weight_fake_quant(w, role)
 
     monkeypatch.setattr(sites_mod, "expert_weight_fake_quant", counting)
     trajs = trajectories(4, seed=2)
