@@ -116,10 +116,8 @@ def site_layout(spec: RecordSpec, shape: ModelShape) -> dict[Site, SiteLayout]:
     `num_kv_heads * head_dim` (all heads of a token)."""
     out: dict[Site, SiteLayout] = {}
     for layer, kind in spec.sites():
-        if kind == "moe_in":
-            out[(layer, kind)] = (get_format(spec.moe_format).name, spec.bits, shape.hidden)
-        else:
-            out[(layer, kind)] = (get_format(spec.kv_format).name, spec.bits, shape.num_kv_heads * shape.head_dim)
+        width = shape.hidden if kind == "moe_in" else shape.num_kv_heads * shape.head_dim
+        out[(layer, kind)] = (spec.site_format(kind).name, spec.bits, width)
     for site, (fmt, _, n) in out.items():
         if n <= 0 or n % get_format(fmt).block:
             raise ValueError(f"site {site}: width {n} is not a positive multiple of the {fmt} block")
