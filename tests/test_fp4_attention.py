@@ -112,7 +112,7 @@ def test_extend_refuses_what_it_does_not_replay():
     with pytest.raises(ValueError, match="xai_temperature_len"):
         fp4_extend_attention(*args, None, True, None, n, 1.0, 1.0, xai_temperature_len=8)
     with pytest.raises(ValueError, match="k_extend must be"):
-        fp4_extend_attention(q, k[:, :1], *args[2:], None, True, None, n, 1.0, 1.0)
+        fp4_extend_attention(q, k[..., :32], *args[2:], None, True, None, n, 1.0, 1.0)
 
 
 def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():
