@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe
 from trace_core.records import RecordSpec, check_bits
+from trace_core.sites import SITE_KINDS
 
 MODES = ("off", "emulate", "native")
-SITE_KINDS = ("moe_in", "k", "v")
 LAYER_PRESETS = ("latter-half", "all")
 
 # Field name -> default, added to ServerArgs by the patch (SGLang keeps every flag as a dataclass field).
