@@ -137,6 +137,20 @@ def gather_kv_raw_tp(raw: torch.Tensor, tp_group) -> list[torch.Tensor]:
     return list(out.view(size, *raw.shape).unbind(0))
 
 
+def gather_to_first(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every rank's host tensor `shard` (same shape on all ranks), in rank order, on the group's first rank (None
+    elsewhere): one `gather` over `group` (a gloo group; every rank calls this in the same order)."""
+    import torch.distributed as dist
+
+    first = dist.get_global_rank(group, 0)
+    if dist.get_rank(group) != 0:
+        dist.gather(shard, None, dst=first, group=group)
+        return None
+    received = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.gather(shard, received, dst=first, group=group)
+    return received
+
+
 def kv_records_from_shards(
     raws: Sequence[torch.Tensor],
     layers: Sequence[int],
