@@ -52,6 +52,59 @@ def group_offsets(tokens_per_expert: list[int] | torch.Tensor, device: torch.dev
     return offs.to(device)
 
 
+class _RowScaledGroupedMM(torch.autograd.Function):
+    """FC2 with the router's top-k weights on its output, `(grouped_mm(x, w^T) * scale[:, None]).to(x.dtype)`, as
+    the rollout applies them (after FC2, so the FC2 input is the unweighted row the FP4 convention quantizes).
+
+    Autograd of the unfused product would keep the `[rows, out]` FC2 output for the gradient of `scale`; this keeps
+    only what the GEMM keeps anyway (`x`, `w`) and takes that gradient on the input side: with `u = g @ w[e]`,
+    `d scale = sum(u * x)` and `dx = u * scale` (the same values in exact arithmetic; the rounding of `dx` differs from
+    `(g * scale) @ w[e]`). `dw` is what autograd gives, bit for bit. Twin: `row_scaled_grouped_mm_reference`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        ctx.save_for_backward(x, w, offs, scale)
+        return (y * scale.unsqueeze(-1)).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w, offs, scale = ctx.saved_tensors
+        g = g.contiguous()
+        s = scale.unsqueeze(-1)
+        wide = torch.promote_types(x.dtype, scale.dtype)  # the product's dtype in the forward
+        gs = (g.to(wide) * s).to(g.dtype)  # the gradient autograd would pass to the GEMM's output
+        dw = F.grouped_mm(gs.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        u = F.grouped_mm(g, w, offs=offs).to(wide)
+        dx = (u * s).to(x.dtype)
+        dscale = (u * x.to(wide)).sum(-1).to(scale.dtype) if ctx.needs_input_grad[3] else None
+        return dx, dw, None, dscale
+
+
+def row_scaled_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`(grouped_mm(x, w^T, offs) * scale[:, None]).to(x.dtype)` keeping only `x`, `w` for the backward
+    (`_RowScaledGroupedMM`)."""
+    return _RowScaledGroupedMM.apply(x, w, offs, scale)
+
+
+def row_scaled_grouped_mm_reference(
+    x: torch.Tensor, w: torch.Tensor, counts: list[int], scale: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Pure-torch twin of `_RowScaledGroupedMM` (a loop of per-expert matmuls): `(out, dx, dw, dscale)` for the
+    output gradient `g`."""
+    wide = torch.promote_types(x.dtype, scale.dtype)
+    outs, dxs, dws, dss = [], [], [], []
+    for e, (xe, ge, se) in enumerate(zip(x.split(counts), g.split(counts), scale.split(counts), strict=True)):
+        s = se.unsqueeze(-1)
+        outs.append(((xe @ w[e].T) * s).to(x.dtype))
+        u = (ge @ w[e]).to(wide)
+        dxs.append((u * s).to(x.dtype))
+        dws.append((ge.to(wide) * s).to(g.dtype).T @ xe)
+        dss.append((u * xe.to(wide)).sum(-1).to(scale.dtype))
+    return torch.cat(outs), torch.cat(dxs), torch.stack(dws), torch.cat(dss)
+
+
 class TraceGroupedLinear(torch.nn.Module):
     """The local experts' linear of one kind (FC1 or FC2) as one grouped GEMM, `y[rows of e] = x @ weight[e].T`.
 
@@ -116,17 +169,24 @@ class TraceGroupedLinear(torch.nn.Module):
                             init_method(self.weight[e])
         self.weight_quant: Quantizer | None = None
         self.input_quant: Quantizer | None = None
+        self.row_scale: torch.Tensor | None = None  # per-row output scale for the next forward (`GroupedSites`)
         self._register_state_dict_hook(_split_experts)
         self._register_load_state_dict_pre_hook(partial(_stack_experts, num_local_experts))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor) -> tuple[torch.Tensor, None]:
-        """`x [N, in]` rows grouped by local expert (`tokens_per_expert` rows each) -> `([N, out], None)`."""
+        """`x [N, in]` rows grouped by local expert (`tokens_per_expert` rows each) -> `([N, out], None)`; a pending
+        `row_scale [N]` (taken by this call) multiplies the output rows (`_RowScaledGroupedMM`)."""
+        scale, self.row_scale = self.row_scale, None
         if self.input_quant is not None:
             x = self.input_quant(x)
         w = self.weight
         if self.weight_quant is not None:
             w = straight_through(w, self.weight_quant(w))
         offs = group_offsets(tokens_per_expert, x.device)
+        if scale is not None:
+            if tuple(scale.shape) != (x.shape[0],):
+                raise ValueError(f"row_scale {tuple(scale.shape)} does not match the {x.shape[0]} input rows")
+            return row_scaled_grouped_mm(x, w, offs, scale), None
         y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
         return _ContiguousGrad.apply(y), None
 
@@ -219,14 +279,23 @@ def is_trace_grouped(experts: torch.nn.Module) -> bool:
 
 
 class GroupedSites:
-    """The weight and FC2-input sites of one TRACE grouped-experts module; `remove()` restores BF16."""
+    """The weight and FC2-input sites of one TRACE grouped-experts module, and the router's top-k weights moved
+    from the activation (where Megatron applies them) to FC2's output rows (where the rollout does, so FC2's input
+    is unweighted); `remove()` restores BF16."""
 
     def __init__(self, experts: torch.nn.Module, numerics):
         self.linears = (experts.linear_fc1, experts.linear_fc2)
         for lin in self.linears:
             lin.weight_quant = numerics.expert_weights
         experts.linear_fc2.input_quant = numerics.fc2_input
+        self._hook = experts.register_forward_pre_hook(self._probs_to_fc2_output)
+
+    def _probs_to_fc2_output(self, experts: torch.nn.Module, args: tuple) -> tuple:
+        hidden, tokens_per_expert, probs, *rest = args
+        experts.linear_fc2.row_scale = probs
+        return (hidden, tokens_per_expert, torch.ones_like(probs), *rest)
 
     def remove(self) -> None:
+        self._hook.remove()
         for lin in self.linears:
-            lin.weight_quant = lin.input_quant = None
+            lin.weight_quant = lin.input_quant = lin.row_scale = None

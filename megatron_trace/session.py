@@ -126,11 +126,11 @@ class TraceSession:
                     "wired for the TRACE grouped experts (megatron_trace.grouped.with_grouped_experts) and for "
                     "SequentialMLP with Megatron's local linears (TE linears and TE's GroupedLinear are not)"
                 )
-            self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
-            self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
-            if grouped:
+            if grouped:  # probabilities after FC2: inside the grouped FC2 (GroupedSites)
                 self._handles.append(GroupedSites(moe.experts, self.numerics))
                 continue
+            self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
+            self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
             for expert in moe.experts.local_experts:
                 for lin in (expert.linear_fc1, expert.linear_fc2):
                     if type(lin) not in (ColumnParallelLinear, RowParallelLinear):

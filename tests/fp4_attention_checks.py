@@ -1,4 +1,5 @@
-"""Checks of the FP4-KV decode attention kernels, shared by the GPU tests and the Triton-interpreter test on CPU.
+"""Checks of the FP4-KV decode and extend attention kernels, shared by the GPU tests and the Triton-interpreter
+test on CPU.
 
 Each case builds an FP4 pool layer (SGLang's layout: codes `[slots, heads, D/2]`, scale bytes `[slots, heads*D/16]`)
 from K/V-like values, pages a batch of requests over shuffled slots, and compares the kernel with
@@ -22,7 +23,13 @@ import torch
 from trace_core.e2m1 import pack_fp4
 from trace_core.formats import KV_FP4
 from trace_core.kernels.fp4_attention import fp4_decode_attention
-from trace_core.kv_attention import decode_attention_reference, dequantize_kv
+from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
+from trace_core.kv_attention import (
+    decode_attention_reference,
+    dequantize_kv,
+    extend_attention_reference,
+    extend_tiles,
+)
 from trace_core.quant import quantize
 
 # (kv heads, q heads per kv head, head dim, request lengths, kv splits per request, logit cap, sinks)
@@ -31,20 +38,33 @@ CASES = [
     (2, 1, 64, [5, 70, 33], [1, 2, 3], 0.0, False),  # MHA (one head per program)
     (1, 16, 128, [100, 1], [2, 1], 30.0, True),  # 16 heads per program, logit cap, attention sinks
     (1, 32, 64, [40], [4], 0.0, False),  # more query heads per KV head than one program holds
+    (2, 2, 16, [6, 9], [8, 8], 0.0, False),  # the tiny engine's shape: head dim 16 (one scale per head), empty splits
 ]
+
+
+STAND_INS = {
+    "from sglang.srt.utils import is_hip\n": "is_hip = lambda: False\n",
+    "from sglang.srt.utils import is_cuda, is_hip\n": "is_cuda, is_hip = torch.cuda.is_available, lambda: False\n",
+    "from sglang.srt.layers.attention.triton_ops.prefill_attention import (\n    context_attention_fwd,\n)\n": "\n\n\n",
+}
+"""Imports of SGLang's server stack in the triton attention modules, and what stands in for them (as many lines:
+the Triton interpreter re-reads a kernel's source by line number)."""
 
 
 @cache
 def sglang_module(relpath: str) -> types.ModuleType:
     """A module of the installed sglang wheel (`srt/...` path) loaded by file path, without running
     `sglang/__init__.py` and `sglang.srt.utils` (they import SGLang's server stack, absent from the CPU test
-    install and the GPU image). The triton decode module's one such import, `is_hip`, is answered `False` (CUDA,
-    or the interpreter); the rest of its source runs as shipped."""
+    install and the GPU image). Those imports are replaced by `STAND_INS` (`is_hip` is False: CUDA or the
+    interpreter; `is_cuda` is whether torch sees a GPU, as SGLang's check; the extend module's unused import of
+    the prefill kernel is dropped); the rest of the source runs as shipped."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
     path = Path(spec.origin).parent / relpath
-    source = path.read_text().replace("from sglang.srt.utils import is_hip\n", "is_hip = lambda: False\n")
+    source = path.read_text()
+    for line, stand_in in STAND_INS.items():
+        source = source.replace(line, stand_in)
     module = types.ModuleType(f"sglang_file_{path.stem}")
     module.__file__ = str(path)
     exec(compile(source, str(path), "exec"), module.__dict__)
@@ -54,6 +74,11 @@ def sglang_module(relpath: str) -> types.ModuleType:
 def sglang_decode_attention():
     """SGLang's triton `decode_attention_fwd` (layers/attention/triton_ops/decode_attention.py)."""
     return sglang_module("srt/layers/attention/triton_ops/decode_attention.py").decode_attention_fwd
+
+
+def sglang_extend_attention():
+    """SGLang's triton `extend_attention_fwd` (layers/attention/triton_ops/extend_attention.py)."""
+    return sglang_module("srt/layers/attention/triton_ops/extend_attention.py").extend_attention_fwd
 
 
 def fp4_layer(slots: int, heads: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,3 +130,62 @@ def check_decode(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, t
                                      kv_dtype=kv_dtype)  # fmt: skip
     torch.testing.assert_close(outs[0], ref, rtol=twin_rtol, atol=twin_atol, msg=lambda m: f"{label}: {m}")
     return (outs[0].float() - ref.float()).abs().max().item()
+
+
+# (kv heads, q heads per kv head, head dim, cached prefix lengths, new-token lengths, causal, logit cap, sinks)
+EXTEND_CASES = [
+    (2, 4, 64, [0, 70, 5], [9, 40, 70], True, 0.0, False),  # no prefix, prefix over one key block, two query blocks
+    (2, 1, 64, [33], [20], False, 30.0, True),  # MHA, bidirectional, logit cap, sinks
+    (1, 8, 128, [130], [3], True, 0.0, False),  # head dim 128, short extend after a long prefix
+]
+
+
+def make_extend_case(case, dtype, device, seed=0):
+    """(q, k, v of the new tokens, pool codes/scales for K and V, qo_indptr, kv_indptr, kv_indices, max extend)."""
+    heads, group, d, prefix, extend = case[:5]
+    gen = torch.Generator().manual_seed(seed)
+    slots = sum(prefix) + 7
+    kc, ks = fp4_layer(slots, heads, d, gen)
+    vc, vs = fp4_layer(slots, heads, d, gen)
+    n = sum(extend)
+    q = torch.randn(n, heads * group, d, generator=gen).to(dtype)
+    k = (torch.randn(n, heads, d, generator=gen) * 2).to(dtype)
+    v = (torch.randn(n, heads, d, generator=gen) * 2).to(dtype)
+    indices = torch.randperm(slots - 1, generator=gen)[: sum(prefix)] + 1
+    qo = torch.tensor([0, *torch.tensor(extend).cumsum(0).tolist()], dtype=torch.int32)
+    kvp = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
+    to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    return (*to(q, k, v, kc, ks, vc, vs, qo, kvp, indices), max(extend))
+
+
+def check_extend(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, rtol: float, atol: float) -> dict:
+    """Kernel vs SGLang's triton extend on the dequantized cache (bit for bit when `rtol == atol == 0`, else within
+    them) and vs the twin (within them); returns the largest differences and the unequal fraction vs SGLang."""
+    heads, group, d, prefix, extend, causal, cap, with_sinks = case
+    q, k, v, kc, ks, vc, vs, qo, kvp, indices, max_ext = make_extend_case(case, dtype, device)
+    sinks = torch.linspace(-1, 1, heads * group, device=device) if with_sinks else None
+    sm = 1 / math.sqrt(d)
+    outs = []
+    for fp4 in (True, False):
+        o = torch.full_like(q, float("nan"))
+        if fp4:
+            fp4_extend_attention(q, k, v, o, kc, ks, vc, vs, qo, kvp, indices, None, causal, None, max_ext, 1.0, 1.0,
+                                 sm, logit_cap=cap, sinks=sinks, kv_dtype=kv_dtype)  # fmt: skip
+        else:
+            kb, vb = dequantize_kv(kc, ks, kv_dtype), dequantize_kv(vc, vs, kv_dtype)
+            sglang_extend_attention()(q, k, v, o, kb, vb, qo, kvp, indices, None, causal, None, max_ext, 1.0, 1.0,
+                                      sm, logit_cap=cap, sinks=sinks)  # fmt: skip
+        outs.append(o)
+    label = f"heads={heads} group={group} d={d} prefix={prefix} extend={extend} causal={causal} {dtype}"
+    if rtol == atol == 0:
+        assert torch.equal(outs[0], outs[1]), f"{label}: differs from SGLang's dequantize-then-attend path"
+    torch.testing.assert_close(outs[0], outs[1], rtol=rtol, atol=atol, msg=lambda m: f"{label} vs SGLang: {m}")
+    ref = extend_attention_reference(q, k, v, kc, ks, vc, vs, qo, kvp, indices, sm, is_causal=causal, logit_cap=cap,
+                                     sinks=sinks, kv_dtype=kv_dtype, tiles=extend_tiles(d, q.device)[:2])  # fmt: skip
+    tw_rtol, tw_atol = (1e-4, 1e-4) if rtol == atol == 0 else (rtol, atol)
+    torch.testing.assert_close(outs[0], ref, rtol=tw_rtol, atol=tw_atol, msg=lambda m: f"{label} vs twin: {m}")
+    return {
+        "max_vs_sglang": (outs[0].float() - outs[1].float()).abs().max().item(),
+        "unequal_vs_sglang": (outs[0] != outs[1]).float().mean().item(),
+        "max_vs_twin": (outs[0].float() - ref.float()).abs().max().item(),
+    }

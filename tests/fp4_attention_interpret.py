@@ -3,9 +3,11 @@
 1. Every `fp4_attention_checks.CASES` case against SGLang's triton decode kernel (also interpreted) on the
    dequantized cache, bit for bit, and against the pure-torch twin; FP32 queries and values (the interpreter
    truncates FP32 to BF16 where GPUs round, so the BF16 twin comparison runs on the GPU only).
-2. End to end through the SGLang glue: a real `MHATokenToKVPoolFP4` written by its own `set_kv_buffer`, decode
-   through `sglang_trace.fp4_attention.forward_decode` (what patch 0020 calls) against SGLang's path on that pool
-   (`get_key_buffer` / `get_value_buffer`, then `decode_attention_fwd`), BF16 queries, bit for bit.
+2. Every `EXTEND_CASES` case the same way against SGLang's triton extend kernel, bit for bit (FP32).
+3. End to end through the SGLang glue: a real `MHATokenToKVPoolFP4` written by its own `set_kv_buffer`, decode
+   through `sglang_trace.fp4_attention.forward_decode` and extend through `forward_extend` (what patch 0020
+   calls) against SGLang's path on that pool (`get_key_buffer` / `get_value_buffer`, then `decode_attention_fwd`
+   / `extend_attention_fwd`), BF16 queries, bit for bit.
 """
 
 import math
@@ -31,8 +33,8 @@ def check_sglang_pool() -> None:
     slots = torch.randperm(255, generator=gen)[: sum(lens)] + 1
     kv = [(torch.randn(len(slots), heads, d, generator=gen) * 3).to(torch.bfloat16) for _ in range(2)]
     pool.set_kv_buffer(None, slots, kv[0].clone(), kv[1].clone(), layer_id_override=layer)
-    os.environ[fp4_attention.ENV] = "decode"
-    assert fp4_attention.reads_fp4(pool)
+    os.environ[fp4_attention.ENV] = "decode,extend"
+    assert fp4_attention.reads_fp4(pool, "decode") and fp4_attention.reads_fp4(pool, "extend")
     q = torch.randn(len(lens), heads * group, d, generator=gen).to(torch.bfloat16)
     indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
     nsplit = torch.tensor([2, 3], dtype=torch.int32)
@@ -49,14 +51,38 @@ def check_sglang_pool() -> None:
         outs.append(o)
     assert torch.equal(outs[0], outs[1]), "FP4 decode through the glue differs from SGLang's path on its pool"
 
+    # extend: request r's first lens[r] - new[r] tokens are its cached prefix, the rest are new
+    new = [5, 30]
+    prefix = torch.cat([slots[: lens[0] - new[0]], slots[lens[0] : sum(lens) - new[1]]])
+    qo = torch.tensor([0, new[0], sum(new)], dtype=torch.int32)
+    kvp = torch.tensor([0, lens[0] - new[0], sum(lens) - sum(new)], dtype=torch.int32)
+    fresh = torch.cat([torch.arange(lens[0] - new[0], lens[0]), torch.arange(sum(lens) - new[1], sum(lens))])
+    q = torch.randn(sum(new), heads * group, d, generator=gen).to(torch.bfloat16)
+    k, v = kv[0][fresh], kv[1][fresh]
+    outs = []
+    for fp4 in (True, False):
+        o = torch.full_like(q, float("nan"))
+        args = (qo, kvp, prefix, None, True, None, max(new), 1.0, 1.0, 1 / math.sqrt(d))
+        if fp4:
+            fp4_attention.forward_extend(pool, layer, q, k, v, o, *args)
+        else:
+            kb, vb = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            checks.sglang_extend_attention()(q, k, v, o, kb, vb, *args)
+        outs.append(o)
+    assert torch.equal(outs[0], outs[1]), "FP4 extend through the glue differs from SGLang's path on its pool"
+
 
 def main() -> None:
     worst = 0.0
     for case in checks.CASES:
         worst = max(worst, checks.check_decode(case, torch.float32, torch.float32, "cpu", 1e-4, 1e-4))
     print(f"checked {len(checks.CASES)} decode cases; max |kernel - twin| {worst:.3g}")
+    worst = 0.0
+    for case in checks.EXTEND_CASES:
+        worst = max(worst, checks.check_extend(case, torch.float32, torch.float32, "cpu", 0, 0)["max_vs_twin"])
+    print(f"checked {len(checks.EXTEND_CASES)} extend cases; max |kernel - twin| {worst:.3g}")
     check_sglang_pool()
-    print("checked decode through sglang_trace.fp4_attention on SGLang's FP4 pool")
+    print("checked decode and extend through sglang_trace.fp4_attention on SGLang's FP4 pool")
 
 
 if __name__ == "__main__":

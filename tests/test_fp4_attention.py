@@ -1,9 +1,13 @@
-"""FP4-KV decode attention (`trace_core.kernels.fp4_attention`) and its pure-torch twin (`trace_core.kv_attention`).
+"""FP4-KV decode and extend attention (`trace_core.kernels.fp4_attention`, `fp4_extend_attention`) and their
+pure-torch twins (`trace_core.kv_attention`).
 
 On CPU the kernels run under the Triton interpreter (in a subprocess: the flag is read when triton builds a
-launcher) against SGLang's own triton decode kernel on the dequantized cache, bit for bit, and against the twin.
-On the GPU (`-m gpu`) the same checks run in BF16, the dtype SGLang's FP4 pool dequantizes to (GQA equal to SGLang
-bit for bit; MHA against the twin only: SGLang's MHA kernel sums q . k in BF16, ours in FP32).
+launcher) against SGLang's own triton decode and extend kernels on the dequantized cache, bit for bit, and against
+the twins. On the GPU (`-m gpu`) the same checks run in BF16, the dtype SGLang's FP4 pool dequantizes to (decode:
+GQA equal to SGLang bit for bit; MHA against the twin only: SGLang's MHA kernel sums q . k in BF16, ours in FP32.
+Extend: within one BF16 rounding of SGLang, as of the twin: the FP4 kernel's prefix K and V reach the tensor-core
+dot from registers, SGLang's from memory, and the compiled dots need not sum in the same order; the fraction of
+outputs that differ is measured by bench/fp4_attention.py).
 
 Tolerance of kernel vs twin: the twin replays the kernels' splits, blocks, online softmax and casts, so what differs
 is the order of FP32 sums inside the two dot products and `exp` (`ex2.approx` on the GPU): a few FP32 ulps of the
@@ -72,19 +76,61 @@ def test_kernels_under_the_interpreter():
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"checked {len(checks.CASES)} decode cases" in proc.stdout
-    assert "checked decode through sglang_trace.fp4_attention on SGLang's FP4 pool" in proc.stdout
+    assert f"checked {len(checks.EXTEND_CASES)} extend cases" in proc.stdout
+    assert "checked decode and extend through sglang_trace.fp4_attention on SGLang's FP4 pool" in proc.stdout
 
 
 def test_sglang_option_is_refused_by_name(monkeypatch):
     from sglang_trace import fp4_attention
 
-    monkeypatch.setenv(fp4_attention.ENV, "prefill")
-    with pytest.raises(ValueError, match="TRACE_FP4_ATTENTION='prefill' is not one of"):
-        fp4_attention.mode()
+    for bad in ("prefill", "decode,decode", "decode,", ""):
+        monkeypatch.setenv(fp4_attention.ENV, bad)
+        with pytest.raises(ValueError, match=f"TRACE_FP4_ATTENTION={bad!r} is not 'off' or a comma-separated set"):
+            fp4_attention.phases()
+    monkeypatch.setenv(fp4_attention.ENV, "extend,decode")
+    assert fp4_attention.phases() == {"decode", "extend"}
+    assert not fp4_attention.reads_fp4(object(), "extend")  # a pool without FP4 scale buffers keeps SGLang's path
+    with pytest.raises(ValueError, match="phase 'prefill' is not one of"):
+        fp4_attention.reads_fp4(object(), "prefill")
     monkeypatch.setenv(fp4_attention.ENV, "decode")
-    assert not fp4_attention.reads_fp4(object())  # a pool without FP4 scale buffers keeps SGLang's path
+    assert fp4_attention.phases() == {"decode"}
     monkeypatch.delenv(fp4_attention.ENV)
-    assert fp4_attention.mode() == "off"
+    assert fp4_attention.phases() == frozenset()
+
+
+def test_extend_refuses_what_it_does_not_replay():
+    from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
+
+    q, k, v, kc, ks, vc, vs, qo, kvp, idx, n = checks.make_extend_case(checks.EXTEND_CASES[0], torch.float32, "cpu")
+    args = (q, k, v, torch.empty_like(q), kc, ks, vc, vs, qo, kvp, idx)
+    with pytest.raises(ValueError, match="custom mask"):
+        fp4_extend_attention(*args, torch.ones(4, dtype=torch.bool), True, None, n, 1.0, 1.0)
+    with pytest.raises(ValueError, match="sliding window"):
+        fp4_extend_attention(*args, None, True, None, n, 1.0, 1.0, sliding_window_size=128)
+    with pytest.raises(ValueError, match="xai_temperature_len"):
+        fp4_extend_attention(*args, None, True, None, n, 1.0, 1.0, xai_temperature_len=8)
+    with pytest.raises(ValueError, match="k_extend must be"):
+        fp4_extend_attention(q, k[:, :1], *args[2:], None, True, None, n, 1.0, 1.0)
+
+
+def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():
+    from trace_core.kv_attention import extend_attention_reference
+
+    case = checks.EXTEND_CASES[0]
+    heads, group, d = case[:3]
+    q, k, v, kc, ks, vc, vs, qo, kvp, idx, _ = checks.make_extend_case(case, torch.float32, "cpu")
+    out = extend_attention_reference(q, k, v, kc, ks, vc, vs, qo, kvp, idx, 0.125, kv_dtype=torch.float32,
+                                     tiles=(16, 32))  # fmt: skip
+    for b in range(len(qo) - 1):
+        slots = idx[kvp[b] : kvp[b + 1]]
+        new = slice(int(qo[b]), int(qo[b + 1]))
+        keys = torch.cat([dequantize_kv(kc[slots], ks[slots], torch.float32), k[new]]).repeat_interleave(group, 1)
+        vals = torch.cat([dequantize_kv(vc[slots], vs[slots], torch.float32), v[new]]).repeat_interleave(group, 1)
+        n_pre, n_new = len(slots), new.stop - new.start
+        allowed = torch.arange(n_pre + n_new)[None, :] <= n_pre + torch.arange(n_new)[:, None]
+        w = torch.einsum("mhd,nhd->hmn", q[new], keys) * 0.125
+        w = torch.softmax(w.masked_fill(~allowed, float("-inf")), dim=-1)
+        torch.testing.assert_close(out[new], torch.einsum("hmn,nhd->mhd", w, vals), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -93,6 +139,14 @@ def test_bf16_kernels_on_the_gpu(case):
     if importlib.util.find_spec("sglang") is None:  # not imported: sglang/__init__ needs SGLang's server stack
         pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
     checks.check_decode(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", checks.EXTEND_CASES, ids=str)
+def test_bf16_extend_on_the_gpu(case):
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
+    checks.check_extend(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
 
 
 @pytest.mark.gpu

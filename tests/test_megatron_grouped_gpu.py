@@ -1,5 +1,6 @@
 """TRACE grouped experts and the sync-free sites on CUDA (`pytest -m gpu`): grouped_mm + Triton fake-quant against
-SequentialMLP bit for bit in BF16, and the sites captured in a CUDA graph (any host sync would abort the capture)."""
+SequentialMLP in BF16 (outputs bit for bit), the row-scaled FC2 against its twin, and the sites captured in a CUDA
+graph (any host sync would abort the capture)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from megatron_trace.config import TraceConfig
 from megatron_trace.sites import SiteNumerics, expert_weight_fake_quant
 from megatron_trace.source import SiteRows
-from tests.test_megatron_grouped import check_grouped_matches_sequential
+from tests.test_megatron_grouped import check_grouped_matches_sequential, check_row_scaled_fc2
 from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
 
@@ -26,6 +27,11 @@ def _megatron():
 @pytest.mark.parametrize("mode", ["bf16", "qat", "trace"])
 def test_grouped_experts_match_sequential_mlp_on_cuda(mode):
     check_grouped_matches_sequential(mode, torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_row_scaled_fc2_matches_its_twin_on_cuda(scale_dtype):
+    check_row_scaled_fc2(torch.bfloat16, scale_dtype, "cuda")
 
 
 def test_sites_capture_in_a_cuda_graph():

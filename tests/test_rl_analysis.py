@@ -1,12 +1,13 @@
-"""Same-batch analyses (trace_rl.analysis) on the tiny model: activations of the engine and the trainer matched by
-(trajectory, position), the ablation grid, and relative excess discrepancy; the wider-record guidance they rely on."""
+"""Same-batch analyses (trace_rl.experiments.analysis) on the tiny model: activations of the engine and the trainer
+matched by (trajectory, position), the ablation grid, and relative excess discrepancy; the wider-record guidance they
+rely on."""
 
 from __future__ import annotations
 
 import pytest
 
 from trace_core.records import RecordSpec
-from trace_rl.analysis import BITS, LAYERS, ablation_specs, analyze, captured_layers, relative_excess
+from trace_rl.experiments.analysis import BITS, LAYERS, ablation_specs, analyze, captured_layers, relative_excess
 from trace_rl.warmup import make_tiny_model
 
 

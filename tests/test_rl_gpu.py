@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from trace_rl.analysis import analyze
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
+from trace_rl.experiments.analysis import analyze
 from trace_rl.warmup import make_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""The results driver (trace_rl.results) end to end on CPU with the tiny preset, and the report
-(trace_rl.results_report) on what it collects: raw/ holds every run's per-step metrics, the analysis and the warm-up;
-the tables' numbers are the raw data's."""
+"""The results driver (trace_rl.experiments.results) end to end on CPU with the tiny preset, and the report
+(trace_rl.experiments.results_report) on what it collects: raw/ holds every run's per-step metrics, the analysis and
+the warm-up; the tables' numbers are the raw data's."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
-from trace_rl import results, results_report
-from trace_rl.analysis import BITS, LAYERS
+from trace_rl.experiments import results, results_report
+from trace_rl.experiments.analysis import BITS, LAYERS
 from trace_rl.warmup import PRESETS
 
 STEPS = 2

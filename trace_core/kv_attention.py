@@ -100,3 +100,99 @@ def decode_attention_reference(
             e_sum = e_sum + torch.exp(sinks.cpu().float() - e_max)
         out[b] = (acc / e_sum[:, None] * v_scale).to(q.dtype)
     return out.to(q.device)
+
+
+def extend_tiles(d: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) SGLang's triton extend attention uses for head dim `d` (a power of two) on
+    `device` (`_get_block_sizes_for_extend_attention`, CUDA rows; no CUDA: its row for older GPUs)."""
+    major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    if major == 12:
+        tiles = (64, 128) if d <= 128 else (64, 64) if d <= 256 else (32, 32)
+    elif major >= 9:
+        tiles = (128, 64) if d <= 256 else (32, 64)
+    elif major == 8 and minor in (6, 9):
+        tiles = (64, 128) if d <= 128 else (64, 64) if d <= 256 else (32, 32)
+    elif major == 8:
+        tiles = (128, 128) if d <= 128 else (64, 64) if d <= 256 else (32, 64)
+    else:
+        tiles = (64, 64) if d <= 128 else (32, 32)
+    return (*tiles, 4 if d <= 64 else 8)
+
+
+def _online_block(state, q, k, v, allowed, sm_scale, logit_cap, v_scale):
+    """One key block of SGLang's extend kernel: q `[M, H, D]`, k/v `[N, H, D]` (heads expanded), `allowed`
+    `[M, N]`; state (acc `[H, M, D]`, deno `[H, M]`, e_max `[H, M]`) updated as the kernel does, probabilities cast
+    to v's dtype."""
+    acc, deno, e_max = state
+    qk = torch.einsum("mhd,nhd->hmn", q.float(), k.float()) * sm_scale
+    if logit_cap > 0:
+        qk = logit_cap * (2 * torch.sigmoid(2 * (qk / logit_cap)) - 1)
+    qk = qk.masked_fill(~allowed, -math.inf)
+    row_max = qk.max(dim=2).values
+    n_e_max = torch.maximum(torch.where(row_max == -math.inf, -1e20, row_max), e_max)
+    re_scale = torch.exp(e_max - n_e_max)
+    p = torch.exp(qk - n_e_max[..., None])
+    deno = deno * re_scale + p.sum(dim=2)
+    acc = acc * re_scale[..., None] + torch.einsum("hmn,nhd->hmd", p.to(v.dtype).float(), v.float()) * v_scale
+    return acc, deno, n_e_max
+
+
+def extend_attention_reference(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    is_causal: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    tiles: tuple[int, int] = (64, 64),
+) -> torch.Tensor:
+    """Extend attention output `[tokens, Hq, D]` (q's dtype): request b's new tokens `q_extend[qo_indptr[b]:
+    qo_indptr[b + 1]]` attend over its cached prefix (FP4 pool slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`)
+    and over its new K/V (causally when `is_causal`), in the order of `trace_core.kernels.fp4_extend_attention`:
+    query blocks of `tiles[0]`, key blocks of `tiles[1]` (prefix first), one online softmax, probabilities cast
+    to the values' dtype before P V. Computed on the CPU."""
+    block_m, block_n = tiles
+    group = q_extend.shape[1] // k_codes.shape[1]
+    qo, kvp, idx = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_indices.cpu().long()
+    q_all, k_new, v_new = q_extend.cpu(), k_extend.cpu(), v_extend.cpu()
+    out = torch.empty(q_extend.shape, dtype=q_extend.dtype)
+    for b in range(qo.numel() - 1):
+        slots = idx[kvp[b] : kvp[b + 1]].to(k_codes.device)
+        k_pre = dequantize_kv(k_codes[slots].cpu(), k_scales[slots].cpu(), kv_dtype).repeat_interleave(group, 1)
+        v_pre = dequantize_kv(v_codes[slots].cpu(), v_scales[slots].cpu(), kv_dtype).repeat_interleave(group, 1)
+        q, k, v = (t[qo[b] : qo[b + 1]] for t in (q_all, k_new, v_new))
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        n_ext, n_pre = q.shape[0], slots.numel()
+        for m0 in range(0, n_ext, block_m):
+            qm = q[m0 : m0 + block_m].to(kv_dtype)  # the kernel's q.to(k.dtype) before the prefix dot
+            rows = torch.arange(m0, m0 + qm.shape[0])
+            state = (torch.zeros(q.shape[1], qm.shape[0], q.shape[2]), torch.zeros(q.shape[1], qm.shape[0]),
+                     torch.full((q.shape[1], qm.shape[0]), -math.inf))  # fmt: skip
+            for s in range(0, n_pre, block_n):
+                allowed = torch.ones(qm.shape[0], min(block_n, n_pre - s), dtype=torch.bool)
+                state = _online_block(state, qm, k_pre[s : s + block_n], v_pre[s : s + block_n], allowed,
+                                      sm_scale * k_scale, logit_cap, v_scale)  # fmt: skip
+            end = min(n_ext, m0 + block_m) if is_causal else n_ext
+            for s in range(0, end, block_n):
+                cols = torch.arange(s, min(s + block_n, end))
+                allowed = (
+                    rows[:, None] >= cols[None, :] if is_causal else torch.ones(len(rows), len(cols), dtype=torch.bool)
+                )
+                state = _online_block(state, q[m0 : m0 + block_m], k[cols], v[cols], allowed, sm_scale, logit_cap, 1.0)
+            acc, deno, e_max = state
+            if sinks is not None:
+                deno = deno + torch.exp(sinks.cpu().float()[:, None] - e_max)
+            out[qo[b] + m0 : qo[b] + m0 + qm.shape[0]] = (acc / deno[..., None]).transpose(0, 1).to(out.dtype)
+    return out.to(q_extend.device)

@@ -52,6 +52,12 @@ FIELD_HELP = {
     "rollout_call_timeout_s": "deadline of one rollout request (the worker is then restarted)",
     "rollout_step_timeout_s": "deadline of a whole rollout step (the run then fails)",
     "force_resume": "resume a checkpoint although settings that change the numerics differ",
+    "tp": "trainer tensor parallelism (with sequence parallelism); tp * pp * dp > 1 runs the trainer as a Ray group",
+    "ep": "trainer expert parallelism (divides dp * tp)",
+    "pp": "trainer pipeline parallelism (stages of whole layers)",
+    "dp": "trainer data parallelism (divides the trajectories of a step)",
+    "gpus_per_node": "GPUs per node for the trainer group with device = cuda (TP stays within a node)",
+    "trainer_dtype": "trainer parameter dtype: bfloat16, or float32 (to check a layout against one rank)",
     "data": "prompt dataset: addition (the synthetic task) or a .jsonl / .parquet file",
     "prompt_key": "dataset field of the prompt: a string (the user turn) or a list of {role, content} messages",
     "answer_key": "dataset field of the reference answer given to the reward ('' for none); dots reach nested fields",
@@ -224,11 +230,11 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("results", help="the measurements of docs/results.md (see `results run --help`)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: _module_main("trace_rl.results", a.args))
+    p.set_defaults(run=lambda a: _module_main("trace_rl.experiments.results", a.args))
 
     p = sub.add_parser("report", help="tables and plots of docs/results.md (`trace-rl report --help`)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: _module_main("trace_rl.results_report", a.args))
+    p.set_defaults(run=lambda a: _module_main("trace_rl.experiments.results_report", a.args))
     return ap
 
 

@@ -41,6 +41,10 @@ class RLConfig:
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
     and of a whole rollout step (the run then fails). force_resume: resume a checkpoint although settings that
     change the numerics differ (docs/reliability.md).
+    tp / ep / pp / dp: the trainer's parallel layout (tensor with sequence parallelism, expert, pipeline, data
+    parallel; tp * pp * dp ranks, EP carved out of dp * tp); more than one rank runs the trainer as a Ray group, one
+    GPU per rank with device = "cuda" (at most gpus_per_node per node, TP within a node), gloo ranks on a CPU.
+    trainer_dtype: the trainer's parameter dtype (bfloat16, or float32 to check a layout against one rank).
     data / eval_data and the fields after them: the prompt dataset (`addition` or a JSONL / Parquet file,
     `trace_rl.data`), the reward function (`trace_rl.rewards`), held-out evaluation and the loggers
     (`trace_rl.tracking`); docs/rl.md, "Bring your own model and data".
@@ -94,6 +98,12 @@ class RLConfig:
     rollout_call_timeout_s: float = 600.0
     rollout_step_timeout_s: float = 3600.0
     force_resume: bool = False
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+    gpus_per_node: int = 8
+    trainer_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         errors = [f"{k}={v!r} must be finite" for k, v in self._floats().items() if not math.isfinite(v)]
@@ -121,6 +131,7 @@ class RLConfig:
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} must be cpu or cuda")
         errors += self._sglang_errors()
+        errors += self._layout_errors()
         errors += self._data_errors()
         if errors:
             raise ConfigError("invalid RL config: " + "; ".join(errors))
@@ -163,6 +174,32 @@ class RLConfig:
                     f"{key} must name where the key is ('env:VARIABLE' or 'file:PATH'), never the key itself "
                     "(configs are written to checkpoints and logs)"
                 )
+        return errors
+
+    def trainer_world(self) -> int:
+        """Trainer ranks of the layout."""
+        return self.tp * self.pp * self.dp
+
+    def _layout_errors(self) -> list[str]:
+        sizes = {k: getattr(self, k) for k in ("tp", "ep", "pp", "dp", "gpus_per_node")}
+        errors = [f"{k}={v} must be >= 1" for k, v in sizes.items() if v < 1]
+        if errors:
+            return errors
+        if (self.dp * self.tp) % self.ep:
+            errors.append(f"ep={self.ep} must divide dp * tp = {self.dp * self.tp} (EP is carved out of DP x TP)")
+        if (self.prompts_per_step * self.group_size) % self.dp:
+            errors.append(
+                f"dp={self.dp} must divide the {self.prompts_per_step * self.group_size} trajectories of a step "
+                "(prompts_per_step x group_size)"
+            )
+        world = self.trainer_world()
+        if self.device == "cuda" and world > 1:
+            if self.tp > self.gpus_per_node:
+                errors.append(f"tp={self.tp} exceeds gpus_per_node={self.gpus_per_node} (TP stays within a node)")
+            if world > self.gpus_per_node and world % self.gpus_per_node:
+                errors.append(f"tp * pp * dp = {world} GPUs do not fill nodes of gpus_per_node={self.gpus_per_node}")
+        if self.trainer_dtype not in ("bfloat16", "float32"):
+            errors.append(f"trainer_dtype={self.trainer_dtype!r} must be bfloat16 or float32")
         return errors
 
     def logger_list(self) -> tuple[str, ...]:

@@ -75,13 +75,19 @@ class FP4AttentionEngine(EmbeddedEngine):
             scales[self._slots] = sc
         return out
 
+    def decode_pages(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SGLang's decode paging of the current step for `b` rows: (kv_indptr int32 `[b + 1]`, kv_indices int64 of
+        positions [0, start] of each row's slots, num_kv_splits int32 `[b]`)."""
+        n = self._start + 1
+        indices = (torch.arange(b)[:, None] * self.max_len + torch.arange(n)).reshape(-1).to(self.device)
+        indptr = (torch.arange(b + 1) * n).to(device=self.device, dtype=torch.int32)
+        splits = torch.full((b,), KV_SPLITS, dtype=torch.int32, device=self.device)
+        return indptr, indices, splits
+
     def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention `[b, heads, D]` of one new position per row over positions [0, start] of the row's slots."""
         b, heads, d = q.shape
-        n = self._start + 1
-        indices = (torch.arange(b)[:, None] * self.max_len + torch.arange(n)).reshape(-1).to(q.device)
-        indptr = (torch.arange(b + 1) * n).to(device=q.device, dtype=torch.int32)
-        splits = torch.full((b,), KV_SPLITS, dtype=torch.int32, device=q.device)
+        indptr, indices, splits = self.decode_pages(b)
         (kc, ks), (vc, vs) = self.kv_pool[(layer, "k")], self.kv_pool[(layer, "v")]
         q = q.contiguous()
         if not q.is_cuda:

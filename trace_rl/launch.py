@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trace_rl.config import MODES, ConfigError, load_config
 from trace_rl.controller import Controller
-from trace_rl.report import plot, print_table, summary, write_csv
+from trace_rl.experiments.report import plot, print_table, summary, write_csv
 from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 
 

@@ -1,13 +1,13 @@
 """The measured results of docs/results.md: build the model, run the RL modes, the same-batch analyses and the step
-timing, then write the raw metrics (CSV / JSON) that `trace_rl.results_report` turns into plots and tables.
+timing, then write the raw metrics (CSV / JSON) that `trace_rl.experiments.results_report` turns into plots and tables.
 
-    python -m trace_rl.results run OUT [--preset small] [--steps 40] [--device cuda]
+    python -m trace_rl.experiments.results run OUT [--preset small] [--steps 40] [--device cuda]
 
 Stages, all under OUT: `model/` (warm-up, `warmup.json`); `rl/<run>/` for the runs of `RUNS` (each its own process,
 `--parallel` of them at a time: their per-step metrics are valid side by side, their wall times are not);
-`analysis/analysis.json` (`trace_rl.analysis` on the warmed-up policy, in this process); `timing/` (qat and the
-default TRACE alternating, `TIMING_ROUNDS` times, alone on the device: the step-time overhead). `raw/` collects the
-small files; `python -m trace_rl.results_report OUT/raw DOCS` makes the tables and plots.
+`analysis/analysis.json` (`trace_rl.experiments.analysis` on the warmed-up policy, in this process); `timing/` (qat
+and the default TRACE alternating, `TIMING_ROUNDS` times, alone on the device: the step-time overhead). `raw/`
+collects the small files; `python -m trace_rl.experiments.results_report OUT/raw DOCS` makes the tables and plots.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trace_rl.analysis import analyze, relative_excess
+from trace_rl.experiments.analysis import analyze, relative_excess
 from trace_rl.task import AdditionTask
 from trace_rl.warmup import make_tiny_model
 

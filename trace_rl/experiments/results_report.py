@@ -1,6 +1,6 @@
-"""Tables and plots of docs/results.md from the raw files `trace_rl.results` collects (OUT/raw).
+"""Tables and plots of docs/results.md from the raw files `trace_rl.experiments.results` collects (OUT/raw).
 
-    python -m trace_rl.results_report RAW_DIR DOCS_DIR
+    python -m trace_rl.experiments.results_report RAW_DIR DOCS_DIR
 
 Writes DOCS_DIR/tables.md (every table of the page) and the PNG figures; numbers are computed here from the raw
 per-step CSVs and analysis.json, never typed in.
@@ -19,8 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trace_rl.analysis import BITS, LAYERS  # noqa: E402
-from trace_rl.report import FLIP, mean_or_nan  # noqa: E402
+from trace_rl.experiments.analysis import BITS, LAYERS  # noqa: E402
+from trace_rl.experiments.report import FLIP, mean_or_nan  # noqa: E402
 
 RUN_LABELS = {
     "bf16": "BF16",
@@ -211,12 +211,14 @@ def timing_section(raw: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("raw", type=Path, help="the raw/ directory `trace_rl.results run` wrote")
+    ap.add_argument("raw", type=Path, help="the raw/ directory `trace_rl.experiments.results run` wrote")
     ap.add_argument("docs", type=Path, help="where tables.md and the plots go")
     args = ap.parse_args(argv)
     missing = [name for name in ("warmup.json", "analysis.json") if not (args.raw / name).exists()]
     if missing:  # checked before anything is written
-        raise FileNotFoundError(f"{args.raw} lacks {missing}: run `python -m trace_rl.results run` to completion")
+        raise FileNotFoundError(
+            f"{args.raw} lacks {missing}: run `python -m trace_rl.experiments.results run` to completion"
+        )
     args.docs.mkdir(parents=True, exist_ok=True)
     warmup = json.loads((args.raw / "warmup.json").read_text())
     parts = [

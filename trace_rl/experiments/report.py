@@ -15,7 +15,7 @@ FLIP = re.compile(r"trace/L(\d+)\.(moe_in|k|v)/code_flip_rate")
 
 
 def mean_or_nan(values: list[float]) -> float:
-    """Mean of a metric's values (NaN when it was never logged); shared with `trace_rl.results_report`."""
+    """Mean of a metric's values (NaN when it was never logged); shared with `trace_rl.experiments.results_report`."""
     return statistics.fmean(values) if values else float("nan")
 
 

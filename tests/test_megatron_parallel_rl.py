@@ -1,0 +1,120 @@
+"""The RL loop with a parallel trainer layout on CPU: the controller runs the trainer as a Ray group of two gloo
+ranks (`trace_rl.parallel_trainer`), each rank reading its own trajectories' records from the store (and its
+stage's sites), the sessions slicing them by KV head and sequence-parallel chunk; two `trace` steps with R3 at
+TP = 2 + SP with EP = 2 (alltoall, EP carved out of TP), DP = 2 and PP = 2, against the same run on one rank
+(`trace_rl.trainer.MegatronTrainer`). Summed over the ranks, every site's guided / fallback counters equal the single
+rank's: each row and KV head is guided exactly once.
+
+Tolerance: the trainer is FP32 (`trainer_dtype`), so the layouts differ from one rank only by the order of FP32 sums
+(TP all-reduces, the vocab-parallel log-softmax, the DP gradient reduction, the per-token loss normalised over the
+step), about 1e-7 relative (tests/test_megatron_parallel.py measures it per gradient). Every metric of every step is
+compared with rtol 1e-4: the rollout engine receives the trained weights as BF16, and a master weight 1e-7 away from
+a BF16 rounding boundary can round the other way, moving the next step's rollout log-probs by a BF16 ulp in the few
+tokens that use it. Counters (guided rows, fallbacks, placeholders), rewards and sampled lengths must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trace_rl.config import ConfigError, RLConfig
+from trace_rl.controller import Controller
+from trace_rl.warmup import make_tiny_model
+
+RUN = dict(
+    mode="trace",
+    steps=2,
+    prompts_per_step=2,
+    group_size=4,
+    max_new_tokens=4,
+    rollout_workers=1,
+    checkpoint_every=1,
+    trainer_dtype="float32",
+    loggers="none",
+    reward=f"{__name__}:varied_reward",
+)
+LAYOUTS = {"tp2_ep2": dict(tp=2, ep=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
+
+
+def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
+    """A reward that differs between the samples of a group (the barely trained model rarely gets an addition right,
+    and equal rewards give zero advantages: no update to compare)."""
+    return float(sum(map(ord, response)) % 3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(out, steps=10)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def single(model_dir, tmp_path_factory):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path_factory.mktemp("single")), **RUN)
+    with Controller(cfg, resume=False) as ctrl:
+        return ctrl.run(), ctrl.trainer.hf_weights()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
+    root = str(Path(__file__).resolve().parents[1])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, old) if p)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+def _close(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, ray_cluster, tmp_path):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN, **LAYOUTS[name])
+    with Controller(cfg, resume=False) as ctrl:
+        history = ctrl.run()
+        weights = ctrl.trainer.hf_weights()
+    single_history, single_weights = single
+    assert len(history) == len(single_history) == RUN["steps"]
+    for step, (got, ref) in enumerate(zip(history, single_history, strict=True)):
+        keys = {k for k in ref if not k.startswith("time/")}
+        assert keys == {k for k in got if not k.startswith("time/")}, step
+        assert ref["trace/rtn_fallback_real_tokens"] == 0 and ref["r3/placeholder_rows"] > 0
+        assert ref["actor/grad_norm"] > 0 and ref["actor/pg_loss"] != 0
+        for k in sorted(keys):
+            if isinstance(ref[k], str) or k.endswith(("/guided", "/rtn_fallback", "/redirected", "placeholder_rows")):
+                assert got[k] == ref[k], (step, k, got[k], ref[k])
+            else:
+                assert _close(got[k], ref[k]), (step, k, got[k], ref[k])
+    # The policy the rollout gets, gathered across the shards: equal up to a BF16 rounding flip (one ulp, 2^-8).
+    assert sorted(weights) == sorted(single_weights)
+    for k, w in weights.items():
+        torch.testing.assert_close(w.float(), single_weights[k].float(), rtol=2**-8, atol=1e-6, msg=k)
+
+
+def test_layout_keys_are_validated():
+    with pytest.raises(ConfigError, match=r"ep=2 must divide dp \* tp = 1"):
+        RLConfig(ep=2)
+    with pytest.raises(ConfigError, match="dp=3 must divide the 128 trajectories"):
+        RLConfig(dp=3)
+    with pytest.raises(ConfigError, match="tp=16 exceeds gpus_per_node=8"):
+        RLConfig(tp=16, device="cuda")
+    with pytest.raises(ConfigError, match="12 GPUs do not fill nodes of gpus_per_node=8"):
+        RLConfig(tp=4, dp=3, prompts_per_step=3, device="cuda")
+    with pytest.raises(ConfigError, match="tp=0 must be >= 1"):
+        RLConfig(tp=0)
+    with pytest.raises(ConfigError, match="trainer_dtype='fp16'"):
+        RLConfig(trainer_dtype="fp16")
