@@ -100,7 +100,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         trace_group: a gloo group over the attention-TP ranks, created at start-up for TRACE alone (the K/V shards
             of each transfer are gathered to rank 0 over it, on the writer thread); None for one rank.
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
-        host_ring_bytes: host ring size; default `RING_REQUESTS` requests of `max_request_tokens`.
+        host_ring_bytes: host ring size on rank 0 (other ranks hold only their K/V bytes of the same tokens);
+            default `RING_REQUESTS` requests of `max_request_tokens`.
 
     Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
     emulate mode, the MoE-input site in native mode) and the route capture each mark the forward's rows, in CUDA
@@ -155,7 +156,8 @@ class TraceCapturer(RoutedExpertsCapturer):
                 f"x {token_bytes} bytes"
             )
         self.ring_tokens = host_ring_bytes // token_bytes
-        self.ring = HostRing(host_ring_bytes, pin=torch.device(device).type == "cuda")
+        own_bytes = self.kv_bytes + (self.row_bytes if self.records is not None else 0)  # rank 0: token_bytes
+        self.ring = HostRing(max(1, self.ring_tokens * own_bytes), pin=torch.device(device).type == "cuda")
         self.return_routes = return_routes
         self.tp_rank, self.trace_group, self.moe_tp_group = tp_rank, trace_group, moe_tp_group
         self.step = args.step

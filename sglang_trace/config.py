@@ -25,7 +25,9 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_sites": "moe_in,k,v",
     "trace_store": None,
     "trace_step": 0,
+    "trace_recipe": "nvfp4-w4a4-kv4",
 }
+RECIPES = ("nvfp4-w4a4-kv4",)  # precision recipes the rollout side implements
 
 # Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate-nvfp4
 # quantizes them); every other format is refused by name.
@@ -82,7 +84,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SERVER_ARGS_FIELDS["trace_step"],
         help="RL step the first records are written under; afterwards every weight update must carry "
-        "weight_version=<RL step> (an update without one is refused while TRACE is on).",
+        "weight_version=<RL step> (after an update without one, records are refused until a versioned update).",
+    )
+    group.add_argument(
+        "--trace-recipe",
+        default=SERVER_ARGS_FIELDS["trace_recipe"],
+        help=f"Precision recipe of the rollout's FP4 numerics: one of {', '.join(RECIPES)}.",
     )
 
 
@@ -166,6 +173,8 @@ def check_server_args(server_args) -> TraceArgs:
     if not args.enabled:
         return args
     problems = []
+    if server_args.trace_recipe not in RECIPES:
+        problems.append(f"--trace-recipe {server_args.trace_recipe!r} is not one of {RECIPES}")
     if not args.store:
         problems.append("--trace-store is required (the record store root the trainer reads)")
     if args.kv_sites and server_args.kv_cache_dtype != "fp4_e2m1":

@@ -69,6 +69,7 @@ def test_cli_flags_parse_into_server_args():
     ("kw", "message"),
     [
         (dict(trace_record_bits=5), "--trace-record-bits"),
+        (dict(trace_recipe="mxfp4-w4a4-kv4"), "--trace-recipe 'mxfp4-w4a4-kv4' is not one of"),
         (dict(trace_record_bits=0), "--trace-record-bits"),
         (dict(trace_layers="a-b"), "--trace-layers 'a-b'"),
         (dict(trace_layers="7-3"), "ascending"),
