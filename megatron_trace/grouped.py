@@ -16,6 +16,7 @@ grouped GEMM.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -225,6 +226,22 @@ class TraceGroupedLinear(torch.nn.Module):
             sh.replica_id = (*sh.replica_id[:2], self._pg_collection.expt_dp.rank())
             out[f"{prefix}weight{i}"] = sh
         return out
+
+
+_GROUPED_WEIGHT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight$")
+
+
+def grouped_expert_names(name: str, first_expert: int, num_experts: int) -> list[str] | None:
+    """SequentialMLP's parameter names for the experts that rows `0 .. num_experts - 1` of a TRACE grouped weight
+    hold (`...mlp.experts.linear_fc1.weight` -> `...mlp.experts.local_experts.{first_expert + i}.linear_fc1.weight`),
+    or None when `name` is not a grouped expert weight. One global naming for both kinds of experts, as their
+    sharded state dicts have: a full single-rank state dict in SequentialMLP names serves either model, with
+    `first_expert = ep_rank * num_local_experts` for this EP rank's rows."""
+    m = _GROUPED_WEIGHT.search(name)
+    if m is None:
+        return None
+    head = name[: m.start()]
+    return [f"{head}.mlp.experts.local_experts.{first_expert + i}.{m.group(1)}.weight" for i in range(num_experts)]
 
 
 def _split_experts(module: TraceGroupedLinear, state_dict: dict, prefix: str, local_metadata) -> None:

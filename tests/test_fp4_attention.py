@@ -55,8 +55,10 @@ def test_bad_cache_is_named():
     kc = torch.zeros(10, 2, 32, dtype=torch.uint8)
     ks = torch.zeros(10, 8, dtype=torch.uint8)
     assert check_fp4_cache(q, kc, ks, kc, ks) == (2, 64)
-    with pytest.raises(ValueError, match="power-of-two head dim"):
+    with pytest.raises(ValueError, match="power-of-two head dim >= 64, got 48"):
         check_fp4_cache(q, kc[..., :24], ks, kc[..., :24], ks)
+    with pytest.raises(ValueError, match="power-of-two head dim >= 64, got 16"):  # wrong on the GPU: refused
+        check_fp4_cache(q[..., :16], kc[..., :8], ks[:, :2], kc[..., :8], ks[:, :2])
     with pytest.raises(ValueError, match="k_scales must be uint8 \\(10, 8\\)"):
         check_fp4_cache(q, kc, ks[:, :4], kc, ks)
     with pytest.raises(ValueError, match="q must be"):

@@ -16,6 +16,7 @@ from megatron_trace.emulate import emulate_rollout
 from megatron_trace.grouped import (
     TraceGroupedLinear,
     group_offsets,
+    grouped_expert_names,
     is_trace_grouped,
     row_scaled_grouped_mm,
     row_scaled_grouped_mm_reference,
@@ -44,17 +45,15 @@ def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
 
 
 def grouped_twin(seq_model: torch.nn.Module, **overrides) -> torch.nn.Module:
-    """A grouped-experts model with the weights of a SequentialMLP model (expert i of each linear stacked)."""
+    """A grouped-experts model with the weights of a SequentialMLP model (its parameters in SequentialMLP names,
+    mapped by `grouped_expert_names`)."""
     model = build_tiny_moe(CFG, dtype=next(seq_model.parameters()).dtype, grouped=True, **overrides)
-    own = model.state_dict()
+    full = dict(seq_model.named_parameters())
     with torch.no_grad():
-        for name, t in seq_model.state_dict().items():
-            if "local_experts" in name and name.endswith(".weight"):
-                head, tail = name.split(".local_experts.")
-                expert, linear = tail.split(".", 1)
-                own[f"{head}.{linear.removesuffix('.weight')}.weight{expert}"].copy_(t)
-            elif name in own and isinstance(t, torch.Tensor):
-                own[name].copy_(t)
+        for name, p in model.named_parameters():
+            names = grouped_expert_names(name, 0, p.shape[0])
+            p.copy_(torch.stack([full.pop(n) for n in names]) if names else full.pop(name))
+    assert not full, sorted(full)  # every SequentialMLP parameter has its place
     return model
 
 
@@ -91,6 +90,13 @@ def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp()
             for t in sh.build() if hasattr(sh, "build") else [sh]:  # gate/up factory -> two shards
                 out[(t.key, t.global_offset)] = (t.global_shape, t.data)
         return out
+
+    # Global naming (the parallel layouts' full state dicts): an EP rank's rows map to its experts' SequentialMLP names.
+    assert grouped_expert_names("decoder.layers.3.mlp.experts.linear_fc2.weight", 8, 2) == [
+        "decoder.layers.3.mlp.experts.local_experts.8.linear_fc2.weight",
+        "decoder.layers.3.mlp.experts.local_experts.9.linear_fc2.weight",
+    ]
+    assert grouped_expert_names("decoder.layers.3.mlp.router.weight", 8, 2) is None
 
     a, b = expert_shards(seq), expert_shards(grp)
     assert a and a.keys() == b.keys()
@@ -262,9 +268,9 @@ def test_expert_weights_fake_quantized_once_per_step(monkeypatch):
     optimizer step (in-place update) or a new step recomputes it; the straight-through gradient is exact."""
     calls = []
 
-    def counting(w):
+    def counting(w, role):
         calls.append(tuple(w.shape))
-        return expert_weight_fake_quant(w)
+        return expert_weight_fake_quant(w, role)
 
     monkeypatch.setattr(sites_mod, "expert_weight_fake_quant", counting)
     trajs = trajectories(4, seed=2)
@@ -384,6 +390,31 @@ def test_sites_trace_under_torch_compile_without_graph_breaks():
     assert all(torch.equal(a, b) for a, b in zip(eager, comp, strict=True))
     assert m_eager == m_comp and m_eager["trace/L0.moe_in/rtn_fallback"] == 3 * 64
     assert 0 < m_eager["trace/L1.moe_in/code_flip_rate"] < 1
+
+
+def test_session_refuses_te_expert_linears_by_name_before_installing_anything():
+    """TEGroupedMLP whose linears are not TRACE's (TE's `GroupedLinear` when TE is installed), and SequentialMLP with
+    another linear than Megatron's local ones (a TE linear), are refused in `qat` naming the classes, and the model
+    is left without hooks (`bf16`, which has no weight or FC2-input site, then installs)."""
+
+    class GroupedLinear(torch.nn.Module):  # the class names of TE's linears; TE is not installed here
+        pass
+
+    class TEColumnParallelLinear(torch.nn.Module):
+        pass
+
+    grouped, sequential = build_tiny_moe(CFG, grouped=True), build_tiny_moe(CFG)
+    grouped.decoder.layers[1].mlp.experts.linear_fc1 = GroupedLinear()
+    sequential.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1 = TEColumnParallelLinear()
+    cases = [
+        (grouped, r"layer 1: experts TEGroupedMLP with linears \['GroupedLinear', 'TraceGroupedLinear'\]"),
+        (sequential, r"layer 1: SequentialMLP expert linear TEColumnParallelLinear"),
+    ]
+    for model, message in cases:
+        with pytest.raises(NotImplementedError, match=message):
+            TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES))
+        assert not model._forward_pre_hooks and not model.decoder.layers[1].mlp.router._forward_pre_hooks
+        TraceSession(model, TraceConfig(mode="bf16", spec=ALL_SITES)).remove()
 
 
 def test_grouped_linear_refuses_what_it_does_not_implement():

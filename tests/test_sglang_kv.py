@@ -205,7 +205,7 @@ def _finish_rank(rank: int, world: int, init_file: str, store: str, out: str) ->
             model_path="dummy",
             device="cpu",
             kv_cache_dtype="fp4_e2m1",
-            trace_mode="emulate-nvfp4",
+            trace_mode="emulate",
             trace_layers="all",
             trace_sites="k,v",
             trace_store=store,
