@@ -5,11 +5,14 @@ non-fused forward needs no TransformerEngine), and the layer spec that builds it
 - All local experts of a linear are one parameter `weight [E, out, in]`: one grouped GEMM per linear, and the NVFP4
   weight fake-quant of all experts is one launch (`SiteNumerics.expert_weights`, once per optimizer step, reused
   by every micro-batch and recompute; straight-through to `weight`).
-- FC2's input goes through `SiteNumerics.fc2_input` (the trainer's site code) inside the FC2 linear.
+- FC2's input goes through `SiteNumerics.fc2_input` (the trainer's site code) inside the FC2 linear, and the FC2
+  linear applies the router's top-k weights to its output rows (`row_scaled_grouped_mm`: where the rollout applies
+  them, without keeping the FC2 output for their gradient).
 - Checkpoints: `state_dict()` names the experts `weight0 .. weight{E-1}` like TE's `GroupedLinear`, and
   `sharded_state_dict()` gives the keys, shapes and expert offsets of `TEGroupedMLP` / `SequentialMLP`
-  (`...experts.linear_fc1.weight` sharded over the global expert axis), so distributed checkpoints interchange.
-`TraceSession` wires the quantizers in (`install`); without a session, or in `bf16`, the linear is a plain
+  (`...experts.linear_fc1.weight` sharded over the global expert axis), so distributed checkpoints interchange;
+  `grouped_expert_names` maps a grouped weight's rows to SequentialMLP's parameter names (full state dicts).
+`TraceSession` wires the sites in (`GroupedSites`); without a session, or in `bf16`, the linear is a plain
 grouped GEMM.
 """
 
@@ -33,11 +36,11 @@ class _ContiguousGrad(torch.autograd.Function):
     gradients such as the one of `y.sum()`)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
         return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 

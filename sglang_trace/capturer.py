@@ -359,7 +359,7 @@ class TraceCapturer(RoutedExpertsCapturer):
                 offset = span.stop
                 if f.error is None:
                     self._write(f, rows_host[span], [s[span] for s in shards])
-        except Exception as e:  # noqa: BLE001 - a failed transfer must not take the server down
+        except Exception as e:  # a failed transfer must not take the server down
             logger.error("TRACE transfer of %d requests failed: %s: %s", len(chunk), type(e).__name__, e)
             for f in chunk:
                 if f.binding is not None and f.error is None:
@@ -388,7 +388,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             length = rows.shape[0]
             tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
             f.writer.write({binding.trajectory: tr})
-        except Exception as e:  # noqa: BLE001 - any failure of one request must not take the server down
+        except Exception as e:
             self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
             return
         with self._lock:

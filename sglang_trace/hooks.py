@@ -24,6 +24,7 @@ import torch
 
 from sglang_trace.config import TraceArgs, add_cli_args, check_server_args, model_layout
 from sglang_trace.moe import ExpertWeights
+from trace_core.recipe import get_recipe
 
 __all__ = [
     "add_cli_args",
@@ -75,6 +76,7 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
         )
     if expert_id is None:
         raise ValueError(f"--trace-mode emulate: layer {layer.layer_id} loads fused experts (no expert id)")
+    EXPERT_WEIGHTS.role = get_recipe(args.trace_recipe).weights
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
 
 

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import megatron_trace.sites as sites_mod
 from megatron_trace.config import TraceConfig
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
 from megatron_trace.grouped import (
     TraceGroupedLinear,
@@ -28,14 +27,13 @@ from megatron_trace.source import SiteRows
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
+from trace_core.role_quant import quantize_role
 
 CFG = TinyMoEConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
@@ -109,7 +107,17 @@ def test_grouped_experts_match_sequential_mlp_bit_for_bit(mode):
     check_grouped_matches_sequential(mode, torch.float32)
 
 
-def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "moe_layers"),
+    [("mxfp4-w4a4-kv4", (0, 1)), ("mxfp4-w4a8-kv4", ())],  # W4A8 records no MoE input
+)
+def test_grouped_experts_match_sequential_mlp_under_other_recipes(recipe, moe_layers):
+    """The grouped path asks the recipe for its weight and FC2-input formats as SequentialMLP's sites do."""
+    spec = RecordSpec(bits=1, moe_layers=moe_layers, attn_layers=(0, 1), recipe=recipe)
+    check_grouped_matches_sequential("trace", torch.float32, spec)
+
+
+def check_grouped_matches_sequential(mode: str, dtype: torch.dtype, spec: RecordSpec = ALL_SITES) -> None:
     """Same weights, same micro-batches (two, with MoE recompute): same fake-quantized expert weights (hence FP4
     codes), same FC2 inputs, logits, and gradients of every parameter, atol=0."""
     trajs = trajectories(4, seed=5)
@@ -118,7 +126,7 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
     seq = build_tiny_moe(CFG, dtype=dtype, **overrides)
     grp = grouped_twin(seq, **overrides)
-    source = emulate_rollout(seq, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
+    source = emulate_rollout(seq, mbs, spec, num_trajectories=4, max_positions=32)
     results = []
     for model in (seq, grp):
         fc2_in: list[torch.Tensor] = []
@@ -135,7 +143,7 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
                 else [layer.mlp.experts.linear_fc2]
             )
         ]
-        session = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES))
+        session = TraceSession(model, TraceConfig(mode=mode, spec=spec))
         logits = []
         for mb in mbs:
             session.begin_microbatch(mb.rows, source)
@@ -165,15 +173,16 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
         for name, a, b in pairs:
             assert float((b.float() - a.float()).norm() / a.float().norm()) < tol, name
     if mode != "bf16":  # weight FP4 codes: all experts in one launch = each matrix on its own
-        numerics = SiteNumerics(TraceConfig(mode=mode, spec=ALL_SITES))
+        numerics = SiteNumerics(TraceConfig(mode=mode, spec=spec))
+        role = numerics.cfg.role("weights")
         for i in range(CFG.layers):
             for lin in ("linear_fc1", "linear_fc2"):
                 w = stacked(grp, i, lin)
-                ours = expert_weight_fake_quant(w)
+                ours = expert_weight_fake_quant(w, role)
                 theirs = torch.stack([numerics.weight(we) for we in stacked(seq, i, lin)])
                 assert torch.equal(ours, theirs)
-                codes = [quantize(ours[e], "nvfp4").codes for e in range(CFG.experts)]
-                assert all(torch.equal(c, quantize(theirs[e], "nvfp4").codes) for e, c in enumerate(codes))
+                codes = [quantize_role(role, ours[e]).codes for e in range(CFG.experts)]
+                assert all(torch.equal(c, quantize_role(role, theirs[e]).codes) for e, c in enumerate(codes))
 
 
 @pytest.mark.parametrize(
@@ -431,6 +440,11 @@ def test_grouped_linear_refuses_what_it_does_not_implement():
     )
     with pytest.raises(NotImplementedError, match="bias"):
         TraceGroupedLinear(2, 8, 8, bias=True, **kwargs)
+    lin = TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)
+    lin.row_scale = torch.ones(4)  # probabilities of another micro-batch's rows
+    with pytest.raises(ValueError, match=r"row_scale \(4,\) does not match the 5 input rows"):
+        lin(torch.randn(5, 8), [2, 3])
+    assert lin.row_scale is None  # taken by the call that refused it
     config.delay_wgrad_compute = True
     with pytest.raises(NotImplementedError, match="delay_wgrad"):
         TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)

@@ -24,7 +24,6 @@ import torch
 
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller
-from trace_rl.warmup import make_tiny_model
 
 RUN = dict(
     mode="trace",
@@ -48,10 +47,8 @@ def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
-    return str(out)
+def model_dir(tiny_model):
+    return str(tiny_model(10))
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,7 @@ def record_row_layout(
     """The captured sites' layouts and the token row of a `RecordCapturer` built with these arguments (its store
     costs `row_bytes` per KV slot: what an engine adds to its per-token KV memory)."""
     full = site_layout(spec, shape)
-    chosen = list(full) if sites is None else [tuple(s) for s in sites]
+    chosen: list[Site] = list(full) if sites is None else [(layer, kind) for layer, kind in sites]
     unknown = [s for s in chosen if s not in full]
     if unknown:
         raise ValueError(f"sites {unknown} are not captured by the record spec (sites {list(full)})")
@@ -212,7 +212,7 @@ class RecordCapturer:
             raise ValueError(f"site {site}: global_scale must be 0-d or [{rows}, 1], got {global_scale.shape}")
         buf.low_bits[:rows].copy_(low_bits)
         buf.scales[:rows].copy_(scales)
-        if global_scale is not None:
+        if global_scale is not None and buf.global_scale is not None:  # both or neither (checked above)
             buf.global_scale[:rows].copy_(global_scale.expand(rows, 1))
         self._staged[site] = rows
 

@@ -72,6 +72,7 @@ class HostRing:
                 if not self._cv.wait_for(lambda: self._fits(nbytes) is not None, timeout):
                     raise TimeoutError(f"host ring full for {timeout} s ({len(self._spans)} spans in use)")
                 start = self._fits(nbytes)
+                assert start is not None  # wait_for returned because it fits, under the same lock
                 self.stats.stall_s += time.perf_counter() - t0
             self._tickets += 1
             self._spans.append([start, start + nbytes, 0, self._tickets])
