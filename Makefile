@@ -31,8 +31,9 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # The RL loop on the embedded default (tiny Qwen3-MoE, CPU): BF16, FP4 + QAT and FP4 + TRACE side by side.
+# `make demo RECIPE=mxfp4-w4a4-kv4` runs another precision recipe (docs/design.md), into out/rl-<recipe>.
 demo: $(STAMP)
-	TRACE_RL=$(VENV)/bin/trace-rl scripts/launch_disagg.sh
+	TRACE_RL=$(VENV)/bin/trace-rl RECIPE=$(RECIPE) scripts/launch_disagg.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

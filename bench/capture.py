@@ -29,6 +29,7 @@ import torch
 from trace_core.capture import RecordCapturer
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.quant import quantize
+from trace_core.recipe import NVFP4_W4A4_KV4
 from trace_core.records import ModelShape, Record, RecordSpec
 from trace_core.store import StepWriter, TrajectoryRecords, read_header, shard_paths
 from trace_core.store_reader import RecordReader
@@ -145,7 +146,7 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
 
 
 def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
-    """emulate-nvfp4's FC2-input fake-quant (`trace_core.fc2`, every MoE layer on `[tokens * topk, moe_inter]`)
+    """emulate's FC2-input fake-quant (`trace_core.fc2`, every MoE layer on `[tokens * topk, moe_inter]`)
     against the simulated forward of the same tokens (not capture: the numerics of the emulated rollout)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fwd = SimulatedForward(args, tokens, decode, device, dtype)
@@ -153,7 +154,7 @@ def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
 
     def fc2() -> None:
         for _ in range(args.layers):
-            fc2_input_fake_quant(h)
+            fc2_input_fake_quant(h, NVFP4_W4A4_KV4.fc2_in)
 
     def timed(fn) -> float:
         return mean_time(fn, args.iters, device)

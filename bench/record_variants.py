@@ -6,9 +6,11 @@ At T x D (default 65536 x 4096, BF16, b = 1) for nvfp4 (per token) and kv_fp4, g
   address), and writing only the record (no fake-quantized output);
 - the generic kernel (`_quantize_record_kernel`, one 8-element group per thread, what `ops` launched for these
   formats before) in the same variants.
-Differences between rows place the time: record stores, store width, layout.
+Differences between rows place the time: record stores, store width, layout. `--tiles` adds a sweep of the
+program tile (rows x columns, warps) of the kv_fp4 block kernel with and without the record: the record's
+overhead at each tile, and at the best tile of each.
 
-Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--out variants.json]
+Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--tiles] [--out variants.json]
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ from bench.kernels import graph_ms  # noqa: E402
 from trace_core.kernels import ops  # noqa: E402
 from trace_core.kernels import triton_fp4 as k  # noqa: E402
 
+TILES = [(1, 4096, 8), (1, 4096, 4), (1, 2048, 4), (1, 2048, 8), (2, 2048, 8), (1, 1024, 4), (4, 1024, 8), (2, 1024, 4)]
+"""(rows, columns, warps) of the `--tiles` sweep; the first is ops.LAUNCH["quant"], the default."""
 
-def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int) -> None:
-    """`ops.triton_quantize_record` with the kernel family and record store width chosen explicitly."""
+
+def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None) -> None:
+    """`ops.triton_quantize_record` with the kernel family, record store width and (optionally) the program tile
+    chosen explicitly."""
     f = ops.get_format(fmt)
     t, d = x.shape
     per_token = fmt == "nvfp4"
     mode = ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE
-    rb, chunk, warps = ops._launch_shape(f, d, per_token=per_token)
+    rb, chunk, warps = tile or ops._launch_shape(f, d, per_token=per_token)
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if per_token else 1
     record = low is not None
@@ -56,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--t", type=int, default=65536)
     parser.add_argument("--d", type=int, default=4096)
+    parser.add_argument("--tiles", action="store_true", help="also sweep the kv_fp4 block kernel's tile")
     parser.add_argument("--out")
     args = parser.parse_args()
     t, d = args.t, args.d
@@ -78,10 +85,23 @@ def main() -> None:
                 rows.append({"format": fmt, "kernel": "block per thread" if kernel16 else "group per thread",
                              "variant": label, "us": 1e3 * ms})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
+    if args.tiles:
+        low, scales, _ = ops.record_buffers(t, d, "kv_fp4", 1, "cuda")
+        for tile in TILES:
+            for label, rec in (("tile: no record", None), ("tile: record (2-byte stores)", low)):
+                ms = graph_ms(partial(launch, True, x, "kv_fp4", out, rec, scales, None, 2, tile))
+                rows.append({"format": "kv_fp4", "kernel": "block per thread", "variant": label, "tile": list(tile),
+                             "us": 1e3 * ms})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+        swept = [r for r in rows if "tile" in r]
+        plain = min(r["us"] for r in swept if r["variant"] == "tile: no record")
+        recorded = min(r["us"] for r in swept if r["variant"] != "tile: no record")
+        print(f"best tiles: no record {plain:.1f} us, record {recorded:.1f} us: +{100 * (recorded / plain - 1):.1f} %")
     print(f"\nGPU: {torch.cuda.get_device_name()}  T={t} D={d} bf16 b=1\n")
-    print("| format | kernel | variant | us |\n|---|---|---|---|")
+    print("| format | kernel | variant | tile (rows, columns, warps) | us |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['format']} | {r['kernel']} | {r['variant']} | {r['us']:.1f} |")
+        tile = tuple(r["tile"]) if "tile" in r else "default"
+        print(f"| {r['format']} | {r['kernel']} | {r['variant']} | {tile} | {r['us']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "T": t, "D": d, "rows": rows}, f, indent=1)

@@ -41,7 +41,7 @@ def main() -> None:
     dev = torch.device(a.device)
     store = tempfile.mkdtemp()
     args = check_server_args(
-        ServerArgs(model_path="dummy", trace_mode="emulate-nvfp4", trace_store=store, kv_cache_dtype="fp4_e2m1")
+        ServerArgs(model_path="dummy", trace_mode="emulate", trace_store=store, kv_cache_dtype="fp4_e2m1")
     )
     layout = ModelLayout(
         "Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), HIDDEN, KV_HEADS, HEAD_DIM, TOPK

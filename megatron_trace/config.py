@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from trace_core.formats import NVFP4, FP4Format, get_format
+from trace_core.recipe import PrecisionRecipe, Role
 from trace_core.records import RecordSpec
 
 
@@ -26,12 +26,15 @@ class TraceConfig:
         spec: which sites the rollout captured and with how many code bits (MoE-input and KV formats included).
         replay_routes: R3: replay the rollout's expert routes in every MoE router.
         measure: compute per-site code-flip rates against the records (one extra quantization per site).
+        recipe: the precision recipe (`trace_core.recipe`) of every FP4 site, a name or the object; None takes
+            the spec's recipe, else the default. A spec whose recipe or record layout disagrees is refused.
     """
 
     mode: Mode | str = Mode.TRACE
     spec: RecordSpec = field(default_factory=RecordSpec)
     replay_routes: bool = True
     measure: bool = True
+    recipe: PrecisionRecipe | str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -40,22 +43,15 @@ class TraceConfig:
             raise ValueError(f"unknown mode {self.mode!r}; use one of {[m.value for m in Mode]}") from None
         if not isinstance(self.spec, RecordSpec):
             raise ValueError(f"spec must be a trace_core.records.RecordSpec, got {type(self.spec).__name__}")
+        object.__setattr__(self, "recipe", self.spec.resolve_recipe(self.recipe))
 
     @property
     def quantized(self) -> bool:
         return self.mode is not Mode.BF16
 
-    @property
-    def moe_format(self) -> FP4Format:
-        return get_format(self.spec.moe_format)
-
-    @property
-    def kv_format(self) -> FP4Format:
-        return get_format(self.spec.kv_format)
-
-    @property
-    def weight_format(self) -> FP4Format:
-        return NVFP4
+    def role(self, name: str) -> Role:
+        """The recipe's role `name` (weights, moe_in, fc2_in, k, v)."""
+        return self.recipe.role(name)
 
 
 def check_megatron_config(config, cfg: TraceConfig) -> None:

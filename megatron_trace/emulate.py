@@ -16,24 +16,26 @@ from megatron_trace.config import Mode, TraceConfig
 from megatron_trace.rows import MicroBatch, TokenRows
 from megatron_trace.session import TraceSession
 from megatron_trace.source import Site, TensorRolloutSource
-from trace_core.quant import quantize
+from trace_core.recipe import PrecisionRecipe, Role, Scale
 from trace_core.records import Record, RecordSpec, packed_len
+from trace_core.role_quant import quantize_role
 
 
 class _Table:
     """Per-site record rows scattered into `[T, P, ...]` tables."""
 
-    def __init__(self, spec: RecordSpec, fmt, width: int, per_token: bool, shape: tuple[int, int], device):
+    def __init__(self, spec: RecordSpec, role: Role, width: int, shape: tuple[int, int], device):
         t, p = shape
-        self.fmt, self.bits, self.width, self.per_token = fmt, spec.bits, width, per_token
+        self.role, self.fmt, self.bits, self.width = role, role.fmt, spec.bits, width
         self.low = torch.zeros(t, p, packed_len(width, spec.bits), dtype=torch.uint8, device=device)
-        self.scales = torch.zeros(t, p, width // fmt.block, dtype=torch.uint8, device=device)
+        self.scales = torch.zeros(t, p, width // role.fmt.block, dtype=torch.uint8, device=device)
+        per_token = role.scale is Scale.PER_TOKEN
         self.gs = torch.ones(t, p, 1, dtype=torch.float32, device=device) if per_token else None
         self.has = torch.zeros(t, p, dtype=torch.bool, device=device)
 
     def put(self, rows: TokenRows, x: torch.Tensor) -> None:
         keep = ~rows.is_pad
-        q = quantize(x.detach()[keep], self.fmt, per_token=self.per_token)
+        q = quantize_role(self.role, x.detach()[keep])
         rec = Record.from_quantized(q, self.bits)
         t, p = rows.traj[keep], rows.pos[keep]
         self.low[t, p], self.scales[t, p], self.has[t, p] = rec.low_bits, rec.scales, True
@@ -52,12 +54,14 @@ def emulate_rollout(
     *,
     num_trajectories: int,
     max_positions: int,
+    recipe: PrecisionRecipe | str | None = None,
 ) -> TensorRolloutSource:
     """Forward `batches` through `model` with RTN at every FP4 site and native routing (no grad); return the
-    records of `spec`'s sites and the routes of every MoE layer, indexed by (trajectory, position)."""
+    records of `spec`'s sites and the routes of every MoE layer, indexed by (trajectory, position). `recipe`:
+    the precision recipe (None: the spec's, else the default)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    cfg = TraceConfig(mode=Mode.QAT, spec=spec, replay_routes=False, measure=False)
+    cfg = TraceConfig(mode=Mode.QAT, spec=spec, replay_routes=False, measure=False, recipe=recipe)
     tables: dict[Site, _Table] = {}
     shape = (num_trajectories, max_positions)
     wanted = set(spec.sites())
@@ -66,9 +70,7 @@ def emulate_rollout(
         if site not in wanted:
             return
         if site not in tables:
-            fmt = cfg.moe_format if site[1] == "moe_in" else cfg.kv_format
-            per_token = site[1] == "moe_in" and spec.per_token_scale and fmt.has_global_scale
-            tables[site] = _Table(spec, fmt, x.shape[-1], per_token, shape, x.device)
+            tables[site] = _Table(spec, cfg.role(site[1]), x.shape[-1], shape, x.device)
         tables[site].put(rows, x)
 
     session = TraceSession(model, cfg, tap=tap)

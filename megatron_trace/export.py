@@ -8,6 +8,9 @@ convention: `weight` uint8 `[out, in/2]` (two E2M1 codes per byte, element 2i in
 float8_e4m3fn `[out, in/16]`, `weight_scale_2` FP32 global decode scale `1/S_enc`; gate and up are quantized as one
 FC1 matrix, so they share `weight_scale_2`, exactly as the trainer's fake-quant does. Any TP / EP / PP layout: the
 shards are gathered first (`megatron_trace.parallel.gather_full_state`).
+
+Packed experts exist for the `nvfp4-w4a4-kv4` recipe only (`check_packed_export`): SGLang 0.5.10.post1 has no MXFP4
+MoE method for Qwen3-MoE, so the MXFP4 recipes export BF16 experts, which `--trace-mode emulate` quantizes at load.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from trace_core import e2m1
 from trace_core.formats import NVFP4
 from trace_core.quant import quantize
+from trace_core.recipe import DEFAULT_RECIPE, NVFP4_W4A4_KV4, PrecisionRecipe, get_recipe
 
 
 def _check_layout(config) -> None:
@@ -85,24 +89,53 @@ def _split_qkv(w: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple
     return q, k, v
 
 
+def check_packed_export(recipe: str | PrecisionRecipe) -> None:
+    """Raise ValueError unless `recipe`'s routed-expert weights have a packed checkpoint format SGLang 0.5.10.post1
+    loads for Qwen3-MoE: ModelOpt NVFP4 (`nvfp4-w4a4-kv4`) only."""
+    recipe = get_recipe(recipe)
+    if recipe.weights != NVFP4_W4A4_KV4.weights:
+        raise ValueError(
+            f"packed routed-expert export for recipe {recipe.name} ({recipe.weights.fmt.name} weights) is refused: "
+            "SGLang 0.5.10.post1 loads packed FP4 experts of Qwen3-MoE only as ModelOpt NVFP4; its mxfp4 MoE method "
+            "is GPT-OSS's (W4A16 through the triton_kernels package, or MXFP8 activations with GPT-OSS's clamped "
+            "SwiGLU on SM100). Export BF16 experts: --trace-mode emulate quantizes them at load"
+        )
+
+
 def export_hf(
-    model: torch.nn.Module | list[torch.nn.Module], *, nvfp4_experts: bool = False, dtype: torch.dtype = torch.bfloat16
+    model: torch.nn.Module | list[torch.nn.Module],
+    *,
+    nvfp4_experts: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    recipe: str | PrecisionRecipe = DEFAULT_RECIPE,
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3-MoE state dict of the model in `dtype` (routed experts packed NVFP4 when `nvfp4_experts`), gathered
-    across its TP / EP / PP shards (`megatron_trace.parallel.gather_full_state`: collective, every rank calls it with
-    its chunks; ranks off the first pipeline stage get `{}`)."""
+    """HF Qwen3-MoE state dict of the model in `dtype` (routed experts packed NVFP4 when `nvfp4_experts`, for a
+    recipe that allows it: `check_packed_export`), gathered across its TP / EP / PP shards
+    (`megatron_trace.parallel.gather_full_state`: collective, every rank calls it with its chunks; ranks off the
+    first pipeline stage get `{}`)."""
     from megatron_trace.parallel import gather_full_state, unwrap
 
+    if nvfp4_experts:
+        check_packed_export(recipe)
     chunks = model if isinstance(model, list) else [model]
     state = gather_full_state(chunks)
-    return export_state(state, unwrap(chunks[0]).config, nvfp4_experts=nvfp4_experts, dtype=dtype) if state else {}
+    if not state:
+        return {}
+    return export_state(state, unwrap(chunks[0]).config, nvfp4_experts=nvfp4_experts, dtype=dtype, recipe=recipe)
 
 
 def export_state(
-    state: dict[str, torch.Tensor], config, *, nvfp4_experts: bool = False, dtype: torch.dtype = torch.bfloat16
+    state: dict[str, torch.Tensor],
+    config,
+    *,
+    nvfp4_experts: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    recipe: str | PrecisionRecipe = DEFAULT_RECIPE,
 ) -> dict[str, torch.Tensor]:
     """HF Qwen3-MoE state dict of a full single-rank Megatron state dict (`gather_full_state`'s names)."""
     _check_layout(config)
+    if nvfp4_experts:
+        check_packed_export(recipe)
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if any(".shared_experts." in k for k in state):
         raise ValueError("Qwen3-MoE has no shared experts")

@@ -1,9 +1,11 @@
 """The numerics at each FP4 site of the trainer, all delegated to `trace_core` (DESIGN §2, §5).
 
+Every site takes its format and scale granularity from the config's precision recipe (`trace_core.recipe`) and
+quantizes through `trace_core.role_quant`:
 - MoE input (`moe_in`) and K / V (`k`, `v`): guided rounding toward the rollout's record at captured sites in
-  `trace` mode, RTN elsewhere; per-token NVFP4 scale for the MoE input, KV_FP4 per 16 elements of a head vector.
-- Routed-expert weights: NVFP4 RTN with one global scale per expert matrix (gate and up share it: they are one
-  FC1 matrix); FC2 input: `trace_core.fc2`'s convention (NVFP4 RTN, per-row scale). Both straight-through.
+  `trace` mode, RTN elsewhere (and always RTN for a role the recipe does not record, e.g. W4A8's FP8 MoE input).
+- Routed-expert weights: RTN under the `weights` role (NVFP4: one global scale per expert matrix, gate and up as
+  one FC1 matrix); FC2 input: `trace_core.fc2`'s convention under the `fc2_in` role. Both straight-through.
 Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site as device
 tensors: the forward never waits on the device, and `metrics()` reads all counters in one transfer per step. The
 fake-quant runs through `trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere), the kernel twins
@@ -21,9 +23,10 @@ from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.guided import GuidanceStats, guided_quantize
-from trace_core.kernels import guided_fake_quant, rtn_fake_quant
-from trace_core.quant import nvfp4_global_scale, quantize
+from trace_core.kernels import guided_fake_quant
+from trace_core.recipe import DEFAULT_RECIPE, Role, get_recipe
 from trace_core.records import low_bits_mask
+from trace_core.role_quant import expert_weights_rtn, fake_quant, quantize_role
 
 Count = int | torch.Tensor
 
@@ -38,14 +41,13 @@ class SiteStats:
     distance: torch.Tensor | None = None  # flips by signed-grid distance 0..14 (full-code records only)
 
 
-def expert_weight_fake_quant(w: torch.Tensor) -> torch.Tensor:
-    """NVFP4 RTN values of expert matrices `w [E, out, in]`, one global scale per matrix (FC1: gate and up are one
-    matrix), all experts in one kernel launch (the per-matrix scale goes in as a per-row scale). No autograd."""
-    w = w.detach()
-    e, n, k = w.shape
-    s_enc = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))
-    rows = s_enc.repeat_interleave(n).unsqueeze(1)
-    return rtn_fake_quant(w.reshape(e * n, k), "nvfp4", global_scale=rows).view(e, n, k)
+DEFAULT_WEIGHTS = get_recipe(DEFAULT_RECIPE).weights
+
+
+def expert_weight_fake_quant(w: torch.Tensor, role: Role = DEFAULT_WEIGHTS) -> torch.Tensor:
+    """RTN values of expert matrices `w [E, out, in]` under the recipe's weights role (NVFP4: one global scale per
+    matrix, FC1's gate and up as one matrix), all experts in one kernel launch. No autograd."""
+    return expert_weights_rtn(role, w)
 
 
 class SiteNumerics:
@@ -57,18 +59,11 @@ class SiteNumerics:
         self.captured = set(cfg.spec.sites()) if cfg.mode is Mode.TRACE else set()
         self._weights: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
 
-    def _format(self, kind: str):
-        return self.cfg.moe_format if kind == "moe_in" else self.cfg.kv_format
-
-    def _per_token(self, kind: str) -> bool:
-        return kind == "moe_in" and self.cfg.spec.per_token_scale and self.cfg.moe_format.has_global_scale
-
     def activation(self, site: Site, x: torch.Tensor, rows: SiteRows | None) -> torch.Tensor:
         """Fake-quantized rows `x [N, width]` of an activation site; `rows` is the rollout record for them."""
         if self.cfg.mode is Mode.BF16:
             return x
-        layer, kind = site
-        fmt, per_token = self._format(kind), self._per_token(kind)
+        role = self.cfg.role(site[1])
         stats = self.stats.get(site)
         if stats is None:
             stats = self.stats[site] = SiteStats()
@@ -83,12 +78,12 @@ class SiteNumerics:
             # guided_fake_quant refuses a record narrower than the spec's bits
             y = guided_fake_quant(x, rows.record, self.cfg.spec.bits, has_record=rows.has_record, stats=stats.guidance)
         else:
-            y = rtn_fake_quant(x, fmt, per_token=per_token)
+            y = fake_quant(role, x)
         if self.cfg.measure and rows is not None:
-            self._count_flips(stats, site, x, rows, fmt, per_token)
+            self._count_flips(stats, site, x, rows, role)
         return y
 
-    def _count_flips(self, stats: SiteStats, site: Site, x: torch.Tensor, rows: SiteRows, fmt, per_token) -> None:
+    def _count_flips(self, stats: SiteStats, site: Site, x: torch.Tensor, rows: SiteRows, role: Role) -> None:
         """Code flips of the trainer's codes against the record, on rows that have one: the record's low b bits, or
         whole codes when the rollout kept all 4 (it may keep more bits, at more sites, than the trainer guides with).
         Every row is quantized and rows without a record are masked out, so nothing waits on the device."""
@@ -98,7 +93,7 @@ class SiteNumerics:
         if site in self.captured:
             codes = guided_quantize(xd, rec, self.cfg.spec.bits, check_finite=False)[0].codes
         else:
-            codes = quantize(xd, fmt, per_token=per_token, check_finite=False).codes
+            codes = quantize_role(role, xd, check_finite=False).codes
         recorded = rec.code_bits()
         if rec.bits == 4:
             flips = metrics.code_flips(codes, recorded) & has
@@ -115,8 +110,8 @@ class SiteNumerics:
             self.stats.setdefault(site, SiteStats())
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """NVFP4 RTN of one expert matrix with its own global scale, straight-through."""
-        return rtn_fake_quant(w, self.cfg.weight_format)
+        """RTN of one expert matrix under the recipe's weights role (its own global scale), straight-through."""
+        return fake_quant(self.cfg.role("weights"), w)
 
     def expert_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Fake-quantized values of all local experts' weights `w [E, out, in]` (`expert_weight_fake_quant`),
@@ -124,14 +119,14 @@ class SiteNumerics:
         an in-place update of `w` (its version counter) recomputes them. The caller applies the straight-through."""
         cached = self._weights.get(w)
         if cached is None or cached[0] != w._version:
-            cached = (w._version, expert_weight_fake_quant(w))
+            cached = (w._version, expert_weight_fake_quant(w, self.cfg.role("weights")))
             self._weights[w] = cached
         return cached[1]
 
     def fc2_input(self, x: torch.Tensor, full_row_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """The unweighted expert FC2 input under the shared convention (`trace_core.fc2`: NVFP4 RTN, per-row scale
-        over the full intermediate width), straight-through. Under expert TP pass the TP-max `full_row_amax`."""
-        return fc2_input_fake_quant(x, full_row_amax)
+        """The unweighted expert FC2 input under the shared convention (`trace_core.fc2`, the recipe's `fc2_in`
+        role), straight-through. Under expert TP pass the TP-max `full_row_amax` (per-token roles only)."""
+        return fc2_input_fake_quant(x, self.cfg.role("fc2_in"), full_row_amax)
 
     def metrics(self) -> dict[str, float]:
         """`trace/L{layer}.{kind}/...` counters of the step; `code_flip_rate` only where records were compared;

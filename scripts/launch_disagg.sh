@@ -2,6 +2,7 @@
 # TRACE RL launcher.
 #
 #   scripts/launch_disagg.sh                      # embedded default: tiny Qwen3-MoE, modes bf16, qat, trace
+#   RECIPE=mxfp4-w4a8-kv4 scripts/launch_disagg.sh  # the same under another precision recipe, into out/rl-<recipe>
 #   scripts/launch_disagg.sh CONFIG [key=value]   # the same loop under a JSON / TOML / YAML RLConfig file
 #
 # With no arguments it builds the tiny model if needed (out/tiny-model), runs the RL loop in each mode (embedded
@@ -14,6 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACE_RL=${TRACE_RL:-$( [ -x .venv/bin/trace-rl ] && echo .venv/bin/trace-rl || echo trace-rl )}
 if [ $# -eq 0 ]; then
+    if [ -n "${RECIPE:-}" ]; then
+        exec "$TRACE_RL" demo "recipe=$RECIPE" "out_dir=out/rl-$RECIPE"
+    fi
     exec "$TRACE_RL" demo
 fi
 config=$1

@@ -94,7 +94,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
         # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
         # site), so its last hook marks the layer; routes come from the top-k module and are marked separately
-        self.moe_mark = "fc2" if args.mode == "emulate-nvfp4" else "moe_in"
+        self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
         shape = ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
         # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
         self.records = (
@@ -127,7 +127,7 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def moe_input(self, layer_id: int, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE-input site of FusedMoE layer `layer_id` on its dispatched input `[T, H]`: returns what the
-        experts compute with (emulate-nvfp4: the NVFP4 quantize-dequantized input; native: `x` itself)."""
+        experts compute with (emulate: the input quantize-dequantized under the recipe; native: `x` itself)."""
         site = (layer_id, "moe_in")
         rows = None
         self._moe_rows[layer_id] = x.shape[0]
@@ -135,22 +135,22 @@ class TraceCapturer(RoutedExpertsCapturer):
             self._mark(layer_id, "moe", x.shape[0])
         if self.records is not None and site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
-        if self.args.mode == "emulate-nvfp4":
-            return emulate_moe_input(x, self.spec.bits, rows)
+        if self.args.mode == "emulate":
+            return emulate_moe_input(x, self.spec.bits, rows, self.args.recipe.moe_in)
         if rows is not None:
             if input_scale is None:
                 raise ValueError(f"native MoE-input records of layer {layer_id} need the layer's NVFP4 input scale")
-            native_moe_input(x, self.spec.bits, input_scale, rows)
+            native_moe_input(x, self.spec.bits, input_scale, rows, self.args.recipe.moe_in)
         return x
 
     def fc2_input(self, layer_id: int, h: torch.Tensor) -> torch.Tensor:
         """The FC2-input site of MoE layer `layer_id` on this rank's `act(gate) * up` rows: what the second GEMM
-        computes with (emulate-nvfp4: `trace_core.fc2`'s quantize-dequantize; native: the kernel quantizes)."""
-        if self.args.mode != "emulate-nvfp4":
+        computes with (emulate: `trace_core.fc2`'s quantize-dequantize; native: the kernel quantizes)."""
+        if self.args.mode != "emulate":
             return h
         # token rows of this layer's forward (the CPU path calls this once per expert, on that expert's rows)
         self._mark(layer_id, "moe", self._moe_rows.get(layer_id, 0))
-        return fc2_input(h, self.moe_tp_group)
+        return fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
@@ -217,7 +217,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         if step is None:
             self._failed(trajectory, attempt, None, "the weights were updated without an integer weight_version")
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
-        binding = Binding(step, step, trajectory, attempt, token_digest(tokens))
+        binding = Binding(step, step, trajectory, attempt, token_digest(tokens), self.args.recipe.name)
         handle["token_digest"] = binding.tokens
         moe = self.records.gather_async(slots, length, version=step)
         kv, copied = _to_host(raws)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe
 from trace_core.records import RecordSpec, check_bits
 
-MODES = ("off", "emulate-nvfp4", "native")
+MODES = ("off", "emulate", "native")
 SITE_KINDS = ("moe_in", "k", "v")
 LAYER_PRESETS = ("latter-half", "all")
 
@@ -27,10 +28,10 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_step": 0,
 }
 
-# Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate-nvfp4
+# Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate
 # quantizes them); every other format is refused by name.
 HOOKED_LOAD_FORMATS = ("auto", "pt", "safetensors", "npcache", "dummy")
-# MoE runner backends whose expert path carries the FC2-input hook (emulate-nvfp4); "auto" is checked again on
+# MoE runner backends whose expert path carries the FC2-input hook (emulate); "auto" is checked again on
 # every FusedMoE layer once the model is built (SGLang resolves it per model and GPU).
 HOOKED_MOE_RUNNERS = ("auto", "triton")
 
@@ -47,9 +48,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--trace-mode",
         choices=MODES,
         default=SERVER_ARGS_FIELDS["trace_mode"],
-        help="Record FP4 rounding outcomes for guided-rounding training. emulate-nvfp4: NVFP4 W4A4 routed experts "
-        "emulated by quantize-dequantize (Hopper, CPU); native: reproduce the codes of a real NVFP4 MoE kernel "
-        "(Blackwell, not validated here); off: SGLang unchanged.",
+        help="Record FP4 rounding outcomes for guided-rounding training. emulate: the --trace-recipe's routed "
+        "experts emulated by quantize-dequantize (Hopper, CPU); native: reproduce the codes of a real NVFP4 MoE "
+        "kernel (Blackwell, nvfp4 recipe only, not validated here); off: SGLang unchanged.",
     )
     group.add_argument(
         "--trace-record-bits",
@@ -128,6 +129,7 @@ class TraceArgs:
     sites: tuple[str, ...]
     store: str | None
     step: int
+    recipe: PrecisionRecipe = get_recipe(DEFAULT_RECIPE)
 
     @property
     def enabled(self) -> bool:
@@ -151,8 +153,9 @@ def check_server_args(server_args) -> TraceArgs:
         raise ValueError(f"--trace-mode {mode!r} is not one of {MODES}")
     try:
         bits = check_bits(server_args.trace_record_bits)
+        recipe = get_recipe(DEFAULT_RECIPE)  # --trace-recipe: once patch 0001 has the ServerArgs field
     except ValueError as e:
-        raise ValueError(f"--trace-record-bits: {e}") from None
+        raise ValueError(f"--trace-record-bits / --trace-recipe: {e}") from None
     args = TraceArgs(
         mode=mode,
         bits=bits,
@@ -160,6 +163,7 @@ def check_server_args(server_args) -> TraceArgs:
         sites=parse_sites(server_args.trace_sites),
         store=server_args.trace_store,
         step=server_args.trace_step,
+        recipe=recipe,
     )
     if isinstance(args.step, bool) or not isinstance(args.step, int) or args.step < 0:
         raise ValueError(f"--trace-step must be a non-negative integer, got {args.step!r}")
@@ -181,9 +185,20 @@ def check_server_args(server_args) -> TraceArgs:
         problems.append("speculative decoding is not supported (draft forwards would write records)")
     if server_args.pp_size != 1:
         problems.append("pipeline parallelism is not supported")
-    if mode == "emulate-nvfp4" and server_args.quantization not in (None, "bf16"):
+    if "moe_in" in args.sites and not recipe.recorded("moe_in"):
         problems.append(
-            f"--trace-mode emulate-nvfp4 needs a BF16 checkpoint (it quantizes the experts itself); got "
+            f"--trace-recipe {recipe.name} does not record moe_in ({recipe.moe_in.fmt.name} inputs are rounded to "
+            "nearest on both sides); pass --trace-sites k,v"
+        )
+    if mode == "native" and recipe.name != DEFAULT_RECIPE:
+        problems.append(
+            f"--trace-mode native with --trace-recipe {recipe.name}: SGLang 0.5.10.post1 has no MXFP4 W4A4 MoE kernel "
+            "for Qwen3-MoE (its mxfp4 method runs W4A16, or MXFP8 activations with GPT-OSS's clamped SwiGLU on "
+            f"SM100); use --trace-mode emulate or --trace-recipe {DEFAULT_RECIPE}"
+        )
+    if mode == "emulate" and server_args.quantization not in (None, "bf16"):
+        problems.append(
+            f"--trace-mode emulate needs a BF16 checkpoint (it quantizes the experts itself); got "
             f"--quantization {server_args.quantization}"
         )
     problems += _untraceable_settings(server_args, mode)
@@ -224,20 +239,20 @@ def _untraceable_settings(server_args, mode: str) -> list[str]:
             f"--load-format {server_args.load_format} is not supported (it does not load routed experts through "
             f"FusedMoE.weight_loader; supported: {HOOKED_LOAD_FORMATS})"
         )
-    if mode == "emulate-nvfp4":
+    if mode == "emulate":
         if server_args.moe_runner_backend not in HOOKED_MOE_RUNNERS:
             problems.append(
-                f"--trace-mode emulate-nvfp4 needs the triton MoE runner (its expert path carries the FC2-input "
+                f"--trace-mode emulate needs the triton MoE runner (its expert path carries the FC2-input "
                 f"site); got --moe-runner-backend {server_args.moe_runner_backend}"
             )
         if server_args.enable_torch_compile:
             problems.append(
-                "--enable-torch-compile is not supported in emulate-nvfp4 (batch-1 graphs run "
+                "--enable-torch-compile is not supported in emulate (batch-1 graphs run "
                 "fused_moe_forward_native, which has no FC2-input site)"
             )
         if server_args.custom_weight_loader:
             problems.append(
-                f"--custom-weight-loader {server_args.custom_weight_loader} is not supported in emulate-nvfp4 "
+                f"--custom-weight-loader {server_args.custom_weight_loader} is not supported in emulate "
                 "(custom loaders write experts without FusedMoE.weight_loader)"
             )
     return problems
@@ -303,13 +318,19 @@ def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
             )
         moe = tuple(i for i in args.layers if i in layout.moe_layers)
         attn = tuple(i for i in args.layers if i in layout.attn_layers)
-    for name, width in (("hidden size", layout.hidden), ("head dim", layout.head_dim)):
-        if width % 16:
-            raise ValueError(f"{layout.arch}: {name} {width} is not a multiple of the FP4 block 16")
+    for name, width, role in (
+        ("hidden size", layout.hidden, args.recipe.moe_in),
+        ("head dim", layout.head_dim, args.recipe.k),
+    ):
+        if width % role.fmt.block:
+            raise ValueError(
+                f"{layout.arch}: {name} {width} is not a multiple of the {role.fmt.name} block {role.fmt.block}"
+            )
     return RecordSpec(
         bits=args.bits,
         moe_layers=moe if "moe_in" in args.sites else (),
         attn_layers=attn if args.kv_sites else (),
+        recipe=args.recipe.name,
     )
 
 

@@ -56,16 +56,18 @@ def _capturer():
 
 
 def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str, expert_id) -> None:
-    """emulate-nvfp4: quantize-dequantize the expert matrix the loader just wrote (see `ExpertWeights`)."""
-    if _server_args().trace_mode != "emulate-nvfp4":
+    """emulate: quantize-dequantize the expert matrix the loader just wrote under the server's recipe (see
+    `ExpertWeights`)."""
+    args = _server_args()
+    if args.trace_mode != "emulate":
         return
     if type(layer.quant_method).__name__ != "UnquantizedFusedMoEMethod":
         raise ValueError(
-            f"--trace-mode emulate-nvfp4 needs BF16 routed experts; layer {layer.layer_id} uses "
+            f"--trace-mode emulate needs BF16 routed experts; layer {layer.layer_id} uses "
             f"{type(layer.quant_method).__name__}"
         )
     if expert_id is None:
-        raise ValueError(f"--trace-mode emulate-nvfp4: layer {layer.layer_id} loads fused experts (no expert id)")
+        raise ValueError(f"--trace-mode emulate: layer {layer.layer_id} loads fused experts (no expert id)")
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
 
 
@@ -84,7 +86,7 @@ def check_moe_layers(model, mode: str) -> int:
     """Every FusedMoE layer of `model` runs an expert path whose sites are hooked; returns how many were checked.
 
     SGLang resolves `--moe-runner-backend auto` per model and GPU when it builds the layers, so the server
-    arguments alone do not say which path runs. emulate-nvfp4 needs BF16 experts on the triton runner (CUDA) or
+    arguments alone do not say which path runs. emulate needs BF16 experts on the triton runner (CUDA) or
     the torch-native CPU path; native needs standard top-k (routes reach the capturer) on flashinfer_cutlass."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerBackend
@@ -95,7 +97,7 @@ def check_moe_layers(model, mode: str) -> int:
             continue
         method = layer.quant_method
         runner = getattr(getattr(method, "runner", None), "runner_backend", None)
-        if mode == "emulate-nvfp4":
+        if mode == "emulate":
             kind = type(method).__name__
             unhooked = [
                 flag
@@ -106,7 +108,7 @@ def check_moe_layers(model, mode: str) -> int:
                 unhooked.append("CPU AMX fused_experts_cpu")
             if kind != "UnquantizedFusedMoEMethod" or unhooked or runner not in (None, MoeRunnerBackend.TRITON):
                 raise ValueError(
-                    f"--trace-mode emulate-nvfp4: MoE layer {name} runs {kind} on runner {runner} {unhooked}; only "
+                    f"--trace-mode emulate: MoE layer {name} runs {kind} on runner {runner} {unhooked}; only "
                     "BF16 experts on the triton runner carry the FC2-input site (pass --moe-runner-backend triton)"
                 )
         elif runner is not None and runner.is_flashinfer_trtllm():
@@ -131,11 +133,11 @@ def install_capturer(model_runner) -> bool:
     if check_moe_layers(model_runner.model, args.mode) != len(layout.moe_layers):
         raise ValueError(f"{layout.arch}: expected {len(layout.moe_layers)} FusedMoE layers in the built model")
     EXPERT_WEIGHTS.check_complete()
-    if args.mode == "emulate-nvfp4" and EXPERT_WEIGHTS.stats.w13 == 0:
+    if args.mode == "emulate" and EXPERT_WEIGHTS.stats.w13 == 0:
         if server_args.load_format != "dummy":
-            raise RuntimeError("--trace-mode emulate-nvfp4: no routed-expert weight was quantized during load")
+            raise RuntimeError("--trace-mode emulate: no routed-expert weight was quantized during load")
         logger.warning(
-            "TRACE emulate-nvfp4 with --load-format dummy: routed experts stay unquantized until the first weight "
+            "TRACE emulate with --load-format dummy: routed experts stay unquantized until the first weight "
             "update writes them (records of earlier requests do not describe an NVFP4 model)"
         )
     tp, moe_tp = get_tp_group(), get_moe_tp_group()
@@ -200,7 +202,7 @@ def on_request_finished(scheduler, req) -> None:
 def refuse_weight_update(recv_req) -> str | None:
     """Before a tensor weight update: why TRACE refuses it (the update is then not applied), or None. A
     `load_format` of `direct` or a custom loader writes parameters without FusedMoE.weight_loader, where
-    emulate-nvfp4 quantizes the experts."""
+    emulate quantizes the experts."""
     capturer = _capturer()
     if capturer is None:
         return None

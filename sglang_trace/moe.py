@@ -1,15 +1,17 @@
-"""The MoE-input site (`moe_in`) and emulated NVFP4 routed-expert weights.
+"""The MoE-input site (`moe_in`) and emulated routed-expert weights, under the server's precision recipe.
 
-emulate-nvfp4 (Hopper, CPU): the routed experts run BF16 GEMMs on NVFP4 quantize-dequantized operands, so the
-rollout is numerically W4A4 NVFP4. Expert weights are quantize-dequantized as they are loaded (`ExpertWeights`,
-called after every FusedMoE weight-loader write, so the initial load and every `update_weights_from_*` path are
-covered); the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes
-the record into the capturer's staging rows in the same pass (`emulate_moe_input`).
+emulate (Hopper, CPU): the routed experts run BF16 GEMMs on quantize-dequantized operands, so the rollout is
+numerically the recipe's W4A4 / W4A8 (`--trace-recipe`, `trace_core.recipe`). Expert weights are
+quantize-dequantized as they are loaded (`ExpertWeights`, called after every FusedMoE weight-loader write, so the
+initial load and every `update_weights_from_*` path are covered); the MoE input is quantize-dequantized per token
+row under the recipe's `moe_in` role (`trace_core.role_quant.rollout_rtn`), whose kernel writes the record into the
+capturer's staging rows in the same pass (`emulate_moe_input`).
 
 The FC2 input (`act(gate) * up`, before the down projection) is quantize-dequantized in the expert path itself
 (`fc2_input`, called between the activation and the second GEMM of SGLang's triton runner and of its CPU path),
-under the one convention of `trace_core.fc2`: NVFP4 per (token, expert) row, its scale from the amax over the full
-intermediate width, i.e. the max over the MoE-TP ranks' shards (one all-gather of `[rows]` FP32 amax per layer).
+under the one convention of `trace_core.fc2`: per (token, expert) row; for NVFP4 its scale comes from the amax over
+the full intermediate width, i.e. the max over the MoE-TP ranks' shards (one all-gather of `[rows]` FP32 amax per
+layer); MX formats scale each 32-element block locally and exchange nothing.
 
 native (Blackwell NVFP4 checkpoints): the MoE kernel quantizes the input itself with the layer's static input
 scale; `native_moe_input` reproduces its codes with the exact-math quantizer and leaves the input untouched.
@@ -23,49 +25,46 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_core.capture import SiteBuffers
-from trace_core.fc2 import fc2_input_fake_quant, row_amax
-from trace_core.formats import NVFP4
-from trace_core.kernels import quantize_record, rtn_fake_quant
-from trace_core.quant import nvfp4_global_scale
+from trace_core.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
+from trace_core.kernels import quantize_record
+from trace_core.recipe import DEFAULT_RECIPE, Role, get_recipe
+from trace_core.role_quant import rollout_rtn, weight_rtn
+
+DEFAULT = get_recipe(DEFAULT_RECIPE)
 
 GATE, UP, DOWN = "w1", "w3", "w2"  # FusedMoE weight-loader shard ids
 
 
-def emulate_moe_input(x: torch.Tensor, bits: int, record: SiteBuffers | None) -> torch.Tensor:
-    """NVFP4 quantize-dequantize of the MoE input `[T, H]` with a per-token global scale; when `record` is given,
-    its staging rows `[T, ...]` receive the record in the same pass. CUDA-graph safe (no host sync)."""
-    out = torch.empty_like(x)
-    if record is None:
-        quantize_record(x, NVFP4, bits, per_token=True, out=out)
-    else:
-        quantize_record(
-            x,
-            NVFP4,
-            bits,
-            per_token=True,
-            out=out,
-            low_bits=record.low_bits,
-            scales=record.scales,
-            token_scale=record.global_scale,
-        )
-    return out
+def emulate_moe_input(
+    x: torch.Tensor, bits: int, record: SiteBuffers | None, role: Role = DEFAULT.moe_in
+) -> torch.Tensor:
+    """Quantize-dequantize of the MoE input `[T, H]` under the recipe's `moe_in` role (NVFP4: per-token global
+    scale); when `record` is given, its staging rows `[T, ...]` receive the record in the same pass. CUDA-graph
+    safe (no host sync)."""
+    return rollout_rtn(role, x, bits, record)
 
 
-def fc2_input(h: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """emulate-nvfp4: the FC2 input `[rows, intermediate / tp]` of this MoE-TP rank, quantize-dequantized under
-    `trace_core.fc2`'s convention. `tp_group`: SGLang's MoE-TP `GroupCoordinator` when the intermediate is sharded
-    (every rank calls this in lockstep, as the forward does); its all-gather is SGLang's CUDA-graph-safe one."""
+def fc2_input(h: torch.Tensor, tp_group=None, role: Role = DEFAULT.fc2_in) -> torch.Tensor:
+    """emulate: the FC2 input `[rows, intermediate / tp]` of this MoE-TP rank, quantize-dequantized under
+    `trace_core.fc2`'s convention and the recipe's `fc2_in` role. `tp_group`: SGLang's MoE-TP `GroupCoordinator`
+    when the intermediate is sharded (every rank calls this in lockstep, as the forward does); its all-gather is
+    SGLang's CUDA-graph-safe one. Block-scaled roles need no exchange."""
+    if not needs_row_amax(role):
+        return fc2_input_fake_quant(h, role)
     amax = row_amax(h)
     if tp_group is not None and tp_group.world_size > 1:
         amax = tp_group.all_gather(amax, dim=-1).amax(dim=-1, keepdim=True)
-    return fc2_input_fake_quant(h, amax)
+    return fc2_input_fake_quant(h, role, amax)
 
 
-def native_moe_input(x: torch.Tensor, bits: int, input_scale: torch.Tensor, record: SiteBuffers) -> None:
+def native_moe_input(
+    x: torch.Tensor, bits: int, input_scale: torch.Tensor, record: SiteBuffers, role: Role = DEFAULT.moe_in
+) -> None:
     """Record the codes an NVFP4 MoE kernel produces for `x` `[T, H]` under its static global scale `input_scale`
-    (`S_enc`, FP32 scalar), computed with the exact-math quantizer; `x` is not modified."""
+    (`S_enc`, FP32 scalar) and the recipe's `moe_in` format, computed with the exact-math quantizer; `x` is not
+    modified. Native mode runs only the NVFP4 recipe (`sglang_trace.config.check_server_args`)."""
     quantize_record(
-        x, NVFP4, bits, global_scale=input_scale, low_bits=record.low_bits, scales=record.scales, token_scale=None
+        x, role.fmt, bits, global_scale=input_scale, low_bits=record.low_bits, scales=record.scales, token_scale=None
     )
     record.global_scale.copy_(input_scale.float().reshape(1, 1).expand_as(record.global_scale))
 
@@ -80,16 +79,18 @@ class WeightStats:
 
 @dataclass
 class ExpertWeights:
-    """Quantize-dequantize routed-expert weights to NVFP4 as the FusedMoE weight loader writes them.
+    """Quantize-dequantize routed-expert weights under the recipe's `weights` role as the FusedMoE weight loader
+    writes them.
 
-    NVFP4 granularity as the trainer's: blocks of 16 along the input dimension, one global scale per expert matrix,
-    gate and up sharing one (the fused w13). The global scale comes from the full checkpoint tensor the loader
-    receives, so every TP rank uses the same scale for its shard. w13 of an expert is quantized once both its gate
-    and up halves were written since the last quantization (a weight update may send them separately); a half
-    waiting for its partner is reported by `pending` and refused by `check_complete`.
+    Granularity as the trainer's: blocks along the input dimension; NVFP4 adds one global scale per expert matrix,
+    gate and up sharing one (the fused w13), taken from the full checkpoint tensor the loader receives, so every TP
+    rank uses the same scale for its shard (MXFP4 blocks need no such scale). w13 of an expert is quantized once
+    both its gate and up halves were written since the last quantization (a weight update may send them
+    separately); a half waiting for its partner is reported by `pending` and refused by `check_complete`.
     """
 
     stats: WeightStats = field(default_factory=WeightStats)
+    role: Role = DEFAULT.weights
     _halves: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def on_loaded(self, layer, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str, expert_id: int) -> None:
@@ -113,9 +114,8 @@ class ExpertWeights:
             del self._halves[layer][local]
             self.stats.w13 += 1
 
-    @staticmethod
-    def _qdq(w: torch.Tensor, amax: torch.Tensor) -> None:
-        w.copy_(rtn_fake_quant(w, NVFP4, global_scale=nvfp4_global_scale(amax)))
+    def _qdq(self, w: torch.Tensor, amax: torch.Tensor) -> None:
+        w.copy_(weight_rtn(self.role, w, amax))
 
     def pending(self) -> list[tuple[int, int]]:
         """(layer id, local expert) of w13 matrices with only one of gate/up written since their last quantization."""

@@ -55,8 +55,10 @@ def test_bad_cache_is_named():
     kc = torch.zeros(10, 2, 32, dtype=torch.uint8)
     ks = torch.zeros(10, 8, dtype=torch.uint8)
     assert check_fp4_cache(q, kc, ks, kc, ks) == (2, 64)
-    with pytest.raises(ValueError, match="power-of-two head dim"):
+    with pytest.raises(ValueError, match="power-of-two head dim >= 64, got 48"):
         check_fp4_cache(q, kc[..., :24], ks, kc[..., :24], ks)
+    with pytest.raises(ValueError, match="power-of-two head dim >= 64, got 16"):  # wrong on the GPU: refused
+        check_fp4_cache(q[..., :16], kc[..., :8], ks[:, :2], kc[..., :8], ks[:, :2])
     with pytest.raises(ValueError, match="k_scales must be uint8 \\(10, 8\\)"):
         check_fp4_cache(q, kc, ks[:, :4], kc, ks)
     with pytest.raises(ValueError, match="q must be"):
@@ -110,7 +112,7 @@ def test_extend_refuses_what_it_does_not_replay():
     with pytest.raises(ValueError, match="xai_temperature_len"):
         fp4_extend_attention(*args, None, True, None, n, 1.0, 1.0, xai_temperature_len=8)
     with pytest.raises(ValueError, match="k_extend must be"):
-        fp4_extend_attention(q, k[:, :1], *args[2:], None, True, None, n, 1.0, 1.0)
+        fp4_extend_attention(q, k[..., :32], *args[2:], None, True, None, n, 1.0, 1.0)
 
 
 def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():

@@ -20,7 +20,7 @@ ServerArgs = server_args.ServerArgs
 
 
 def make(**kw):
-    base = dict(model_path="dummy", trace_mode="emulate-nvfp4", trace_store="/records", kv_cache_dtype="fp4_e2m1")
+    base = dict(model_path="dummy", trace_mode="emulate", trace_store="/records", kv_cache_dtype="fp4_e2m1")
     base.update(kw)
     return ServerArgs(**base)
 
@@ -49,18 +49,18 @@ def test_patched_server_args_have_trace_fields_with_our_defaults():
 def test_cli_flags_parse_into_server_args():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    argv = ["--model-path", "dummy", "--kv-cache-dtype", "fp4_e2m1", "--trace-mode", "emulate-nvfp4"]
+    argv = ["--model-path", "dummy", "--kv-cache-dtype", "fp4_e2m1", "--trace-mode", "emulate"]
     argv += ["--trace-record-bits", "2", "--trace-layers", "4-7", "--trace-store", "/r", "--trace-step", "3"]
     sa = ServerArgs.from_cli_args(parser.parse_args(argv))
     assert (sa.trace_mode, sa.trace_record_bits, sa.trace_layers, sa.trace_store, sa.trace_step) == (
-        "emulate-nvfp4",
+        "emulate",
         2,
         "4-7",
         "/r",
         3,
     )
     args = check_server_args(sa)
-    assert args == TraceArgs("emulate-nvfp4", 2, (4, 5, 6, 7), ("moe_in", "k", "v"), "/r", 3)
+    assert args == TraceArgs("emulate", 2, (4, 5, 6, 7), ("moe_in", "k", "v"), "/r", 3)
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "dummy", "--trace-mode", "fp4"])  # argparse choices
 
@@ -168,7 +168,7 @@ def test_final_settings_are_validated_after_sglang_defaults(tmp_path):
     handlers = [i for i, c in enumerate(calls) if c.startswith("self._handle_")]
     assert calls[-1] == "check_trace_args" and handlers and handlers[-1] < len(calls) - 1
     qwen3_moe(layers=2).save_pretrained(tmp_path / "qwen3-moe-tiny")
-    kw = dict(model_path=str(tmp_path / "qwen3-moe-tiny"), device="cpu", trace_mode="emulate-nvfp4", trace_store="/r")
+    kw = dict(model_path=str(tmp_path / "qwen3-moe-tiny"), device="cpu", trace_mode="emulate", trace_store="/r")
     assert ServerArgs(**kw, trace_sites="moe_in").load_format == "auto"
     with pytest.raises(ValueError, match="--enable-pdmux"):
         ServerArgs(**kw, trace_sites="moe_in", enable_pdmux=True)

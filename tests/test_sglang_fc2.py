@@ -1,7 +1,7 @@
 """Rollout, trainer and embedded engine feed the same FP4 values into both expert GEMMs (FC1 and FC2 inputs).
 
 Three real code paths on one BF16 checkpoint and one routed input:
-  * SGLang: the patched `FusedMoE` (sglang 0.5.10.post1) with `--trace-mode emulate-nvfp4`, its weight loader and
+  * SGLang: the patched `FusedMoE` (sglang 0.5.10.post1) with `--trace-mode emulate`, its weight loader and
     its CPU expert path (`moe_forward_native`, patch 0012 hooks the FC2 input there as 0011 does in the triton
     runner), on one process and on a two-process MoE-TP group (gloo), where each rank holds half of the
     intermediate width;
@@ -106,7 +106,7 @@ def sglang_layer(store: str, tp_group_world: int = 1):
     args = ServerArgs(
         model_path="dummy",
         device="cpu",
-        trace_mode="emulate-nvfp4",
+        trace_mode="emulate",
         trace_store=store,
         trace_sites="moe_in",
         tp_size=tp_group_world,

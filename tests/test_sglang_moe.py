@@ -1,4 +1,4 @@
-"""Emulated NVFP4 W4A4 routed experts (`--trace-mode emulate-nvfp4`) in SGLang's real, patched `FusedMoE` on CPU.
+"""Emulated NVFP4 W4A4 routed experts (`--trace-mode emulate`) in SGLang's real, patched `FusedMoE` on CPU.
 
 What runs for real: `FusedMoE` (sglang 0.5.10.post1 with the TRACE patches) built on a one-process gloo TP group,
 its `weight_loader` (the path the initial load and every `update_weights_from_*` take), its `forward_impl` with
@@ -37,7 +37,7 @@ E, H, INTER, TOPK = 4, 64, 32, 2
 def emulate_args():
     init_cpu_parallel_state()
     args = ServerArgs(
-        model_path="dummy", device="cpu", trace_mode="emulate-nvfp4", trace_store="/unused", trace_sites="moe_in"
+        model_path="dummy", device="cpu", trace_mode="emulate", trace_store="/unused", trace_sites="moe_in"
     )
     set_global_server_args_for_scheduler(args)
     yield args
@@ -151,7 +151,7 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     args = check_server_args(
         ServerArgs(
             model_path="dummy",
-            trace_mode="emulate-nvfp4",
+            trace_mode="emulate",
             trace_store=str(tmp_path),
             trace_sites="moe_in",
             trace_record_bits=4,

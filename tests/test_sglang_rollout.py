@@ -67,7 +67,7 @@ class Rollout:
             model_path="dummy",
             device="cpu",
             kv_cache_dtype="fp4_e2m1",
-            trace_mode="emulate-nvfp4",
+            trace_mode="emulate",
             trace_layers="all",
             trace_record_bits=1,
             trace_store=store,

@@ -5,11 +5,14 @@ One definition, used by SGLang's expert path (`sglang_trace.moe.fc2_input`), the
 
 - what is quantized: each row `act(gate) * up` `[rows, intermediate]` of one (token, routed expert) pair, before
   the top-k weight is applied (the weight multiplies the FC2 output, never the FC2 input);
-- format: NVFP4 RTN (E2M1 codes, one E4M3 scale per 16 consecutive intermediate elements), quantize-dequantize;
-- scale: one FP32 `S_enc = 2688 / amax` per row, where `amax` is taken over the row's FULL intermediate width. When
-  the intermediate dimension is sharded (SGLang MoE tensor parallelism, Megatron expert tensor parallelism), every
-  shard computes its local row amax (`row_amax`), the shards exchange it (max over the TP group) and quantize their
-  columns with the global row amax, so the codes do not depend on the TP degree.
+- format and scale: the recipe's `fc2_in` role (`trace_core.recipe`), round to nearest, quantize-dequantize;
+- NVFP4 (`nvfp4-w4a4-kv4`): E4M3 scales per 16 along the intermediate and one FP32 `S_enc = 2688 / amax` per row,
+  `amax` over the row's FULL intermediate width. When the intermediate dimension is sharded (SGLang MoE tensor
+  parallelism, Megatron expert tensor parallelism), every shard computes its local row amax (`row_amax`), the
+  shards exchange it (max over the TP group) and quantize their columns with the global row amax, so the codes do
+  not depend on the TP degree;
+- MXFP4 / MXFP8 (the `mxfp4-*` recipes): E8M0 scales per 32 elements only, local to a block, so no amax is
+  exchanged across ranks (`needs_row_amax` is False; a shard boundary must fall on a 32-element block boundary).
 
 The FC2 input is not recorded (no record site): both sides round it to nearest under this convention.
 """
@@ -18,11 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from trace_core.formats import NVFP4
-from trace_core.kernels import rtn_fake_quant
-from trace_core.quant import nvfp4_global_scale
+from trace_core.recipe import Role
+from trace_core.role_quant import fake_quant, needs_row_amax
 
-FC2_INPUT_FORMAT = NVFP4
+__all__ = ["fc2_input_fake_quant", "needs_row_amax", "row_amax"]
 
 
 def row_amax(h: torch.Tensor) -> torch.Tensor:
@@ -30,12 +32,8 @@ def row_amax(h: torch.Tensor) -> torch.Tensor:
     return h.detach().abs().amax(dim=-1, keepdim=True).float()
 
 
-def fc2_input_fake_quant(h: torch.Tensor, full_row_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """NVFP4 quantize-dequantize of FC2-input rows `h` `[rows, width]` with a per-row scale (module docstring);
-    straight-through backward. `full_row_amax` `[rows, 1]`: the amax over the full intermediate width when `h`
-    holds a TP shard of it (max of `row_amax` over the shards); None when `h` is the full width."""
-    if full_row_amax is None:  # the kernel's per-token scale: the same S_enc from the row amax, in one pass
-        return rtn_fake_quant(h, FC2_INPUT_FORMAT, per_token=True)
-    if tuple(full_row_amax.shape) != (h.shape[0], 1):
-        raise ValueError(f"full_row_amax must be [{h.shape[0]}, 1], got {tuple(full_row_amax.shape)}")
-    return rtn_fake_quant(h, FC2_INPUT_FORMAT, global_scale=nvfp4_global_scale(full_row_amax))
+def fc2_input_fake_quant(h: torch.Tensor, role: Role, full_row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize of FC2-input rows `h` `[rows, width]` under the recipe's `fc2_in` role (module
+    docstring); straight-through backward. `full_row_amax` `[rows, 1]`, per-token roles only: the amax over the full
+    intermediate width when `h` holds a TP shard of it (max of `row_amax` over the shards); None for the full width."""
+    return fake_quant(role, h, row_amax=full_row_amax)

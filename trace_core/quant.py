@@ -87,12 +87,13 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, s_enc, torch.ones_like(s_enc))
 
 
-def _e8m0_exponent(amax: torch.Tensor, rule: E8M0Rule) -> torch.Tensor:
-    """Block exponent e (FP32, integral) of an E8M0 scale 2^e, clamped to the E8M0 range."""
+def e8m0_exponent(amax: torch.Tensor, rule: E8M0Rule, elem_max: float = e2m1.E2M1_MAX) -> torch.Tensor:
+    """Block exponent e (FP32, integral) of an E8M0 scale 2^e, clamped to the E8M0 range; `elem_max` is the element
+    format's largest magnitude (6 for E2M1, 448 for the FP8 E4M3 elements of MXFP8; CEIL rule only)."""
     if rule is E8M0Rule.SGLANG_KV:
         # kvfp4_tensor.py: torch.ceil(torch.log2(torch.clamp(block_max / 6, min=1e-10))), FP32 log2 included.
         return torch.ceil(torch.log2(torch.clamp(amax / e2m1.E2M1_MAX, min=1e-10)))
-    source = amax / e2m1.E2M1_MAX if rule is E8M0Rule.CEIL else amax
+    source = amax / elem_max if rule is E8M0Rule.CEIL else amax
     mantissa, exp = torch.frexp(source)  # source = mantissa * 2^exp, mantissa in [0.5, 1)
     exp = exp.to(torch.float32)
     if rule is E8M0Rule.CEIL:
@@ -161,7 +162,7 @@ def quantize(
         if global_scale is not None or per_token:
             raise ValueError(f"{fmt.name} has E8M0 block scales only; global_scale / per_token do not apply")
         s_enc = None
-        scales = (_e8m0_exponent(block_amax, fmt.e8m0_rule) + E8M0_BIAS).to(torch.uint8)
+        scales = (e8m0_exponent(block_amax, fmt.e8m0_rule) + E8M0_BIAS).to(torch.uint8)
     _, encode = scale_factors(fmt, scales, s_enc)
     codes = _encode_codes(blocks * encode.unsqueeze(-1), fmt).reshape(x.shape)
     return Quantized(codes=codes, scales=scales, global_scale=s_enc, fmt=fmt)

@@ -16,6 +16,7 @@ import torch
 
 from trace_core.formats import FP4Format, get_format
 from trace_core.quant import Quantized
+from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, Scale, get_recipe
 
 SITE_KINDS = ("moe_in", "k", "v")
 
@@ -131,33 +132,103 @@ def _latter_half(layers: tuple[int, ...]) -> tuple[int, ...]:
     return layers[len(layers) // 2 :]
 
 
+def recipe_layout(recipe: str | PrecisionRecipe) -> dict[str, object]:
+    """The record layout a recipe implies: `moe_format` / `kv_format` (None where the recipe records no such site)
+    and `per_token_scale` (an FP32 token scale next to the MoE-input block scales)."""
+    r = get_recipe(recipe)
+    return {
+        "moe_format": r.moe_in.fmt.name if r.moe_in.recorded else None,
+        "kv_format": r.k.fmt.name if r.k.recorded else None,
+        "per_token_scale": r.moe_in.scale is Scale.PER_TOKEN,
+    }
+
+
 @dataclass(frozen=True)
 class RecordSpec:
     """Which sites are captured and how many code bits each keeps.
 
     `moe_layers` are layer ids of MoE blocks (site `moe_in`); `attn_layers` are layer ids of softmax-attention
     layers (sites `k` and `v`). `RecordSpec.default` keeps b = 1 on the latter half of each, the paper's default.
+    `recipe` names the precision recipe (`trace_core.recipe`) whose rollout writes the records; the record layout
+    (`moe_format`, `kv_format`, `per_token_scale`) then follows from it and a value given that disagrees is refused.
+    Without a recipe the spec describes a record layout only (today's nvfp4 / kv_fp4 / per-token by default).
     """
 
     bits: int = 1
     moe_layers: tuple[int, ...] = ()
     attn_layers: tuple[int, ...] = ()
-    moe_format: str = "nvfp4"
-    kv_format: str = "kv_fp4"
-    per_token_scale: bool = True
+    moe_format: str | None = None
+    kv_format: str | None = None
+    per_token_scale: bool | None = None
+    recipe: str | None = None
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        get_format(self.moe_format), get_format(self.kv_format)
-        for name in ("moe_layers", "attn_layers"):
+        layout = recipe_layout(self.recipe if self.recipe is not None else DEFAULT_RECIPE)
+        for name, value in layout.items():
+            given = getattr(self, name)
+            if given is None:
+                object.__setattr__(self, name, value)
+            elif self.recipe is not None and given != value:
+                raise ValueError(f"RecordSpec.{name}={given!r} disagrees with recipe {self.recipe!r} ({value!r})")
+        for name, kind in (("moe_layers", "moe_in"), ("attn_layers", "k")):
             layers = getattr(self, name)
             if len(set(layers)) != len(layers) or any(not isinstance(i, int) or i < 0 for i in layers):
                 raise ValueError(f"RecordSpec.{name} must be distinct non-negative layer ids, got {layers}")
+            fmt = self.moe_format if kind == "moe_in" else self.kv_format
+            if fmt is None and layers:
+                raise ValueError(
+                    f"recipe {self.recipe!r} does not record {kind} (rounded to nearest on both sides); "
+                    f"RecordSpec.{name} must be empty, got {layers}"
+                )
+            if fmt is not None:
+                get_format(fmt)
 
     @classmethod
-    def default(cls, moe_layers: tuple[int, ...], attn_layers: tuple[int, ...], bits: int = 1) -> RecordSpec:
-        """b = `bits` on the latter half of the given MoE and attention layers."""
-        return cls(bits=bits, moe_layers=_latter_half(tuple(moe_layers)), attn_layers=_latter_half(tuple(attn_layers)))
+    def default(
+        cls, moe_layers: tuple[int, ...], attn_layers: tuple[int, ...], bits: int = 1, recipe: str | None = None
+    ) -> RecordSpec:
+        """b = `bits` on the latter half of the given MoE and attention layers, of the site kinds `recipe` records."""
+        return cls.of_recipe(recipe, _latter_half(tuple(moe_layers)), _latter_half(tuple(attn_layers)), bits)
+
+    @classmethod
+    def of_recipe(
+        cls, recipe: str | None, moe_layers: tuple[int, ...], attn_layers: tuple[int, ...], bits: int
+    ) -> RecordSpec:
+        """The sites of the given layers that `recipe` records (None: today's layout, no recipe named)."""
+        layout = recipe_layout(recipe if recipe is not None else DEFAULT_RECIPE)
+        return cls(
+            bits=bits,
+            moe_layers=tuple(moe_layers) if layout["moe_format"] else (),
+            attn_layers=tuple(attn_layers) if layout["kv_format"] else (),
+            recipe=recipe,
+        )
+
+    def resolve_recipe(self, recipe: str | PrecisionRecipe | None = None) -> PrecisionRecipe:
+        """The recipe an engine or trainer runs with this spec: `recipe` if given, else the spec's, else the
+        default; checked against the spec (`check_recipe`)."""
+        resolved = get_recipe(recipe if recipe is not None else self.recipe or DEFAULT_RECIPE)
+        self.check_recipe(resolved)
+        return resolved
+
+    def check_recipe(self, recipe: str | PrecisionRecipe) -> None:
+        """Raise ValueError unless this spec names no other recipe and its record layout is the one `recipe`
+        writes (engines and trainer call it with their own recipe)."""
+        recipe = get_recipe(recipe)
+        if self.recipe is not None and self.recipe != recipe.name:
+            raise ValueError(f"record spec of recipe {self.recipe!r} used under precision recipe {recipe.name!r}")
+        want = recipe_layout(recipe)
+        moe_differs = self.moe_layers and (
+            self.moe_format != want["moe_format"]
+            or recipe.moe_in.fmt.has_global_scale
+            and self.per_token_scale != want["per_token_scale"]
+        )
+        if moe_differs or self.attn_layers and self.kv_format != want["kv_format"]:
+            raise ValueError(
+                f"record spec layout (moe_in {self.moe_format}, per-token {self.per_token_scale}, k/v "
+                f"{self.kv_format}) is not what recipe {recipe.name} records (moe_in {want['moe_format']}, per-token "
+                f"{want['per_token_scale']}, k/v {want['kv_format']}); build the spec with recipe={recipe.name!r}"
+            )
 
     def sites(self) -> list[tuple[int, str]]:
         """All captured sites as (layer, kind)."""
@@ -193,14 +264,15 @@ def site_bytes(width: int, bits: int, block: int, token_scale: bool) -> float:
 
 def bytes_per_token(shape: ModelShape, spec: RecordSpec) -> RecordBytes:
     """Record bytes one token produces under `spec` (DESIGN §3)."""
-    moe_fmt, kv_fmt = get_format(spec.moe_format), get_format(spec.kv_format)
-    token_scale = spec.per_token_scale and moe_fmt.has_global_scale
     per_site: dict[tuple[int, str], float] = {}
     for layer, kind in spec.sites():
         if kind == "moe_in":
-            per_site[(layer, kind)] = site_bytes(shape.hidden, spec.bits, moe_fmt.block, token_scale)
+            fmt = get_format(spec.moe_format)
+            token_scale = spec.per_token_scale and fmt.has_global_scale
+            per_site[(layer, kind)] = site_bytes(shape.hidden, spec.bits, fmt.block, token_scale)
         else:
-            per_site[(layer, kind)] = site_bytes(shape.num_kv_heads * shape.head_dim, spec.bits, kv_fmt.block, False)
+            width = shape.num_kv_heads * shape.head_dim
+            per_site[(layer, kind)] = site_bytes(width, spec.bits, get_format(spec.kv_format).block, False)
     moe = sum(v for (_, k), v in per_site.items() if k == "moe_in")
     return RecordBytes(moe_in=moe, kv=sum(per_site.values()) - moe, per_site=per_site)
 
@@ -218,7 +290,8 @@ class Binding:
     Attributes:
         step: RL step (record-store step directory). policy_version: the policy the rollout sampled with.
         trajectory: trajectory id in the step. attempt: id of the rollout attempt (a retry gets a new one).
-        tokens: `token_digest` of the trajectory's token ids (prompt + response).
+        tokens: `token_digest` of the trajectory's token ids (prompt + response). recipe: the precision recipe
+        the rollout ran (`trace_core.recipe`), so a trainer under another recipe refuses the records.
     """
 
     step: int
@@ -226,6 +299,7 @@ class Binding:
     trajectory: str
     attempt: str
     tokens: str
+    recipe: str = DEFAULT_RECIPE
 
     def __post_init__(self) -> None:
         for name in ("step", "policy_version"):
@@ -235,6 +309,7 @@ class Binding:
         for name in ("trajectory", "attempt", "tokens"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"binding {name} must be a str, got {getattr(self, name)!r}")
+        get_recipe(self.recipe)
 
     def to_json(self) -> dict:
         return asdict(self)

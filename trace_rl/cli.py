@@ -20,10 +20,13 @@ import json
 import sys
 from pathlib import Path
 
+from trace_core.recipe import recipe_names
 from trace_rl.config import RLConfig, load_config
 
 FIELD_HELP = {
     "mode": "bf16 (BF16 rollout and trainer), qat (FP4 rollout + RTN QAT) or trace (FP4 rollout + guided QAT)",
+    "recipe": f"precision recipe of the FP4 sites, rollout and trainer alike: one of {', '.join(recipe_names())} "
+    "(docs/design.md, Precision recipes)",
     "model_dir": "the tiny model (a directory with megatron.pt) or an HF Qwen3-MoE checkpoint directory",
     "out_dir": "the run directory: metrics.jsonl, checkpoint.pt, records/, tensorboard/",
     "steps": "RL steps (fewer when `epochs` runs out first)",

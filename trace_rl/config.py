@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from trace_core.recipe import DEFAULT_RECIPE, recipe_names
+
 MODES = ("bf16", "qat", "trace")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 SECRET_REFS = ("env:", "file:")
@@ -27,6 +29,7 @@ class RLConfig:
     """One RL run on the embedded engine.
 
     mode: bf16 (BF16 rollout + BF16 trainer), qat (FP4 rollout + RTN QAT) or trace (FP4 rollout + guided QAT).
+    recipe: the precision recipe of every FP4 site on both sides (`trace_core.recipe`; docs/design.md).
     prompts_per_step x group_size trajectories per step; GRPO normalizes rewards within each group.
     async_lag: rollout batches generated ahead of the trainer (0 = synchronous); each trained batch is at most
     `max_version_diff` policy versions old, enforced by the trainer. With async_lag > 0 the train / rollout
@@ -53,6 +56,7 @@ class RLConfig:
     """
 
     mode: str = "trace"
+    recipe: str = DEFAULT_RECIPE
     model_dir: str = "out/tiny-model"
     out_dir: str = "out/rl"
     steps: int = 100
@@ -112,6 +116,8 @@ class RLConfig:
         errors = [f"{k}={v!r} must be finite" for k, v in self._floats().items() if not math.isfinite(v)]
         if self.mode not in MODES:
             errors.append(f"mode={self.mode!r} is not one of {MODES}")
+        if self.recipe not in recipe_names():
+            errors.append(f"recipe={self.recipe!r} is not one of {recipe_names()}")
         positive = ("steps", "prompts_per_step", "max_new_tokens", "rollout_workers", "checkpoint_every")
         errors += [f"{k}={getattr(self, k)} must be >= 1" for k in positive if getattr(self, k) < 1]
         if self.group_size < 2:

@@ -47,6 +47,7 @@ METRICS = "metrics.jsonl"
 # other values is refused unless `force_resume`.
 RESUME_KEYS = (
     "mode",
+    "recipe",
     "model_dir",
     "prompts_per_step",
     "group_size",
@@ -79,15 +80,15 @@ def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
     """The trainer's guidance spec."""
     ids = tuple(range(layers))
     if cfg.record_all_layers:
-        return RecordSpec(bits=cfg.record_bits, moe_layers=ids, attn_layers=ids)
-    return RecordSpec.default(ids, ids, bits=cfg.record_bits)
+        return RecordSpec.of_recipe(cfg.recipe, ids, ids, cfg.record_bits)
+    return RecordSpec.default(ids, ids, bits=cfg.record_bits, recipe=cfg.recipe)
 
 
 def capture_spec(layers: int, cfg: RLConfig) -> RecordSpec:
     """What the rollout records: the guidance spec, or 4 bits at every layer with `measure_all_sites`."""
     if cfg.measure_all_sites:
         ids = tuple(range(layers))
-        return RecordSpec(bits=4, moe_layers=ids, attn_layers=ids)
+        return RecordSpec.of_recipe(cfg.recipe, ids, ids, 4)
     return record_spec(layers, cfg)
 
 

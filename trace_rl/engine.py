@@ -1,13 +1,14 @@
 """Embedded reference engine: transformers `Qwen3MoeForCausalLM` in BF16 with the FP4 numerics of the SGLang side.
 
-FP4 mode (DESIGN §4, emulated NVFP4 W4A4 + FP4 KV):
-- routed-expert weights are quantize-dequantized to NVFP4 (one global scale per expert matrix, gate and up as one
-  FC1 matrix) at load and at every weight update;
-- the MoE input is quantize-dequantized per token row by `trace_core.kernels.quantize_record`, which writes the
-  record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets `trace_core.fc2`'s
-  NVFP4 RTN (per-row scale), the top-k weight multiplies the FC2 output;
-- K (after QK-norm and RoPE) and V are quantize-dequantized to `kv_fp4` as they enter the KV cache, with records
-  of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
+FP4 mode (DESIGN §4), every site under the engine's precision recipe (`trace_core.recipe`, default NVFP4 W4A4 +
+FP4 KV), quantized through `trace_core.role_quant`:
+- routed-expert weights are quantize-dequantized under the `weights` role (NVFP4: one global scale per expert
+  matrix, gate and up as one FC1 matrix) at load and at every weight update;
+- the MoE input is quantize-dequantized per token row (`moe_in` role) by `trace_core.kernels.quantize_record`,
+  which writes the record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets
+  `trace_core.fc2`'s convention (`fc2_in` role), the top-k weight multiplies the FC2 output;
+- K (after QK-norm and RoPE) and V are quantize-dequantized (`k`, `v` roles: `kv_fp4`) as they enter the KV cache,
+  with records of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
 Both modes stage every MoE layer's top-k routes for R3; an `ActivationTap` sees every site's rows (analyses).
 Generation is batched with a KV cache; prompts share one length, so token (b, position p) lives in KV slot
 `b * max_len + p` of the capturer's host store.
@@ -26,9 +27,9 @@ from transformers import DynamicCache, Qwen3MoeForCausalLM
 
 from trace_core.capture import RecordCapturer
 from trace_core.fc2 import fc2_input_fake_quant
-from trace_core.formats import KV_FP4, NVFP4
-from trace_core.kernels import quantize_record, rtn_fake_quant
+from trace_core.recipe import PrecisionRecipe
 from trace_core.records import ModelShape, RecordSpec
+from trace_core.role_quant import rollout_rtn, weight_rtn
 from trace_core.store import TrajectoryRecords
 
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -81,7 +82,8 @@ class _SiteCache(DynamicCache):
 
 
 class EmbeddedEngine:
-    """Batched sampling with records and routes. `fp4=False` is the BF16 rollout (routes only)."""
+    """Batched sampling with records and routes. `fp4=False` is the BF16 rollout (routes only). `recipe`: the
+    precision recipe of the FP4 sites (None: the spec's, else the default), checked against the spec."""
 
     def __init__(
         self,
@@ -92,11 +94,13 @@ class EmbeddedEngine:
         max_batch: int,
         max_len: int,
         device: str = "cpu",
+        recipe: PrecisionRecipe | str | None = None,
     ):
+        self.recipe = spec.resolve_recipe(recipe)
         self.model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
         c = self.model.config
         self.fp4, self.device, self.max_len, self.max_batch = fp4, torch.device(device), max_len, max_batch
-        self.spec = spec if fp4 else RecordSpec(bits=spec.bits)
+        self.spec = spec if fp4 else RecordSpec(bits=spec.bits, recipe=spec.recipe)
         shape = ModelShape(hidden=c.hidden_size, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
         self.capturer = RecordCapturer(
             self.spec,
@@ -121,7 +125,7 @@ class EmbeddedEngine:
         for layer in self.model.model.layers:
             for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                 for e in range(w.shape[0]):
-                    w[e] = rtn_fake_quant(w[e], NVFP4)
+                    w[e] = weight_rtn(self.recipe.weights, w[e])
 
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -172,15 +176,8 @@ class EmbeddedEngine:
         return out
 
     def _fp4_activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
-        moe = site[1] == "moe_in"
-        fmt = NVFP4 if moe else KV_FP4
-        out = torch.empty_like(x2d)
-        record = {}
-        if site in self.captured:
-            buf = self.capturer.staging_rows(site, x2d.shape[0])
-            record = {"low_bits": buf.low_bits, "scales": buf.scales, "token_scale": buf.global_scale}
-        quantize_record(x2d, fmt, self.spec.bits, per_token=moe, out=out, **record)
-        return out
+        record = self.capturer.staging_rows(site, x2d.shape[0]) if site in self.captured else None
+        return rollout_rtn(self.recipe.role(site[1]), x2d, self.spec.bits, record)
 
     def _kv_site(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
@@ -201,7 +198,7 @@ class EmbeddedEngine:
                 gate, up = F.linear(hidden[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
                 h = experts.act_fn(gate) * up
                 if self.fp4:
-                    h = fc2_input_fake_quant(h.contiguous())
+                    h = fc2_input_fake_quant(h.contiguous(), self.recipe.fc2_in)
                 y = F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None]
                 out.index_add_(0, token, y.to(out.dtype))
             return out

@@ -235,7 +235,7 @@ class SGLangWorker:
         """The server writes shards on a background thread after answering: wait until every row has a shard bound
         to this attempt and these tokens; shards of earlier attempts do not count."""
         want = {
-            str(r): Binding(req.step, self._version, str(r), req.attempt, token_digest(t.tokens))
+            str(r): Binding(req.step, self._version, str(r), req.attempt, token_digest(t.tokens), self.cfg.recipe)
             for r, t in zip(req.rows, trajs, strict=True)
         }
         watcher = StepWatcher(req.store, req.step)

@@ -116,7 +116,10 @@ class MegatronTrainer:
         reader = RecordReader(store, step)
         pairs = list(zip(owned, mine, strict=True))
         reader.check_bindings(
-            {str(i): Binding(step, version, str(i), t.attempt or "", token_digest(t.tokens)) for i, t in pairs}
+            {
+                str(i): Binding(step, version, str(i), t.attempt or "", token_digest(t.tokens), self.cfg.recipe.name)
+                for i, t in pairs
+            }
         )
         spans = [(i, 0, len(t.tokens) if t.recorded is None else t.recorded) for i, t in pairs]
         recs = reader.load(spans, pad_to=s)

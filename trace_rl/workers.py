@@ -81,7 +81,10 @@ class RolloutWorker:
             version = self.engine.version
             records = {
                 str(r): dataclasses.replace(
-                    t.records, binding=Binding(req.step, version, str(r), req.attempt, token_digest(t.tokens))
+                    t.records,
+                    binding=Binding(
+                        req.step, version, str(r), req.attempt, token_digest(t.tokens), self.engine.recipe.name
+                    ),
                 )
                 for r, t in zip(req.rows, out, strict=True)
             }

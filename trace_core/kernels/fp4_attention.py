@@ -21,6 +21,10 @@ import triton.language as tl
 from trace_core.kernels.triton_fp4 import TWO_126, _pow2
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
+MIN_HEAD_DIM = 64
+"""Smallest head dim the kernels take: 64 and 128 are verified on the H200 (triton 3.6); at head dim 16 the
+compiled decode kernel gave wrong results there (docs/measurements/fp4_attention_round3_h200.txt), while the
+interpreter was exact, so head dims below 64 are refused rather than trusted."""
 KV_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -227,14 +231,14 @@ def _fwd_kernel_stage2(
 def check_fp4_cache(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
                     v_scales: torch.Tensor) -> tuple[int, int]:  # fmt: skip
     """(KV heads, head dim) of an FP4 pool layer, or ValueError naming what does not fit (q `[B, Hq, D]`, codes
-    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides)."""
+    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides, D a power of two >= MIN_HEAD_DIM)."""
     if k_codes.dim() != 3 or k_codes.dtype != torch.uint8 or v_codes.shape != k_codes.shape:
         got = f"{k_codes.dtype} {tuple(k_codes.shape)} and {v_codes.dtype} {tuple(v_codes.shape)}"
         raise ValueError(f"FP4 KV codes must be uint8 [slots, heads, head_dim / 2] for K and V, got {got}")
     slots, heads, half = k_codes.shape
     d = 2 * half
-    if d % 16 or d & (d - 1):
-        raise ValueError(f"FP4 attention needs a power-of-two head dim (a multiple of 16), got {d}")
+    if d < MIN_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"FP4 attention needs a power-of-two head dim >= {MIN_HEAD_DIM}, got {d}")
     for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
         if s.dtype != torch.uint8 or tuple(s.shape) != (slots, heads * d // 16):
             raise ValueError(f"{name} must be uint8 {(slots, heads * d // 16)}, got {s.dtype} {tuple(s.shape)}")

@@ -72,7 +72,7 @@ def _e4m3_decode(byte):
 
 @triton.jit
 def _e8m0_exponent(amax, FMT: tl.constexpr):
-    """Integer block exponent of an E8M0 scale, as in `quant._e8m0_exponent`."""
+    """Integer block exponent of an E8M0 scale, as in `quant.e8m0_exponent`."""
     if FMT == KV_FP4:
         v = tl.maximum(tl.math.div_rn(amax, 6.0), 1e-10)
         if INTERPRET:

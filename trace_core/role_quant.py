@@ -1,0 +1,93 @@
+"""Quantization of one tensor role of a precision recipe: what every site of every engine calls.
+
+The rollout (embedded engine, SGLang's expert path) and the trainer (Megatron sites) pass a `Role` of their recipe
+and the rows; the format, the scale granularity and the kernel are chosen here only. FP4 roles run through
+`trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere); MXFP8 roles through
+`trace_core.mxfp8`. Rows are 2-D `[T, D]` with the block along D.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trace_core import kernels
+from trace_core.formats import FP4Format
+from trace_core.guided import straight_through
+from trace_core.mxfp8 import mxfp8_rtn
+from trace_core.quant import Quantized, nvfp4_global_scale, quantize
+from trace_core.recipe import Role, Scale
+
+
+def needs_row_amax(role: Role) -> bool:
+    """Whether the role's scale comes from the amax of a whole row: a row split across tensor-parallel ranks then
+    needs the max of the shards' `row_amax` (block-scaled roles are local to a block and need nothing)."""
+    return role.scale is Scale.PER_TOKEN
+
+
+def _fp4_scale(role: Role, x: torch.Tensor, row_amax: torch.Tensor | None) -> dict:
+    """`quantize` / kernel scale arguments of an FP4 role for rows `x`."""
+    if row_amax is not None:
+        if not needs_row_amax(role):
+            raise ValueError(f"{role.fmt.name} {role.scale.value}: a row amax does not apply")
+        if tuple(row_amax.shape) != (x.shape[0], 1):
+            raise ValueError(f"row_amax must be [{x.shape[0]}, 1], got {tuple(row_amax.shape)}")
+        return {"global_scale": nvfp4_global_scale(row_amax)}
+    if role.scale is Scale.PER_TOKEN:
+        return {"per_token": True}
+    if role.scale is Scale.PER_TENSOR:
+        return {"global_scale": nvfp4_global_scale(x.detach().abs().amax())}
+    return {}
+
+
+def fake_quant(role: Role, x: torch.Tensor, *, row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize of rows `x [T, D]` under `role`, straight-through backward.
+    `row_amax [T, 1]`: for per-token roles, the amax over the full row when `x` holds a tensor-parallel shard."""
+    if not isinstance(role.fmt, FP4Format):
+        if row_amax is not None:
+            raise ValueError(f"{role.fmt.name}: a row amax does not apply (block scales only)")
+        return straight_through(x, mxfp8_rtn(x.detach()))
+    return kernels.rtn_fake_quant(x, role.fmt, **_fp4_scale(role, x, row_amax))
+
+
+def weight_rtn(role: Role, w: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """RTN values of one weight matrix `w [out, in]` under the weights role (no autograd). Per-tensor roles take
+    their scale from `amax` when given (the full matrix's, e.g. of gate and up together when `w` is a shard)."""
+    if role.scale is Scale.PER_TENSOR:
+        scale = nvfp4_global_scale(w.detach().abs().amax() if amax is None else amax)
+        return kernels.rtn_fake_quant(w.detach(), role.fmt, global_scale=scale)
+    return fake_quant(role, w.detach())
+
+
+def expert_weights_rtn(role: Role, w: torch.Tensor) -> torch.Tensor:
+    """RTN values of all expert matrices `w [E, out, in]` under the weights role, each matrix its own per-tensor
+    scale (FC1: gate and up are one matrix), all experts in one kernel launch. No autograd."""
+    w = w.detach()
+    e, n, k = w.shape
+    if role.scale is not Scale.PER_TENSOR:
+        return fake_quant(role, w.reshape(e * n, k)).view(e, n, k)
+    s_enc = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))  # the per-matrix scale goes in as a per-row scale
+    rows = s_enc.repeat_interleave(n).unsqueeze(1)
+    return kernels.rtn_fake_quant(w.reshape(e * n, k), role.fmt, global_scale=rows).view(e, n, k)
+
+
+def rollout_rtn(role: Role, x: torch.Tensor, bits: int, record=None) -> torch.Tensor:
+    """The rollout's round-to-nearest values of rows `x [T, D]` under `role`; `record` (staging buffers with
+    `low_bits`, `scales`, `global_scale`, e.g. `trace_core.capture.SiteBuffers`) receives the record in the same
+    pass. CUDA-graph safe (no host sync)."""
+    if record is not None and not role.recorded:
+        raise ValueError(f"{role.fmt.name} role is not recorded under its recipe")
+    if not isinstance(role.fmt, FP4Format):
+        return mxfp8_rtn(x)
+    out = torch.empty_like(x)
+    buffers = {}
+    if record is not None:
+        buffers = {"low_bits": record.low_bits, "scales": record.scales, "token_scale": record.global_scale}
+    kernels.quantize_record(x, role.fmt, bits, out=out, **_fp4_scale(role, x, None), **buffers)
+    return out
+
+
+def quantize_role(role: Role, x: torch.Tensor, *, check_finite: bool = True) -> Quantized:
+    """FP4 codes and scales of rows `x` under a recorded (FP4) role, with the reference quantizer."""
+    if not isinstance(role.fmt, FP4Format):
+        raise ValueError(f"{role.fmt.name} is not an FP4 format; only FP4 roles have codes to record")
+    return quantize(x, role.fmt, check_finite=check_finite, **_fp4_scale(role, x, None))
