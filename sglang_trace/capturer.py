@@ -260,7 +260,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             records = {**gathered.records, **kv}
             tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
             writer.write({binding.trajectory: tr})
-        except Exception as e:  # noqa: BLE001 - any failure of one request must not take the server down
+        except Exception as e:
             self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
             return
         with self._lock:

@@ -15,7 +15,8 @@ from trace_core.drain import DrainQueue
 from trace_core.formats import format_names, get_format
 from trace_core.kernels import quantize_record
 from trace_core.quant import quantize
-from trace_core.records import SITE_KINDS, ModelShape, Record, RecordSpec, pack_low_bits
+from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits
+from trace_core.sites import SITE_KINDS
 from trace_core.store import TrajectoryRecords
 
 SHAPE = ModelShape(hidden=64, num_kv_heads=2, head_dim=32)

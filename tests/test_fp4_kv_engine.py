@@ -32,9 +32,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
+def tiny_dir(tiny_model):
+    out = tiny_model(10)
     return str(out / HF_DIR)
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf, hf_config, nvfp4_pack, nvfp4_quant_config, nvfp4_unpack
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
@@ -18,9 +17,7 @@ from trace_core.guided import rtn_fake_quant
 CFG = TinyMoEConfig()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def test_bf16_export_loads_into_transformers_with_the_same_logits(tmp_path):

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import megatron_trace.sites as sites_mod
 from megatron_trace.config import TraceConfig
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
 from megatron_trace.grouped import (
     TraceGroupedLinear,
@@ -34,9 +33,7 @@ CFG = TinyMoEConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:

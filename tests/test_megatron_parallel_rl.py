@@ -28,7 +28,7 @@ from megatron_trace.tiny import TinyMoEConfig
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
 from trace_rl.parallel_trainer import check_layout
-from trace_rl.warmup import PRESETS, make_tiny_model
+from trace_rl.warmup import PRESETS
 
 RUN = dict(
     mode="trace",
@@ -56,10 +56,8 @@ def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
-    return str(out)
+def model_dir(tiny_model):
+    return str(tiny_model(10))
 
 
 @pytest.fixture(scope="module")

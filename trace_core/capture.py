@@ -1,7 +1,7 @@
 """Record capture on the rollout side: fixed staging buffers, an async host ring and a host store keyed by KV slot.
 
 Follows SGLang's routed-experts capturer (row-indexed static GPU buffer written inside the forward, host buffer
-indexed by KV slot, gather through the request's slots at finish), made asynchronous (DESIGN §3):
+indexed by KV slot, gather through the request's slots at finish), made asynchronous (docs/design.md, "Records"):
   * every captured site writes its record rows (packed low code bits, block scale bytes and, for nvfp4, the FP32
     token scale) into views of one staging buffer `[max_tokens, row_bytes]` allocated once: fixed addresses, a
     `copy_` per write, so writes are CUDA-graph safe (`stage`, or a kernel writing into `staging_rows` directly);
@@ -120,7 +120,7 @@ class RecordCapturer:
         if max_tokens < 1 or num_slots < 1:
             raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
         full = site_layout(spec, shape)
-        chosen = list(full) if sites is None else [tuple(s) for s in sites]
+        chosen: list[Site] = list(full) if sites is None else [(layer, kind) for layer, kind in sites]
         unknown = [s for s in chosen if s not in full]
         if unknown:
             raise ValueError(f"sites {unknown} are not captured by the record spec (sites {list(full)})")
@@ -201,7 +201,7 @@ class RecordCapturer:
             raise ValueError(f"site {site}: global_scale must be 0-d or [{rows}, 1], got {global_scale.shape}")
         buf.low_bits[:rows].copy_(low_bits)
         buf.scales[:rows].copy_(scales)
-        if global_scale is not None:
+        if global_scale is not None and buf.global_scale is not None:  # both or neither (checked above)
             buf.global_scale[:rows].copy_(global_scale.expand(rows, 1))
         self._staged[site] = rows
 

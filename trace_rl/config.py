@@ -12,9 +12,10 @@ from typing import Any
 
 import yaml
 
+from trace_core.modes import MODES
 from trace_core.recipe import DEFAULT_RECIPE, recipe_names
+from trace_core.records import check_bits
 
-MODES = ("bf16", "qat", "trace")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 SECRET_REFS = ("env:", "file:")
 CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
@@ -122,8 +123,10 @@ class RLConfig:
         errors += [f"{k}={getattr(self, k)} must be >= 1" for k in positive if getattr(self, k) < 1]
         if self.group_size < 2:
             errors.append(f"group_size={self.group_size} must be >= 2 (GRPO normalizes within a group)")
-        if not 1 <= self.record_bits <= 4:
-            errors.append(f"record_bits={self.record_bits} must be in 1..4")
+        try:
+            check_bits(self.record_bits)
+        except ValueError as e:
+            errors.append(f"record_bits={self.record_bits}: {e}")
         if self.temperature <= 0 or self.lr <= 0:
             errors.append(f"temperature={self.temperature} and lr={self.lr} must be > 0")
         if self.max_version_diff < 0 or self.async_lag < 0 or self.max_restarts < 0:

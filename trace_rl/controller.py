@@ -21,7 +21,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ from trace_rl.rewards import RewardPool
 from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
-from trace_rl.workers import LocalPool, RayPool, Request
+from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -63,6 +63,10 @@ RESUME_KEYS = (
     "async_lag",
     "data",
 )
+
+
+# A pending trajectory in a checkpoint: its fields by name, all but the records (those stay in the store).
+TRAJECTORY_STATE = tuple(f.name for f in fields(Trajectory) if f.name != "records")
 
 
 @dataclass
@@ -129,6 +133,7 @@ class Controller:
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
         capture = capture_spec(tiny.layers, cfg)
         task = RolloutTask(str(policy.hf_dir), max_prompt + cfg.max_new_tokens, policy.eos)
+        self.pool: RolloutPool
         if cfg.rollout_backend == "sglang":
             from trace_rl.sglang_worker import SGLangPool
 
@@ -314,7 +319,7 @@ class Controller:
                 "step": b.step,
                 "version": b.version,
                 "restarts": b.restarts,
-                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded, t.attempt) for t in b.trajectories],
+                "trajectories": [{k: getattr(t, k) for k in TRAJECTORY_STATE} for t in b.trajectories],
             }
             for b in self.pending
         ]
@@ -351,7 +356,7 @@ class Controller:
         self.checkpoint_steps = state["checkpoint_steps"]
         for p in state["pending"]:  # prompts are a function of the step; rewards are scored again
             prompts = self.data.batch(p["step"], self.cfg.prompts_per_step)
-            trajs = [Trajectory(*t[:3], None, *t[3:]) for t in p["trajectories"]]
+            trajs = [Trajectory(**t, records=None) for t in p["trajectories"]]
             self.pending.append(
                 RolloutBatch(p["step"], p["version"], prompts, trajs, p["restarts"], self._score(prompts, trajs))
             )

@@ -1,7 +1,7 @@
 """Embedded reference engine: transformers `Qwen3MoeForCausalLM` in BF16 with the FP4 numerics of the SGLang side.
 
-FP4 mode (DESIGN §4), every site under the engine's precision recipe (`trace_core.recipe`, default NVFP4 W4A4 +
-FP4 KV), quantized through `trace_core.role_quant`:
+FP4 mode (docs/design.md, "Numerics contract"), every site under the engine's precision recipe (`trace_core.recipe`,
+default NVFP4 W4A4 + FP4 KV), quantized through `trace_core.role_quant`:
 - routed-expert weights are quantize-dequantized under the `weights` role (NVFP4: one global scale per expert
   matrix, gate and up as one FC1 matrix) at load and at every weight update;
 - the MoE input is quantize-dequantized per token row (`moe_in` role) by `trace_core.kernels.quantize_record`,

@@ -17,10 +17,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from trace_rl.experiments.analysis import BITS, LAYERS  # noqa: E402
-from trace_rl.experiments.report import FLIP, mean_or_nan  # noqa: E402
+from trace_rl.experiments.analysis import BITS, LAYERS
+from trace_rl.experiments.report import FLIP, mean_or_nan
 
 RUN_LABELS = {
     "bf16": "BF16",
