@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from trace_core.modes import ROLLOUT_MODES
 from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe
 from trace_core.records import RecordSpec, check_bits
 from trace_core.sites import SITE_KINDS
 
-MODES = ("off", "emulate", "native")
+MODES = ROLLOUT_MODES
 LAYER_PRESETS = ("latter-half", "all")
 
 # Field name -> default, added to ServerArgs by the patch (SGLang keeps every flag as a dataclass field).

@@ -304,3 +304,19 @@ def test_records_of_another_recipe_are_refused_by_the_trainer_check(tmp_path):
     reader.check_bindings({"0": written})
     with pytest.raises(BindingMismatchError, match="recipe 'mxfp4-w4a4-kv4' != expected 'nvfp4-w4a4-kv4'"):
         reader.check_bindings({"0": Binding(0, 0, "0", "a", "d")})
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_fc2_input_codes_do_not_depend_on_the_tp_split(name):
+    """Two tensor-parallel halves of FC2-input rows quantize to the halves of the full rows: NVFP4 with the max of the
+    halves' row amax, the block-scaled formats with nothing exchanged."""
+    from trace_core.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
+
+    role = get_recipe(name).fc2_in
+    gen = torch.Generator().manual_seed(9)
+    h = (torch.randn(6, 2 * INTER, generator=gen) * torch.linspace(0.1, 30, 2 * INTER)).to(torch.bfloat16)
+    halves = h[:, :INTER], h[:, INTER:]
+    full_amax = torch.maximum(*(row_amax(p) for p in halves)) if needs_row_amax(role) else None
+    split = torch.cat([fc2_input_fake_quant(p, role, full_amax) for p in halves], dim=1)
+    assert torch.equal(split, fc2_input_fake_quant(h, role))
+    assert needs_row_amax(role) == (name == "nvfp4-w4a4-kv4")

@@ -16,3 +16,7 @@ class Mode(enum.Enum):
 
 MODES = tuple(m.value for m in Mode)
 """The modes' names, as configs and command lines spell them."""
+
+ROLLOUT_MODES = ("off", "emulate", "native")
+"""What an SGLang server does at the FP4 sites (`--trace-mode`): nothing; emulate the precision recipe's numerics by
+quantize-dequantize around BF16 GEMMs (Hopper, CPU); or reproduce the codes of a real NVFP4 MoE kernel."""
