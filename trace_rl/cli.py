@@ -61,6 +61,7 @@ FIELD_HELP = {
     "dp": "trainer data parallelism (divides the trajectories of a step)",
     "gpus_per_node": "GPUs per node for the trainer group with device = cuda (TP stays within a node)",
     "trainer_dtype": "trainer parameter dtype: bfloat16, or float32 (to check a layout against one rank)",
+    "train_micro_batch": "trajectories per trainer micro-batch on each DP rank (gradient accumulation); 0 = one",
     "data": "prompt dataset: addition (the synthetic task) or a .jsonl / .parquet file",
     "prompt_key": "dataset field of the prompt: a string (the user turn) or a list of {role, content} messages",
     "answer_key": "dataset field of the reference answer given to the reward ('' for none); dots reach nested fields",

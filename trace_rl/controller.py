@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_trace.parallel import Layout
 from trace_core.records import RecordSpec
 from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.data import Prompt, dataset
 from trace_rl.engine import Trajectory
-from trace_rl.parallel_trainer import GroupTrainer, check_layout
+from trace_rl.parallel_trainer import GroupTrainer
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
 from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
@@ -127,10 +126,8 @@ class Controller:
         self.spec = record_spec(tiny.layers, cfg)
         kw = dict(mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff)
         kw["dtype"] = getattr(torch, cfg.trainer_dtype)
-        if cfg.trainer_world() > 1:
-            layout, gpus = Layout(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp), 1 if cfg.device == "cuda" else 0
-            check_layout(tiny, layout, cfg.dp)
-            self.trainer = GroupTrainer(tiny, state, layout=layout, world=cfg.trainer_world(), gpus_per_rank=gpus, **kw)
+        if cfg.parallel_trainer():
+            self.trainer = GroupTrainer.from_config(tiny, state, cfg, **kw)
         else:
             self.trainer = (RayTrainer if cfg.use_ray else MegatronTrainer)(tiny, state, **kw)
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
