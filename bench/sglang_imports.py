@@ -23,6 +23,7 @@ MODULES = (
     "sglang.srt.model_executor.forward_batch_info",
     "sglang.srt.model_executor.cuda_graph_runner",
     "sglang.srt.model_executor.model_runner",
+    "sglang.srt.model_executor.model_runner_kv_cache_mixin",
     "sglang.srt.models.qwen3_moe",
     "sglang.srt.managers.scheduler",
     "sglang.srt.managers.scheduler_output_processor_mixin",

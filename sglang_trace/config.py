@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from trace_core.modes import ROLLOUT_MODES
-from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe
+from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe, recipe_names
 from trace_core.records import RecordSpec, check_bits
 from trace_core.sites import SITE_KINDS
 
@@ -27,6 +27,7 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_sites": "moe_in,k,v",
     "trace_store": None,
     "trace_step": 0,
+    "trace_recipe": DEFAULT_RECIPE,
 }
 
 # Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate
@@ -84,7 +85,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SERVER_ARGS_FIELDS["trace_step"],
         help="RL step the first records are written under; afterwards every weight update must carry "
-        "weight_version=<RL step> (an update without one is refused while TRACE is on).",
+        "weight_version=<RL step> (after an update without one, records are refused until a versioned update).",
+    )
+    group.add_argument(
+        "--trace-recipe",
+        default=SERVER_ARGS_FIELDS["trace_recipe"],
+        help=f"Precision recipe of the rollout's FP4 numerics (trace_core.recipe): one of {', '.join(recipe_names())}.",
     )
 
 
@@ -154,7 +160,7 @@ def check_server_args(server_args) -> TraceArgs:
         raise ValueError(f"--trace-mode {mode!r} is not one of {MODES}")
     try:
         bits = check_bits(server_args.trace_record_bits)
-        recipe = get_recipe(DEFAULT_RECIPE)  # --trace-recipe: once patch 0001 has the ServerArgs field
+        recipe = get_recipe(server_args.trace_recipe)
     except ValueError as e:
         raise ValueError(f"--trace-record-bits / --trace-recipe: {e}") from None
     args = TraceArgs(
