@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from trace_core.formats import KV_FP4
 from trace_core.modes import ROLLOUT_MODES
 from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe, recipe_names
 from trace_core.records import RecordSpec, check_bits
@@ -192,6 +193,11 @@ def check_server_args(server_args) -> TraceArgs:
         problems.append("speculative decoding is not supported (draft forwards would write records)")
     if server_args.pp_size != 1:
         problems.append("pipeline parallelism is not supported")
+    if args.kv_sites and {recipe.k.fmt.name, recipe.v.fmt.name} != {KV_FP4.name}:
+        problems.append(
+            f"--trace-recipe {recipe.name} quantizes K / V as {recipe.k.fmt.name}; SGLang's fp4_e2m1 KV pool stores "
+            f"{KV_FP4.name}"
+        )
     if "moe_in" in args.sites and not recipe.recorded("moe_in"):
         problems.append(
             f"--trace-recipe {recipe.name} does not record moe_in ({recipe.moe_in.fmt.name} inputs are rounded to "

@@ -173,7 +173,7 @@ def install_capturer(model_runner) -> bool:
             raise RuntimeError("--trace-mode emulate: no routed-expert weight was quantized during load")
         logger.warning(
             "TRACE emulate with --load-format dummy: routed experts stay unquantized until the first weight "
-            "update writes them (records of earlier requests do not describe an NVFP4 model)"
+            "update writes them (records of earlier requests do not describe the quantized model)"
         )
     tp, moe_tp = get_tp_group(), get_moe_tp_group()
     capturer = TraceCapturer(
@@ -254,7 +254,7 @@ def refuse_weight_update(recv_req) -> str | None:
     if load_format not in (None, "flattened_bucket"):
         return (
             f"TRACE is on: update_weights_from_tensor with load_format={load_format!r} writes parameters without "
-            "FusedMoE.weight_loader (experts would not be NVFP4); use load_format None or 'flattened_bucket'"
+            "FusedMoE.weight_loader (experts would not be quantized); use load_format None or 'flattened_bucket'"
         )
     return None
 

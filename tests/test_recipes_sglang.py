@@ -152,3 +152,19 @@ def test_sglang_refuses_what_a_recipe_cannot_trace():
         )
     with pytest.raises(ValueError, match="unknown precision recipe 'mxfp4'"):
         ServerArgs(model_path="dummy", trace_mode="emulate", trace_recipe="mxfp4", trace_store="/r")
+
+
+def test_sglang_refuses_a_recipe_whose_kv_format_its_pool_does_not_store():
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_trace.config import check_server_args
+    from trace_core.formats import MXFP4
+    from trace_core.recipe import MXFP4_W4A4_KV4, PrecisionRecipe, Role, Scale
+
+    mx_kv = Role(MXFP4, Scale.PER_BLOCK, recorded=True)
+    fields = {f: getattr(MXFP4_W4A4_KV4, f) for f in ("weights", "moe_in", "fc2_in")}
+    recipe = PrecisionRecipe(name="mxfp4-w4a4-mxkv4", summary="32-element MXFP4 KV", k=mx_kv, v=mx_kv, **fields)
+    sa = ServerArgs(model_path="dummy", trace_mode="emulate", trace_store="/r", kv_cache_dtype="fp4_e2m1")
+    sa.trace_recipe = recipe
+    with pytest.raises(ValueError, match="quantizes K / V as mxfp4; SGLang's fp4_e2m1 KV pool stores kv_fp4"):
+        check_server_args(sa)
