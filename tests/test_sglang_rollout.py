@@ -447,3 +447,40 @@ def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
         )
     for cap in (small, huge):
         cap.close()
+
+
+def test_the_kv_budget_counts_the_record_store(rollout):
+    """Patch 0013: SGLang's own `profile_max_num_token` (the real mixin, on the CPU's free memory) adds the record
+    store's bytes per slot to the KV cell size, so the pool it sizes leaves room for the store."""
+    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin as KVMixin
+
+    def runner(server_args):
+        config = SimpleNamespace(
+            hf_config=qwen3_moe(),
+            is_hybrid_swa=False,
+            head_dim=HEAD_DIM,
+            v_head_dim=HEAD_DIM,
+            get_num_kv_heads=lambda tp: KV_HEADS // tp,
+        )
+        r = SimpleNamespace(
+            server_args=server_args,
+            model_config=config,
+            device="cpu",
+            gpu_id=0,
+            is_draft_worker=False,
+            mambaish_config=None,
+            num_effective_layers=LAYERS,
+            kv_cache_dtype=torch.float4_e2m1fn_x2,
+            use_mla_backend=False,
+            mem_fraction_static=0.9,
+        )
+        r.get_cell_size_per_token = MethodType(KVMixin.get_cell_size_per_token, r)
+        return r
+
+    off = runner(ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1"))
+    on = runner(rollout.args)
+    cell, record = KVMixin.get_cell_size_per_token(off, LAYERS), rollout.capturer.records.row.row_bytes
+    tokens_off, tokens_on = KVMixin.profile_max_num_token(off, 0), KVMixin.profile_max_num_token(on, 0)
+    # the same free memory (to the noise of a shared machine) split into cells with and without the record row
+    assert abs(tokens_on * (cell + record) / (tokens_off * cell) - 1) < 0.02
+    assert tokens_on < 0.95 * tokens_off  # the record row is a real share of each cell here
