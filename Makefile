@@ -35,12 +35,14 @@ test-gpu: $(STAMP)
 demo: $(STAMP)
 	TRACE_RL=$(VENV)/bin/trace-rl RECIPE=$(RECIPE) scripts/launch_disagg.sh
 
+# ruff (stale `noqa` comments included: RUF100) and mypy over the packages of [tool.mypy] in pyproject.toml.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
 
 # Container image (docker/Dockerfile, docs/deploy.md), tagged $(IMAGE):<project version>. `docker` needs a Docker
 # engine and runs the static checks first; `docker-check` needs none (CI): static checks, then the Dockerfile's patch

@@ -4,8 +4,9 @@ same run.
   1. capture overhead: a simulated rollout forward (per layer, a BF16 GEMM sized like a Qwen3-30B-A3B MoE layer's
      expert traffic: all experts' weights read at decode, top-k experts' FLOPs at prefill) with and without record
      capture (per captured layer a `stage` copy of the MoE-input record and the route ids, then `on_forward_end`);
-  2. device-to-host bytes/s of the capture ring (device snapshot, side-stream D2H, host scatter by KV slot) against
-     a plain pinned `copy_` of the same bytes;
+  2. the finish transfer: bytes/s of one gather of a finished request's rows out of the device record store (its
+     slots scattered over the store) copied into a span of the pinned host ring, against a plain pinned `copy_`
+     of the same number of contiguous bytes;
   3. record store write / read MB/s against writing / reading the same raw bytes as plain files (both fsynced;
      reads hit the page cache); zstandard compression ratio per field (b = 1 bits, scale bytes, token scales,
      routes) on synthetic activations with outlier channels.
@@ -28,6 +29,7 @@ import torch
 
 from trace_core.capture import RecordCapturer
 from trace_core.fc2 import fc2_input_fake_quant
+from trace_core.host_ring import HostRing
 from trace_core.quant import quantize
 from trace_core.recipe import NVFP4_W4A4_KV4
 from trace_core.records import ModelShape, Record, RecordSpec
@@ -85,7 +87,7 @@ class SimulatedForward:
                 on_layer(layer)
 
 
-def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_thread: bool = True) -> dict:
+def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     moe_layers = tuple(range(args.layers))
     spec = RecordSpec.default(moe_layers=moe_layers, attn_layers=(), bits=args.bits)
@@ -97,7 +99,6 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         num_slots=4 * tokens + 1,
         routes=(args.layers, args.topk),
         device=device,
-        drain_thread=drain_thread,
         marks=2 * args.layers,  # sglang_trace: FusedMoE-hooks and route markers per MoE layer
         versioned=True,
     )
@@ -132,7 +133,6 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
     for _ in range(args.repeats):
         base_t.append(timed(plain))
         cap_t.append(timed(captured))
-    cap.close()
     b, c = statistics.median(base_t), statistics.median(cap_t)
     return {
         "tokens": tokens,
@@ -140,8 +140,6 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, drain_
         "captured_ms": c * 1e3,
         "overhead_pct": 100 * (c - b) / b,
         "bytes_per_forward": tokens * cap.row.row_bytes,
-        "stalls": cap.stats.stalls,
-        "waits": cap.stats.waits,
     }
 
 
@@ -165,50 +163,38 @@ def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
     return {"tokens": tokens, "forward_ms": b * 1e3, "fc2_qdq_ms": q * 1e3, "fc2_qdq_pct": 100 * q / b}
 
 
-def bench_d2h(args, device: torch.device, tokens: int) -> dict:
+def bench_transfer(args, device: torch.device, tokens: int) -> dict:
     spec = RecordSpec.default(moe_layers=tuple(range(args.layers)), attn_layers=(), bits=args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
     cap = RecordCapturer(
         spec, shape, max_tokens=tokens, num_slots=4 * tokens + 1, routes=(args.layers, args.topk), device=device
     )
-    cap.staging.random_(0, 256)
+    cap.store.random_(0, 256)
     nbytes = tokens * cap.row.row_bytes
     src = cap.staging[:tokens]
-    pinned = torch.empty(src.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    slots = [torch.arange(k * tokens + 1, (k + 1) * tokens + 1, device=device) for k in range(4)]
+    pin = device.type == "cuda"
+    pinned = torch.empty(src.shape, dtype=torch.uint8, pin_memory=pin)
+    ring = HostRing(2 * nbytes, pin=pin)
+    request = (torch.randperm(4 * tokens)[:tokens] + 1).to(device)  # a finished request's slots, scattered
 
     def plain() -> None:
         pinned.copy_(src, non_blocking=True)
+        sync(device)
 
-    def ring() -> None:
-        cap.on_forward_end(slots[ring.k % 4], graph_replay=True)
-        ring.k += 1
+    def transfer() -> None:
+        ticket, span = ring.reserve(nbytes)
+        span.view(tokens, -1).copy_(cap.gather_rows(request), non_blocking=True)
+        sync(device)
+        ring.release(ticket)
 
-    ring.k = 0
-
-    def rate(fn, finish) -> float:
-        fn()
-        finish()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            fn()
-        finish()
-        return nbytes * args.iters / (time.perf_counter() - t0)
-
-    plain_bps = statistics.median(rate(plain, lambda: sync(device)) for _ in range(args.repeats))
-    ring_bps = statistics.median(rate(ring, cap.flush) for _ in range(args.repeats))
-    request = torch.randperm(4 * tokens)[:tokens] + 1  # a finished request's slots, scattered over the store
-    gather_s = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        cap.gather(request, tokens)
-        gather_s.append(time.perf_counter() - t0)
-    cap.close()
+    plain_s = statistics.median(mean_time(plain, args.iters, device) for _ in range(args.repeats))
+    transfer_s = statistics.median(mean_time(transfer, args.iters, device) for _ in range(args.repeats))
     return {
-        "bytes_per_forward": nbytes,
-        "pinned_copy_GBps": plain_bps / 1e9,
-        "ring_GBps": ring_bps / 1e9,
-        "gather_ms": statistics.median(gather_s) * 1e3,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "pinned_copy_GBps": nbytes / plain_s / 1e9,
+        "transfer_GBps": nbytes / transfer_s / 1e9,
+        "transfer_ms": transfer_s * 1e3,
     }
 
 
@@ -284,14 +270,11 @@ def table(result: dict) -> str:
             f"| FC2-input fake-quant, {name} ({r['tokens']} tokens, every MoE layer) | {r['fc2_qdq_ms']:.3f} ms | "
             f"{r['forward_ms']:.3f} ms forward | {r['fc2_qdq_pct']:.2f} % |"
         )
-    if d := result.get("d2h"):
+    if d := result.get("transfer"):
         rows.append(
-            f"| D2H ring ({d['bytes_per_forward'] / 1e6:.1f} MB/forward) | {d['ring_GBps']:.2f} GB/s | "
-            f"{d['pinned_copy_GBps']:.2f} GB/s pinned copy | {d['ring_GBps'] / d['pinned_copy_GBps']:.2f} |"
-        )
-        rows.append(
-            f"| gather of a finished {result['config']['prefill']}-token request (host copy; `gather_async` moves it "
-            f"to the drain thread) | {d['gather_ms']:.2f} ms | | |"
+            f"| finish transfer of a {d['tokens']}-token request ({d['bytes'] / 1e6:.1f} MB: store gather + copy "
+            f"into the host ring) | {d['transfer_GBps']:.2f} GB/s ({d['transfer_ms']:.2f} ms) | "
+            f"{d['pinned_copy_GBps']:.2f} GB/s pinned copy | {d['transfer_GBps'] / d['pinned_copy_GBps']:.2f} |"
         )
     if s := result.get("store"):
         for op in ("write", "read"):
@@ -313,13 +296,15 @@ def main() -> None:
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--parts", default="overhead,fc2,d2h,store", help="comma-separated subset of overhead,fc2,d2h,store")
+    p.add_argument(
+        "--parts", default="overhead,fc2,transfer,store", help="comma-separated subset of overhead,fc2,transfer,store"
+    )
     p.add_argument("--trajectories", type=int, help="store part: trajectories written (default 16; small: 4)")
     p.add_argument("--traj-tokens", type=int, help="store part: tokens per trajectory (default 4096; small: 256)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"overhead", "fc2", "d2h", "store"}:
-        raise ValueError(f"--parts must name overhead, fc2, d2h and/or store, got {args.parts!r}")
+    if not parts <= {"overhead", "fc2", "transfer", "store"}:
+        raise ValueError(f"--parts must name overhead, fc2, transfer and/or store, got {args.parts!r}")
     big = dict(hidden=2048, layers=48, experts=128, topk=8, moe_inter=768, decode=64, prefill=8192)
     small = dict(hidden=256, layers=4, experts=16, topk=4, moe_inter=64, decode=8, prefill=256)
     for k, v in (small if args.small else big).items():
@@ -338,16 +323,13 @@ def main() -> None:
             "decode": bench_overhead(args, device, args.decode, decode=True),
             "prefill": bench_overhead(args, device, args.prefill, decode=False),
         }
-        if device.type == "cuda":  # host scatter on the scheduler thread instead of the drain thread
-            result["overhead"]["decode, inline drain"] = bench_overhead(args, device, args.decode, True, False)
-            result["overhead"]["prefill, inline drain"] = bench_overhead(args, device, args.prefill, False, False)
     if "fc2" in parts:
         result["fc2"] = {
             "decode": bench_fc2(args, device, args.decode, decode=True),
             "prefill": bench_fc2(args, device, args.prefill, decode=False),
         }
-    if "d2h" in parts:
-        result["d2h"] = bench_d2h(args, device, args.prefill)
+    if "transfer" in parts:
+        result["transfer"] = bench_transfer(args, device, args.prefill)
     if "store" in parts:
         with tempfile.TemporaryDirectory() as work:
             result["store"] = bench_store(args, device, Path(work))

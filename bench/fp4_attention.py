@@ -28,11 +28,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import graph_ms  # noqa: E402
-from tests.fp4_attention_checks import sglang_decode_attention, sglang_extend_attention, sglang_module  # noqa: E402
-from trace_core.kernels.fp4_attention import fp4_decode_attention  # noqa: E402
-from trace_core.kernels.fp4_extend_attention import fp4_extend_attention  # noqa: E402
-from trace_core.kv_attention import dequantize_kv  # noqa: E402
+from bench.kernels import graph_ms
+from tests.fp4_attention_checks import sglang_decode_attention, sglang_extend_attention, sglang_module
+from trace_core.kernels.fp4_attention import fp4_decode_attention
+from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
+from trace_core.kv_attention import dequantize_kv
 
 CASES = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]  # (batch, tokens per request)
 EXTEND_CASES = [(1, 8192, 512), (8, 4096, 512), (32, 2048, 128), (64, 1024, 32)]  # (batch, prefix, new tokens)

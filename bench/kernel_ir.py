@@ -51,7 +51,6 @@ def load_module(path: str | None):
 def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None) -> list[tuple]:
     """(label, kernel, constexprs, warps) of the representative configurations, tiled as `ops` launches them for
     rows of width d unless rows / chunk / warps are given."""
-    fid = ops.FORMAT_IDS
 
     def launch(fmt: str, kernel: str = "quant", per_token: bool = False) -> dict:
         rb, c, w = ops._launch_shape(ops.get_format(fmt), d, kernel, per_token=per_token)
@@ -67,14 +66,15 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record)
         use16 = block == 16 and not (bits and fmt_obj.has_global_scale)
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
-        args = {**tile, "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
+        args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": unit(bits)}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int) -> tuple:
-        block = ops.get_format(fmt).block
+        f = ops.get_format(fmt)
+        block = f.block
         kernel = getattr(mod, "_guided16_kernel", None) if block == 16 else None
-        args = {**launch(fmt, "guided"), "FMT": fid[fmt], "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
+        args = {**launch(fmt, "guided"), "FMT": f.kernel_id, "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
                 "HAS_MASK": False, "BLOCK": block, "REC_UNIT": unit(bits)}  # fmt: skip
         return kernel or mod._guided_kernel, args
 
@@ -134,7 +134,7 @@ def stats(compiled) -> dict:
     if "cubin" in compiled.asm:
         try:  # ptxas-reported registers through the kernel binary
             row.update(ptxas_info(ptx))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row["ptxas"] = f"unavailable ({e})"
     return row
 

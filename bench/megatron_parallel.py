@@ -8,8 +8,10 @@ every micro-batch); every layout loads them into its shards. Each step is an RL 
 a forward-only pass for `logp_old` (through the same schedule: it must leave no state behind), then GRPO with
 token-level TIS (C = 5) over all micro-batches (per-token loss over the step and DP), Adam through Megatron's
 distributed optimizer with FP32 masters, gradient clipping at 1. Per rank: loss and grad norm per step, median step
-time, peak memory. On a CPU (gloo; a dry run of the script) the optimizer step is left out: Megatron's optimizers
-allocate on 'cuda' by name.
+time, peak memory. `--repeat 2` runs the steps a second time with the micro-batches in reverse order: the same
+math with the sums in another order, whose difference to the first run is the noise floor the layouts are judged
+against (BF16 steps amplify any rounding difference once the first update differs). On a CPU (gloo; a dry run of
+the script) the optimizer step is left out: Megatron's optimizers allocate on 'cuda' by name.
 """
 
 from __future__ import annotations
@@ -42,24 +44,29 @@ def parse_layout(text: str):
 
 
 def summary(out_dir: Path) -> str:
-    """Markdown table of every layout's `*.rank*.json` under `out_dir` against `single`: largest relative loss
-    difference over the steps, median step time (slowest rank) and peak memory per rank."""
+    """Markdown table of every layout's `*.rank*.json` under `out_dir` against `single`: largest relative loss and
+    gradient-norm differences over the steps, median step time (slowest rank) and peak memory per rank."""
     runs: dict[str, list[dict]] = {}
     for f in sorted(out_dir.glob("*.rank*.json")):
         r = json.loads(f.read_text())
         runs.setdefault(r["layout"], []).append(r)
-    ref = next(r["loss"] for r in runs["single"] if r["loss"])
+    ref = next(r for r in runs["single"] if r["loss"])
     lines = [
-        "| layout | ranks | loss per step | max rel. loss diff vs 1 GPU | step s (median) | peak GiB per rank |",
-        "|---|---|---|---|---|---|",
+        "| layout | ranks | loss per step | max rel. loss diff vs 1 GPU | max rel. grad-norm diff | step s (median) "
+        "| peak GiB per rank |",
+        "|---|---|---|---|---|---|---|",
     ]
+
+    def rel(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
     for name, ranks in runs.items():
-        loss = next(r["loss"] for r in ranks if r["loss"])
-        diff = max(abs(a - b) / abs(b) for a, b in zip(loss, ref, strict=True))
+        run = next(r for r in ranks if r["loss"])
         mem = ", ".join(f"{r['peak_mem_gib']:.2f}" for r in sorted(ranks, key=lambda r: r["rank"]))
         step = max(r["step_s_median"] for r in ranks)
-        losses = ", ".join(f"{x:.5f}" for x in loss)
-        lines.append(f"| {name} | {len(ranks)} | {losses} | {diff:.1e} | {step:.3f} | {mem} |")
+        losses = ", ".join(f"{x:.5f}" for x in run["loss"])
+        loss_diff, norm_diff = rel(run["loss"], ref["loss"]), rel(run["grad_norm"], ref["grad_norm"])
+        lines.append(f"| {name} | {len(ranks)} | {losses} | {loss_diff:.1e} | {norm_diff:.1e} | {step:.3f} | {mem} |")
     return "\n".join(lines)
 
 
@@ -74,6 +81,9 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4, help="trajectories per micro-batch")
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="2: run again with the micro-batches reversed (the noise floor)"
+    )
     args = ap.parse_args()
     if args.summary:
         print(summary(args.summary))
@@ -116,77 +126,88 @@ def main() -> None:
         pack_microbatch(trajs[i : i + args.batch], seq_len=cfg.max_seq).to(device) for i in range(0, n_traj, args.batch)
     ]
     adv = (torch.rand(n_traj, generator=g) * 2 - 1).to(device)
-    chunks = build_chunks(
-        lambda v: build_tiny_moe(cfg, dtype=torch.bfloat16, vp_stage=v, **layout.config_overrides()), layout
-    )
     work = Path(args.work)
     if world == 1 and not (work / "inputs.pt").exists():
         work.mkdir(parents=True, exist_ok=True)
-        full = {k: v.detach().clone() for k, v in chunks[0].state_dict().items() if not k.endswith("_extra_state")}
-        source = emulate_rollout(chunks[0], mbs, spec, num_trajectories=n_traj, max_positions=cfg.max_seq)
+        model = build_tiny_moe(cfg, dtype=torch.bfloat16, **layout.config_overrides())
+        full = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        source = emulate_rollout(model, mbs, spec, num_trajectories=n_traj, max_positions=cfg.max_seq)
         torch.save({"full": full, "source": source}, work / "inputs.pt")
+        del model
     inputs = torch.load(work / "inputs.pt", map_location=device, weights_only=False)
-    for c in chunks:
-        load_full_state(c, inputs["full"])
-        TraceSession(c, TraceConfig(mode="trace", spec=spec, measure=False))
-    chunks = wrap_ddp(chunks)
-    optimizer = make_optimizer(chunks, lr=args.lr, clip_grad=1.0) if cuda else None
-    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    per = len(mbs) // dp
-    mine = list(range(dp_rank * per, (dp_rank + 1) * per))
-    tp_group = parallel_state.get_tensor_model_parallel_group() if layout.tp > 1 else None
-    logp_old: dict[int, torch.Tensor] = {}
 
-    def old_terms(logits, item):
-        ids = item.mb.input_ids
-        logp_old[item.extra["index"]] = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group).detach()
-        return logits.new_zeros(()), torch.zeros((), dtype=torch.int, device=device), {}
-
-    def loss_terms(logits, item):
-        i, ids, mb = item.extra["index"], item.mb.input_ids, item.mb
-        logp = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group)
-        rollout = logp_old[i] - 0.02 * torch.sin(logp_old[i] * 7.0)  # a deterministic rollout/trainer mismatch
-        a = adv[i * args.batch : (i + 1) * args.batch]
-        total, n, _ = grpo_loss_terms(logp, logp_old[i], rollout, a, mb.valid[:, 1:], tis_cap=5.0)
-        return total, n, {"sum": total.detach(), "tokens": n}
-
-    items = [MicroBatchInput(mbs[i], inputs["source"], {"index": i}) for i in mine]
-    losses, norms, times = [], [], []
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.steps):
-        sync()
-        start = time.perf_counter()
-        with torch.no_grad():
-            forward_backward(chunks, items, old_terms, forward_only=True)
+    def run(reverse: bool) -> dict:
+        """The steps from the loaded inputs; `reverse` runs the micro-batches in reverse order (the same math with
+        the gradient sums in another order: a noise floor for the layouts)."""
+        chunks = build_chunks(
+            lambda v: build_tiny_moe(cfg, dtype=torch.bfloat16, vp_stage=v, **layout.config_overrides()), layout
+        )
         for c in chunks:
-            c.zero_grad_buffer()
-        reports = forward_backward(chunks, items, loss_terms)
-        ok, grad_norm = optimizer.step()[:2] if optimizer is not None else (True, float("nan"))
-        for c in chunks:
-            unwrap(c)._trace_session.end_step()
-        sync()
-        times.append(time.perf_counter() - start)
-        if not ok:
-            raise RuntimeError("optimizer step skipped (non-finite gradients)")
-        norms.append(float(grad_norm))
-        if reports:
-            sums = torch.stack([torch.stack([r["sum"].float(), r["tokens"].float()]) for r in reports]).sum(0)
-            torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-            losses.append(float(sums[0] / sums[1]))
-    out = {
-        "layout": args.layout,
-        "rank": rank,
-        "world": world,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "loss": losses,
-        "grad_norm": norms,
-        "step_s_median": statistics.median(times[1:] if len(times) > 1 else times),
-        "step_s": times,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-    }
-    print(json.dumps(out), flush=True)
-    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(out, indent=1))
+            load_full_state(c, inputs["full"])
+            TraceSession(c, TraceConfig(mode="trace", spec=spec, measure=False))
+        chunks = wrap_ddp(chunks)
+        optimizer = make_optimizer(chunks, lr=args.lr, clip_grad=1.0) if cuda else None
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        per = len(mbs) // dp
+        mine = list(range(dp_rank * per, (dp_rank + 1) * per))
+        tp_group = parallel_state.get_tensor_model_parallel_group() if layout.tp > 1 else None
+        logp_old: dict[int, torch.Tensor] = {}
+
+        def old_terms(logits, item):
+            ids = item.mb.input_ids
+            logp_old[item.extra["index"]] = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group).detach()
+            return logits.new_zeros(()), torch.zeros((), dtype=torch.int, device=device), {}
+
+        def loss_terms(logits, item):
+            i, ids, mb = item.extra["index"], item.mb.input_ids, item.mb
+            logp = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group)
+            rollout = logp_old[i] - 0.02 * torch.sin(logp_old[i] * 7.0)  # a deterministic rollout/trainer mismatch
+            a = adv[i * args.batch : (i + 1) * args.batch]
+            total, n, _ = grpo_loss_terms(logp, logp_old[i], rollout, a, mb.valid[:, 1:], tis_cap=5.0)
+            return total, n, {"sum": total.detach(), "tokens": n}
+
+        items = [MicroBatchInput(mbs[i], inputs["source"], {"index": i}) for i in mine]
+        if reverse:
+            items.reverse()
+        losses, norms, times = [], [], []
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.steps):
+            sync()
+            start = time.perf_counter()
+            with torch.no_grad():
+                forward_backward(chunks, items, old_terms, forward_only=True)
+            for c in chunks:
+                c.zero_grad_buffer()
+            reports = forward_backward(chunks, items, loss_terms)
+            ok, grad_norm = optimizer.step()[:2] if optimizer is not None else (True, float("nan"))
+            for c in chunks:
+                unwrap(c)._trace_session.end_step()
+            sync()
+            times.append(time.perf_counter() - start)
+            if not ok:
+                raise RuntimeError("optimizer step skipped (non-finite gradients)")
+            norms.append(float(grad_norm))
+            if reports:
+                sums = torch.stack([torch.stack([r["sum"].float(), r["tokens"].float()]) for r in reports]).sum(0)
+                torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+                losses.append(float(sums[0] / sums[1]))
+        return {
+            "layout": args.layout + (" reversed" if reverse else ""),
+            "rank": rank,
+            "world": world,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "loss": losses,
+            "grad_norm": norms,
+            "step_s_median": statistics.median(times[1:] if len(times) > 1 else times),
+            "step_s": times,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        }
+
+    for r in range(args.repeat):
+        out = run(reverse=r % 2 == 1)
+        print(json.dumps(out), flush=True)
+        Path(f"{args.out}{'_reversed' if r % 2 else ''}.rank{rank}.json").write_text(json.dumps(out, indent=1))
     torch.distributed.destroy_process_group()
 
 

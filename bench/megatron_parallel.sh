@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Trainer layouts on one host with 2 GPUs: single GPU, then TP=2 (+SP), EP=2 (alltoall), PP=2 and DP=2 (distributed
-# optimizer), each for a few RL steps of the `small` preset in trace mode (bench/megatron_parallel.py); prints the
-# table docs/megatron.md quotes.   bench/megatron_parallel.sh OUT_DIR [extra args for megatron_parallel.py]
+# Trainer layouts on one host with 2 GPUs: single GPU (twice: the second run with the micro-batches reversed is the
+# noise floor), then TP=2 (+SP), EP=2 (alltoall), PP=2 and DP=2 (distributed optimizer), or the layouts in $LAYOUTS,
+# each for a few RL steps of the `small` preset in trace mode (bench/megatron_parallel.py); prints the table
+# docs/megatron.md quotes.   [LAYOUTS="tp=2 ep=2"] bench/megatron_parallel.sh OUT_DIR [args for megatron_parallel.py]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench/megatron_parallel.sh OUT_DIR}
@@ -16,8 +17,8 @@ run() {
         bench/megatron_parallel.py --layout "$layout" --work "$work" --out "$out/${layout//[=,]/_}" "$@" \
         > "$out/${layout//[=,]/_}.log" 2>&1 || { tail -n 40 "$out/${layout//[=,]/_}.log"; exit 1; }
 }
-run 1 single "$@"
-for layout in tp=2 ep=2 pp=2 dp=2; do
+run 1 single --repeat 2 "$@"
+for layout in ${LAYOUTS:-tp=2 ep=2 pp=2 dp=2}; do
     run 2 "$layout" "$@"
 done
 "$PY" bench/megatron_parallel.py --summary "$out" | tee "$out/summary.md"

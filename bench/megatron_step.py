@@ -5,6 +5,12 @@ rollout's routes in every mode (so routing cost is identical). `trace` also fetc
 the MoE and attention layers (b = `--bits`) per micro-batch. Prints a table and writes JSON to `--out`.
 
     python bench/megatron_step.py --out megatron_step.json
+    python bench/megatron_step.py --preset qwen3-4l --grouped --iters 30 --out step_qwen3.json
+
+`--preset` sets the model and batch flags (explicit flags still override): `small` is `trace_rl.warmup`'s results
+model at 8 x 256 positions per micro-batch, `qwen3-4l` four Qwen3-30B-A3B-shaped layers (one expert-parallel rank of
+2: 64 local experts) at 2 x 2048. Spread: min, quartiles and max of the step times (all kept in the JSON); peak
+memory: `max_memory_allocated` during a step above what was allocated before it.
 """
 
 from __future__ import annotations
@@ -24,10 +30,20 @@ from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import RecordSpec
+from trace_rl.warmup import PRESETS as MODEL_PRESETS
+
+_DIMS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "expert_ffn", "vocab")
+PRESETS = {
+    "small": {k: getattr(MODEL_PRESETS["small"], k) for k in _DIMS} | {"seq": 256, "batch": 8},
+    "qwen3-4l": dict(hidden=2048, layers=4, heads=32, kv_heads=4, head_dim=128, experts=64, topk=8, expert_ffn=768,
+                     vocab=32000, seq=2048, batch=2),
+}  # fmt: skip
+"""Flag defaults per `--preset`."""
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model and batch flag defaults")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
@@ -47,6 +63,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--grouped", action="store_true", help="TRACE grouped experts instead of SequentialMLP")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    preset = p.parse_known_args()[0].preset
+    if preset is not None:
+        p.set_defaults(**PRESETS[preset])
     return p.parse_args()
 
 
@@ -100,12 +119,16 @@ def main() -> None:
 
     modes = args.modes.split(",")
     times: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, list[int]] = {m: [] for m in modes}
     fallback: dict[str, float] = {}
     # Modes interleave step by step, so clock and thermal drift hit all of them alike.
     for it in range(args.warmup + args.iters):
         for mode in modes:
             session = TraceSession(model, TraceConfig(mode=mode, spec=spec, measure=False))
             sync()
+            if device == "cuda":
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             for mb in mbs:
                 session.begin_microbatch(mb.rows, source)
@@ -118,30 +141,40 @@ def main() -> None:
             sync()
             if it >= args.warmup:
                 times[mode].append(time.perf_counter() - start)
+                peaks[mode].append(torch.cuda.max_memory_allocated() - base if device == "cuda" else 0)
             fallback[mode] = metrics.get("trace/rtn_fallback", 0.0)
             session.remove()
     flops = step_flops(cfg, args.batch * args.seq * args.microbatches, args.seq)
-    results = {
-        m: {
+    results = {}
+    for m, t in times.items():
+        q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (t[0],) * 3
+        results[m] = {
             "step_ms_median": 1e3 * statistics.median(t),
             "step_ms_min": 1e3 * min(t),
+            "step_ms_q1": 1e3 * q1,
+            "step_ms_q3": 1e3 * q3,
             "step_ms_max": 1e3 * max(t),
             "mfu": flops / statistics.median(t) / (args.peak_tflops * 1e12),
+            "peak_extra_bytes": max(peaks[m]),
             "rtn_fallback_elements": fallback[m],
+            "step_ms": [1e3 * x for x in t],
         }
-        for m, t in times.items()
-    }
     ref = results.get("qat", {}).get("step_ms_median")
     tokens = sum(int(mb.valid.sum()) for mb in mbs)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or 'cpu'}")
     print(f"model: {cfg}; {tokens} tokens / step in {len(mbs)} micro-batches; rollout emulation {emulate_s:.2f} s")
-    print(f"{'mode':<8}{'step ms (median)':>18}{'min':>10}{'max':>10}{'vs qat':>9}{'tok/s':>12}{'MFU':>8}")
+    print(f"{args.iters} steps per mode after {args.warmup} warm-up, modes interleaved")
+    print(
+        f"{'mode':<8}{'median ms':>11}{'min':>9}{'q1':>9}{'q3':>9}{'max':>9}{'vs qat':>8}{'tok/s':>9}{'MFU':>7}"
+        f"{'peak GiB':>10}"
+    )
     for mode, r in results.items():
         ratio = f"{r['step_ms_median'] / ref:.3f}" if ref else "-"
         tps = tokens / (r["step_ms_median"] / 1e3)
         print(
-            f"{mode:<8}{r['step_ms_median']:>18.2f}{r['step_ms_min']:>10.2f}{r['step_ms_max']:>10.2f}{ratio:>9}"
-            f"{tps:>12.0f}{r['mfu']:>8.3f}"
+            f"{mode:<8}{r['step_ms_median']:>11.2f}{r['step_ms_min']:>9.2f}{r['step_ms_q1']:>9.2f}"
+            f"{r['step_ms_q3']:>9.2f}{r['step_ms_max']:>9.2f}{ratio:>8}{tps:>9.0f}{r['mfu']:>7.3f}"
+            f"{r['peak_extra_bytes'] / 2**30:>10.2f}"
         )
     if args.out:
         payload = {
@@ -158,3 +191,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    torch.distributed.destroy_process_group()  # without it the H200 runs hung at exit, results printed

@@ -26,9 +26,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import graph_ms  # noqa: E402
-from trace_core.kernels import ops  # noqa: E402
-from trace_core.kernels import triton_fp4 as k  # noqa: E402
+from bench.kernels import graph_ms
+from trace_core.kernels import ops
+from trace_core.kernels import triton_fp4 as k
 
 TILES = [(1, 4096, 8), (1, 4096, 4), (1, 2048, 4), (1, 2048, 8), (2, 2048, 8), (1, 1024, 4), (4, 1024, 8), (2, 1024, 4)]
 """(rows, columns, warps) of the `--tiles` sweep; the first is ops.LAUNCH["quant"], the default."""
@@ -52,7 +52,7 @@ def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None
     kernel[(triton.cdiv(t, rb), n_chunks // per_prog)](
         x, out if out is not None else x, low if record else dummy8, scales if record else dummy8, dummy32,
         token if token is not None else dummy32, t, d, x.stride(0), out.stride(0) if out is not None else 0,
-        low.stride(0) if record else 0, scales.stride(0) if record else 0, 1, per_prog, FMT=ops.FORMAT_IDS[fmt],
+        low.stride(0) if record else 0, scales.stride(0) if record else 0, 1, per_prog, FMT=f.kernel_id,
         SCALE_MODE=mode, BITS=1 if record else 0, WRITE_OUT=out is not None, RB=rb, C=chunk, ONE_PASS=n_chunks == 1,
         num_warps=warps, **extra,
     )  # fmt: skip

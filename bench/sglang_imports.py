@@ -23,6 +23,7 @@ MODULES = (
     "sglang.srt.model_executor.forward_batch_info",
     "sglang.srt.model_executor.cuda_graph_runner",
     "sglang.srt.model_executor.model_runner",
+    "sglang.srt.model_executor.model_runner_kv_cache_mixin",
     "sglang.srt.models.qwen3_moe",
     "sglang.srt.managers.scheduler",
     "sglang.srt.managers.scheduler_output_processor_mixin",
@@ -35,7 +36,7 @@ def main() -> None:
         try:
             importlib.import_module(name)
             print(f"OK   {name}")
-        except Exception as e:  # noqa: BLE001 - report every failure, keep going
+        except Exception as e:
             frames = [f for f in traceback.extract_tb(e.__traceback__) if "sglang" in f.filename]
             where = f"{frames[-1].filename.split('sglang/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
             print(f"FAIL {name}: {type(e).__name__}: {e} (first at sglang/{where})")

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from trace_core.modes import MODES, Mode
 from trace_core.recipe import PrecisionRecipe, Role
 from trace_core.records import RecordSpec
-
-
-class Mode(enum.Enum):
-    """What the trainer does at the FP4 sites."""
-
-    BF16 = "bf16"  # nothing: the unquantized baseline
-    QAT = "qat"  # RTN fake-quant at every FP4 site (vanilla QAT)
-    TRACE = "trace"  # guided rounding at the record spec's captured sites, RTN at the other FP4 sites
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ class TraceConfig:
         try:
             object.__setattr__(self, "mode", Mode(self.mode))
         except ValueError:
-            raise ValueError(f"unknown mode {self.mode!r}; use one of {[m.value for m in Mode]}") from None
+            raise ValueError(f"unknown mode {self.mode!r}; use one of {MODES}") from None
         if not isinstance(self.spec, RecordSpec):
             raise ValueError(f"spec must be a trace_core.records.RecordSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "recipe", self.spec.resolve_recipe(self.recipe))

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_trace.config import Mode, TraceConfig
+from megatron_trace.config import TraceConfig
 from megatron_trace.rows import MicroBatch, TokenRows
 from megatron_trace.session import TraceSession
 from megatron_trace.source import Site, TensorRolloutSource
+from trace_core.modes import Mode
 from trace_core.recipe import PrecisionRecipe, Role, Scale
 from trace_core.records import Record, RecordSpec, packed_len
 from trace_core.role_quant import quantize_role

@@ -6,8 +6,11 @@ what `from_pretrained` converts to transformers' fused `gate_up_proj [E, 2I, H]`
 SGLang's weight loader and `update_weights_from_tensor` take. NVFP4 experts follow the ModelOpt checkpoint
 convention: `weight` uint8 `[out, in/2]` (two E2M1 codes per byte, element 2i in the low nibble), `weight_scale`
 float8_e4m3fn `[out, in/16]`, `weight_scale_2` FP32 global decode scale `1/S_enc`; gate and up are quantized as one
-FC1 matrix, so they share `weight_scale_2`, exactly as the trainer's fake-quant does. Any TP / EP / PP layout: the
-shards are gathered first (`megatron_trace.parallel.gather_full_state`).
+FC1 matrix, so they share `weight_scale_2`, exactly as the trainer's fake-quant does; `input_scale` FP32 scalar
+`amax / 2688` (`1 / S_enc`) of each projection's input (the static activation decode scale SGLang's ModelOpt MoE method
+loads into `w13_input_scale` / `w2_input_scale`; its native NVFP4 kernels quantize with `1 / input_scale`), from an
+activation calibration (`calibrate_input_amax`). Any TP / EP / PP layout: the shards are gathered first
+(`megatron_trace.parallel.gather_full_state`).
 
 Packed experts exist for the `nvfp4-w4a4-kv4` recipe only (`check_packed_export`): SGLang 0.5.10.post1 has no MXFP4
 MoE method for Qwen3-MoE, so the MXFP4 recipes export BF16 experts, which `--trace-mode emulate` quantizes at load.
@@ -15,11 +18,13 @@ MoE method for Qwen3-MoE, so the MXFP4 recipes export BF16 experts, which `--tra
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
 from trace_core import e2m1
 from trace_core.formats import NVFP4
-from trace_core.quant import quantize
+from trace_core.quant import nvfp4_global_scale, quantize
 from trace_core.recipe import DEFAULT_RECIPE, NVFP4_W4A4_KV4, PrecisionRecipe, get_recipe
 
 
@@ -106,13 +111,14 @@ def export_hf(
     model: torch.nn.Module | list[torch.nn.Module],
     *,
     nvfp4_experts: bool = False,
+    input_amax: Mapping[str, float] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     recipe: str | PrecisionRecipe = DEFAULT_RECIPE,
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3-MoE state dict of the model in `dtype` (routed experts packed NVFP4 when `nvfp4_experts`, for a
-    recipe that allows it: `check_packed_export`), gathered across its TP / EP / PP shards
-    (`megatron_trace.parallel.gather_full_state`: collective, every rank calls it with its chunks; ranks off the
-    first pipeline stage get `{}`)."""
+    """HF Qwen3-MoE state dict of the model in `dtype` (routed experts packed NVFP4 with their `input_scale` from
+    `input_amax` when `nvfp4_experts`, for a recipe that allows it: `check_packed_export`), gathered across its
+    TP / EP / PP shards (`megatron_trace.parallel.gather_full_state`: collective, every rank calls it with its
+    chunks; ranks off the first pipeline stage get `{}`)."""
     from megatron_trace.parallel import gather_full_state, unwrap
 
     if nvfp4_experts:
@@ -121,7 +127,8 @@ def export_hf(
     state = gather_full_state(chunks)
     if not state:
         return {}
-    return export_state(state, unwrap(chunks[0]).config, nvfp4_experts=nvfp4_experts, dtype=dtype, recipe=recipe)
+    config = unwrap(chunks[0]).config
+    return export_state(state, config, nvfp4_experts=nvfp4_experts, input_amax=input_amax, dtype=dtype, recipe=recipe)
 
 
 def export_state(
@@ -129,13 +136,16 @@ def export_state(
     config,
     *,
     nvfp4_experts: bool = False,
+    input_amax: Mapping[str, float] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     recipe: str | PrecisionRecipe = DEFAULT_RECIPE,
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3-MoE state dict of a full single-rank Megatron state dict (`gather_full_state`'s names)."""
+    """HF Qwen3-MoE state dict of a full single-rank Megatron state dict (`gather_full_state`'s names). With
+    `nvfp4_experts`, `input_amax` (`calibrate_input_amax`) must name every routed expert projection."""
     _check_layout(config)
     if nvfp4_experts:
         check_packed_export(recipe)
+        _check_input_amax(input_amax, config)
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if any(".shared_experts." in k for k in state):
         raise ValueError("Qwen3-MoE has no shared experts")
@@ -171,15 +181,78 @@ def export_state(
                         f"{ep}.{name}.weight_scale_2": w13["weight_scale_2"],
                     }
                 out |= {f"{ep}.down_proj.{k}": t for k, t in nvfp4_pack(fc2).items()}
+                for name in ("gate_proj", "up_proj", "down_proj"):  # the decode scale 1 / S_enc
+                    amax = torch.tensor(input_amax[f"{ep}.{name}"], dtype=torch.float32)
+                    out[f"{ep}.{name}.input_scale"] = 1.0 / nvfp4_global_scale(amax)
             else:
                 gate, up = fc1.chunk(2)
                 out |= {f"{ep}.gate_proj.weight": gate, f"{ep}.up_proj.weight": up, f"{ep}.down_proj.weight": fc2}
     return {k: _cast(k, t, dtype) for k, t in out.items()}
 
 
+def calibrate_input_amax(chunks: list[torch.nn.Module], forward: Callable[[], object]) -> dict[str, float]:
+    """The largest |input| of every routed expert's FC1 and FC2 while `forward()` runs the model `chunks` (e.g. the
+    trainer's forward of a rollout batch), keyed by the HF module name (`model.layers.{l}.mlp.experts.{e}.gate_proj`,
+    `up_proj` (the same input), `down_proj`): the activation calibration of the NVFP4 export's `input_scale`.
+    Maximum over all ranks (collective: every rank calls it; experts found by their global layer and expert id)."""
+    from megatron.core import parallel_state
+
+    from megatron_trace.parallel import unwrap
+
+    amax: dict[tuple[int, int, str], torch.Tensor] = {}
+    handles = []
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if not hasattr(experts, "local_experts"):
+                raise TypeError(f"calibrate_input_amax needs SequentialMLP experts, got {type(experts).__name__}")
+            first = parallel_state.get_expert_model_parallel_rank() * len(experts.local_experts)
+            for j, expert in enumerate(experts.local_experts):
+                for fc, proj in (("linear_fc1", "gate_proj"), ("linear_fc2", "down_proj")):
+                    key = (layer.layer_number - 1, first + j, proj)
+
+                    def hook(module, args, key=key):
+                        seen = args[0].detach().abs().amax().float()
+                        amax[key] = torch.maximum(amax[key], seen) if key in amax else seen
+
+                    handles.append(getattr(expert, fc).register_forward_pre_hook(hook))
+    try:
+        forward()
+    finally:
+        for h in handles:
+            h.remove()
+    everyone: list[dict] = [{}] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, {k: float(v) for k, v in amax.items()})
+    out: dict[str, float] = {}
+    for part in everyone:  # each expert's maximum over the ranks that ran it
+        for (layer, expert, proj), v in part.items():
+            names = ("gate_proj", "up_proj") if proj == "gate_proj" else (proj,)
+            for name in names:
+                key = f"model.layers.{layer}.mlp.experts.{expert}.{name}"
+                out[key] = max(out.get(key, 0.0), v)
+    return out
+
+
+def _check_input_amax(input_amax: Mapping[str, float] | None, config) -> None:
+    """Every routed expert projection needs its calibrated input amax (an expert no token reached has none)."""
+    names = [
+        f"model.layers.{i}.mlp.experts.{e}.{proj}"
+        for i in range(config.num_layers)
+        for e in range(config.num_moe_experts)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    ]
+    missing = [n for n in names if n not in (input_amax or {})]
+    if missing:
+        raise ValueError(
+            f"NVFP4 export needs the input amax of every routed expert projection (input_scale); {len(missing)} of "
+            f"{len(names)} have none, first {missing[:3]}: calibrate_input_amax over tokens that reach every expert"
+        )
+
+
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dense weights to `dtype`; packed codes, E4M3 scales and the FP32 global scale stay as they are."""
-    keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_2")
+    """Dense weights to `dtype`; packed codes, E4M3 scales and the FP32 global and input scales stay as they are."""
+    fp32_scale = name.endswith(("weight_scale_2", "input_scale"))
+    keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or fp32_scale
     return (t.detach() if keep else t.detach().to(dtype)).contiguous()
 
 

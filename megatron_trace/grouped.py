@@ -5,17 +5,21 @@ non-fused forward needs no TransformerEngine), and the layer spec that builds it
 - All local experts of a linear are one parameter `weight [E, out, in]`: one grouped GEMM per linear, and the NVFP4
   weight fake-quant of all experts is one launch (`SiteNumerics.expert_weights`, once per optimizer step, reused
   by every micro-batch and recompute; straight-through to `weight`).
-- FC2's input goes through `SiteNumerics.fc2_input` (the trainer's site code) inside the FC2 linear.
+- FC2's input goes through `SiteNumerics.fc2_input` (the trainer's site code) inside the FC2 linear, and the FC2
+  linear applies the router's top-k weights to its output rows (`row_scaled_grouped_mm`: where the rollout applies
+  them, without keeping the FC2 output for their gradient).
 - Checkpoints: `state_dict()` names the experts `weight0 .. weight{E-1}` like TE's `GroupedLinear`, and
   `sharded_state_dict()` gives the keys, shapes and expert offsets of `TEGroupedMLP` / `SequentialMLP`
-  (`...experts.linear_fc1.weight` sharded over the global expert axis), so distributed checkpoints interchange.
-`TraceSession` wires the quantizers in (`install`); without a session, or in `bf16`, the linear is a plain
+  (`...experts.linear_fc1.weight` sharded over the global expert axis), so distributed checkpoints interchange;
+  `grouped_expert_names` maps a grouped weight's rows to SequentialMLP's parameter names (full state dicts).
+`TraceSession` wires the sites in (`GroupedSites`); without a session, or in `bf16`, the linear is a plain
 grouped GEMM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -32,11 +36,11 @@ class _ContiguousGrad(torch.autograd.Function):
     gradients such as the one of `y.sum()`)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
         return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 
@@ -225,6 +229,22 @@ class TraceGroupedLinear(torch.nn.Module):
             sh.replica_id = (*sh.replica_id[:2], self._pg_collection.expt_dp.rank())
             out[f"{prefix}weight{i}"] = sh
         return out
+
+
+_GROUPED_WEIGHT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight$")
+
+
+def grouped_expert_names(name: str, first_expert: int, num_experts: int) -> list[str] | None:
+    """SequentialMLP's parameter names for the experts that rows `0 .. num_experts - 1` of a TRACE grouped weight
+    hold (`...mlp.experts.linear_fc1.weight` -> `...mlp.experts.local_experts.{first_expert + i}.linear_fc1.weight`),
+    or None when `name` is not a grouped expert weight. One global naming for both kinds of experts, as their
+    sharded state dicts have: a full single-rank state dict in SequentialMLP names serves either model, with
+    `first_expert = ep_rank * num_local_experts` for this EP rank's rows."""
+    m = _GROUPED_WEIGHT.search(name)
+    if m is None:
+        return None
+    head = name[: m.start()]
+    return [f"{head}.mlp.experts.local_experts.{first_expert + i}.{m.group(1)}.weight" for i in range(num_experts)]
 
 
 def _split_experts(module: TraceGroupedLinear, state_dict: dict, prefix: str, local_metadata) -> None:

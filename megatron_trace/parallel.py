@@ -15,7 +15,9 @@ Shard rules (global name = the single-rank GPTModel's parameter name):
 - PP: stage `p` (virtual stage `v`) holds decoder layers by Megatron's `get_transformer_layer_offset`; the local
   `decoder.layers.{k}` is global layer `layer_number - 1`. The embedding lives on the first stage, the final norm
   and output layer on the last.
-- EP: `mlp.experts.local_experts.{j}` of EP rank `r` is global expert `r * experts / EP + j`.
+- EP: `mlp.experts.local_experts.{j}` of EP rank `r` is global expert `r * experts / EP + j`; so is row `j` of a
+  TRACE grouped weight `mlp.experts.linear_fc{1,2}.weight [E / EP, out, in]` (named SequentialMLP's way in the full
+  state: `megatron_trace.grouped.grouped_expert_names`).
 - TP: a parameter with `tensor_model_parallel` is split in `TP` contiguous chunks along `partition_dim` (QKV rows
   grouped per KV head, vocab rows, attention output columns); every other parameter is replicated. Experts are not
   TP-split (expert tensor parallelism 1).
@@ -28,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from megatron_trace.grouped import grouped_expert_names
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -124,8 +128,11 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     model = unwrap(model)
     with torch.no_grad():
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
         for name, p in model.named_parameters():
-            src = full[_global_name(model, name)]
+            g = _global_name(model, name)
+            rows = grouped_expert_names(g, ep_rank * p.shape[0], p.shape[0])  # grouped experts: SequentialMLP names
+            src = torch.stack([full[n] for n in rows]) if rows else full[g]
             dim = _tp_split(p)
             if dim is not None and size > 1:
                 src = src.chunk(size, dim=dim)[rank]
@@ -161,6 +168,11 @@ def gather_full_state(
             dim = _tp_split(p)
             if dim is not None and torch.distributed.get_world_size(tp_group) > 1:
                 t = _all_gather(t, tp_group, dim)
+            rows = grouped_expert_names(_global_name(model, name), 0, t.shape[0] * experts)
+            if rows:  # grouped experts [E_local, out, in]: all EP ranks' rows, under SequentialMLP names
+                t = _all_gather(t, ep_group, 0) if experts > 1 else t
+                out |= {n: w.cpu() for n, w in zip(rows, t, strict=True)}
+                continue
             e = _EXPERT.search(name)
             if e and experts > 1:
                 gathered = _all_gather(t[None], ep_group, 0)

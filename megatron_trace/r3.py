@@ -58,8 +58,10 @@ def replay_indices(
     ordered = routes.sort(dim=-1).values
     duplicate = has_route & (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1)
     valid = has_route & ~out_of_range & ~duplicate
-    row = torch.arange(n, device=routes.device)[:, None]
-    placeholder = (row + torch.arange(topk, device=routes.device)) % num_experts
+    # By position, not by row of the micro-batch: the same under every layout and micro-batching (the rows are
+    # unused, but their values reach the site counters of later layers).
+    pos = rows.pos.to(routes.device)[:, None]
+    placeholder = (pos + torch.arange(topk, device=routes.device)) % num_experts
     checks = RouteChecks(layer, rows, missing, duplicate, out_of_range, (~has_route).sum())
     return torch.where(valid[:, None], routes, placeholder), checks
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trace_core.sites import routed
+
 PAD = -1
 
 
@@ -107,7 +109,7 @@ def pack_microbatch(trajectories: Sequence[tuple[int, torch.Tensor]], seq_len: i
     attention_mask = (causal[None] | ~valid[:, None, :]).unsqueeze(1)
     length = torch.tensor(lengths)[:, None]
     traj = torch.where(valid, torch.tensor(traj_ids)[:, None], torch.full_like(input_ids, PAD))
-    last = valid & (position_ids == length - 1)
+    last = valid & ~routed(position_ids, length)
     # Megatron rows are [s, b]-major.
     rows = TokenRows(traj.t().reshape(-1), torch.where(valid, position_ids, 0).t().reshape(-1), last.t().reshape(-1))
     return MicroBatch(input_ids, position_ids, attention_mask, valid, rows)

@@ -61,12 +61,33 @@ def _parallel() -> tuple[int, int, bool]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(), True
 
 
+def _check_experts(layer_id: int, experts: torch.nn.Module) -> None:
+    """NotImplementedError, naming the classes, for experts whose weight and FC2-input sites are not wired."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if is_trace_grouped(experts):
+        return
+    if not isinstance(experts, SequentialMLP):
+        linears = [type(getattr(experts, n, None)).__name__ for n in ("linear_fc1", "linear_fc2")]
+        raise NotImplementedError(
+            f"layer {layer_id}: experts {type(experts).__name__} with linears {linears}; weight and FC2-input fake "
+            "quant are wired for the TRACE grouped experts (megatron_trace.grouped.with_grouped_experts) and for "
+            "SequentialMLP with Megatron's local linears, not for TE's GroupedLinear or TE linears (no TE wrapper)"
+        )
+    for expert in experts.local_experts:
+        for lin in (expert.linear_fc1, expert.linear_fc2):
+            if type(lin) not in (ColumnParallelLinear, RowParallelLinear):
+                raise NotImplementedError(
+                    f"layer {layer_id}: SequentialMLP expert linear {type(lin).__name__}; only Megatron's local "
+                    "ColumnParallelLinear / RowParallelLinear are wired (TE linears are not)"
+                )
+
+
 class TraceSession:
     """TRACE hooks on one model chunk (a GPTModel or anything with `.decoder.layers` of TransformerLayers)."""
 
     def __init__(self, model: torch.nn.Module, cfg: TraceConfig, *, tap: Tap | None = None):
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-        from megatron.core.transformer.moe.experts import SequentialMLP
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
         if getattr(model, "_trace_session", None) is not None:
@@ -103,6 +124,9 @@ class TraceSession:
         self.numerics.captured &= present
         self.numerics.track(present)
         self.sites = present
+        if cfg.quantized:  # refused before any hook is installed
+            for layer_id, moe in self.moe_layers.items():
+                _check_experts(layer_id, moe.experts)
         model._trace_session = self
         self._handles.append(model.register_forward_pre_hook(self._model_forward_begins, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._model_forward_ends))
@@ -118,23 +142,14 @@ class TraceSession:
                 self._handles.append(attn.core_attention.register_forward_pre_hook(hook, with_kwargs=True))
         if not cfg.quantized:
             return
-        for layer_id, moe in self.moe_layers.items():
-            grouped = is_trace_grouped(moe.experts)
-            if not grouped and not isinstance(moe.experts, SequentialMLP):
-                raise NotImplementedError(
-                    f"layer {layer_id}: experts {type(moe.experts).__name__}; weight and FC2-input fake quant are "
-                    "wired for the TRACE grouped experts (megatron_trace.grouped.with_grouped_experts) and for "
-                    "SequentialMLP with Megatron's local linears (TE linears and TE's GroupedLinear are not)"
-                )
-            if grouped:  # probabilities after FC2: inside the grouped FC2 (GroupedSites)
+        for moe in self.moe_layers.values():
+            if is_trace_grouped(moe.experts):  # probabilities after FC2: inside the grouped FC2 (GroupedSites)
                 self._handles.append(GroupedSites(moe.experts, self.numerics))
                 continue
             self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
             self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
             for expert in moe.experts.local_experts:
                 for lin in (expert.linear_fc1, expert.linear_fc2):
-                    if type(lin) not in (ColumnParallelLinear, RowParallelLinear):
-                        raise NotImplementedError(f"expert linear {type(lin).__name__}: only Megatron's local linears")
                     self._wrap(lin, "_forward_impl", self._weight_fq(lin._forward_impl))
                 self._handles.append(expert.linear_fc2.register_forward_pre_hook(self._fc2_input))
 

@@ -1,4 +1,4 @@
-"""The numerics at each FP4 site of the trainer, all delegated to `trace_core` (DESIGN §2, §5).
+"""The numerics at each FP4 site of the trainer, all delegated to `trace_core` (docs/design.md, "Numerics contract").
 
 Every site takes its format and scale granularity from the config's precision recipe (`trace_core.recipe`) and
 quantizes through `trace_core.role_quant`:
@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_trace.config import Mode, TraceConfig
+from megatron_trace.config import TraceConfig
 from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant
+from trace_core.modes import Mode
 from trace_core.recipe import DEFAULT_RECIPE, Role, get_recipe
 from trace_core.records import low_bits_mask
 from trace_core.role_quant import expert_weights_rtn, fake_quant, quantize_role

@@ -7,7 +7,7 @@ record store plugs in by implementing the two methods; `TensorRolloutSource` is 
 store (`trace_core.store_reader`) through it.
 
 Sites are `(layer, kind)` with `layer` the 0-based decoder layer id (Megatron's `layer_number - 1`, the HF / SGLang
-layer index) and kind in `trace_core.records.SITE_KINDS`.
+layer index) and kind in `trace_core.sites.SITE_KINDS`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,8 @@ from typing import Protocol
 import torch
 
 from megatron_trace.rows import TokenRows
-from trace_core.records import SITE_KINDS, Record
-
-Site = tuple[int, str]
-
-
-def check_site(site: Site) -> Site:
-    layer, kind = site
-    if not isinstance(layer, int) or layer < 0 or kind not in SITE_KINDS:
-        raise ValueError(f"site must be (layer >= 0, kind in {SITE_KINDS}), got {site!r}")
-    return site
+from trace_core.records import Record
+from trace_core.sites import Site, check_site, routed
 
 
 @dataclass(frozen=True)
@@ -149,13 +141,14 @@ class TensorRolloutSource:
         return idx.reshape(-1, idx.shape[-1])[flat], has.reshape(-1)[flat] & inside
 
 
-def source_from_store(batch_records, moe_layers: Sequence[int]) -> TensorRolloutSource:
+def source_from_store(batch_records, moe_layers: Sequence[int], lengths: Sequence[int]) -> TensorRolloutSource:
     """A `RolloutSource` over one micro-batch loaded from the record store (`trace_core.store_reader.
     RecordReader.load(...)`, a `MicroBatchRecords` of `[B, T]` rows for ranges starting at position 0).
 
     Trajectory ids of this source are the batch slots 0..B-1: pack the micro-batch with the same slots. `routes`
-    axis 2 follows `moe_layers` (the rollout's MoE-layer order). Each slot's final recorded row is served without
-    a route: the rollout never routes a trajectory's final token, so whatever the store holds there is padding.
+    axis 2 follows `moe_layers` (the rollout's MoE-layer order). `lengths` are the slots' token counts: a route is
+    served only where `trace_core.sites.routed` says the rollout has one (whatever the store holds at a
+    trajectory's final token is padding).
     """
     records = {site: (rec, batch_records.has_record[site]) for site, rec in batch_records.records.items()}
     routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -163,9 +156,10 @@ def source_from_store(batch_records, moe_layers: Sequence[int]) -> TensorRollout
         r = batch_records.routes
         if r.shape[2] != len(moe_layers):
             raise ValueError(f"store routes hold {r.shape[2]} MoE layers, moe_layers names {len(moe_layers)}")
-        has = batch_records.has_routes.clone()
-        lengths = has.sum(dim=1)
-        slots = (lengths > 0).nonzero().flatten()
-        has[slots, lengths[slots] - 1] = False
+        if len(lengths) != r.shape[0]:
+            raise ValueError(f"store routes hold {r.shape[0]} trajectories, lengths names {len(lengths)}")
+        positions = torch.arange(r.shape[1], device=r.device)
+        length = torch.tensor(list(lengths), device=r.device)[:, None]
+        has = batch_records.has_routes & routed(positions, length)
         routes = {layer: (r[:, :, j].long(), has) for j, layer in enumerate(moe_layers)}
     return TensorRolloutSource(records, routes)

@@ -5,11 +5,13 @@ topk_ids)` in every MoE layer's top-k (inside CUDA graphs), `on_forward_end(forw
 forward, and `get_routed_experts(...)` for every finished request just before its KV is released. The patched
 `RoutedExpertsCapturer.create` returns a `TraceCapturer` when `--trace-mode` is not off, which
   * stages the MoE-input records (written by the FusedMoE hook, `moe_input`) and the routes of every MoE layer in a
-    `trace_core.capture.RecordCapturer` (fixed staging rows; on CUDA an async pinned host ring keyed by KV slot, so
-    R3's synchronous device-to-host copy is gone);
+    `trace_core.capture.RecordCapturer` (fixed staging rows, copied after every forward into a store keyed by KV
+    slot on the GPU, next to the KV cache; SGLang's memory budget counts it per token, patch 0013);
   * at request finish (`finish_request`, called by the patched `maybe_collect_routed_experts` with the request)
-    gathers the request's MoE records and routes by its slots, reads its K/V records out of the FP4 KV pool, hands
-    them to the record store on a writer thread and returns the handle `meta_info["trace"]` carries;
+    returns the handle `meta_info["trace"]` carries and queues the request; when the scheduler has processed a
+    result batch (`on_batch_done`, called by the patched `stream_output`) it gathers every queued request's
+    records and K/V in one batched transfer into a bounded host ring and hands them to a writer thread, which
+    collects the attention-TP ranks' K/V shards in one gather and writes the shards;
   * still answers `get_routed_experts` in R3's format (`[seqlen - 1, num_hidden_layers, topk]` int32) when
     `--enable-return-routed-experts` is on.
 """
@@ -25,29 +27,63 @@ import torch
 from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
-from sglang_trace.kv import gather_kv_raw, gather_kv_raw_tp, kv_records_from_shards, request_slots
+from sglang_trace.kv import gather_kv_raw, gather_to_first, kv_records_from_shards, request_slots
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
-from trace_core.capture import RecordCapturer
+from trace_core.capture import RecordCapturer, record_row_layout
+from trace_core.host_ring import HostRing
 from trace_core.records import Binding, ModelShape, token_digest
 from trace_core.store import StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
 
 logger = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1  # rows computed after a weight update that carried no usable weight_version
-MAX_PENDING_WRITES = 256  # shards queued for the writer thread before request finish waits (backpressure)
+RING_REQUESTS = 2  # default host ring: room for this many requests of the full context length
 
 
 @dataclass
 class TraceStats:
-    """Counters a server reports: requests and tokens recorded, store writes done, failed (records refused or
-    the write failed) and waits on a full write queue."""
+    """Counters a server reports: requests and tokens recorded, result batches and transfers (one host copy and,
+    under attention TP, one gather each), store writes done, failed (records refused or the write failed)."""
 
     requests: int = 0
     tokens: int = 0
+    batches: int = 0
+    transfers: int = 0
+    collectives: int = 0
     shards_written: int = 0
     write_failures: int = 0
-    write_stalls: int = 0
     failed: list[str] = field(default_factory=list)  # trajectories (rids) refused or not written, last 1000
+
+
+@dataclass
+class _Finished:
+    """A finished request waiting for its result batch to close: its KV slots (a view of its `req_to_token` row,
+    valid until the scheduler's next allocation), the store writer of its step, and why it is refused (if known)."""
+
+    binding: Binding | None
+    slots: torch.Tensor
+    writer: StepWriter | None
+    error: str | None = None
+
+
+def record_args(args: TraceArgs, layout: ModelLayout) -> dict:
+    """`RecordCapturer` arguments of the MoE-input records and routes (one definition for the capturer and the
+    memory accounting): what one KV slot holds in the device record store."""
+    spec = model_spec(args, layout)
+    return dict(
+        spec=spec,
+        shape=ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim),
+        sites=[s for s in spec.sites() if s[1] == "moe_in"],
+        routes=(len(layout.moe_layers), layout.topk),
+        marks=2 * len(layout.moe_layers),
+        versioned=True,
+    )
+
+
+def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout) -> int:
+    """Device bytes the record store adds to every KV slot (added to SGLang's per-token KV cell size on every TP
+    rank, so all ranks size their KV pools alike)."""
+    return record_row_layout(**record_args(args, layout))[1].row_bytes
 
 
 class TraceCapturer(RoutedExpertsCapturer):
@@ -56,11 +92,16 @@ class TraceCapturer(RoutedExpertsCapturer):
     Args:
         args: validated `--trace-*` settings. layout: the model's layers and widths.
         kv_pool: the FP4 KV pool (`MHATokenToKVPoolFP4`); None when no k/v site is recorded.
-        max_tokens: most token rows one forward runs (R3's device-buffer rows). num_slots: KV slots + page size.
-        device: where staging lives. return_routes: answer `get_routed_experts` (R3's flag).
+        max_tokens: most token rows one forward runs (staging rows). num_slots: KV slots + page size.
+        max_request_tokens: the longest request (SGLang's context length); the host ring holds at least one.
+        device: where staging and the record store live. return_routes: answer `get_routed_experts` (R3's flag).
         weights: the emulated expert weights whose completeness every forward checks.
-        tp_rank, tp_group: attention-TP rank and group (K/V shards are gathered over it; rank 0 writes the store).
+        tp_rank: attention-TP rank (rank 0 keeps the MoE records and routes, and writes the store).
+        trace_group: a gloo group over the attention-TP ranks, created at start-up for TRACE alone (the K/V shards
+            of each transfer are gathered to rank 0 over it, on the writer thread); None for one rank.
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
+        host_ring_bytes: host ring size on rank 0 (other ranks hold only their K/V bytes of the same tokens);
+            default `RING_REQUESTS` requests of `max_request_tokens`.
 
     Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
     emulate mode, the MoE-input site in native mode) and the route capture each mark the forward's rows, in CUDA
@@ -77,12 +118,14 @@ class TraceCapturer(RoutedExpertsCapturer):
         kv_pool,
         max_tokens: int,
         num_slots: int,
+        max_request_tokens: int,
         device: torch.device | str,
         return_routes: bool,
         weights: ExpertWeights,
         tp_rank: int = 0,
-        tp_group=None,
+        trace_group=None,
         moe_tp_group=None,
+        host_ring_bytes: int | None = None,
     ) -> None:
         if not args.enabled:
             raise ValueError("TraceCapturer needs --trace-mode other than off")
@@ -95,33 +138,46 @@ class TraceCapturer(RoutedExpertsCapturer):
         # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
         # site), so its last hook marks the layer; routes come from the top-k module and are marked separately
         self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
-        shape = ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
         # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
+        rec = record_args(args, layout)
         self.records = (
-            RecordCapturer(
-                self.spec,
-                shape,
-                max_tokens=max_tokens,
-                num_slots=num_slots,
-                sites=[s for s in self.spec.sites() if s[1] == "moe_in"],
-                routes=(len(layout.moe_layers), layout.topk),
-                device=device,
-                marks=2 * len(layout.moe_layers),
-                versioned=True,
-            )
-            if tp_rank == 0
-            else None
+            RecordCapturer(max_tokens=max_tokens, num_slots=num_slots, device=device, **rec) if tp_rank == 0 else None
         )
+        # host bytes per token of a transfer: this rank's raw K/V, plus the record row on rank 0; every rank splits
+        # result batches into transfers by rank 0's bytes, so all ranks run the same transfers and gathers
+        self.kv_bytes = self._kv_bytes()
+        self.row_bytes = record_row_layout(**rec)[1].row_bytes
+        token_bytes = self.kv_bytes + self.row_bytes
+        if host_ring_bytes is None:
+            host_ring_bytes = RING_REQUESTS * max_request_tokens * token_bytes
+        if host_ring_bytes < max_request_tokens * token_bytes:
+            raise ValueError(
+                f"TRACE host ring of {host_ring_bytes} bytes cannot hold one request of {max_request_tokens} tokens "
+                f"x {token_bytes} bytes"
+            )
+        self.ring_tokens = host_ring_bytes // token_bytes
+        own_bytes = self.kv_bytes + (self.row_bytes if self.records is not None else 0)  # rank 0: token_bytes
+        self.ring = HostRing(max(1, self.ring_tokens * own_bytes), pin=torch.device(device).type == "cuda")
         self.return_routes = return_routes
-        self.tp_rank, self.tp_group, self.moe_tp_group = tp_rank, tp_group, moe_tp_group
+        self.tp_rank, self.trace_group, self.moe_tp_group = tp_rank, trace_group, moe_tp_group
         self.step = args.step
         self.stats = TraceStats()
         self._writer = StepWriter(args.store, self.step) if tp_rank == 0 else None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store") if tp_rank == 0 else None
+        # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
         self._writes: list[Future] = []
+        self._pending: list[_Finished] = []  # finished in the result batch being processed
         self._lock = threading.Lock()
         self._moe_rows: dict[int, int] = {}  # MoE layer -> token rows of its current forward
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
+
+    def _kv_bytes(self) -> int:
+        """Raw K/V bytes per token on this rank (`gather_kv_raw`'s row), 0 without k/v sites."""
+        if not self.spec.attn_layers:
+            return 0
+        pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
+        width = pool.head_num * pool.head_dim
+        return len(self.spec.attn_layers) * len(self.kv_kinds) * (width // 2 + width // 16)
 
     # --- forward side -------------------------------------------------------------------------------------------
 
@@ -166,7 +222,9 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.records.mark(2 * self.route_index[layer_id] + (kind == "routes"), rows)
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
-        """After every forward: ship the staged rows to the host store at the batch's KV slots (async on CUDA)."""
+        """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU)."""
+        if self._pending:  # finished requests whose batch was never closed: their slots may have been reused
+            self._refuse_pending("its result batch was not closed before the next forward (slots may be reused)")
         self.weights.check_complete()
         if self.records is None or forward_batch.forward_mode.is_idle():
             return
@@ -178,33 +236,28 @@ class TraceCapturer(RoutedExpertsCapturer):
     def finish_request(
         self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool, tokens: list[int]
     ) -> dict | None:
-        """Records of a finished request (positions [0, seqlen - 1)) to the store; returns the handle on the
-        store-writing rank (None elsewhere). Must run before the request's KV is released. `rid` is
-        `<trajectory>#<attempt>` (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and
-        `tokens` the request's prompt + output ids: the records are bound to (step, policy version = step,
-        trajectory, attempt, token digest), which the handle repeats.
+        """Queue a finished request's records (positions [0, seqlen - 1)) for the store; returns the handle on the
+        store-writing rank (None elsewhere). Must run before the request's KV is released; `on_batch_done` moves
+        the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>`
+        (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` the request's
+        prompt + output ids: the records are bound to (step, policy version = step, trajectory, attempt, token
+        digest), which the handle repeats.
 
-        The scheduler thread only enqueues work: the K/V rows are indexed out of the pool on the current stream
-        (ordered before any reuse of the slots) and copied to pinned memory without waiting; the MoE records and
-        routes are read from the host store on the capture drain thread, after every forward submitted so far;
-        the writer thread waits for both and writes the shard. Only R3's answer (`--enable-return-routed-experts`)
-        is waited for here. A request whose records are refused (a hook did not run, rows of another weight
-        version, unwritten rows) or whose write fails is not stored: it is counted in `stats`, logged, and marked
-        failed in the store (`trace_core.store.write_failure`, which the reader reports); the server keeps
-        serving. When that is known at finish (R3 on), the handle also says so (`"error"`)."""
+        No device work or wait here, except R3's answer (`--enable-return-routed-experts`), which is read at once.
+        A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
+        or whose write fails is not stored: it is counted in `stats`, logged, and marked failed in the store
+        (`trace_core.store.write_failure`, which the reader reports); the server keeps serving. When that is
+        known at finish (R3 on, or no weight version), the handle also says so (`"error"`)."""
         if len(tokens) != seqlen:
             raise ValueError(f"request {rid!r}: {len(tokens)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
-        raws: list[torch.Tensor] = []
-        if self.spec.attn_layers:  # one all-gather over attention TP: every rank takes part
-            raw = gather_kv_raw(self.kv_pool, slots, self.spec.attn_layers, self.kv_kinds)
-            raws = [raw] if self.tp_group is None else gather_kv_raw_tp(raw, self.tp_group)
         self.stats.requests += 1
         self.stats.tokens += length
-        if self._writer is None:
-            return None  # other ranks send no output: neither records nor R3 routes are needed there
-        writer, step = self._writer, self.step
+        if self._writer is None:  # every rank queues the request: its K/V shard joins the batch's gather
+            self._pending.append(_Finished(None, slots, None))
+            return None
+        step = self.step
         trajectory, attempt = parse_rollout_rid(str(rid))
         handle = {
             "store": str(self.args.store),
@@ -215,37 +268,111 @@ class TraceCapturer(RoutedExpertsCapturer):
             "tokens": length,
         }
         if step is None:
-            self._failed(trajectory, attempt, None, "the weights were updated without an integer weight_version")
+            error = "the weights were updated without an integer weight_version"
+            self._failed(trajectory, attempt, None, error)
+            self._pending.append(_Finished(None, slots, None, error))
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
         binding = Binding(step, step, trajectory, attempt, token_digest(tokens), self.args.recipe.name)
         handle["token_digest"] = binding.tokens
-        moe = self.records.gather_async(slots, length, version=step)
-        kv, copied = _to_host(raws)
+        finished = _Finished(binding, slots, self._writer)
+        self._pending.append(finished)
         if self.return_routes:
             try:
-                self._routes[req_pool_idx] = self._r3_routes(moe.result().routes)
+                rows = self.records.gather_rows(slots).cpu()
+                self._routes[req_pool_idx] = self._r3_routes(self.records.read(rows, version=step).routes)
             except ValueError as e:
-                self._failed(trajectory, attempt, step, f"records refused: {e}")
+                finished.error = f"records refused: {e}"
+                self._failed(trajectory, attempt, step, finished.error)
                 return {**handle, "error": f"TRACE records refused: {e}"}
-        self._bound_writes()
-        self._writes.append(self._pool.submit(self._write, writer, binding, length, moe, kv, copied))
         return handle
 
-    def _write(
+    def on_batch_done(self) -> None:
+        """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V
+        of every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds
+        the host ring): one slot concatenation, one gather of the record rows, the K/V index ops of
+        `gather_kv_raw`, and one asynchronous copy into the host ring, which waits while the ring is full
+        (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self.stats.batches += 1
+        chunk: list[_Finished] = []
+        tokens = 0
+        for finished in pending:
+            if chunk and tokens + finished.slots.shape[0] > self.ring_tokens:
+                self._transfer(chunk)
+                chunk, tokens = [], 0
+            chunk.append(finished)
+            tokens += finished.slots.shape[0]
+        self._transfer(chunk)
+
+    def _transfer(self, chunk: list[_Finished]) -> None:
+        """One transfer: the chunk's rows gathered on the device and copied into one host ring span (async on
+        CUDA), then queued for the writer thread."""
+        slots = torch.cat([f.slots for f in chunk]).long()
+        n = slots.shape[0]
+        ticket, kv_host, rows_host, copied = None, None, None, None
+        if n:
+            kv_dev = gather_kv_raw(self.kv_pool, slots, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
+            rows_dev = self.records.gather_rows(slots) if self.records is not None else None
+            nbytes = n * (self.kv_bytes + (self.row_bytes if rows_dev is not None else 0))
+            ticket, span = self.ring.reserve(nbytes)
+            kv_host = span[: n * self.kv_bytes].view(n, self.kv_bytes)
+            rows_host = span[n * self.kv_bytes :].view(n, -1) if rows_dev is not None else None
+            if kv_dev is not None:
+                kv_host.copy_(kv_dev, non_blocking=True)
+            if rows_dev is not None:
+                rows_host.copy_(rows_dev, non_blocking=True)
+            if slots.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+            self.stats.transfers += 1
+        self._writes = [f for f in self._writes if not f.done()]
+        self._writes.append(self._pool.submit(self._write_batch, chunk, kv_host, rows_host, copied, ticket))
+
+    def _write_batch(
         self,
-        writer: StepWriter,
-        binding: Binding,
-        length: int,
-        moe: Future,
-        raws: list[torch.Tensor],
+        chunk: list[_Finished],
+        kv_host: torch.Tensor | None,
+        rows_host: torch.Tensor | None,
         copied: torch.cuda.Event | None,
+        ticket: int | None,
     ) -> None:
-        """Writer thread: one trajectory's shard (K/V records unpacked from the ranks' raw bytes here, off the
-        scheduler thread); a refusal or write error is counted, logged and marked in the store, never raised."""
+        """Writer thread: wait for the transfer's copy, gather the K/V shards to rank 0 (one gather under TP), then
+        on rank 0 check, unpack and write each request's shard. A refusal or write error is counted, logged and
+        marked in the store, never raised; the host ring span is released in every case."""
         try:
-            gathered = moe.result()
             if copied is not None:
                 copied.synchronize()
+            shards = [kv_host] if self.kv_bytes and kv_host is not None else []
+            if shards and self.trace_group is not None:
+                shards = gather_to_first(kv_host, self.trace_group)
+                with self._lock:
+                    self.stats.collectives += 1
+            if self._writer is None:
+                return
+            if rows_host is None:  # a transfer of requests with no positions (seqlen 1)
+                rows_host = torch.empty(0, self.row_bytes, dtype=torch.uint8)
+            offset = 0
+            for f in chunk:
+                span = slice(offset, offset + f.slots.shape[0])
+                offset = span.stop
+                if f.error is None:
+                    self._write(f, rows_host[span], [s[span] for s in shards])
+        except Exception as e:  # a failed transfer must not take the server down
+            logger.error("TRACE transfer of %d requests failed: %s: %s", len(chunk), type(e).__name__, e)
+            for f in chunk:
+                if f.binding is not None and f.error is None:
+                    self._failed(f.binding.trajectory, f.binding.attempt, f.binding.step, f"{type(e).__name__}: {e}")
+        finally:
+            if ticket is not None:
+                self.ring.release(ticket)
+
+    def _write(self, f: _Finished, rows: torch.Tensor, raws: list[torch.Tensor]) -> None:
+        """One trajectory's shard from its host rows and K/V shards (rank order)."""
+        binding = f.binding
+        try:
+            gathered = self.records.read(rows, version=binding.step)
             kv = {}
             if raws:
                 pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
@@ -258,13 +385,21 @@ class TraceCapturer(RoutedExpertsCapturer):
                     num_kv_heads=self.layout.num_kv_heads,
                 )
             records = {**gathered.records, **kv}
+            length = rows.shape[0]
             tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
-            writer.write({binding.trajectory: tr})
-        except Exception as e:  # noqa: BLE001 - any failure of one request must not take the server down
+            f.writer.write({binding.trajectory: tr})
+        except Exception as e:
             self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
             return
         with self._lock:
             self.stats.shards_written += 1
+
+    def _refuse_pending(self, reason: str) -> None:
+        """Drop the queued requests (every rank does, in lockstep) and mark them failed on rank 0."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            if f.binding is not None and f.error is None:
+                self._failed(f.binding.trajectory, f.binding.attempt, f.binding.step, f"records refused: {reason}")
 
     def _failed(self, trajectory: str, attempt: str, step: int | None, message: str) -> None:
         """Count and log a request whose records are not stored; mark it failed in the store when its step is
@@ -279,13 +414,6 @@ class TraceCapturer(RoutedExpertsCapturer):
             write_failure(self.args.store, step, trajectory, attempt, message)
         except OSError as e:
             logger.error("TRACE could not mark trajectory %s failed in the store: %s", trajectory, e)
-
-    def _bound_writes(self) -> None:
-        """Backpressure: at most `MAX_PENDING_WRITES` shards queued; a full queue waits for the oldest (counted)."""
-        self._writes = [f for f in self._writes if not f.done()]
-        if len(self._writes) >= MAX_PENDING_WRITES:
-            self.stats.write_stalls += 1
-            self._writes.pop(0).result()
 
     def _r3_routes(self, routes: torch.Tensor) -> torch.Tensor:
         """Routes of the MoE layers in R3's layout: `[tokens, num_hidden_layers, topk]`, zeros for other layers."""
@@ -315,33 +443,18 @@ class TraceCapturer(RoutedExpertsCapturer):
             self._writer = StepWriter(self.args.store, step)
 
     def flush(self) -> None:
-        """Wait for every store write queued so far (failures are in `stats`)."""
+        """Move the queued requests (`on_batch_done`) and wait for every store write (failures are in `stats`)."""
+        self.on_batch_done()
         writes, self._writes = self._writes, []
         for f in writes:
             f.result()
 
     def close(self) -> None:
         self.flush()
-        if self.records is not None:
-            self.records.close()
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._pool.shutdown()
 
     def get_host_cache(self):
-        return None if self.records is None else self.records.host
+        return None  # no host mirror of the KV slots: records stay on the device until a request finishes
 
     def get_device_cache(self):
-        return None if self.records is None else self.records.staging
-
-
-def _to_host(raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """Copies of the ranks' raw K/V bytes in one pinned host tensor (PyTorch's caching host allocator), started
-    without waiting; the event marks their end."""
-    if not raws or raws[0].device.type != "cuda":
-        return raws, None
-    stacked = torch.stack(raws) if len(raws) > 1 else raws[0].unsqueeze(0)
-    host = torch.empty(stacked.shape, dtype=torch.uint8, pin_memory=True)
-    host.copy_(stacked, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return list(host.unbind(0)), copied
+        return None if self.records is None else self.records.store

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe
+from trace_core.formats import KV_FP4
+from trace_core.modes import ROLLOUT_MODES
+from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe, recipe_names
 from trace_core.records import RecordSpec, check_bits
+from trace_core.sites import SITE_KINDS
 
-MODES = ("off", "emulate", "native")
-SITE_KINDS = ("moe_in", "k", "v")
+MODES = ROLLOUT_MODES
 LAYER_PRESETS = ("latter-half", "all")
 
 # Field name -> default, added to ServerArgs by the patch (SGLang keeps every flag as a dataclass field).
@@ -26,6 +28,7 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_sites": "moe_in,k,v",
     "trace_store": None,
     "trace_step": 0,
+    "trace_recipe": DEFAULT_RECIPE,
 }
 
 # Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate
@@ -83,7 +86,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SERVER_ARGS_FIELDS["trace_step"],
         help="RL step the first records are written under; afterwards every weight update must carry "
-        "weight_version=<RL step> (an update without one is refused while TRACE is on).",
+        "weight_version=<RL step> (after an update without one, records are refused until a versioned update).",
+    )
+    group.add_argument(
+        "--trace-recipe",
+        default=SERVER_ARGS_FIELDS["trace_recipe"],
+        help=f"Precision recipe of the rollout's FP4 numerics (trace_core.recipe): one of {', '.join(recipe_names())}.",
     )
 
 
@@ -153,7 +161,7 @@ def check_server_args(server_args) -> TraceArgs:
         raise ValueError(f"--trace-mode {mode!r} is not one of {MODES}")
     try:
         bits = check_bits(server_args.trace_record_bits)
-        recipe = get_recipe(DEFAULT_RECIPE)  # --trace-recipe: once patch 0001 has the ServerArgs field
+        recipe = get_recipe(server_args.trace_recipe)
     except ValueError as e:
         raise ValueError(f"--trace-record-bits / --trace-recipe: {e}") from None
     args = TraceArgs(
@@ -185,6 +193,11 @@ def check_server_args(server_args) -> TraceArgs:
         problems.append("speculative decoding is not supported (draft forwards would write records)")
     if server_args.pp_size != 1:
         problems.append("pipeline parallelism is not supported")
+    if args.kv_sites and {recipe.k.fmt.name, recipe.v.fmt.name} != {KV_FP4.name}:
+        problems.append(
+            f"--trace-recipe {recipe.name} quantizes K / V as {recipe.k.fmt.name}; SGLang's fp4_e2m1 KV pool stores "
+            f"{KV_FP4.name}"
+        )
     if "moe_in" in args.sites and not recipe.recorded("moe_in"):
         problems.append(
             f"--trace-recipe {recipe.name} does not record moe_in ({recipe.moe_in.fmt.name} inputs are rounded to "

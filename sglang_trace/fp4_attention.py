@@ -36,8 +36,8 @@ def phases() -> frozenset[str]:
 
 def reads_fp4(pool, phase: str) -> bool:
     """Whether `phase` attention over `pool` reads FP4 directly: `phase` selected and an FP4 pool (also the
-    full-attention pool of a hybrid linear-attention model); raises as `check_fp4_pool` for a selected phase over
-    another FP4 layout."""
+    full-attention pool of a hybrid linear-attention model); for a selected phase, raises as `check_fp4_pool` over
+    another FP4 layout and for a head dim the kernels refuse."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
     if phase not in phases():
@@ -46,6 +46,11 @@ def reads_fp4(pool, phase: str) -> bool:
     if getattr(fp4, "k_scale_buffer", None) is None:
         return False
     check_fp4_pool(fp4)
+    from trace_core.kernels.fp4_attention import MIN_HEAD_DIM
+
+    d = fp4.head_dim
+    if d < MIN_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"{ENV}: the FP4 attention kernels need a power-of-two head dim >= {MIN_HEAD_DIM}, got {d}")
     return True
 
 

@@ -5,10 +5,12 @@ when `--trace-mode` is off, so the patched engine behaves as upstream unless TRA
 |---|---|
 | `add_cli_args`, `check_server_args` | `ServerArgs.add_cli_args`, `ServerArgs.__post_init__` |
 | `on_expert_weight_loaded` | `FusedMoE.weight_loader`, after every write (initial load and every weight update) |
+| `record_bytes_per_token` | `ModelRunnerKVCacheMixin.profile_max_num_token` (added to the KV cell size) |
 | `install_capturer` | `ModelRunner.init_routed_experts_capturer` (after the KV pool exists, before CUDA graphs) |
 | `on_moe_input` | `FusedMoE.forward_impl`, right after dispatch |
 | `on_fc2_input` | the triton MoE runner and the CPU expert path, between the activation and the second GEMM |
 | `on_request_finished` | `SchedulerOutputProcessorMixin.maybe_collect_routed_experts` (before the KV is released) |
+| `on_batch_done` | `SchedulerOutputProcessorMixin.stream_output` (a result batch was processed) |
 | `refuse_weight_update` | the scheduler's `update_weights_from_{disk,tensor,distributed,ipc}`, before updating |
 | `on_weights_updated` | the same four, after a successful update |
 """
@@ -16,25 +18,31 @@ when `--trace-mode` is off, so the patched engine behaves as upstream unless TRA
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import torch
 
 from sglang_trace.config import TraceArgs, add_cli_args, check_server_args, model_layout
 from sglang_trace.moe import ExpertWeights
+from trace_core.recipe import get_recipe
 
 __all__ = [
     "add_cli_args",
     "check_server_args",
     "install_capturer",
+    "on_batch_done",
     "on_expert_weight_loaded",
     "on_fc2_input",
     "on_moe_input",
     "on_request_finished",
     "on_weights_updated",
+    "record_bytes_per_token",
     "refuse_weight_update",
 ]
 
 logger = logging.getLogger(__name__)
+
+TRACE_GROUP_TIMEOUT = timedelta(minutes=10)  # a rank missing from a K/V gather fails that transfer, not the server
 
 # Expert weights of this process (one model per scheduler/TP process).
 EXPERT_WEIGHTS = ExpertWeights()
@@ -68,6 +76,7 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
         )
     if expert_id is None:
         raise ValueError(f"--trace-mode emulate: layer {layer.layer_id} loads fused experts (no expert id)")
+    EXPERT_WEIGHTS.role = get_recipe(args.trace_recipe).weights
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
 
 
@@ -117,6 +126,32 @@ def check_moe_layers(model, mode: str) -> int:
     return checked
 
 
+def record_bytes_per_token(model_runner) -> int:
+    """Device bytes per KV slot of TRACE's record store (0 when off), which SGLang adds to its per-token KV cell
+    size before sizing the KV pool: the store is allocated later, with one row per slot of that pool."""
+    args: TraceArgs = check_server_args(model_runner.server_args)
+    if not args.enabled:
+        return 0
+    from sglang_trace.capturer import record_bytes_per_slot
+
+    return record_bytes_per_slot(args, model_layout(model_runner.model_config.hf_config))
+
+
+def trace_group(tp):
+    """A gloo group over the attention-TP ranks for TRACE's K/V gathers (None for one rank), created at start-up
+    by every rank in the same order, so TRACE's collectives never interleave with SGLang's on its own groups."""
+    import torch.distributed as dist
+
+    if tp.world_size == 1:
+        return None
+    if dist.get_world_size() != tp.world_size:
+        raise ValueError(
+            f"TRACE needs the TP group to span the whole process group (world {dist.get_world_size()}, TP "
+            f"{tp.world_size}): pipeline, data or expert parallelism across processes is not traced"
+        )
+    return dist.new_group(ranks=list(tp.ranks), backend="gloo", timeout=TRACE_GROUP_TIMEOUT)
+
+
 def install_capturer(model_runner) -> bool:
     """Install a `TraceCapturer` as SGLang's global experts capturer when TRACE is on; True when installed (the
     caller then skips the built-in R3 capturer, whose role it takes over)."""
@@ -138,7 +173,7 @@ def install_capturer(model_runner) -> bool:
             raise RuntimeError("--trace-mode emulate: no routed-expert weight was quantized during load")
         logger.warning(
             "TRACE emulate with --load-format dummy: routed experts stay unquantized until the first weight "
-            "update writes them (records of earlier requests do not describe an NVFP4 model)"
+            "update writes them (records of earlier requests do not describe the quantized model)"
         )
     tp, moe_tp = get_tp_group(), get_moe_tp_group()
     capturer = TraceCapturer(
@@ -147,11 +182,12 @@ def install_capturer(model_runner) -> bool:
         kv_pool=model_runner.token_to_kv_pool if args.kv_sites else None,
         max_tokens=forward_rows(server_args, model_runner.max_running_requests, model_runner.model_config.context_len),
         num_slots=model_runner.max_total_num_tokens + model_runner.page_size,
+        max_request_tokens=model_runner.model_config.context_len,
         device=model_runner.device,
         return_routes=server_args.enable_return_routed_experts,
         weights=EXPERT_WEIGHTS,
         tp_rank=tp.rank_in_group,
-        tp_group=tp.device_group if tp.world_size > 1 else None,
+        trace_group=trace_group(tp) if args.kv_sites else None,
         moe_tp_group=moe_tp if moe_tp.world_size > 1 else None,
     )
     set_global_experts_capturer(capturer)
@@ -199,6 +235,14 @@ def on_request_finished(scheduler, req) -> None:
     )
 
 
+def on_batch_done(scheduler) -> None:
+    """The scheduler is about to stream a processed result batch: move the records of the requests that finished
+    in it to the writer thread (one batched transfer)."""
+    capturer = _capturer()
+    if capturer is not None:
+        capturer.on_batch_done()
+
+
 def refuse_weight_update(recv_req) -> str | None:
     """Before a tensor weight update: why TRACE refuses it (the update is then not applied), or None. A
     `load_format` of `direct` or a custom loader writes parameters without FusedMoE.weight_loader, where
@@ -210,7 +254,7 @@ def refuse_weight_update(recv_req) -> str | None:
     if load_format not in (None, "flattened_bucket"):
         return (
             f"TRACE is on: update_weights_from_tensor with load_format={load_format!r} writes parameters without "
-            "FusedMoE.weight_loader (experts would not be NVFP4); use load_format None or 'flattened_bucket'"
+            "FusedMoE.weight_loader (experts would not be quantized); use load_format None or 'flattened_bucket'"
         )
     return None
 

@@ -60,8 +60,9 @@ def gather_kv_raw(pool, slots: torch.Tensor, layers: Sequence[int], kinds: Seque
     """This rank's raw K/V bytes of `layers` x `kinds` at KV `slots` `[L]`: one uint8 tensor `[L, sites * (W/2 +
     W/16)]` (W = head_num * head_dim; per site the packed E2M1 codes then the E8M0 bytes), on the pool's device.
 
-    Two index ops per site and one concatenation: the only K/V work request finish does on the scheduler thread
-    (unpacking and keeping the low bits happen on the writer thread, `kv_records_from_raw`)."""
+    Two index ops per site and one concatenation, once per result batch for all its finished requests: the K/V
+    work on the scheduler thread (unpacking and keeping the low bits happen on the writer thread,
+    `kv_records_from_raw`)."""
     check_fp4_pool(getattr(pool, "full_kv_pool", pool))
     parts = []
     for layer in layers:
@@ -126,15 +127,18 @@ def merge_tp_shards(shards: Sequence[dict[Site, Record]], tp_size: int, num_kv_h
     return merged
 
 
-def gather_kv_raw_tp(raw: torch.Tensor, tp_group) -> list[torch.Tensor]:
-    """Every attention-TP rank's raw K/V bytes (`gather_kv_raw`), in rank order: one all-gather per request over
-    `tp_group` (every rank calls this in lockstep, as the scheduler does at request finish)."""
+def gather_to_first(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every rank's host tensor `shard` (same shape on all ranks), in rank order, on the group's first rank (None
+    elsewhere): one `gather` over `group` (a gloo group; every rank calls this in the same order)."""
     import torch.distributed as dist
 
-    size = dist.get_world_size(tp_group)
-    out = torch.empty((size * raw.shape[0], *raw.shape[1:]), dtype=raw.dtype, device=raw.device)
-    dist.all_gather_into_tensor(out, raw.contiguous(), group=tp_group)
-    return list(out.view(size, *raw.shape).unbind(0))
+    first = dist.get_global_rank(group, 0)
+    if dist.get_rank(group) != 0:
+        dist.gather(shard, None, dst=first, group=group)
+        return None
+    received = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.gather(shard, received, dst=first, group=group)
+    return received
 
 
 def kv_records_from_shards(
@@ -152,28 +156,14 @@ def kv_records_from_shards(
 
 
 def gather_kv_records(
-    pool,
-    slots: torch.Tensor,
-    layers: Sequence[int],
-    kinds: Sequence[str],
-    bits: int,
-    *,
-    num_kv_heads: int,
-    tp_group=None,
+    pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], bits: int, *, num_kv_heads: int
 ) -> dict[Site, Record]:
-    """K/V records of a request at `slots`, full width across attention TP.
-
-    `num_kv_heads`: the model's KV heads (all ranks). `tp_group`: the attention-TP process group (every rank calls
-    this in lockstep, as the scheduler does at request finish); None for a single rank. The raw bytes travel over
-    the group in one all-gather."""
+    """K/V records of a request at `slots` on one rank holding all `num_kv_heads` KV heads (under attention TP the
+    capturer gathers the ranks' raw shards with `gather_to_first` and merges them with `kv_records_from_shards`)."""
     check_bits(bits)
     fp4 = getattr(pool, "full_kv_pool", pool)
+    if fp4.head_num != num_kv_heads:
+        raise ValueError(f"pool holds {fp4.head_num} of {num_kv_heads} KV heads but no TP group was given")
     raw = gather_kv_raw(pool, slots, layers, kinds)
-    if tp_group is None:
-        if fp4.head_num != num_kv_heads:
-            raise ValueError(f"pool holds {fp4.head_num} of {num_kv_heads} KV heads but no TP group was given")
-        raws = [raw]
-    else:
-        raws = gather_kv_raw_tp(raw, tp_group)
     width = fp4.head_num * fp4.head_dim
-    return kv_records_from_shards(raws, layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads)
+    return kv_records_from_shards([raw], layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads)

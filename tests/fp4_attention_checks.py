@@ -38,7 +38,7 @@ CASES = [
     (2, 1, 64, [5, 70, 33], [1, 2, 3], 0.0, False),  # MHA (one head per program)
     (1, 16, 128, [100, 1], [2, 1], 30.0, True),  # 16 heads per program, logit cap, attention sinks
     (1, 32, 64, [40], [4], 0.0, False),  # more query heads per KV head than one program holds
-    (2, 2, 64, [6, 9], [8, 8], 0.0, False),  # 2 query heads per KV head, requests shorter than their empty splits
+    (1, 2, 64, [6, 9], [8, 8], 0.0, False),  # 2 query heads per KV head, requests shorter than their empty splits
 ]
 
 
@@ -134,9 +134,9 @@ def check_decode(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, t
 
 # (kv heads, q heads per kv head, head dim, cached prefix lengths, new-token lengths, causal, logit cap, sinks)
 EXTEND_CASES = [
-    (2, 4, 64, [0, 70, 5], [9, 40, 70], True, 0.0, False),  # no prefix, prefix over one key block, two query blocks
+    (1, 2, 64, [0, 70, 5], [9, 40, 70], True, 0.0, False),  # no prefix, prefix over one key block, two query blocks
     (2, 1, 64, [33], [20], False, 30.0, True),  # MHA, bidirectional, logit cap, sinks
-    (1, 8, 128, [130], [3], True, 0.0, False),  # head dim 128, short extend after a long prefix
+    (1, 2, 128, [130], [3], True, 0.0, False),  # head dim 128, short extend after a long prefix
 ]
 
 

@@ -12,10 +12,13 @@
 
 import math
 import os
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from tests import fp4_attention_checks as checks
+from tests.interpret import run_cases
 from tests.sglang_cpu import install_sgl_kernel_stand_in
 
 
@@ -35,6 +38,14 @@ def check_sglang_pool() -> None:
     pool.set_kv_buffer(None, slots, kv[0].clone(), kv[1].clone(), layer_id_override=layer)
     os.environ[fp4_attention.ENV] = "decode,extend"
     assert fp4_attention.reads_fp4(pool, "decode") and fp4_attention.reads_fp4(pool, "extend")
+    small = MHATokenToKVPoolFP4(size=8, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=heads, head_dim=32,
+                                layer_num=1, device="cpu", enable_memory_saver=False, start_layer=0,
+                                enable_alt_stream=False)  # fmt: skip
+    try:
+        fp4_attention.reads_fp4(small, "decode")
+        raise AssertionError("a head dim of 32 was not refused when the backend starts")
+    except ValueError as e:
+        assert "head dim >= 64, got 32" in str(e), e
     q = torch.randn(len(lens), heads * group, d, generator=gen).to(torch.bfloat16)
     indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
     nsplit = torch.tensor([2, 3], dtype=torch.int32)
@@ -72,18 +83,16 @@ def check_sglang_pool() -> None:
     assert torch.equal(outs[0], outs[1]), "FP4 extend through the glue differs from SGLang's path on its pool"
 
 
-def main() -> None:
-    worst = 0.0
-    for case in checks.CASES:
-        worst = max(worst, checks.check_decode(case, torch.float32, torch.float32, "cpu", 1e-4, 1e-4))
-    print(f"checked {len(checks.CASES)} decode cases; max |kernel - twin| {worst:.3g}")
-    worst = 0.0
-    for case in checks.EXTEND_CASES:
-        worst = max(worst, checks.check_extend(case, torch.float32, torch.float32, "cpu", 0, 0)["max_vs_twin"])
-    print(f"checked {len(checks.EXTEND_CASES)} extend cases; max |kernel - twin| {worst:.3g}")
-    check_sglang_pool()
-    print("checked decode and extend through sglang_trace.fp4_attention on SGLang's FP4 pool")
+def cases() -> dict[str, Callable[[], object]]:
+    """Case id -> check (`tests.interpret`): each decode and extend case, then the SGLang pool end to end."""
+    out: dict[str, Callable[[], object]] = {}
+    for i, case in enumerate(checks.CASES):
+        out[f"decode-{i}"] = partial(checks.check_decode, case, torch.float32, torch.float32, "cpu", 1e-4, 1e-4)
+    for i, case in enumerate(checks.EXTEND_CASES):
+        out[f"extend-{i}"] = partial(checks.check_extend, case, torch.float32, torch.float32, "cpu", 0, 0)
+    out["sglang-pool"] = check_sglang_pool
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(cases())

@@ -1,4 +1,4 @@
-"""Record capture on the CPU path: staging -> host store keyed by KV slot -> gather per request.
+"""Record capture on the CPU: staging -> record store keyed by KV slot -> gather per request; the bounded host ring.
 
 A small driver plays the rollout engine: every token row's activations derive from a content seed, so a row's
 expected record is the reference quantizer's output on that row alone (all formats here quantize row-independently:
@@ -6,16 +6,18 @@ block scales, and nvfp4 with a per-token scale).
 """
 
 import threading
+import time
 
 import pytest
 import torch
 
 from trace_core.capture import RecordCapturer
-from trace_core.drain import DrainQueue
 from trace_core.formats import format_names, get_format
+from trace_core.host_ring import HostRing
 from trace_core.kernels import quantize_record
 from trace_core.quant import quantize
-from trace_core.records import SITE_KINDS, ModelShape, Record, RecordSpec, pack_low_bits
+from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits
+from trace_core.sites import SITE_KINDS
 from trace_core.store import TrajectoryRecords
 
 SHAPE = ModelShape(hidden=64, num_kv_heads=2, head_dim=32)
@@ -98,7 +100,7 @@ def test_round_trip_chunked_prefill_then_decode(fmt, bits):
     drv.forward(list(zip(slots[4:7], seeds[4:7], strict=True)))
     ids = [drv.forward([(slots[i], seeds[i]), (0, 999)]) for i in range(7, 11)]  # padded rows hit dummy slot 0
     assert ids == [2, 3, 4, 5]
-    got = cap.gather(torch.tensor(slots, dtype=torch.int32), 10, after_forward=ids[-2])
+    got = cap.gather(torch.tensor(slots, dtype=torch.int32), 10)
     assert_same(got, drv.expected(seeds[:10]))
     assert got.records[(2, "k")].code_bits().shape == (10, 64)
     row_bytes = cap.row.row_bytes
@@ -107,8 +109,8 @@ def test_round_trip_chunked_prefill_then_decode(fmt, bits):
 
 def test_row_bytes_match_the_record_spec_accounting():
     cap = make("nvfp4", 1, routes=None)
-    # moe_in: 64 * 1.5 / 8 + 4 (token scale) = 16; k, v: 64 * 1.5 / 8 = 12 each.
-    assert cap.row.row_bytes == 2 * 16 + 2 * 12
+    # moe_in: 64 * 1.5 / 8 + 4 (token scale) = 16; k, v: 64 * 1.5 / 8 = 12 each; the written byte; 4-aligned.
+    assert cap.row.row_bytes == 2 * 16 + 2 * 12 + 4
 
 
 def test_prefix_sharing_requests_read_the_shared_slots():
@@ -203,7 +205,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"slots out of range \[0, 64\): min -1"):
         cap.release(torch.tensor([-1, 3]))
     with pytest.raises(ValueError, match="slots must be a 1-D int tensor"):
-        cap.gather_async(torch.tensor([[1, 2]]), 2)
+        cap.gather_rows(torch.tensor([[1, 2]]))
 
 
 def test_out_of_range_out_cache_loc_is_rejected_and_nothing_is_written():
@@ -229,70 +231,65 @@ def test_the_quantize_record_kernel_op_writes_into_staging_rows(fmt):
     assert_same(cap.gather(torch.arange(10, 15), 5), TrajectoryRecords(5, {(3, "moe_in"): want}))
 
 
-def test_gather_async_and_release_are_ordered_after_earlier_forwards_on_the_cpu_path():
-    cap = make(routes=None)
+def test_rows_gathered_in_one_batch_and_read_elsewhere_equal_per_request_gathers():
+    """The batched finish path: one `gather_rows` over several requests' slots, copied to the host, then split and
+    checked per request by `read`; a released slot fails its request only."""
+    cap = make(versioned=True)
     drv = Driver(cap)
-    drv.forward([(5, 1), (6, 2)])
-    future = cap.gather_async(torch.tensor([5, 6]), 2)
-    cap.release(torch.tensor([5, 6]))
-    drv.forward([(5, 8)])
-    assert_same(future.result(timeout=0), drv.expected([1, 2]))
+    for rows in ([(5, 1), (6, 2), (7, 3)], [(9, 4), (5, 5)]):
+        for site, (fmt_name, _, n) in cap.layouts.items():
+            cap.stage_quantized(site, quantize_rows(fmt_name, site_rows(site, [s for _, s in rows], n)))
+        for layer in range(ROUTES[0]):
+            cap.stage_routes(layer, expected_routes([s for _, s in rows])[:, layer])
+        cap.on_forward_end(torch.tensor([slot for slot, _ in rows]), version=3)
+    cap.release(torch.tensor([7]))
+    host = cap.gather_rows(torch.tensor([6, 5, 9, 7])).clone()  # request A: slots 6, 5; request B: 9, 7
+    assert_same(cap.read(host[:2], version=3), drv.expected([2, 5]))
+    assert_same(cap.read(host[:2], version=3), cap.gather(torch.tensor([6, 5]), 2, version=3))
     with pytest.raises(ValueError, match=r"1 of 2 positions have no captured record \(first positions \[1\]"):
-        cap.gather(torch.tensor([5, 6]), 2)
-    assert cap.gather_async(torch.tensor([6]), 1).exception(timeout=0) is not None
+        cap.read(host[2:], version=3)
+    with pytest.raises(ValueError, match=r"weight versions \[3\], not 4"):
+        cap.read(host[:2], version=4)
+    assert cap.store.device == cap.staging.device and cap.store.shape == (64, cap.row.row_bytes)
 
 
-class TestDrainQueue:
-    """The ordered job queue behind the CUDA ring, driven with plain jobs on the CPU."""
+class TestHostRing:
+    """The bounded host ring of the finish path: fixed size, first in first out, backpressure when full."""
 
-    def test_thread_runs_jobs_in_order_and_waits_only_up_to_a_tag(self):
-        q = DrainQueue(thread=True)
-        gate, order = threading.Event(), []
-        q.put(lambda: order.append(0), 0)
-        q.put(lambda: (gate.wait(5), order.append(1)), 1)  # a copy still in flight
-        late = q.put(lambda: order.append(2) or "done", 2, report=False)
-        q.wait_upto(0)
-        assert order == [0]
-        assert not q.wait_upto(0) and not late.done()  # job 0 is done; job 1 still blocks job 2
-        with q.cv:
-            assert q.busy_upto(1) and q.busy_upto(None)
-        gate.set()
-        assert late.result(timeout=5) == "done" and order == [0, 1, 2]
-        q.close()
-        assert q.completed == 3
+    def test_spans_wrap_and_a_full_ring_waits_for_a_release_instead_of_overwriting(self):
+        ring = HostRing(100, pin=False)
+        a, span_a = ring.reserve(40)
+        b, span_b = ring.reserve(40)
+        span_a.fill_(1)
+        span_b.fill_(2)
+        got, released = [], threading.Event()
 
-    def test_inline_poll_runs_only_ready_jobs_and_wait_runs_the_rest(self):
-        q = DrainQueue(thread=False)
-        ready, order = [False], []
-        q.put(lambda: order.append("copy"), 0, ready=lambda: ready[0])
-        q.put(lambda: order.append("gather"), 0)
-        q.poll()
-        assert order == []  # the head's copy is not done: nothing may overtake it
-        ready[0] = True
-        q.poll()
-        assert order == ["copy", "gather"]
-        q.put(lambda: order.append("blocking copy"), 1, ready=lambda: False)
-        assert q.wait_upto(1) and order[-1] == "blocking copy"
-        with pytest.raises(RuntimeError, match="no queued job can satisfy"):
-            q.wait_for(lambda: False)
+        def third():
+            got.append(ring.reserve(30))  # 20 bytes free at the tail, 0 at the head: waits
 
-    @pytest.mark.parametrize("thread", [True, False])
-    def test_errors_reach_the_future_and_reported_ones_the_next_wait(self, thread):
-        q = DrainQueue(thread=thread)
+        t = threading.Thread(target=third)
+        t.start()
+        time.sleep(0.2)
+        assert not got and ring.stats.stalls == 1
+        assert bool((span_b == 2).all())  # nothing was overwritten while waiting
+        ring.release(b)  # out of order: a is still held, so no space frees up yet
+        time.sleep(0.2)
+        assert not got
+        ring.release(a)
+        released.set()
+        t.join(5)
+        ticket, span_c = got[0]
+        assert span_c.data_ptr() == ring.buffer.data_ptr() and span_c.numel() == 30  # wrapped to the start
+        _, span_d = ring.reserve(60)  # after c: [30, 90)
+        assert span_d.data_ptr() == ring.buffer.data_ptr() + 30
+        assert ring.stats.reserves == 4 and ring.stats.stall_s > 0 and ring.in_use == 2
 
-        def fail():
-            raise ValueError("KV slots out of range")
-
-        quiet = q.put(fail, 0, report=False)
-        q.poll()  # inline: runs the job; an unreported failure is the future holder's business
-        assert isinstance(quiet.exception(timeout=5), ValueError)
-        q.poll()
-        q.put(fail, 1)
-        with pytest.raises(ValueError, match="KV slots out of range"):
-            q.wait_upto(None)
-        q.wait_upto(None)  # raised once
-        ok = q.put(lambda: 7, 2)
-        q.close()
-        assert ok.result(timeout=0) == 7
-        with pytest.raises(RuntimeError, match="closed"):
-            q.put(lambda: None, 3)
+    def test_bad_sizes_and_timeouts_are_named(self):
+        ring = HostRing(64, pin=False)
+        with pytest.raises(ValueError, match="100 bytes do not fit the host ring of 64 bytes"):
+            ring.reserve(100)
+        ring.reserve(60)
+        with pytest.raises(TimeoutError, match="host ring full"):
+            ring.reserve(10, timeout=0.05)
+        with pytest.raises(ValueError, match="ticket 9 is not a span in use"):
+            ring.release(9)

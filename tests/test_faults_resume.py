@@ -20,7 +20,6 @@ from trace_core.store import StoreError, list_steps, step_dir
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller
 from trace_rl.rundir import CorruptCheckpointError, checkpoints, load_latest, save_checkpoint
-from trace_rl.warmup import make_tiny_model
 
 pytestmark = pytest.mark.faults
 REPO = Path(__file__).resolve().parents[1]
@@ -28,9 +27,8 @@ TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=2, rollout_workers=
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=4)
+def model_dir(tiny_model) -> str:
+    out = tiny_model(4)
     return str(out)
 
 

@@ -21,7 +21,6 @@ from trace_core.store_reader import FailedRecordError, RecordReader
 from trace_rl.controller import Controller
 from trace_rl.sglang_worker import SGLangError, SGLangWorker
 from trace_rl.task import VOCAB
-from trace_rl.warmup import make_tiny_model
 from trace_rl.workers import RolloutTimeout
 
 pytestmark = pytest.mark.faults
@@ -29,9 +28,8 @@ KEY, ADMIN = "sk-run-7f3a9c1e5b", "sk-admin-04d2e8b6a1"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=4)
+def model_dir(tiny_model) -> str:
+    out = tiny_model(4)
     return str(out)
 
 

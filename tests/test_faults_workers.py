@@ -23,7 +23,6 @@ from trace_core.store_reader import BindingMismatchError
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.rundir import RunLockedError
-from trace_rl.warmup import make_tiny_model
 from trace_rl.workers import RolloutTimeout
 
 pytestmark = pytest.mark.faults
@@ -32,9 +31,8 @@ TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=2, rollout_workers=
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=4)
+def model_dir(tiny_model) -> str:
+    out = tiny_model(4)
     return str(out)
 
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from trace_core.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, E8M0Rule, Rounding, ScaleKind, get_format
+from trace_core.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, E8M0Rule, Rounding, ScaleKind, format_names, get_format
 
 
 def test_registry_returns_the_named_formats():
@@ -33,3 +33,10 @@ def test_format_parameters_follow_the_contract():
     assert (MXFP4.block, MXFP4.scale, MXFP4.e8m0_rule) == (32, ScaleKind.E8M0, E8M0Rule.CEIL)
     assert MXFP4_OCP.e8m0_rule is E8M0Rule.FLOOR
     assert (KV_FP4.block, KV_FP4.rounding, KV_FP4.negative_zero) == (16, Rounding.TIES_UP, False)
+
+
+def test_every_format_has_its_own_kernel_id():
+    """The Triton kernels branch on `kernel_id` (read from these definitions): two formats sharing one would run
+    one format's rounding for the other."""
+    ids = [get_format(name).kernel_id for name in format_names()]
+    assert len(set(ids)) == len(ids)

@@ -17,16 +17,14 @@ move an output across one BF16 rounding boundary (relative 2^-8) or a probabilit
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests import fp4_attention_checks as checks
+from tests import fp4_attention_interpret
+from tests.interpret import Interpreted, interpret
 from trace_core.kernels.fp4_attention import check_fp4_cache
 from trace_core.kv_attention import decode_attention_reference, dequantize_kv
 
@@ -67,19 +65,19 @@ def test_bad_cache_is_named():
         check_fp4_cache(q, kc.float(), ks, kc, ks)
 
 
-@pytest.mark.slow
-def test_kernels_under_the_interpreter():
+@pytest.fixture(scope="module")
+def interpreted() -> Interpreted:
+    """Every case of `tests.fp4_attention_interpret`, run once in one interpreter subprocess."""
     pytest.importorskip("triton")
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "tests.fp4_attention_interpret"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert f"checked {len(checks.CASES)} decode cases" in proc.stdout
-    assert f"checked {len(checks.EXTEND_CASES)} extend cases" in proc.stdout
-    assert "checked decode and extend through sglang_trace.fp4_attention on SGLang's FP4 pool" in proc.stdout
+    return interpret("tests.fp4_attention_interpret")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(fp4_attention_interpret.cases()))
+def test_kernel_under_the_interpreter(interpreted, case):
+    interpreted.check(case)
 
 
 def test_sglang_option_is_refused_by_name(monkeypatch):
@@ -112,7 +110,7 @@ def test_extend_refuses_what_it_does_not_replay():
     with pytest.raises(ValueError, match="xai_temperature_len"):
         fp4_extend_attention(*args, None, True, None, n, 1.0, 1.0, xai_temperature_len=8)
     with pytest.raises(ValueError, match="k_extend must be"):
-        fp4_extend_attention(q, k[:, :1], *args[2:], None, True, None, n, 1.0, 1.0)
+        fp4_extend_attention(q, k[..., :32], *args[2:], None, True, None, n, 1.0, 1.0)
 
 
 def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():

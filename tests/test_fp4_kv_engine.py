@@ -6,12 +6,15 @@ On CPU decode runs the pure-torch twin; on CUDA the Triton kernel, checked on ev
 same pool within the kernel-vs-twin tolerance of tests/test_fp4_attention.py (one BF16 rounding: 2^-7 relative +
 2^-7 absolute). End to end the comparison is teacher-forced (the reference scores the FP4 engine's own tokens), so
 a sampling draw near a boundary cannot turn a rounding difference into a different trajectory. Log-probs are
-differences of BF16 logits: within 2^-5, two BF16 ulps of the model's logits (|logit| < 4, asserted).
+differences of BF16 logits: with every logit within two of its BF16 steps, a log-prob moves by at most four steps
+of the largest |logit| (`_logprob_atol`), the tolerance used.
 The CUDA case runs the `small` preset (head dim 64; the kernel refuses the tiny model's 16, see
 `trace_core.kernels.fp4_attention.MIN_HEAD_DIM`).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -25,14 +28,12 @@ from trace_rl.warmup import HF_DIR, make_tiny_model
 
 TASK = AdditionTask(1)
 SPEC = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,))
-LOGPROB_ATOL = 2**-5
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
+def tiny_dir(tiny_model):
+    out = tiny_model(10)
     return str(out / HF_DIR)
 
 
@@ -40,7 +41,7 @@ def tiny_dir(tmp_path_factory):
 def small_dir(tmp_path_factory):
     """The `small` preset (head dim 64, 3 query heads per KV head): the CUDA kernel refuses the tiny model's 16."""
     out = tmp_path_factory.mktemp("small")
-    make_tiny_model(out, steps=4, preset="small")
+    make_tiny_model(out, steps=4, preset="small", lr=1e-4)  # near its initialization: small logits
     return str(out / HF_DIR)
 
 
@@ -58,6 +59,11 @@ class _KVTap:
     def forward_end(self, slots):
         self.slots.append(slots.clone())
         self.values.append({})
+
+
+def _logprob_atol(top: float) -> float:
+    """Four BF16 steps (ulps) at the largest |logit| `top`."""
+    return 4 * 2.0 ** (math.floor(math.log2(max(top, 1.0))) - 7)
 
 
 def _forced(engine: EmbeddedEngine, prompts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -107,6 +113,5 @@ def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
     tokens = torch.stack([torch.cat([t.tokens[t.prompt_len :], torch.full((n,), EOS)])[:n] for t in ours])
     ref = EmbeddedEngine(model_dir, fp4=True, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
     theirs, top = _forced(ref, prompts, tokens)
-    assert top < 4, f"logits up to {top}: the BF16-ulp tolerance assumes |logit| < 4"
     for i, t in enumerate(ours):
-        torch.testing.assert_close(t.logprobs, theirs[i, : len(t.logprobs)], rtol=0, atol=LOGPROB_ATOL)
+        torch.testing.assert_close(t.logprobs, theirs[i, : len(t.logprobs)], rtol=0, atol=_logprob_atol(top))

@@ -2,15 +2,11 @@
 under the Triton interpreter (`TRITON_INTERPRET=1`, small shapes, in a subprocess because the flag is read when
 triton compiles a kernel's launcher)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests import kernel_checks
+from tests import kernel_checks, kernel_interpret
+from tests.interpret import Interpreted, interpret
 from trace_core import guided as ref_guided
 from trace_core.e2m1 import pack_fp4
 from trace_core.guided import GuidanceStats
@@ -97,16 +93,17 @@ def test_bad_input_is_named():
         guided_fake_quant(x[:2], rec, 1)
 
 
-@pytest.mark.slow
-def test_triton_kernels_under_the_interpreter():
+@pytest.fixture(scope="module")
+def interpreted() -> Interpreted:
+    """Every case of `tests.kernel_interpret`, run once in one interpreter subprocess."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernel_interpret"], cwd=root, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "checked" in proc.stdout
+    return interpret("tests.kernel_interpret")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(kernel_interpret.cases()))
+def test_triton_kernel_under_the_interpreter(interpreted, case):
+    interpreted.check(case)
 
 
 def test_launch_shape_respects_blocks():

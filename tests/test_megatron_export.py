@@ -1,5 +1,7 @@
 """Export of the tiny Megatron Qwen3-MoE to HF checkpoint tensors: transformers' Qwen3MoeForCausalLM loads them and
-produces the Megatron model's logits; NVFP4 experts decode to exactly the trainer's fake-quantized weights."""
+produces the Megatron model's logits; NVFP4 experts decode to exactly the trainer's fake-quantized weights and carry
+the `input_scale` of a calibration, under the names SGLang's Qwen3-MoE loader maps to its ModelOpt NVFP4 MoE
+parameters."""
 
 from __future__ import annotations
 
@@ -9,18 +11,23 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_trace.cpu import init_single_rank
-from megatron_trace.export import export_hf, hf_config, nvfp4_pack, nvfp4_quant_config, nvfp4_unpack
+from megatron_trace.export import (
+    calibrate_input_amax,
+    export_hf,
+    hf_config,
+    nvfp4_pack,
+    nvfp4_quant_config,
+    nvfp4_unpack,
+)
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.guided import rtn_fake_quant
+from trace_core.quant import nvfp4_global_scale
 
 CFG = TinyMoEConfig()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def test_bf16_export_loads_into_transformers_with_the_same_logits(tmp_path):
@@ -43,9 +50,29 @@ def test_bf16_export_loads_into_transformers_with_the_same_logits(tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
 
+def _calibrated(model) -> tuple[dict[str, float], dict[int, float]]:
+    """`calibrate_input_amax` over one micro-batch, and each layer's MoE-input amax seen independently (the output
+    of the pre-MLP norm, which the router dispatches unscaled to the experts' FC1)."""
+    g = torch.Generator().manual_seed(1)
+    mb = pack_microbatch([(i, torch.randint(0, CFG.vocab, (24,), generator=g)) for i in range(4)])
+    norm_amax: dict[int, float] = {}
+    hooks = [
+        layer.pre_mlp_layernorm.register_forward_hook(
+            lambda m, a, out, i=layer.layer_number - 1: norm_amax.__setitem__(i, float(out.abs().amax()))
+        )
+        for layer in model.decoder.layers
+    ]
+    with torch.no_grad():
+        amax = calibrate_input_amax([model], lambda: model(mb.input_ids, mb.position_ids, mb.attention_mask))
+    for h in hooks:
+        h.remove()
+    return amax, norm_amax
+
+
 def test_nvfp4_experts_decode_to_the_trainer_fake_quant_weights():
     model = build_tiny_moe(CFG, dtype=torch.bfloat16, routing_replay=False)
-    tensors = export_hf(model, nvfp4_experts=True)
+    amax, norm_amax = _calibrated(model)
+    tensors = export_hf(model, nvfp4_experts=True, input_amax=amax)
     for layer in model.decoder.layers:
         for e, expert in enumerate(layer.mlp.experts.local_experts):
             p = f"model.layers.{layer.layer_number - 1}.mlp.experts.{e}"
@@ -62,8 +89,57 @@ def test_nvfp4_experts_decode_to_the_trainer_fake_quant_weights():
             decoded = torch.cat([nvfp4_unpack(parts["gate_proj"]), nvfp4_unpack(parts["up_proj"])])
             assert torch.equal(decoded, fc1)
             assert torch.equal(nvfp4_unpack(parts["down_proj"]), fc2)
+            for n in ("gate_proj", "up_proj", "down_proj"):  # ModelOpt's static activation decode scale, FP32 scalar
+                scale = tensors[f"{p}.{n}.input_scale"]
+                assert scale.dtype == torch.float32 and scale.shape == ()
+                assert torch.equal(scale, 1.0 / nvfp4_global_scale(torch.tensor(amax[f"{p}.{n}"])))
+            assert torch.equal(tensors[f"{p}.gate_proj.input_scale"], tensors[f"{p}.up_proj.input_scale"])
+    for layer, seen in norm_amax.items():  # every token reaches top-k experts: the largest FC1 input is the layer's
+        fc1 = [amax[f"model.layers.{layer}.mlp.experts.{e}.gate_proj"] for e in range(CFG.experts)]
+        assert max(fc1) == seen and min(fc1) > 0
     assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert nvfp4_quant_config()["quant_algo"] == "NVFP4"
+
+
+def test_nvfp4_export_names_map_to_sglang_modelopt_moe_parameters():
+    """Every exported routed-expert tensor name goes, through SGLang's own Qwen3-MoE expert mapping
+    (`FusedMoE.make_expert_params_mapping`, as `Qwen3MoeForCausalLM.load_weights` applies it), to a parameter that
+    SGLang's `ModelOptNvFp4FusedMoEMethod.create_weights` registers, and every such parameter gets a tensor. (The
+    method itself cannot be built on a CPU: its weight setup moves block scales to CUDA.)"""
+    import inspect
+    import re
+
+    from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+    install_sgl_kernel_stand_in()
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+
+    registered = set(re.findall(r'register_parameter\(\s*"(\w+)"', inspect.getsource(ModelOptNvFp4FusedMoEMethod)))
+    mapping = FusedMoE.make_expert_params_mapping(
+        ckpt_gate_proj_name="gate_proj",
+        ckpt_down_proj_name="down_proj",
+        ckpt_up_proj_name="up_proj",
+        num_experts=CFG.experts,
+    )
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16, routing_replay=False)
+    tensors = export_hf(model, nvfp4_experts=True, input_amax=_calibrated(model)[0])
+    loaded = set()
+    for name in (n for n in tensors if ".mlp.experts." in n):
+        hits = [(param, w) for param, w, _, _ in mapping if w in name]
+        assert len(hits) == 1, name
+        param = name.replace(hits[0][1], hits[0][0]).split(".mlp.")[1]  # e.g. experts.w13_input_scale
+        assert param.removeprefix("experts.") in registered, name
+        loaded.add(param.removeprefix("experts."))
+    assert loaded == registered - {"w13_blockscale_swizzled", "w2_blockscale_swizzled"}, registered - loaded
+
+
+def test_nvfp4_export_refuses_an_uncalibrated_expert():
+    model = build_tiny_moe(CFG, dtype=torch.bfloat16, routing_replay=False)
+    amax = _calibrated(model)[0]
+    del amax["model.layers.1.mlp.experts.3.down_proj"]
+    with pytest.raises(ValueError, match=r"1 of 24 have none, first \['model.layers.1.mlp.experts.3.down_proj'\]"):
+        export_hf(model, nvfp4_experts=True, input_amax=amax)
 
 
 def test_nvfp4_pack_round_trip_and_bad_model():

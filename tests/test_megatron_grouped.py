@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 import megatron_trace.sites as sites_mod
 from megatron_trace.config import TraceConfig
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
 from megatron_trace.grouped import (
     TraceGroupedLinear,
     group_offsets,
+    grouped_expert_names,
     is_trace_grouped,
     row_scaled_grouped_mm,
     row_scaled_grouped_mm_reference,
@@ -27,14 +27,13 @@ from megatron_trace.source import SiteRows
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
+from trace_core.role_quant import quantize_role
 
 CFG = TinyMoEConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
@@ -44,17 +43,15 @@ def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
 
 
 def grouped_twin(seq_model: torch.nn.Module, **overrides) -> torch.nn.Module:
-    """A grouped-experts model with the weights of a SequentialMLP model (expert i of each linear stacked)."""
+    """A grouped-experts model with the weights of a SequentialMLP model (its parameters in SequentialMLP names,
+    mapped by `grouped_expert_names`)."""
     model = build_tiny_moe(CFG, dtype=next(seq_model.parameters()).dtype, grouped=True, **overrides)
-    own = model.state_dict()
+    full = dict(seq_model.named_parameters())
     with torch.no_grad():
-        for name, t in seq_model.state_dict().items():
-            if "local_experts" in name and name.endswith(".weight"):
-                head, tail = name.split(".local_experts.")
-                expert, linear = tail.split(".", 1)
-                own[f"{head}.{linear.removesuffix('.weight')}.weight{expert}"].copy_(t)
-            elif name in own and isinstance(t, torch.Tensor):
-                own[name].copy_(t)
+        for name, p in model.named_parameters():
+            names = grouped_expert_names(name, 0, p.shape[0])
+            p.copy_(torch.stack([full.pop(n) for n in names]) if names else full.pop(name))
+    assert not full, sorted(full)  # every SequentialMLP parameter has its place
     return model
 
 
@@ -92,6 +89,13 @@ def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp()
                 out[(t.key, t.global_offset)] = (t.global_shape, t.data)
         return out
 
+    # Global naming (the parallel layouts' full state dicts): an EP rank's rows map to its experts' SequentialMLP names.
+    assert grouped_expert_names("decoder.layers.3.mlp.experts.linear_fc2.weight", 8, 2) == [
+        "decoder.layers.3.mlp.experts.local_experts.8.linear_fc2.weight",
+        "decoder.layers.3.mlp.experts.local_experts.9.linear_fc2.weight",
+    ]
+    assert grouped_expert_names("decoder.layers.3.mlp.router.weight", 8, 2) is None
+
     a, b = expert_shards(seq), expert_shards(grp)
     assert a and a.keys() == b.keys()
     for key, (shape, data) in a.items():
@@ -103,7 +107,17 @@ def test_grouped_experts_match_sequential_mlp_bit_for_bit(mode):
     check_grouped_matches_sequential(mode, torch.float32)
 
 
-def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "moe_layers"),
+    [("mxfp4-w4a4-kv4", (0, 1)), ("mxfp4-w4a8-kv4", ())],  # W4A8 records no MoE input
+)
+def test_grouped_experts_match_sequential_mlp_under_other_recipes(recipe, moe_layers):
+    """The grouped path asks the recipe for its weight and FC2-input formats as SequentialMLP's sites do."""
+    spec = RecordSpec(bits=1, moe_layers=moe_layers, attn_layers=(0, 1), recipe=recipe)
+    check_grouped_matches_sequential("trace", torch.float32, spec)
+
+
+def check_grouped_matches_sequential(mode: str, dtype: torch.dtype, spec: RecordSpec = ALL_SITES) -> None:
     """Same weights, same micro-batches (two, with MoE recompute): same fake-quantized expert weights (hence FP4
     codes), same FC2 inputs, logits, and gradients of every parameter, atol=0."""
     trajs = trajectories(4, seed=5)
@@ -112,7 +126,7 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
     seq = build_tiny_moe(CFG, dtype=dtype, **overrides)
     grp = grouped_twin(seq, **overrides)
-    source = emulate_rollout(seq, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
+    source = emulate_rollout(seq, mbs, spec, num_trajectories=4, max_positions=32)
     results = []
     for model in (seq, grp):
         fc2_in: list[torch.Tensor] = []
@@ -129,7 +143,7 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
                 else [layer.mlp.experts.linear_fc2]
             )
         ]
-        session = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES))
+        session = TraceSession(model, TraceConfig(mode=mode, spec=spec))
         logits = []
         for mb in mbs:
             session.begin_microbatch(mb.rows, source)
@@ -159,15 +173,16 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype) -> None:
         for name, a, b in pairs:
             assert float((b.float() - a.float()).norm() / a.float().norm()) < tol, name
     if mode != "bf16":  # weight FP4 codes: all experts in one launch = each matrix on its own
-        numerics = SiteNumerics(TraceConfig(mode=mode, spec=ALL_SITES))
+        numerics = SiteNumerics(TraceConfig(mode=mode, spec=spec))
+        role = numerics.cfg.role("weights")
         for i in range(CFG.layers):
             for lin in ("linear_fc1", "linear_fc2"):
                 w = stacked(grp, i, lin)
-                ours = expert_weight_fake_quant(w)
+                ours = expert_weight_fake_quant(w, role)
                 theirs = torch.stack([numerics.weight(we) for we in stacked(seq, i, lin)])
                 assert torch.equal(ours, theirs)
-                codes = [quantize(ours[e], "nvfp4").codes for e in range(CFG.experts)]
-                assert all(torch.equal(c, quantize(theirs[e], "nvfp4").codes) for e, c in enumerate(codes))
+                codes = [quantize_role(role, ours[e]).codes for e in range(CFG.experts)]
+                assert all(torch.equal(c, quantize_role(role, theirs[e]).codes) for e, c in enumerate(codes))
 
 
 @pytest.mark.parametrize(
@@ -386,6 +401,31 @@ def test_sites_trace_under_torch_compile_without_graph_breaks():
     assert 0 < m_eager["trace/L1.moe_in/code_flip_rate"] < 1
 
 
+def test_session_refuses_te_expert_linears_by_name_before_installing_anything():
+    """TEGroupedMLP whose linears are not TRACE's (TE's `GroupedLinear` when TE is installed), and SequentialMLP with
+    another linear than Megatron's local ones (a TE linear), are refused in `qat` naming the classes, and the model
+    is left without hooks (`bf16`, which has no weight or FC2-input site, then installs)."""
+
+    class GroupedLinear(torch.nn.Module):  # the class names of TE's linears; TE is not installed here
+        pass
+
+    class TEColumnParallelLinear(torch.nn.Module):
+        pass
+
+    grouped, sequential = build_tiny_moe(CFG, grouped=True), build_tiny_moe(CFG)
+    grouped.decoder.layers[1].mlp.experts.linear_fc1 = GroupedLinear()
+    sequential.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1 = TEColumnParallelLinear()
+    cases = [
+        (grouped, r"layer 1: experts TEGroupedMLP with linears \['GroupedLinear', 'TraceGroupedLinear'\]"),
+        (sequential, r"layer 1: SequentialMLP expert linear TEColumnParallelLinear"),
+    ]
+    for model, message in cases:
+        with pytest.raises(NotImplementedError, match=message):
+            TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES))
+        assert not model._forward_pre_hooks and not model.decoder.layers[1].mlp.router._forward_pre_hooks
+        TraceSession(model, TraceConfig(mode="bf16", spec=ALL_SITES)).remove()
+
+
 def test_grouped_linear_refuses_what_it_does_not_implement():
     from megatron_trace.tiny import transformer_config
 
@@ -400,6 +440,11 @@ def test_grouped_linear_refuses_what_it_does_not_implement():
     )
     with pytest.raises(NotImplementedError, match="bias"):
         TraceGroupedLinear(2, 8, 8, bias=True, **kwargs)
+    lin = TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)
+    lin.row_scale = torch.ones(4)  # probabilities of another micro-batch's rows
+    with pytest.raises(ValueError, match=r"row_scale \(4,\) does not match the 5 input rows"):
+        lin(torch.randn(5, 8), [2, 3])
+    assert lin.row_scale is None  # taken by the call that refused it
     config.delay_wgrad_compute = True
     with pytest.raises(NotImplementedError, match="delay_wgrad"):
         TraceGroupedLinear(2, 8, 8, bias=False, **kwargs)

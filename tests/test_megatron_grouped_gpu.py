@@ -14,14 +14,7 @@ from tests.test_megatron_grouped import check_grouped_matches_sequential, check_
 from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    from megatron_trace.cpu import init_single_rank
-
-    init_single_rank()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("megatron_rank")]
 
 
 @pytest.mark.parametrize("mode", ["bf16", "qat", "trace"])

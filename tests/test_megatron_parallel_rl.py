@@ -1,7 +1,8 @@
 """The RL loop with a parallel trainer layout on CPU: the controller runs the trainer as a Ray group of two gloo
 ranks (`trace_rl.parallel_trainer`), each rank reading its own trajectories' records from the store (and its
 stage's sites), the sessions slicing them by KV head and sequence-parallel chunk; two `trace` steps with R3 at
-TP = 2 + SP with EP = 2 (alltoall, EP carved out of TP), DP = 2 and PP = 2, against the same run on one rank
+TP = 2 + SP with EP = 2 (alltoall, EP carved out of TP), DP = 2 and PP = 2 (the latter two with gradient
+accumulation over two micro-batches per rank, 1F1B under PP), against the same run on one rank, one micro-batch
 (`trace_rl.trainer.MegatronTrainer`). Summed over the ranks, every site's guided / fallback counters equal the single
 rank's: each row and KV head is guided exactly once.
 
@@ -22,9 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trace_rl.config import ConfigError, RLConfig
+from megatron_trace.parallel import Layout
+from megatron_trace.tiny import TinyMoEConfig
+from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
-from trace_rl.warmup import make_tiny_model
+from trace_rl.parallel_trainer import check_layout
+from trace_rl.warmup import PRESETS
 
 RUN = dict(
     mode="trace",
@@ -38,7 +42,11 @@ RUN = dict(
     loggers="none",
     reward=f"{__name__}:varied_reward",
 )
-LAYOUTS = {"tp2_ep2": dict(tp=2, ep=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
+LAYOUTS = {
+    "tp2_ep2": dict(tp=2, ep=2),
+    "dp2_microbatch2": dict(dp=2, train_micro_batch=2),  # two micro-batches per rank
+    "pp2_microbatch4": dict(pp=2, train_micro_batch=4),  # 1F1B over two micro-batches
+}
 
 
 def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
@@ -48,10 +56,8 @@ def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
-    return str(out)
+def model_dir(tiny_model):
+    return str(tiny_model(10))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,13 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
         torch.testing.assert_close(w.float(), single_weights[k].float(), rtol=2**-8, atol=1e-6, msg=k)
 
 
+def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):
+    from trace_rl.trainer_group import TrainerGroup
+
+    with pytest.raises(RuntimeError, match=r"2 ranks of \{'CPU': 1, 'GPU': 1\} were not placed within 2 s"):
+        TrainerGroup(2, gpus_per_rank=1, placement_timeout_s=2)
+
+
 def test_layout_keys_are_validated():
     with pytest.raises(ConfigError, match=r"ep=2 must divide dp \* tp = 1"):
         RLConfig(ep=2)
@@ -118,3 +131,23 @@ def test_layout_keys_are_validated():
         RLConfig(tp=0)
     with pytest.raises(ConfigError, match="trainer_dtype='fp16'"):
         RLConfig(trainer_dtype="fp16")
+
+
+QWEN3_30B_A3B = TinyMoEConfig(  # the dimensions of Qwen3-30B-A3B's config.json
+    vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, topk=8, expert_ffn=768
+)
+
+
+@pytest.mark.parametrize(
+    "config, dims",
+    [
+        ("configs/2gpu-trainer-ep2.toml", PRESETS["small"]),
+        ("configs/qwen3-30b-a3b-8gpu-sglang.toml", QWEN3_30B_A3B),
+    ],
+)
+def test_example_layout_configs_are_valid_for_their_models(config, dims):
+    cfg = load_config(Path(__file__).resolve().parents[1] / config)
+    assert cfg.parallel_trainer() and cfg.device == "cuda"
+    check_layout(dims, Layout(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp), cfg.dp)
+    with pytest.raises(ValueError, match=f"experts={dims.experts} is not divisible by ep=3"):
+        check_layout(dims, Layout(ep=3), 3)

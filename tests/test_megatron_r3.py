@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig, check_megatron_config
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.source import TensorRolloutSource
@@ -20,9 +19,7 @@ CFG = TinyMoEConfig(layers=2)
 T, P = 3, 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 LENGTHS = (12, 17, 9)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
 from megatron_trace.rows import PAD, TokenRows, pack_microbatch
 from megatron_trace.session import TraceSession
@@ -26,9 +25,7 @@ CFG = TinyMoEConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def trajectories(n: int = 5, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
@@ -283,7 +280,7 @@ def test_records_through_the_store_drive_the_trainer_like_in_memory_records(tmp_
     finalize_step(tmp_path, 0)
     order = [2, 0, 1]
     loaded = RecordReader(tmp_path, 0).load([(order[j], 0, len(trajs[order[j]][1])) for j in range(3)], pad_to=30)
-    store_source = source_from_store(loaded, moe_layers=(0, 1))
+    store_source = source_from_store(loaded, moe_layers=(0, 1), lengths=[len(trajs[k][1]) for k in order])
     perturb(model)
 
     outputs = []

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig, check_megatron_config
-from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
@@ -22,9 +21,7 @@ SPEC = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 RECOMPUTE = {"recompute_granularity": "selective", "recompute_modules": ["moe", "core_attn"]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    init_single_rank()
+pytestmark = pytest.mark.usefixtures("megatron_rank")
 
 
 def _batches():

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from trace_core import e2m1
 from trace_core.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, Rounding, get_format
+from trace_core.kernels.ops import quantize_record
+from trace_core.kernels.ops import rtn_fake_quant as kernel_rtn_fake_quant
 from trace_core.quant import decode_scales, dequantize, quantize
 
 ALL = [NVFP4, MXFP4, MXFP4_OCP, KV_FP4]
@@ -197,6 +199,26 @@ def test_global_scale_errors():
         quantize(x, NVFP4, global_scale=0.0)
     with pytest.raises(ValueError, match="E8M0 block scales only"):
         quantize(x, KV_FP4, per_token=True)
+
+
+@pytest.mark.parametrize(
+    "fmt, kwargs, message",
+    [
+        (NVFP4, {"global_scale": 1.0, "per_token": True}, "not both"),
+        (NVFP4, {"global_scale": torch.ones(3, 1)}, r"global_scale shape \(3, 1\) must be scalar or \(2, 1\)"),
+        (MXFP4, {"global_scale": 1.0}, "mxfp4 has E8M0 block scales only"),
+        (KV_FP4, {"per_token": True}, "kv_fp4 has E8M0 block scales only"),
+    ],
+)
+def test_reference_and_kernel_entry_points_refuse_the_same_scale_arguments(fmt, kwargs, message):
+    """One scale-argument validator (`check_scale_args`) serves the reference quantizer and the kernel ops."""
+    x = torch.ones(2, 32)
+    with pytest.raises(ValueError, match=message):
+        quantize(x, fmt, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        kernel_rtn_fake_quant(x, fmt, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        quantize_record(x, fmt, 4, out=torch.empty_like(x), **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -259,3 +259,64 @@ def test_packed_expert_export_only_where_sglang_loads_it():
     for name in ("mxfp4-w4a4-kv4", "mxfp4-w4a8-kv4"):
         with pytest.raises(ValueError, match=f"packed routed-expert export for recipe {name} .*refused"):
             check_packed_export(name)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory) -> str:
+    from trace_rl.warmup import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-policy")
+    make_tiny_model(out, steps=4, batch=8)  # the numerics, not the policy quality, are under test
+    return str(out)
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != DEFAULT_RECIPE])  # the default: tests/test_rl_loop.py
+def test_demo_runs_each_recipe(tiny_policy, tmp_path, name):
+    from trace_core.store import read_header, shard_paths, step_dir
+    from trace_rl.launch import main
+
+    size = ["steps=1", "prompts_per_step=2", "group_size=2", "max_new_tokens=3", "rollout_workers=1"]
+    table = main([f"model_dir={tiny_policy}", f"out_dir={tmp_path}", f"recipe={name}", *size, "--modes", "qat,trace"])
+    assert table["trace"]["RTN fallback (real tokens)"] == 0
+    assert table["trace"]["code flips k/v"] < table["qat"]["code flips k/v"]
+    if get_recipe(name).recorded("moe_in"):
+        assert table["trace"]["code flips moe_in"] < table["qat"]["code flips moe_in"]
+    else:  # FP8 MoE input: no record, nothing to compare
+        assert math.isnan(table["trace"]["code flips moe_in"]) and math.isnan(table["qat"]["code flips moe_in"])
+    shards = shard_paths(step_dir(tmp_path / "trace" / "records", 0))
+    headers = [read_header(p) for p in shards]
+    bindings = [entry["binding"] for h in headers for entry in h["trajectories"].values()]
+    assert len(bindings) == 4 and {b["recipe"] for b in bindings} == {name}
+    formats = {site["fmt"] for h in headers for e in h["trajectories"].values() for site in e["sites"].values()}
+    recipe = get_recipe(name)
+    assert formats == {recipe.role(kind).fmt.name for kind in ("moe_in", "k", "v") if recipe.recorded(kind)}
+
+
+def test_records_of_another_recipe_are_refused_by_the_trainer_check(tmp_path):
+    from trace_core.store import StepWriter, TrajectoryRecords
+    from trace_core.store_reader import BindingMismatchError, RecordReader
+
+    x = torch.randn(3, H)
+    record = Record.from_quantized(quantize_role(get_recipe("mxfp4-w4a4-kv4").moe_in, x), 1)
+    written = Binding(0, 0, "0", "a", "d", recipe="mxfp4-w4a4-kv4")
+    StepWriter(tmp_path, 0).write({"0": TrajectoryRecords(3, {(1, "moe_in"): record}, binding=written)})
+    reader = RecordReader(tmp_path, 0)
+    reader.check_bindings({"0": written})
+    with pytest.raises(BindingMismatchError, match="recipe 'mxfp4-w4a4-kv4' != expected 'nvfp4-w4a4-kv4'"):
+        reader.check_bindings({"0": Binding(0, 0, "0", "a", "d")})
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_fc2_input_codes_do_not_depend_on_the_tp_split(name):
+    """Two tensor-parallel halves of FC2-input rows quantize to the halves of the full rows: NVFP4 with the max of the
+    halves' row amax, the block-scaled formats with nothing exchanged."""
+    from trace_core.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
+
+    role = get_recipe(name).fc2_in
+    gen = torch.Generator().manual_seed(9)
+    h = (torch.randn(6, 2 * INTER, generator=gen) * torch.linspace(0.1, 30, 2 * INTER)).to(torch.bfloat16)
+    halves = h[:, :INTER], h[:, INTER:]
+    full_amax = torch.maximum(*(row_amax(p) for p in halves)) if needs_row_amax(role) else None
+    split = torch.cat([fc2_input_fake_quant(p, role, full_amax) for p in halves], dim=1)
+    assert torch.equal(split, fc2_input_fake_quant(h, role))
+    assert needs_row_amax(role) == (name == "nvfp4-w4a4-kv4")

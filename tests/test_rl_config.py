@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from megatron_trace.config import TraceConfig
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
 
@@ -27,7 +28,7 @@ def test_file_then_overrides(tmp_path):
         (["stepz=3"], r"unknown config keys \['stepz'\]"),
         (["steps=three"], "steps='three' is not a int"),
         (["record_all_layers=maybe"], "is not a boolean"),
-        (["record_bits=5"], "record_bits=5 must be in 1..4"),
+        (["record_bits=5"], r"record_bits=5: record bits must be an integer in 1\.\.4"),
         (["async_lag=4"], "async_lag=4 exceeds max_version_diff=3"),
         (["steps"], "must be key=value"),
     ],
@@ -35,6 +36,19 @@ def test_file_then_overrides(tmp_path):
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "qat", "trace", "fp8", "TRACE"])
+def test_the_rl_config_and_the_trainer_accept_the_same_modes(mode):
+    """Mode names have one definition (`trace_core.modes`): what the RL config accepts, the trainer accepts."""
+    try:
+        rl_mode = load_config(None, [f"mode={mode}"]).mode
+    except ConfigError as e:
+        assert "is not one of ('bf16', 'qat', 'trace')" in str(e)
+        with pytest.raises(ValueError, match=f"unknown mode '{mode}'"):
+            TraceConfig(mode=mode)
+    else:
+        assert TraceConfig(mode=rl_mode).mode.value == mode
 
 
 def test_missing_config_file_and_model(tmp_path):

@@ -12,16 +12,15 @@ from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
 from trace_rl.engine import EmbeddedEngine
 from trace_rl.task import EOS, AdditionTask
-from trace_rl.warmup import HF_DIR, make_tiny_model
+from trace_rl.warmup import HF_DIR
 
 TASK = AdditionTask(1)
 SPEC = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,))
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
+def model_dir(tiny_model):
+    out = tiny_model(10)
     return str(out / HF_DIR)
 
 

@@ -10,15 +10,13 @@ import pytest
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.experiments.analysis import analyze
-from trace_rl.warmup import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=40)
+def model_dir(tiny_model):
+    out = tiny_model(40)
     return str(out)
 
 

@@ -15,15 +15,13 @@ from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller
 from trace_rl.launch import main
 from trace_rl.trainer import StaleRolloutError
-from trace_rl.warmup import make_tiny_model
 
 SMALL = dict(prompts_per_step=4, group_size=4, max_new_tokens=4, rollout_workers=2, steps=3)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=40)
+def model_dir(tiny_model):
+    out = tiny_model(40)
     return str(out)
 
 

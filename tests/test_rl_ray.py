@@ -11,15 +11,13 @@ from trace_core.store_reader import RecordReader
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.trainer import RayTrainer
-from trace_rl.warmup import make_tiny_model
 
 ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=10)
+def model_dir(tiny_model):
+    out = tiny_model(10)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield str(out)
     ray.shutdown()

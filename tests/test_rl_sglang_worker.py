@@ -36,7 +36,7 @@ from trace_rl.engine import EmbeddedEngine
 from trace_rl.launch import main
 from trace_rl.sglang_worker import SGLangError, SGLangWorker, StaleRolloutHandle
 from trace_rl.task import VOCAB
-from trace_rl.warmup import HF_DIR, load_megatron_state, make_tiny_model
+from trace_rl.warmup import HF_DIR, load_megatron_state
 from trace_rl.workers import Request
 
 # SGLang's package root imports its server dependencies (pybase64, ...): installed by `make setup`.
@@ -190,9 +190,8 @@ class StandIn:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out, steps=4)
+def model_dir(tiny_model) -> str:
+    out = tiny_model(4)
     return str(out)
 
 

@@ -69,6 +69,7 @@ def test_cli_flags_parse_into_server_args():
     ("kw", "message"),
     [
         (dict(trace_record_bits=5), "--trace-record-bits"),
+        (dict(trace_recipe="fp3-w3"), "--trace-recipe"),
         (dict(trace_record_bits=0), "--trace-record-bits"),
         (dict(trace_layers="a-b"), "--trace-layers 'a-b'"),
         (dict(trace_layers="7-3"), "ascending"),

@@ -129,6 +129,7 @@ def sglang_layer(store: str, tp_group_world: int = 1):
         kv_pool=None,
         max_tokens=16,
         num_slots=32,
+        max_request_tokens=16,
         device="cpu",
         return_routes=False,
         weights=hooks.EXPERT_WEIGHTS,

@@ -183,34 +183,92 @@ def test_hybrid_linear_pool_stores_fp4_and_records_full_attention_layers(req_poo
         gather_kv_shard(hybrid, slots, [5], ["k"], 1)
 
 
-def _tp_rank(rank: int, world: int, init_file: str, out: str) -> None:
-    """One attention-TP rank: its pool holds heads [rank * H/world, (rank + 1) * H/world) of the same K/V."""
+def _finish_rank(rank: int, world: int, init_file: str, store: str, out: str) -> None:
+    """One attention-TP rank of a scheduler: a forward writes its half of the KV heads (and, on rank 0, the routes)
+    then two requests finish in one result batch; the batch moves in one transfer with one gather over a gloo
+    group made for TRACE, and rank 0 writes the store."""
+    from types import SimpleNamespace
+
     import torch.distributed as dist
 
     install_sgl_kernel_stand_in()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.server_args import ServerArgs
+
+        from sglang_trace.capturer import TraceCapturer
+        from sglang_trace.config import ModelLayout, check_server_args
+        from sglang_trace.moe import ExpertWeights
+
+        server_args = ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            kv_cache_dtype="fp4_e2m1",
+            trace_mode="emulate",
+            trace_layers="all",
+            trace_sites="k,v",
+            trace_store=store,
+        )
+        layout = ModelLayout(
+            "Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), 64, HEADS, 32, 2
+        )
         local = HEADS // world
-        x = kv_values(6, 11)[:, rank * local : (rank + 1) * local]
         pool = fp4_pool(heads=local)
+        cap = TraceCapturer(
+            check_server_args(server_args),
+            layout,
+            kv_pool=pool,
+            max_tokens=16,
+            num_slots=SLOTS,
+            max_request_tokens=32,
+            device="cpu",
+            return_routes=False,
+            weights=ExpertWeights(),
+            tp_rank=rank,
+            trace_group=dist.new_group(backend="gloo"),
+        )
         slots = torch.tensor([7, 3, 9, 1, 2, 8])
-        write(pool, 1, slots, x, x)
-        got = gather_kv_records(pool, slots, [1], ["k"], 1, num_kv_heads=HEADS, tp_group=dist.group.WORLD)
-        if rank == 0:
-            rec = got[(1, "k")]
-            torch.save({"low_bits": rec.low_bits, "scales": rec.scales, "n": rec.n}, out)
+        for layer in range(LAYERS):  # what the model's layers call, in their order
+            cap.capture(layer, torch.arange(12, dtype=torch.int32).view(6, 2) + layer)
+            cap.moe_input(layer, torch.randn(6, 64).to(torch.bfloat16))
+            cap.fc2_input(layer, torch.randn(6, 32).to(torch.bfloat16))
+            kv = kv_values(6, 20 + layer)[:, rank * local : (rank + 1) * local]
+            write(pool, layer, slots, kv, -kv)
+        cap.on_forward_end(SimpleNamespace(forward_mode=ForwardMode.EXTEND, out_cache_loc=slots), False, None)
+        req_to_token = memory_pool.ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+        req_to_token.req_to_token[0, :4] = slots[:4]
+        req_to_token.req_to_token[1, :3] = slots[[0, 4, 5]]  # shares the first prompt slot
+        cap.finish_request("a", 0, 5, req_to_token, list(range(5)))
+        cap.finish_request("b", 1, 4, req_to_token, list(range(4)))
+        cap.on_batch_done()
+        cap.flush()
+        s = cap.stats
+        torch.save([s.batches, s.transfers, s.collectives, s.shards_written, s.write_failures], f"{out}.{rank}")
+        cap.close()
     finally:
         dist.destroy_process_group()
 
 
-def test_kv_records_gathered_over_a_real_tp_group(tmp_path):
-    """Two processes, a gloo process group, each with its half of the KV heads: the all-gathered records equal the
-    full-width reference (what the scheduler does at request finish under --tp 2)."""
+def test_a_result_batch_moves_in_one_transfer_and_one_gather_over_a_real_tp_group(tmp_path):
+    """Two scheduler processes on a gloo group, each with half of the KV heads: two requests finishing in one result
+    batch cost one transfer and one gather per rank; the stored K/V records are the full-width reference and the
+    routes are rank 0's (the same on every rank)."""
     import torch.multiprocessing as mp
 
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    got = torch.load(out)
-    ref = expected(kv_values(6, 11), 1)
-    assert got["n"] == ref.n
-    assert torch.equal(got["low_bits"], ref.low_bits) and torch.equal(got["scales"], ref.scales)
+    from trace_core.store_reader import RecordReader
+
+    store, out = str(tmp_path / "records"), str(tmp_path / "stats")
+    mp.spawn(_finish_rank, args=(2, str(tmp_path / "init"), store, out), nprocs=2, join=True)
+    assert torch.load(f"{out}.0") == [1, 1, 1, 2, 0]  # batches, transfers, gathers, shards written, failures
+    assert torch.load(f"{out}.1") == [1, 1, 1, 0, 0]  # rank 1 sends its shard; rank 0 writes
+    got = RecordReader(store, 0).load([("a", 0, 4), ("b", 0, 3)])
+    for row, idx in enumerate(([0, 1, 2, 3], [0, 4, 5])):
+        for layer in range(LAYERS):
+            full = kv_values(6, 20 + layer)[idx]
+            for kind, x in (("k", full), ("v", -full)):
+                rec, ref = got.records[(layer, kind)], expected(x, 1)
+                assert torch.equal(rec.low_bits[row, : len(idx)], ref.low_bits), (layer, kind)
+                assert torch.equal(rec.scales[row, : len(idx)], ref.scales), (layer, kind)
+            routes = torch.arange(12, dtype=torch.int32).view(6, 2)[idx] + layer
+            assert torch.equal(got.routes[row, : len(idx), layer], routes)

@@ -11,7 +11,7 @@ plain data holders (`SimpleNamespace`) in their place: `capture(layer_id, topk_i
 """
 
 import shutil
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from transformers import Qwen3MoeConfig  # noqa: E402
 
 from sglang_trace import hooks  # noqa: E402
-from sglang_trace.capturer import TraceCapturer  # noqa: E402
+from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot  # noqa: E402
 from trace_core.quant import quantize  # noqa: E402
 from trace_core.records import Binding, Record, token_digest  # noqa: E402
 from trace_core.store_reader import FailedRecordError, RecordReader  # noqa: E402
@@ -154,20 +154,33 @@ class Rollout:
         )
 
     def finish(self, rid: str, req_pool_idx: int, slots: list[int]):
-        """Request finish as the scheduler runs it: req_to_token holds its slots, seqlen = len(slots) + 1 (the
-        last sampled token has no KV yet)."""
-        self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
-        req = SimpleNamespace(
-            rid=rid,
-            req_pool_idx=req_pool_idx,
-            seqlen=len(slots) + 1,
-            routed_experts=None,
-            origin_input_ids=list(slots),
-            output_ids=[0],
+        """One request finishes alone in its result batch (see `finish_batch`)."""
+        return self.finish_batch([(rid, req_pool_idx, slots)])[0]
+
+    def finish_batch(self, requests: list[tuple[str, int, list[int]]]):
+        """Result processing as the scheduler runs it: each finished request (rid, req_pool_idx, slots) is
+        collected (req_to_token holds its slots, seqlen = len(slots) + 1: the last sampled token has no KV yet),
+        its req_to_token row is freed, and then the batch's outputs are streamed (the patched `stream_output`
+        moves the batch's records)."""
+        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool, is_generation=True, get_load=lambda: None)
+        scheduler.stream_output_generation = MethodType(
+            SchedulerOutputProcessorMixin.stream_output_generation, scheduler
         )
-        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool)
-        SchedulerOutputProcessorMixin.maybe_collect_routed_experts(scheduler, req)
-        return req
+        reqs = []
+        for rid, req_pool_idx, slots in requests:
+            self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+            req = SimpleNamespace(
+                rid=rid,
+                req_pool_idx=req_pool_idx,
+                seqlen=len(slots) + 1,
+                routed_experts=None,
+                origin_input_ids=list(slots),
+                output_ids=[0],
+            )
+            SchedulerOutputProcessorMixin.maybe_collect_routed_experts(scheduler, req)
+            reqs.append(req)
+        SchedulerOutputProcessorMixin.stream_output(scheduler, [], False)
+        return reqs
 
 
 def expected(rollout: Rollout, slots: list[int], site) -> Record:
@@ -366,3 +379,108 @@ def test_chunked_update_may_split_gate_and_up_but_no_forward_runs_half_updated(r
     assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success  # ups and downs
     rollout.forward([1, 2], ForwardMode.EXTEND)
     assert rollout.finish("after-update", 0, [1, 2]).trace_handle["step"] == 2
+
+
+def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_refused(rollout):
+    """Requests finishing in one result batch move in one transfer when the batch is streamed; a request whose
+    batch was never streamed before the next forward (its slots may be reused) is refused, not stored."""
+    rollout.capturer.return_routes = False
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)
+    rollout.forward([4, 5], ForwardMode.EXTEND)
+    rollout.finish_batch([("a", 0, [1, 2, 3]), ("b", 1, [4, 5])])
+    stats = rollout.capturer.stats
+    assert (stats.batches, stats.transfers, stats.requests) == (1, 1, 2)
+    assert rollout.capturer.ring.stats.reserves == 1 and rollout.capturer.ring.stats.bytes == 5 * (
+        rollout.capturer.kv_bytes + rollout.capturer.row_bytes
+    )
+    check_store(rollout, 0, "a", [1, 2, 3])
+    check_store(rollout, 0, "b", [4, 5])
+    req = SimpleNamespace(rid="unclosed", req_pool_idx=2, seqlen=3, routed_experts=None, origin_input_ids=[4, 5])
+    req.output_ids = [0]
+    rollout.req_to_token_pool.req_to_token[2, :2] = torch.tensor([4, 5], dtype=torch.int32)
+    SchedulerOutputProcessorMixin.maybe_collect_routed_experts(
+        SimpleNamespace(req_to_token_pool=rollout.req_to_token_pool), req
+    )
+    rollout.forward([4, 5], ForwardMode.EXTEND)  # the next forward before the batch was streamed
+    rollout.capturer.flush()
+    assert stats.failed == ["unclosed"] and stats.transfers == 1
+    with pytest.raises(FailedRecordError, match="result batch was not closed"):
+        RecordReader(rollout.args.trace_store, 0).load([("unclosed", 0, 2)])
+
+
+def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
+    """The record store lives on the forward's device (one row per KV slot, counted in SGLang's KV budget by
+    `record_bytes_per_token`); the host holds only the ring, sized by the context length, not by the slots."""
+    layout = rollout.capturer.layout
+
+    def build(num_slots: int) -> TraceCapturer:
+        return TraceCapturer(
+            rollout.capturer.args,
+            layout,
+            kv_pool=rollout.pool,
+            max_tokens=16,
+            num_slots=num_slots,
+            max_request_tokens=32,
+            device="meta",  # the store's device; nothing is allocated for it here
+            return_routes=False,
+            weights=hooks.EXPERT_WEIGHTS,
+        )
+
+    small, huge = build(64), build(10**12)
+    assert small.ring.capacity == huge.ring.capacity == 2 * 32 * (small.kv_bytes + small.row_bytes)
+    assert huge.records.store.device.type == "meta" and huge.records.store.shape[0] == 10**12
+    runner = SimpleNamespace(server_args=rollout.args, model_config=SimpleNamespace(hf_config=qwen3_moe()))
+    assert hooks.record_bytes_per_token(runner) == rollout.capturer.records.row.row_bytes
+    assert record_bytes_per_slot(rollout.capturer.args, layout) == rollout.capturer.row_bytes
+    with pytest.raises(ValueError, match="cannot hold one request of 32 tokens"):
+        TraceCapturer(
+            rollout.capturer.args,
+            layout,
+            kv_pool=rollout.pool,
+            max_tokens=16,
+            num_slots=64,
+            max_request_tokens=32,
+            device="cpu",
+            return_routes=False,
+            weights=hooks.EXPERT_WEIGHTS,
+            host_ring_bytes=1000,
+        )
+    for cap in (small, huge):
+        cap.close()
+
+
+def test_the_kv_budget_counts_the_record_store(rollout):
+    """Patch 0013: SGLang's own `profile_max_num_token` (the real mixin, on the CPU's free memory) adds the record
+    store's bytes per slot to the KV cell size, so the pool it sizes leaves room for the store."""
+    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin as KVMixin
+
+    def runner(server_args):
+        config = SimpleNamespace(
+            hf_config=qwen3_moe(),
+            is_hybrid_swa=False,
+            head_dim=HEAD_DIM,
+            v_head_dim=HEAD_DIM,
+            get_num_kv_heads=lambda tp: KV_HEADS // tp,
+        )
+        r = SimpleNamespace(
+            server_args=server_args,
+            model_config=config,
+            device="cpu",
+            gpu_id=0,
+            is_draft_worker=False,
+            mambaish_config=None,
+            num_effective_layers=LAYERS,
+            kv_cache_dtype=torch.float4_e2m1fn_x2,
+            use_mla_backend=False,
+            mem_fraction_static=0.9,
+        )
+        r.get_cell_size_per_token = MethodType(KVMixin.get_cell_size_per_token, r)
+        return r
+
+    off = runner(ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1"))
+    on = runner(rollout.args)
+    cell, record = KVMixin.get_cell_size_per_token(off, LAYERS), rollout.capturer.records.row.row_bytes
+    tokens_off, tokens_on = KVMixin.profile_max_num_token(off, 0), KVMixin.profile_max_num_token(on, 0)
+    # the same free memory (to the noise of a shared machine) split into cells with and without the record row
+    assert abs(tokens_on * (cell + record) / (tokens_off * cell) - 1) < 0.02
+    assert tokens_on < 0.95 * tokens_off  # the record row is a real share of each cell here

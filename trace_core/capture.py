@@ -1,30 +1,29 @@
-"""Record capture on the rollout side: fixed staging buffers, an async host ring and a host store keyed by KV slot.
+"""Record capture on the rollout side: fixed staging rows and a record store keyed by KV slot, on the device.
 
-Follows SGLang's routed-experts capturer (row-indexed static GPU buffer written inside the forward, host buffer
-indexed by KV slot, gather through the request's slots at finish), made asynchronous (DESIGN §3):
+Follows SGLang's routed-experts capturer (row-indexed static buffer written inside the forward, a buffer indexed
+by KV slot, gather through the request's slots at finish), with the slot-keyed store kept on the forward's device
+next to the KV cache it describes, so host memory never mirrors the KV pool (docs/sglang.md, "Memory"):
   * every captured site writes its record rows (packed low code bits, block scale bytes and, for nvfp4, the FP32
     token scale) into views of one staging buffer `[max_tokens, row_bytes]` allocated once: fixed addresses, a
     `copy_` per write, so writes are CUDA-graph safe (`stage`, or a kernel writing into `staging_rows` directly);
     R3 routes `[tokens, route_layers, topk]` int32 live in the same rows;
-  * `on_forward_end(out_cache_loc)` hands rows [0, T) to the host ring (`trace_core.host_ring`), which lands them
-    in the host store at row `out_cache_loc[i]`;
-  * `gather(slots, length)` (or `gather_async`, which copies on the drain thread) returns the request's
-    `TrajectoryRecords` for positions [0, length) from the slots of its `req_to_token` row. Prefix-cache hits,
-    chunked prefill and retraction need nothing special: a slot holds whatever the last forward that wrote it
-    computed.
+  * `on_forward_end(out_cache_loc)` copies rows [0, T) into the store at rows `out_cache_loc[i]` (one
+    `index_copy_` on the forward's stream: no host work, no host sync);
+  * `gather(slots, length)` returns the request's `TrajectoryRecords` for positions [0, length) from the slots of
+    its `req_to_token` row; `read` checks and splits rows gathered elsewhere (e.g. copied to the host in one batch).
+    Prefix-cache hits, chunked prefill and retraction need nothing special: a slot holds whatever the last forward
+    that wrote it computed.
 One scheduler thread drives a capturer; it is not thread-safe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from trace_core.formats import get_format
-from trace_core.host_ring import AsyncHostRing, RingStats, SyncHostRing
 from trace_core.quant import Quantized
 from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits, packed_len
 from trace_core.store import Site, SiteLayout, TrajectoryRecords, site_layout
@@ -32,9 +31,18 @@ from trace_core.store import Site, SiteLayout, TrajectoryRecords, site_layout
 ALIGN = 4  # fp32 / int32 fields are read through dtype views of the byte rows
 
 
+@dataclass
+class CaptureStats:
+    """forwards / rows / bytes: forwards stored, token rows and bytes copied into the slot-keyed store."""
+
+    forwards: int = 0
+    rows: int = 0
+    bytes: int = 0
+
+
 @dataclass(frozen=True)
 class SiteBuffers:
-    """Fixed-address views of one site in a `[rows, row_bytes]` byte buffer (staging or host store).
+    """Fixed-address views of one site in a `[rows, row_bytes]` byte buffer (staging or store).
 
     low_bits: uint8 `[rows, packed_len(n, bits)]`; scales: uint8 `[rows, n // block]`; global_scale: FP32
     `[rows, 1]` for nvfp4 (the per-token `S_enc`, or the static scale repeated per row), else None.
@@ -47,7 +55,8 @@ class SiteBuffers:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Byte offsets of every field inside a token row; fp32/int32 fields first, so all of them are aligned."""
+    """Byte offsets of every field inside a token row; fp32/int32 fields first, so all of them are aligned. Every
+    row carries a `written` byte (1 in staging, so a stored row is marked written; `release` clears it)."""
 
     fields: dict[tuple[str, str], tuple[int, int]]  # (owner, field) -> (offset, bytes)
     row_bytes: int
@@ -57,7 +66,7 @@ class RowLayout:
         cls, sites: dict[Site, SiteLayout], routes: tuple[int, int] | None, marks: int = 0, version: bool = False
     ) -> RowLayout:
         wide: list[tuple[tuple[str, str], int]] = []
-        narrow: list[tuple[tuple[str, str], int]] = []
+        narrow: list[tuple[tuple[str, str], int]] = [(("meta", "written"), 1)]
         if routes is not None:
             wide.append((("routes", "routes"), 4 * routes[0] * routes[1]))
         if version:
@@ -81,22 +90,42 @@ class RowLayout:
         return rows[:, offset : offset + size].view(dtype)
 
 
+def record_row_layout(
+    spec: RecordSpec,
+    shape: ModelShape,
+    sites: Sequence[Site] | None = None,
+    routes: tuple[int, int] | None = None,
+    marks: int = 0,
+    versioned: bool = False,
+) -> tuple[dict[Site, SiteLayout], RowLayout]:
+    """The captured sites' layouts and the token row of a `RecordCapturer` built with these arguments (its store
+    costs `row_bytes` per KV slot: what an engine adds to its per-token KV memory)."""
+    full = site_layout(spec, shape)
+    chosen: list[Site] = list(full) if sites is None else [(layer, kind) for layer, kind in sites]
+    unknown = [s for s in chosen if s not in full]
+    if unknown:
+        raise ValueError(f"sites {unknown} are not captured by the record spec (sites {list(full)})")
+    if routes is not None and (len(routes) != 2 or min(routes) < 1):
+        raise ValueError(f"routes must be (route_layers >= 1, topk >= 1), got {routes!r}")
+    if marks < 0:
+        raise ValueError(f"marks must be >= 0, got {marks}")
+    layouts = {s: full[s] for s in chosen}
+    return layouts, RowLayout.build(layouts, routes, marks, versioned)
+
+
 class RecordCapturer:
-    """Captures records (and optionally R3 routes) of every forward into a host store keyed by KV slot.
+    """Captures records (and optionally R3 routes) of every forward into a store keyed by KV slot.
 
     Args:
         spec, shape: which sites are captured and their widths (`store.site_layout`).
         max_tokens: most token rows one forward stages (SGLang: max(chunked prefill size, max running requests)).
-        num_slots: KV slots of the pool (SGLang: max_total_num_tokens + page_size); host store rows.
+        num_slots: KV slots of the pool (SGLang: max_total_num_tokens + page_size); store rows.
         sites: the subset of `spec.sites()` staged per forward (default all; KV sites may instead be gathered from
             an FP4 KV pool at request finish).
         routes: `(route_layers, topk)` to capture R3 routes, layer ids 0..route_layers-1; None to skip.
-        device: where staging lives; CUDA uses the async ring, CPU writes the host store synchronously.
-        ring_depth: forwards whose copies may be in flight at once (CUDA).
-        drain_thread: scatter finished copies into the host store on a background thread (CUDA), keeping that
-            CPU work off the scheduler thread; otherwise the calling thread does it in `on_forward_end`/`flush`.
+        device: where staging and the store live (the forward's device).
         marks: hook markers per row (`mark`): every forward must set all of them on its rows, inside a CUDA graph
-            too; `on_forward_end` clears them after shipping the rows, so a replay in which a hook did not run
+            too; `on_forward_end` clears them after storing the rows, so a replay in which a hook did not run
             leaves its marker at 0 and every gather through those rows fails (a stale row is never stored).
         versioned: keep the weight version of the forward that wrote each row (`on_forward_end(version=...)`);
             `gather(version=v)` refuses rows written under another version.
@@ -112,44 +141,26 @@ class RecordCapturer:
         sites: Sequence[Site] | None = None,
         routes: tuple[int, int] | None = None,
         device: torch.device | str = "cpu",
-        ring_depth: int = 4,
-        drain_thread: bool = True,
         marks: int = 0,
         versioned: bool = False,
     ) -> None:
         if max_tokens < 1 or num_slots < 1:
             raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
-        full = site_layout(spec, shape)
-        chosen = list(full) if sites is None else [tuple(s) for s in sites]
-        unknown = [s for s in chosen if s not in full]
-        if unknown:
-            raise ValueError(f"sites {unknown} are not captured by the record spec (sites {list(full)})")
-        if routes is not None and (len(routes) != 2 or min(routes) < 1):
-            raise ValueError(f"routes must be (route_layers >= 1, topk >= 1), got {routes!r}")
-        self.layouts: dict[Site, SiteLayout] = {s: full[s] for s in chosen}
+        self.layouts, self.row = record_row_layout(spec, shape, sites, routes, marks, versioned)
         self.routes_shape = routes
-        if marks < 0:
-            raise ValueError(f"marks must be >= 0, got {marks}")
         self.marks, self.versioned = marks, versioned
-        self.row = RowLayout.build(self.layouts, routes, marks, versioned)
         self.max_tokens, self.num_slots = max_tokens, num_slots
         self.device = torch.device(device)
         self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=self.device)
-        self.host = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8)
-        self.written = torch.zeros(num_slots, dtype=torch.bool)
-        if self.device.type == "cuda":
-            self.ring: AsyncHostRing | SyncHostRing = AsyncHostRing(
-                self.staging, self.host, self.written, ring_depth, drain_thread
-            )
-        elif self.device.type == "cpu":
-            self.ring = SyncHostRing(self.staging, self.host, self.written)
-        else:
-            raise ValueError(f"capture runs on CUDA or CPU, got device {self.device}")
+        self.row.view(self.staging, "meta", "written").fill_(1)
+        self.store = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8, device=self.device)
+        self.stats = CaptureStats()
         self._staged: dict[Site | int, int] = {}  # site or route layer -> rows staged in this forward
 
     @property
-    def stats(self) -> RingStats:
-        return self.ring.stats
+    def written(self) -> torch.Tensor:
+        """bool `[num_slots]`: which KV slots hold a stored row (a forward wrote them since their last release)."""
+        return self.row.view(self.store, "meta", "written").flatten().bool()
 
     def _buffers(self, rows: torch.Tensor, site: Site) -> SiteBuffers:
         if site not in self.layouts:
@@ -201,7 +212,7 @@ class RecordCapturer:
             raise ValueError(f"site {site}: global_scale must be 0-d or [{rows}, 1], got {global_scale.shape}")
         buf.low_bits[:rows].copy_(low_bits)
         buf.scales[:rows].copy_(scales)
-        if global_scale is not None:
+        if global_scale is not None and buf.global_scale is not None:  # both or neither (checked above)
             buf.global_scale[:rows].copy_(global_scale.expand(rows, 1))
         self._staged[site] = rows
 
@@ -240,19 +251,27 @@ class RecordCapturer:
         graph_replay: bool = False,
         version: int | None = None,
     ) -> int:
-        """Send staging rows [row_start, row_start + T) to the host store at KV slots `out_cache_loc` `[T]`;
-        returns the forward id (0, 1, ...) to pass as `after_forward` to `gather` / `flush`.
+        """Store staging rows [row_start, row_start + T) at KV slots `out_cache_loc` `[T]` (one `index_copy_` on the
+        current stream); returns the forward id (0, 1, ...).
 
         In eager mode every captured site and route layer must have staged at least row_start + T rows since the
-        last call (a hook that did not fire would otherwise ship stale rows); pass `graph_replay=True` after
+        last call (a hook that did not fire would otherwise store stale rows); pass `graph_replay=True` after
         replaying a CUDA graph, whose staging writes run without Python (the markers catch a hook missing there).
-        `version`: the weight version the forward ran with (required when built `versioned`).
+        `version`: the weight version the forward ran with (required when built `versioned`). CPU slots are
+        range-checked here; on CUDA an out-of-range slot fails `index_copy_`'s device-side bounds check.
         """
         if self.versioned != (version is not None):
             raise ValueError(f"version {version!r}: pass one exactly when the capturer is versioned")
+        rows = out_cache_loc.shape[0] if out_cache_loc.dim() == 1 else -1
+        if rows < 0 or out_cache_loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_cache_loc must be a 1-D int tensor, got {out_cache_loc.dtype} {out_cache_loc.shape}")
+        if out_cache_loc.device != self.device:
+            raise ValueError(f"out_cache_loc is on {out_cache_loc.device}, the capturer on {self.device}")
+        if row_start < 0 or row_start + rows > self.max_tokens:
+            raise ValueError(f"rows [{row_start}, {row_start + rows}) exceed the staging buffer of {self.max_tokens}")
         staged, self._staged = self._staged, {}
         if not graph_replay:
-            need = row_start + out_cache_loc.shape[0]
+            need = row_start + rows
             expected = list(self.layouts) + list(range(self.routes_shape[0] if self.routes_shape else 0))
             short = [key for key in expected if staged.get(key, 0) < need]
             if short:
@@ -260,97 +279,66 @@ class RecordCapturer:
                     f"forward ended with rows [{row_start}, {need}) but {short} (site, or route layer) staged "
                     f"{[staged.get(k, 0) for k in short]} rows; nothing was captured"
                 )
-        rows = slice(row_start, row_start + out_cache_loc.shape[0])
+        slots = out_cache_loc.long()
+        if self.device.type == "cpu":
+            self._check_range(slots)
+        span = slice(row_start, row_start + rows)
         if version is not None:
-            self.row.view(self.staging, "meta", "version", torch.int32)[rows].fill_(version)
-        forward = self.ring.submit(row_start, out_cache_loc)
-        if self.marks:  # after the ring's snapshot of the rows, on the same stream
+            self.row.view(self.staging, "meta", "version", torch.int32)[span].fill_(version)
+        self.store.index_copy_(0, slots, self.staging[span])
+        if self.marks:  # after the rows were stored, on the same stream
             self.row.view(self.staging, "meta", "marks").zero_()
-        return forward
+        self.stats.forwards += 1
+        self.stats.rows += rows
+        self.stats.bytes += rows * self.row.row_bytes
+        return self.stats.forwards - 1
 
-    def poll(self) -> None:
-        """Move completed copies into the host store without blocking (also done by every `on_forward_end`)."""
-        self.ring.poll()
-
-    def flush(self, upto: int | None = None) -> None:
-        """Wait until forwards up to id `upto` (default: every submitted forward) are in the host store."""
-        self.ring.flush(upto)
-
-    def close(self) -> None:
-        """Finish every copy in flight and stop the drain thread; the host store stays readable."""
-        self.ring.close()
+    def _check_range(self, slots: torch.Tensor) -> None:
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            lo, hi = int(slots.min()), int(slots.max())
+            raise ValueError(f"KV slots out of range [0, {self.num_slots}): min {lo}, max {hi}")
 
     def release(self, slots: torch.Tensor) -> None:
         """Mark KV slots freed (the slots handed back to the KV allocator, not those the prefix cache keeps) so a
         gather through them before they are written again fails instead of returning another request's records.
-        Ordered after every forward submitted so far; does not wait on the CUDA path with a drain thread."""
-        resolve = self._slot_index(slots, slots.shape[0] if slots.dim() == 1 else -1)
+        Ordered after every forward on the current stream; no host sync on CUDA."""
+        slots = slots.to(self.device).long()
+        if self.device.type == "cpu":
+            self._check_range(slots)
+        self.row.view(self.store, "meta", "written")[slots] = 0
 
-        def clear() -> None:
-            self.written[resolve()] = False
-
-        self.ring.run_after(clear, report=True)
-
-    def _slot_index(self, slots: torch.Tensor, length: int) -> Callable[[], torch.Tensor]:
-        """Check `slots[:length]` and start moving it to the host; the returned function waits for the move and
-        returns the int64 CPU index. A CUDA tensor is copied on the current stream into pinned memory, so only the
-        function's caller (the drain thread, for `gather_async`) waits for that stream."""
+    def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Store rows at `slots` (1-D int, on the capturer's device) as one `[len, row_bytes]` tensor: one
+        `index_select` on the current stream, no host sync. `read` checks and splits them."""
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
+        slots = slots.to(self.device).long()
+        if self.device.type == "cpu":
+            self._check_range(slots)
+        return self.store.index_select(0, slots)
+
+    def gather(self, slots: torch.Tensor, length: int, *, version: int | None = None) -> TrajectoryRecords:
+        """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`, on the
+        capturer's device. `version` (versioned capturers): every row must have been written under that weight
+        version. Raises ValueError for unwritten rows, rows whose hook markers are not all set, or another
+        version."""
         if not 0 <= length <= slots.shape[0]:
             raise ValueError(f"length {length} is outside [0, {slots.shape[0]}] request slots")
-        if slots.device.type == "cuda":
-            host = torch.empty(length, dtype=slots.dtype, pin_memory=True)
-            host.copy_(slots[:length], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = slots[:length], None
+        self._check_range(slots[:length].long())  # before the device index (a sync; `read` syncs anyway)
+        return self.read(self.gather_rows(slots[:length]), version)
 
-        def resolve() -> torch.Tensor:
-            if copied is not None:
-                copied.synchronize()
-            idx = host.long()
-            if length and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
-                lo, hi = int(idx.min()), int(idx.max())
-                raise ValueError(f"slots out of range [0, {self.num_slots}): min {lo}, max {hi}")
-            return idx
-
-        if copied is None:
-            resolve()  # CPU slots: bad input fails here, on the caller's thread
-        return resolve
-
-    def gather(
-        self, slots: torch.Tensor, length: int, after_forward: int | None = None, *, version: int | None = None
-    ) -> TrajectoryRecords:
-        """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`.
-
-        `after_forward`: id of the last forward that wrote the request's rows (the batch whose results are being
-        processed). Only copies up to it are waited for, so a forward already launched by an overlap scheduler is
-        not; default: wait for every submitted forward. Pass `slots` on the CPU to avoid waiting for the current
-        CUDA stream. `version` (versioned capturers): every row must have been written under that weight version.
-        Raises ValueError for unwritten rows, rows whose hook markers are not all set, or another version."""
-        idx = self._slot_index(slots, length)()
-        self.flush(after_forward)
-        return self._read(idx, version)
-
-    def gather_async(self, slots: torch.Tensor, length: int, *, version: int | None = None) -> Future:
-        """`gather` as a future: the slot transfer and the copy out of the host store run on the drain thread,
-        after every forward submitted so far, so the scheduler thread neither waits nor copies (at once on the
-        other paths)."""
-        resolve = self._slot_index(slots, length)
-        return self.ring.run_after(lambda: self._read(resolve(), version))
-
-    def _read(self, idx: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
-        """The records of host-store rows `idx`, as views of one gathered copy (checks: see `gather`)."""
-        length = idx.shape[0]
-        unwritten = (~self.written[idx]).nonzero().flatten()
+    def read(self, rows: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
+        """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows`; raises
+        ValueError for unwritten rows, unset hook markers or another weight version (see `gather`)."""
+        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != self.row.row_bytes:
+            raise ValueError(f"rows must be uint8 [length, {self.row.row_bytes}], got {rows.dtype} {tuple(rows.shape)}")
+        length = rows.shape[0]
+        unwritten = (self.row.view(rows, "meta", "written").flatten() == 0).nonzero().flatten()
         if unwritten.numel():
             raise ValueError(
                 f"{unwritten.numel()} of {length} positions have no captured record (first positions "
-                f"{unwritten[:8].tolist()}, slots {idx[unwritten[:8]].tolist()})"
+                f"{unwritten[:8].tolist()})"
             )
-        rows = self.host[idx]
         if self.marks:
             missing = (self.row.view(rows, "meta", "marks") == 0).nonzero()
             if missing.numel():

@@ -21,7 +21,7 @@ from trace_core import metrics
 from trace_core.guided import guided_quantize
 from trace_core.quant import Quantized, dequantize, quantize
 
-FORMATS = (("nvfp4", {"per_token": True}), ("mxfp4", {}), ("kv_fp4", {}))
+FORMATS: tuple[tuple[str, dict[str, bool]], ...] = (("nvfp4", {"per_token": True}), ("mxfp4", {}), ("kv_fp4", {}))
 METHODS = ("RTN", "TRACE full", "TRACE b=1", "TRACE b=2", "TRACE b=3")
 
 

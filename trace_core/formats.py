@@ -1,4 +1,4 @@
-"""FP4 formats of the numerics contract (DESIGN §2), as named immutable objects.
+"""FP4 formats of the numerics contract (docs/design.md, "Numerics contract"), as named immutable objects.
 
 A format fixes the block size, how a block's scale is chosen and stored, and how an element is rounded to the
 E2M1 grid. Every quantizer in TRACE (reference, Triton kernels, both engine adapters) takes one of these objects
@@ -46,6 +46,8 @@ class FP4Format:
         has_global_scale: whether an FP32 global / per-token scale `S_enc` sits above the block scales.
         negative_zero: whether a negative input that rounds to zero keeps the sign bit (code 8). True mirrors the
             hardware converter (which also keeps the sign of -0.0); False is SGLang's KV rule `scaled < 0`.
+        kernel_id: the format's id in the Triton kernels (`trace_core.kernels.triton_fp4` reads it from here),
+            distinct per registered format.
     """
 
     name: str
@@ -55,6 +57,11 @@ class FP4Format:
     e8m0_rule: E8M0Rule | None
     has_global_scale: bool
     negative_zero: bool
+    kernel_id: int
+
+    def __post_init__(self) -> None:
+        if (self.scale is ScaleKind.E8M0) != (self.e8m0_rule is not None):
+            raise ValueError(f"format {self.name!r}: an e8m0_rule goes with E8M0 scales, and only with them")
 
 
 NVFP4 = FP4Format(
@@ -65,6 +72,7 @@ NVFP4 = FP4Format(
     e8m0_rule=None,
     has_global_scale=True,
     negative_zero=True,
+    kernel_id=0,
 )
 """NVFP4, FlashInfer / TransformerEngine exact-math convention.
 
@@ -80,6 +88,7 @@ MXFP4 = FP4Format(
     e8m0_rule=E8M0Rule.CEIL,
     has_global_scale=False,
     negative_zero=True,
+    kernel_id=1,
 )
 """MXFP4 with the inference kernels' ceil scale `2^ceil(log2(amax/6))`, exact in FP32 (no log2 rounding)."""
 
@@ -91,6 +100,7 @@ MXFP4_OCP = FP4Format(
     e8m0_rule=E8M0Rule.FLOOR,
     has_global_scale=False,
     negative_zero=True,
+    kernel_id=2,
 )
 """MXFP4 with the OCP MX v1.0 floor scale `2^(floor(log2 amax) - 2)`; block maxima above 6 saturate."""
 
@@ -102,6 +112,7 @@ KV_FP4 = FP4Format(
     e8m0_rule=E8M0Rule.SGLANG_KV,
     has_global_scale=False,
     negative_zero=False,
+    kernel_id=3,
 )
 """SGLang's FP4 KV cache (`--kv-cache-dtype fp4_e2m1`, `KVFP4QuantizeUtil`): 16 elements of one head vector per
 E8M0 scale `ceil(log2(max(amax/6, 1e-10)))` stored `+127`, elements rounded ties-up, sign bit set for any

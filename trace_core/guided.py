@@ -1,6 +1,6 @@
 """Guided rounding (TRACE Algorithm 1, made exact) and RTN fake-quant, both with a straight-through backward.
 
-For each element x with rollout decode scale s and rollout code bits c (DESIGN §2):
+For each element x with rollout decode scale s and rollout code bits c (docs/numerics.md, "Guided rounding"):
   1. z = clip(x * enc, -6, 6), enc the format's encode factor (1/s);
   2. bracket q- <= z <= q+, adjacent points of the signed E2M1 grid;
   3. b = 4: q* = argmin_{q in {q-, q+}} |q - q_roll|, q_roll the decoded rollout code;
@@ -47,7 +47,8 @@ _TABLES = {b: _outer_candidate_tables(b) for b in (1, 2, 3)}
 @functools.cache
 def _device_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`_TABLES[bits]` on `device`, copied once (later calls copy nothing from the host)."""
-    return tuple(t.to(device) for t in _TABLES[bits])
+    below, above = _TABLES[bits]
+    return below.to(device), above.to(device)
 
 
 @dataclass
@@ -72,11 +73,11 @@ class _StraightThrough(torch.autograd.Function):
     """Forward returns the quantized value unchanged; backward passes the gradient to x (identity)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx, x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return value
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ARG004
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

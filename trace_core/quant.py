@@ -1,4 +1,5 @@
-"""Pure-torch FP4 quantization: the reference every kernel and engine adapter is checked against (DESIGN §2).
+"""Pure-torch FP4 quantization: the reference every kernel and engine adapter is checked against (docs/design.md,
+"Numerics contract").
 
 `quantize` returns the exact codes and raw scale bytes an engine would store; `dequantize` and `decode_scales`
 turn them back into values. All arithmetic is FP32 in the operation order the contract fixes, so results are
@@ -65,18 +66,28 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _nvfp4_global_scale(xf: torch.Tensor, global_scale: float | torch.Tensor | None, per_token: bool) -> torch.Tensor:
-    """FP32 `S_enc`: given (static), per token row, or per tensor; 1 where the amax is 0."""
-    if global_scale is not None:
-        if per_token:
-            raise ValueError("pass either global_scale (static scale) or per_token=True, not both")
-        s_enc = torch.as_tensor(global_scale, dtype=torch.float32, device=xf.device)
-        if s_enc.dim() and tuple(s_enc.shape) != tuple(xf.shape[:-1]) + (1,):
-            raise ValueError(f"global_scale shape {tuple(s_enc.shape)} must be scalar or {tuple(xf.shape[:-1]) + (1,)}")
-        if s_enc.numel() and not bool((torch.isfinite(s_enc) & (s_enc > 0)).all()):
-            raise ValueError("global_scale must be finite and positive")
-        return s_enc
-    return nvfp4_global_scale(xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax())
+def check_scale_args(
+    fmt: FP4Format,
+    global_scale: float | torch.Tensor | None,
+    per_token: bool,
+    rows: tuple[int, ...],
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    """The one check of a quantizer's scale arguments (reference and kernels): an E8M0 format takes neither
+    `global_scale` nor `per_token`; an E4M3 format takes a static `global_scale` (0-d, or one per row `[*rows, 1]`)
+    or `per_token`, not both. Returns the static scale as FP32 on `device`, None when none is given."""
+    if fmt.scale is ScaleKind.E8M0:
+        if global_scale is not None or per_token:
+            raise ValueError(f"{fmt.name} has E8M0 block scales only; global_scale / per_token do not apply")
+        return None
+    if global_scale is None:
+        return None
+    if per_token:
+        raise ValueError("pass either global_scale (static scale) or per_token=True, not both")
+    s_enc = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+    if s_enc.dim() and tuple(s_enc.shape) != (*rows, 1):
+        raise ValueError(f"global_scale shape {tuple(s_enc.shape)} must be scalar or {(*rows, 1)}")
+    return s_enc
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -153,15 +164,17 @@ def quantize(
     xf = x.float()
     blocks = _blocks(xf, fmt.block)
     block_amax = blocks.abs().amax(dim=-1)
+    s_enc = check_scale_args(fmt, global_scale, per_token, tuple(xf.shape[:-1]), xf.device)
     if fmt.scale is ScaleKind.E4M3:
-        s_enc = _nvfp4_global_scale(xf, global_scale, per_token)
+        if s_enc is None:  # per token row, or per tensor; 1 where the amax is 0
+            s_enc = nvfp4_global_scale(xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax())
+        elif s_enc.numel() and not bool((torch.isfinite(s_enc) & (s_enc > 0)).all()):
+            raise ValueError("global_scale must be finite and positive")
         one_sixth = _one_sixth(xf.device)
         sf = block_amax * (s_enc * one_sixth)
         scales = torch.clamp(sf, max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
-        if global_scale is not None or per_token:
-            raise ValueError(f"{fmt.name} has E8M0 block scales only; global_scale / per_token do not apply")
-        s_enc = None
+        assert fmt.e8m0_rule is not None  # FP4Format guarantees it for E8M0 scales
         scales = (e8m0_exponent(block_amax, fmt.e8m0_rule) + E8M0_BIAS).to(torch.uint8)
     _, encode = scale_factors(fmt, scales, s_enc)
     codes = _encode_codes(blocks * encode.unsqueeze(-1), fmt).reshape(x.shape)

@@ -1,4 +1,4 @@
-"""Records: what the rollout keeps of each FP4 rounding outcome (DESIGN §3).
+"""Records: what the rollout keeps of each FP4 rounding outcome (docs/design.md, "Records").
 
 A record holds, per token row of one site, the low `b` bits of every element's code packed densely (exactly b bits
 per element, element i at bit offset i*b, LSB first, so b = 4 is the nibble packing of `pack_fp4`), the block
@@ -17,8 +17,7 @@ import torch
 from trace_core.formats import FP4Format, get_format
 from trace_core.quant import Quantized
 from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, Scale, get_recipe
-
-SITE_KINDS = ("moe_in", "k", "v")
+from trace_core.sites import Site
 
 
 def check_bits(bits: int) -> int:
@@ -230,7 +229,14 @@ class RecordSpec:
                 f"{want['per_token_scale']}, k/v {want['kv_format']}); build the spec with recipe={recipe.name!r}"
             )
 
-    def sites(self) -> list[tuple[int, str]]:
+    def site_format(self, kind: str) -> FP4Format:
+        """The format of this spec's records of site kind `kind` (ValueError when its recipe records none)."""
+        name = self.moe_format if kind == "moe_in" else self.kv_format
+        if name is None:
+            raise ValueError(f"record spec of recipe {self.recipe!r} records no {kind} sites")
+        return get_format(name)
+
+    def sites(self) -> list[Site]:
         """All captured sites as (layer, kind)."""
         return [(i, "moe_in") for i in self.moe_layers] + [(i, k) for i in self.attn_layers for k in ("k", "v")]
 
@@ -250,7 +256,7 @@ class RecordBytes:
 
     moe_in: float
     kv: float
-    per_site: dict[tuple[int, str], float] = field(default_factory=dict)
+    per_site: dict[Site, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -263,16 +269,16 @@ def site_bytes(width: int, bits: int, block: int, token_scale: bool) -> float:
 
 
 def bytes_per_token(shape: ModelShape, spec: RecordSpec) -> RecordBytes:
-    """Record bytes one token produces under `spec` (DESIGN §3)."""
-    per_site: dict[tuple[int, str], float] = {}
+    """Record bytes one token produces under `spec` (docs/design.md, "Records")."""
+    per_site: dict[Site, float] = {}
     for layer, kind in spec.sites():
+        fmt = spec.site_format(kind)
         if kind == "moe_in":
-            fmt = get_format(spec.moe_format)
-            token_scale = spec.per_token_scale and fmt.has_global_scale
+            token_scale = bool(spec.per_token_scale) and fmt.has_global_scale
             per_site[(layer, kind)] = site_bytes(shape.hidden, spec.bits, fmt.block, token_scale)
         else:
             width = shape.num_kv_heads * shape.head_dim
-            per_site[(layer, kind)] = site_bytes(width, spec.bits, get_format(spec.kv_format).block, False)
+            per_site[(layer, kind)] = site_bytes(width, spec.bits, fmt.block, False)
     moe = sum(v for (_, k), v in per_site.items() if k == "moe_in")
     return RecordBytes(moe_in=moe, kv=sum(per_site.values()) - moe, per_site=per_site)
 

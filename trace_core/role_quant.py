@@ -49,12 +49,20 @@ def fake_quant(role: Role, x: torch.Tensor, *, row_amax: torch.Tensor | None = N
     return kernels.rtn_fake_quant(x, role.fmt, **_fp4_scale(role, x, row_amax))
 
 
+def _per_tensor_format(role: Role) -> FP4Format:
+    """The FP4 format of a per-tensor-scaled role (only FP4 formats with a global scale take one)."""
+    if not isinstance(role.fmt, FP4Format) or not role.fmt.has_global_scale:
+        raise ValueError(f"{role.fmt.name}: a per-tensor scale needs an FP4 format with a global scale")
+    return role.fmt
+
+
 def weight_rtn(role: Role, w: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """RTN values of one weight matrix `w [out, in]` under the weights role (no autograd). Per-tensor roles take
     their scale from `amax` when given (the full matrix's, e.g. of gate and up together when `w` is a shard)."""
     if role.scale is Scale.PER_TENSOR:
+        fmt = _per_tensor_format(role)
         scale = nvfp4_global_scale(w.detach().abs().amax() if amax is None else amax)
-        return kernels.rtn_fake_quant(w.detach(), role.fmt, global_scale=scale)
+        return kernels.rtn_fake_quant(w.detach(), fmt, global_scale=scale)
     return fake_quant(role, w.detach())
 
 
@@ -65,9 +73,10 @@ def expert_weights_rtn(role: Role, w: torch.Tensor) -> torch.Tensor:
     e, n, k = w.shape
     if role.scale is not Scale.PER_TENSOR:
         return fake_quant(role, w.reshape(e * n, k)).view(e, n, k)
+    fmt = _per_tensor_format(role)
     s_enc = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))  # the per-matrix scale goes in as a per-row scale
     rows = s_enc.repeat_interleave(n).unsqueeze(1)
-    return kernels.rtn_fake_quant(w.reshape(e * n, k), role.fmt, global_scale=rows).view(e, n, k)
+    return kernels.rtn_fake_quant(w.reshape(e * n, k), fmt, global_scale=rows).view(e, n, k)
 
 
 def rollout_rtn(role: Role, x: torch.Tensor, bits: int, record=None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""On-disk record store: one directory per RL step, zstandard shards of finished trajectories (DESIGN §3).
+"""On-disk record store: one directory per RL step, zstandard shards of finished trajectories (docs/design.md,
+"Records").
 
 A rollout worker hands each finished trajectory's records (`TrajectoryRecords`) to a `StepWriter`, which writes
 them as a shard file: a small JSON header (the shard's index: trajectory -> site -> field -> byte range) followed
@@ -29,7 +30,7 @@ import struct
 import threading
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,8 @@ import torch
 import zstandard
 
 from trace_core.formats import get_format
-from trace_core.records import SITE_KINDS, Binding, ModelShape, Record, RecordSpec
+from trace_core.records import Binding, ModelShape, Record, RecordSpec
+from trace_core.sites import SITE_KINDS, Site, check_site
 
 MAGIC = b"TRACEREC"
 VERSION = 2
@@ -52,8 +54,6 @@ INDEX_NAME = "index.json"
 STEP_PREFIX = "step_"
 DEFAULT_LEVEL = 1
 ROUTES = "routes"
-
-Site = tuple[int, str]
 
 
 class StoreError(ValueError):
@@ -89,9 +89,7 @@ def parse_rollout_rid(rid: str) -> tuple[str, str]:
 
 def site_key(site: Site) -> str:
     """File-format name of a site: `"<layer>.<kind>"`."""
-    layer, kind = site
-    if kind not in SITE_KINDS or isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise ValueError(f"site must be (layer >= 0, kind in {SITE_KINDS}), got {site!r}")
+    layer, kind = check_site(site)
     return f"{layer}.{kind}"
 
 
@@ -118,10 +116,8 @@ def site_layout(spec: RecordSpec, shape: ModelShape) -> dict[Site, SiteLayout]:
     `num_kv_heads * head_dim` (all heads of a token)."""
     out: dict[Site, SiteLayout] = {}
     for layer, kind in spec.sites():
-        if kind == "moe_in":
-            out[(layer, kind)] = (get_format(spec.moe_format).name, spec.bits, shape.hidden)
-        else:
-            out[(layer, kind)] = (get_format(spec.kv_format).name, spec.bits, shape.num_kv_heads * shape.head_dim)
+        width = shape.hidden if kind == "moe_in" else shape.num_kv_heads * shape.head_dim
+        out[(layer, kind)] = (spec.site_format(kind).name, spec.bits, width)
     for site, (fmt, _, n) in out.items():
         if n <= 0 or n % get_format(fmt).block:
             raise ValueError(f"site {site}: width {n} is not a positive multiple of the {fmt} block")
@@ -462,7 +458,7 @@ def write_failure(root: str | os.PathLike, step: int, trajectory: str, attempt: 
     return path
 
 
-def read_failures(directory: Path, skip: set[str] = frozenset()) -> dict[tuple[str, str], tuple[str, str]]:
+def read_failures(directory: Path, skip: Collection[str] = frozenset()) -> dict[tuple[str, str], tuple[str, str]]:
     """(trajectory, attempt) -> (marker file name, message) of the failure markers of a step directory, less the
     files named in `skip`."""
     out = {}

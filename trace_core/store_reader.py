@@ -89,17 +89,20 @@ class MicroBatchRecords:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatchRecords:
         """The same records on `device` (e.g. the trainer's GPU)."""
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        def move_optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else move(t)
 
         records = {
-            site: Record(r.fmt, r.bits, r.n, move(r.low_bits), move(r.scales), move(r.global_scale))
+            site: Record(r.fmt, r.bits, r.n, move(r.low_bits), move(r.scales), move_optional(r.global_scale))
             for site, r in self.records.items()
         }
         return MicroBatchRecords(
             records=records,
             has_record={site: move(m) for site, m in self.has_record.items()},
-            routes=move(self.routes),
+            routes=move_optional(self.routes),
             has_routes=move(self.has_routes),
         )
 
@@ -253,17 +256,17 @@ class RecordReader:
         """Records of positions [start, end) of each (trajectory, start, end), padded to `[B, T]`."""
         if not batch:
             raise ValueError("load() needs a non-empty micro-batch")
-        batch = [(str(t), s, e) for t, s, e in batch]
-        for traj, start, end in batch:
+        spans = [(str(t), s, e) for t, s, e in batch]
+        for traj, start, end in spans:
             if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
                 raise ValueError(f"trajectory {traj!r}: token range [{start}, {end}) is invalid")
-        longest = max(e - s for _, s, e in batch)
+        longest = max(e - s for _, s, e in spans)
         t = longest if pad_to is None else pad_to
         if t < longest:
             raise ValueError(f"pad_to={pad_to} is shorter than the longest range ({longest} tokens)")
-        entries = [self._lookup(traj, start, end) for traj, start, end in batch]
+        entries = [self._lookup(traj, start, end) for traj, start, end in spans]
         layout = self._site_layout([e for e in entries if e is not None])
-        b = len(batch)
+        b = len(spans)
         records, has_record = {}, {}
         for site, (fmt_name, bits, n) in layout.items():
             fmt = get_format(fmt_name)
@@ -271,9 +274,9 @@ class RecordReader:
             scales = torch.zeros(b, t, n // fmt.block, dtype=torch.uint8)
             gs = torch.ones(b, t, 1, dtype=torch.float32) if fmt.has_global_scale else None
             mask = torch.zeros(b, t, dtype=torch.bool)
-            for i, ((traj, start, end), entry) in enumerate(zip(batch, entries, strict=True)):
-                meta = entry and entry[1]["sites"].get(site_key(site))
-                if meta is None:
+            for i, ((traj, start, end), entry) in enumerate(zip(spans, entries, strict=True)):
+                meta = None if entry is None else entry[1]["sites"].get(site_key(site))
+                if entry is None or meta is None:
                     self._fallback(traj, end - start)
                     continue
                 shard = entry[0]
@@ -287,7 +290,7 @@ class RecordReader:
                 self.stats.rows += rows
             records[site] = Record(fmt=fmt, bits=bits, n=n, low_bits=low, scales=scales, global_scale=gs)
             has_record[site] = mask
-        routes, has_routes = self._routes(batch, entries, t)
+        routes, has_routes = self._routes(spans, entries, t)
         return MicroBatchRecords(records=records, has_record=has_record, routes=routes, has_routes=has_routes)
 
     def _lookup(self, traj: str, start: int, end: int) -> tuple[str, dict] | None:

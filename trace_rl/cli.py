@@ -20,12 +20,13 @@ import json
 import sys
 from pathlib import Path
 
+from trace_core.recipe import recipe_names
 from trace_rl.config import RLConfig, load_config
 
 FIELD_HELP = {
     "mode": "bf16 (BF16 rollout and trainer), qat (FP4 rollout + RTN QAT) or trace (FP4 rollout + guided QAT)",
-    "recipe": "precision recipe of the FP4 sites (rollout and trainer): nvfp4-w4a4-kv4, mxfp4-w4a4-kv4 or "
-    "mxfp4-w4a8-kv4 (docs/design.md, Precision recipes)",
+    "recipe": f"precision recipe of the FP4 sites, rollout and trainer alike: one of {', '.join(recipe_names())} "
+    "(docs/design.md, Precision recipes)",
     "model_dir": "the tiny model (a directory with megatron.pt) or an HF Qwen3-MoE checkpoint directory",
     "out_dir": "the run directory: metrics.jsonl, checkpoint.pt, records/, tensorboard/",
     "steps": "RL steps (fewer when `epochs` runs out first)",
@@ -60,6 +61,7 @@ FIELD_HELP = {
     "dp": "trainer data parallelism (divides the trajectories of a step)",
     "gpus_per_node": "GPUs per node for the trainer group with device = cuda (TP stays within a node)",
     "trainer_dtype": "trainer parameter dtype: bfloat16, or float32 (to check a layout against one rank)",
+    "train_micro_batch": "trajectories per trainer micro-batch on each DP rank (gradient accumulation); 0 = one",
     "data": "prompt dataset: addition (the synthetic task) or a .jsonl / .parquet file",
     "prompt_key": "dataset field of the prompt: a string (the user turn) or a list of {role, content} messages",
     "answer_key": "dataset field of the reference answer given to the reward ('' for none); dots reach nested fields",

@@ -12,9 +12,10 @@ from typing import Any
 
 import yaml
 
+from trace_core.modes import MODES
 from trace_core.recipe import DEFAULT_RECIPE, recipe_names
+from trace_core.records import check_bits
 
-MODES = ("bf16", "qat", "trace")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 SECRET_REFS = ("env:", "file:")
 CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
@@ -48,6 +49,8 @@ class RLConfig:
     parallel; tp * pp * dp ranks, EP carved out of dp * tp); more than one rank runs the trainer as a Ray group, one
     GPU per rank with device = "cuda" (at most gpus_per_node per node, TP within a node), gloo ranks on a CPU.
     trainer_dtype: the trainer's parameter dtype (bfloat16, or float32 to check a layout against one rank).
+    train_micro_batch: trajectories per trainer micro-batch on each DP rank (gradient accumulation through Megatron's
+    schedule; also with one rank); 0 = all of a rank's trajectories in one micro-batch.
     data / eval_data and the fields after them: the prompt dataset (`addition` or a JSONL / Parquet file,
     `trace_rl.data`), the reward function (`trace_rl.rewards`), held-out evaluation and the loggers
     (`trace_rl.tracking`); docs/rl.md, "Bring your own model and data".
@@ -108,6 +111,7 @@ class RLConfig:
     dp: int = 1
     gpus_per_node: int = 8
     trainer_dtype: str = "bfloat16"
+    train_micro_batch: int = 0
 
     def __post_init__(self) -> None:
         errors = [f"{k}={v!r} must be finite" for k, v in self._floats().items() if not math.isfinite(v)]
@@ -119,8 +123,10 @@ class RLConfig:
         errors += [f"{k}={getattr(self, k)} must be >= 1" for k in positive if getattr(self, k) < 1]
         if self.group_size < 2:
             errors.append(f"group_size={self.group_size} must be >= 2 (GRPO normalizes within a group)")
-        if not 1 <= self.record_bits <= 4:
-            errors.append(f"record_bits={self.record_bits} must be in 1..4")
+        try:
+            check_bits(self.record_bits)
+        except ValueError as e:
+            errors.append(f"record_bits={self.record_bits}: {e}")
         if self.temperature <= 0 or self.lr <= 0:
             errors.append(f"temperature={self.temperature} and lr={self.lr} must be > 0")
         if self.max_version_diff < 0 or self.async_lag < 0 or self.max_restarts < 0:
@@ -186,6 +192,11 @@ class RLConfig:
         """Trainer ranks of the layout."""
         return self.tp * self.pp * self.dp
 
+    def parallel_trainer(self) -> bool:
+        """Whether the trainer runs as a group of `trace_rl.parallel_trainer.RankTrainer`s (a layout of several
+        ranks, or micro-batches): else the single-rank `MegatronTrainer`."""
+        return self.trainer_world() > 1 or self.train_micro_batch > 0
+
     def _layout_errors(self) -> list[str]:
         sizes = {k: getattr(self, k) for k in ("tp", "ep", "pp", "dp", "gpus_per_node")}
         errors = [f"{k}={v} must be >= 1" for k, v in sizes.items() if v < 1]
@@ -204,6 +215,12 @@ class RLConfig:
                 errors.append(f"tp={self.tp} exceeds gpus_per_node={self.gpus_per_node} (TP stays within a node)")
             if world > self.gpus_per_node and world % self.gpus_per_node:
                 errors.append(f"tp * pp * dp = {world} GPUs do not fill nodes of gpus_per_node={self.gpus_per_node}")
+        per_rank = self.prompts_per_step * self.group_size // self.dp
+        if self.train_micro_batch < 0 or (self.train_micro_batch and per_rank % self.train_micro_batch):
+            errors.append(
+                f"train_micro_batch={self.train_micro_batch} must be 0 or divide the {per_rank} trajectories of a "
+                "DP rank"
+            )
         if self.trainer_dtype not in ("bfloat16", "float32"):
             errors.append(f"trainer_dtype={self.trainer_dtype!r} must be bfloat16 or float32")
         return errors

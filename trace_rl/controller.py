@@ -21,26 +21,25 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from megatron_trace.parallel import Layout
 from trace_core.records import RecordSpec
 from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.data import Prompt, dataset
 from trace_rl.engine import Trajectory
-from trace_rl.parallel_trainer import GroupTrainer, check_layout
+from trace_rl.parallel_trainer import GroupTrainer
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
 from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
-from trace_rl.workers import LocalPool, RayPool, Request
+from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -64,6 +63,10 @@ RESUME_KEYS = (
     "async_lag",
     "data",
 )
+
+
+# A pending trajectory in a checkpoint: its fields by name, all but the records (those stay in the store).
+TRAJECTORY_STATE = tuple(f.name for f in fields(Trajectory) if f.name != "records")
 
 
 @dataclass
@@ -123,15 +126,14 @@ class Controller:
         self.spec = record_spec(tiny.layers, cfg)
         kw = dict(mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff)
         kw["dtype"] = getattr(torch, cfg.trainer_dtype)
-        if cfg.trainer_world() > 1:
-            layout, gpus = Layout(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp), 1 if cfg.device == "cuda" else 0
-            check_layout(tiny, layout, cfg.dp)
-            self.trainer = GroupTrainer(tiny, state, layout=layout, world=cfg.trainer_world(), gpus_per_rank=gpus, **kw)
+        if cfg.parallel_trainer():
+            self.trainer = GroupTrainer.from_config(tiny, state, cfg, **kw)
         else:
             self.trainer = (RayTrainer if cfg.use_ray else MegatronTrainer)(tiny, state, **kw)
         pool_cfg = cfg.replace(model_dir=str(Path(cfg.model_dir).resolve()))  # worker processes may run elsewhere
         capture = capture_spec(tiny.layers, cfg)
         task = RolloutTask(str(policy.hf_dir), max_prompt + cfg.max_new_tokens, policy.eos)
+        self.pool: RolloutPool
         if cfg.rollout_backend == "sglang":
             from trace_rl.sglang_worker import SGLangPool
 
@@ -317,7 +319,7 @@ class Controller:
                 "step": b.step,
                 "version": b.version,
                 "restarts": b.restarts,
-                "trajectories": [(t.tokens, t.prompt_len, t.logprobs, t.recorded, t.attempt) for t in b.trajectories],
+                "trajectories": [{k: getattr(t, k) for k in TRAJECTORY_STATE} for t in b.trajectories],
             }
             for b in self.pending
         ]
@@ -354,7 +356,7 @@ class Controller:
         self.checkpoint_steps = state["checkpoint_steps"]
         for p in state["pending"]:  # prompts are a function of the step; rewards are scored again
             prompts = self.data.batch(p["step"], self.cfg.prompts_per_step)
-            trajs = [Trajectory(*t[:3], None, *t[3:]) for t in p["trajectories"]]
+            trajs = [Trajectory(**t, records=None) for t in p["trajectories"]]
             self.pending.append(
                 RolloutBatch(p["step"], p["version"], prompts, trajs, p["restarts"], self._score(prompts, trajs))
             )

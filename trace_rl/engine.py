@@ -1,7 +1,7 @@
 """Embedded reference engine: transformers `Qwen3MoeForCausalLM` in BF16 with the FP4 numerics of the SGLang side.
 
-FP4 mode (DESIGN §4), every site under the engine's precision recipe (`trace_core.recipe`, default NVFP4 W4A4 +
-FP4 KV), quantized through `trace_core.role_quant`:
+FP4 mode (docs/design.md, "Numerics contract"), every site under the engine's precision recipe (`trace_core.recipe`,
+default NVFP4 W4A4 + FP4 KV), quantized through `trace_core.role_quant`:
 - routed-expert weights are quantize-dequantized under the `weights` role (NVFP4: one global scale per expert
   matrix, gate and up as one FC1 matrix) at load and at every weight update;
 - the MoE input is quantize-dequantized per token row (`moe_in` role) by `trace_core.kernels.quantize_record`,
@@ -11,7 +11,7 @@ FP4 KV), quantized through `trace_core.role_quant`:
   with records of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
 Both modes stage every MoE layer's top-k routes for R3; an `ActivationTap` sees every site's rows (analyses).
 Generation is batched with a KV cache; prompts share one length, so token (b, position p) lives in KV slot
-`b * max_len + p` of the capturer's host store.
+`b * max_len + p` of the capturer's record store.
 """
 
 from __future__ import annotations
@@ -246,7 +246,6 @@ class EmbeddedEngine:
             logits = self._forward(tok[:, None], cache, p + t)
             if bool(done.all()):
                 break
-        self.capturer.flush()
         tokens_bt, logps_bt = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
         out = []
         for i in range(b):

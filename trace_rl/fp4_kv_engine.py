@@ -42,6 +42,10 @@ class FP4AttentionEngine(EmbeddedEngine):
 
     def __init__(self, model_dir: str, *, spec, max_batch: int, max_len: int, device: str = "cpu"):
         super().__init__(model_dir, fp4=True, spec=spec, max_batch=max_batch, max_len=max_len, device=device)
+        for kind in ("k", "v"):
+            if self.recipe.role(kind).fmt.name != KV_FP4.name:
+                raise ValueError(f"FP4AttentionEngine needs kv_fp4 K/V (SGLang's FP4 pool); recipe {self.recipe.name} "
+                                 f"quantizes {kind} as {self.recipe.role(kind).fmt.name}")  # fmt: skip
         c = self.model.config
         heads, d = c.num_key_value_heads, c.head_dim
         if self.device.type == "cuda" and d < MIN_HEAD_DIM:

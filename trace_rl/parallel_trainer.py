@@ -26,6 +26,7 @@ from megatron_trace.parallel import Layout, MicroBatchInput, build_chunks, forwa
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import RecordSpec
+from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
 from trace_rl.trainer import MegatronTrainer
 
@@ -54,8 +55,9 @@ def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
 
 class RankTrainer(MegatronTrainer):
     """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and
-    AdamW on FP32 masters of its shards. Construct it in every rank of a torch.distributed launch (torchrun or a
-    `TrainerGroup`); every method is collective."""
+    AdamW on FP32 masters of its shards. A step's trajectories of this DP rank run as micro-batches of
+    `micro_batch` trajectories (0: one micro-batch), gradients accumulated through Megatron's schedule. Construct
+    it in every rank of a torch.distributed launch (torchrun or a `TrainerGroup`); every method is collective."""
 
     def __init__(
         self,
@@ -69,12 +71,13 @@ class RankTrainer(MegatronTrainer):
         max_version_diff: int,
         clip_grad: float = 1.0,
         dtype: torch.dtype = torch.bfloat16,
+        micro_batch: int = 0,
     ):
         from megatron.core import parallel_state as ps
 
         layout.init()
         check_layout(tiny, layout, ps.get_data_parallel_world_size())
-        self.layout, self.tiny = layout, tiny
+        self.layout, self.tiny, self.micro_batch = layout, tiny, micro_batch
         self.cfg = TraceConfig(mode=mode, spec=spec, replay_routes=True)
         chunks = build_chunks(
             lambda v: build_tiny_moe(tiny, dtype=dtype, routing_replay=True, vp_stage=v, **layout.config_overrides()),
@@ -129,22 +132,27 @@ class RankTrainer(MegatronTrainer):
         if len(trajs) % dp:
             raise ValueError(f"{len(trajs)} trajectories do not split over dp={dp} ranks")
         per = len(trajs) // dp
-        owned = range(dp_rank * per, (dp_rank + 1) * per)
+        size = self.micro_batch or per
+        if per % size:
+            raise ValueError(f"{per} trajectories per DP rank do not split into micro-batches of {size}")
         tp = self.layout.tp  # sequence parallelism splits the sequence: a multiple of TP
-        seq = -(-max(len(t.tokens) for t in trajs) // tp) * tp
-        batch = self.prepare(trajs, store, step, version, owned=owned, seq_len=seq, sites=self.sites)
-        adv = grpo_advantages(rewards.to(self.device), group_size)[owned.start : owned.stop]
+        seq = -(-max(len(t.tokens) for t in trajs) // tp) * tp  # one shape for every micro-batch of the step
+        adv = grpo_advantages(rewards.to(self.device), group_size)
+        items = []
+        for lo in range(dp_rank * per, (dp_rank + 1) * per, size):
+            batch = self.prepare(trajs, store, step, version, owned=range(lo, lo + size), seq_len=seq, sites=self.sites)
+            items.append(MicroBatchInput(batch.mb, batch.source, {"batch": batch, "adv": adv[lo : lo + size]}))
         tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
 
         def loss_terms(logits, item):
-            ids = item.mb.input_ids
+            ids, batch = item.mb.input_ids, item.extra["batch"]
             logp = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group)
-            total, n, report = grpo_loss_terms(logp, logp.detach(), batch.logp_rollout, adv, batch.mask)
+            total, n, report = grpo_loss_terms(logp, logp.detach(), batch.logp_rollout, item.extra["adv"], batch.mask)
             return total, n, report | {"tokens": float(n)}
 
         for c in self.chunks:
             c.zero_grad_buffer()
-        reports = forward_backward(self.chunks, [MicroBatchInput(batch.mb, batch.source, {})], loss_terms)
+        reports = forward_backward(self.chunks, items, loss_terms)
         norm = self._clip_gradients()
         for s in self.sessions:
             s.check_routes()  # refuse the update if a bad route was replayed as placeholders
@@ -160,11 +168,14 @@ class RankTrainer(MegatronTrainer):
         # Each DP rank's trajectories and each stage's sites once: on TP rank 0 (EP ranks hold other trajectories).
         tp0 = ps.get_tensor_model_parallel_rank() == 0
         captured = {site for s in self.sessions for site in s.numerics.captured}
+        batches = [item.extra["batch"] for item in items]
         own = {
-            "loss": reports[0] if reports else None,
+            "losses": reports,
             "sites": sites,
-            "real_fallback": sum(batch.missing_rows[x] * batch.widths[x] for x in captured) if tp0 else 0,
-            "records_missing": batch.records_missing if tp0 and ps.is_pipeline_first_stage(ignore_virtual=True) else 0,
+            "real_fallback": sum(b.missing_rows[x] * b.widths[x] for b in batches for x in captured) if tp0 else 0,
+            "records_missing": sum(b.records_missing for b in batches)
+            if tp0 and ps.is_pipeline_first_stage(ignore_virtual=True)
+            else 0,
         }
         everyone: list[dict] = [{}] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, own)
@@ -179,7 +190,7 @@ def _combine(ranks: list[dict]) -> dict[str, float]:
     """The step's metrics from every rank's part: loss metrics token-weighted over the last stage's DP ranks (max /
     min where they are extremes), site counters summed (sites and rows are split between ranks), code-flip rates
     from the summed counts, RTN fallbacks on real tokens as the single-rank trainer counts them."""
-    losses = [r["loss"] for r in ranks if r["loss"] is not None]
+    losses = [report for r in ranks for report in r["losses"]]
     metrics: dict[str, float] = {}
     for key in {k for r in losses for k in r} - {"tokens"}:
         values = [(r[key], r["tokens"]) for r in losses if key in r]
@@ -208,17 +219,48 @@ def _combine(ranks: list[dict]) -> dict[str, float]:
 
 class GroupTrainer:
     """The controller's trainer over a layout of `world` ranks: a `RankTrainer` in each actor of a `TrainerGroup`
-    (one CPU, and one GPU with `gpus_per_rank`, per rank), with the `MegatronTrainer` methods the controller calls.
+    (one CPU, and one GPU with `gpus_per_rank`, per rank; all on one node when `world <= gpus_per_node`), with the
+    `MegatronTrainer` methods the controller calls. The full initial state goes to every rank through Ray's object
+    store once; each rank copies its shards out of it.
     Checkpoints are per-rank states and restore at the same layout only."""
 
-    def __init__(self, tiny: TinyMoEConfig, state: dict, *, layout: Layout, world: int, gpus_per_rank: float, **kw):
+    def __init__(
+        self,
+        tiny: TinyMoEConfig,
+        state: dict,
+        *,
+        layout: Layout,
+        world: int,
+        gpus_per_rank: float,
+        gpus_per_node: int,
+        **kw,
+    ):
         import ray
 
         from trace_rl.trainer_group import TrainerGroup
 
         self.layout, self.world = layout, world
-        self.group = TrainerGroup(world, gpus_per_rank=gpus_per_rank)
+        # One node when the ranks fit on one (TP groups are consecutive ranks: Megatron's order puts TP innermost).
+        strategy = "STRICT_PACK" if gpus_per_rank and world <= gpus_per_node else "PACK"
+        self.group = TrainerGroup(world, gpus_per_rank=gpus_per_rank, strategy=strategy)
         self.group.start(RankTrainer, tiny, ray.put(state), layout=layout, **kw)
+
+    @classmethod
+    def from_config(cls, tiny: TinyMoEConfig, state: dict, cfg: RLConfig, **kw) -> GroupTrainer:
+        """The group of `cfg`'s layout keys (tp, ep, pp, dp, gpus_per_node, train_micro_batch); one GPU per rank with
+        device = "cuda"."""
+        layout = Layout(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
+        check_layout(tiny, layout, cfg.dp)
+        return cls(
+            tiny,
+            state,
+            layout=layout,
+            world=cfg.trainer_world(),
+            gpus_per_rank=1 if cfg.device == "cuda" else 0,
+            gpus_per_node=cfg.gpus_per_node,
+            micro_batch=cfg.train_micro_batch,
+            **kw,
+        )
 
     def step(self, *args) -> dict[str, float]:
         return self.group.call("step", *args)[0]

@@ -131,15 +131,8 @@ class MegatronTrainer:
             )
         trajs = mine
         for i, t in enumerate(trajs):
-            if t.recorded is None:
-                continue
-            if t.recorded != len(t.tokens) - 1:
+            if t.recorded is not None and t.recorded != len(t.tokens) - 1:
                 raise ValueError(f"trajectory {i}: {t.recorded} recorded positions of {len(t.tokens)} tokens")
-            # An SGLang trajectory's final token was never fed back, so nothing is recorded there, while
-            # `source_from_store` serves each trajectory's final recorded row without a route: mark that final
-            # position as the (unused) placeholder row, so every real position keeps its route.
-            if recs.routes is not None:
-                recs.has_routes[i, t.recorded] = True
         recs = recs.to(self.device)
         mask = torch.zeros(len(trajs), s - 1, dtype=torch.bool)
         logp_rollout = torch.zeros(len(trajs), s - 1)
@@ -151,7 +144,7 @@ class MegatronTrainer:
         no_record = int((~mb.valid).sum()) + sum(t.recorded is not None for t in trajs)
         return TrainBatch(
             mb.to(self.device),
-            source_from_store(recs, self.moe_layers),
+            source_from_store(recs, self.moe_layers, [len(t.tokens) for t in trajs]),
             mask.to(self.device),
             logp_rollout.to(self.device),
             {site: rec.n for site, rec in recs.records.items()},

@@ -47,9 +47,17 @@ class _Rank:
 class TrainerGroup:
     """`world` trainer ranks in one Ray placement group, `cpus_per_rank` CPUs and `gpus_per_rank` GPUs each."""
 
-    def __init__(self, world: int, *, cpus_per_rank: float = 1, gpus_per_rank: float = 0, strategy: str = "PACK"):
+    def __init__(
+        self,
+        world: int,
+        *,
+        cpus_per_rank: float = 1,
+        gpus_per_rank: float = 0,
+        strategy: str = "PACK",
+        placement_timeout_s: float = 120,
+    ):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from trace_rl.workers import init_ray
@@ -59,7 +67,15 @@ class TrainerGroup:
         init_ray()
         bundle = {"CPU": cpus_per_rank} | ({"GPU": gpus_per_rank} if gpus_per_rank else {})
         self.placement = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
-        ray.get(self.placement.ready(), timeout=120)
+        try:
+            ray.get(self.placement.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement)
+            raise RuntimeError(
+                f"the trainer group's {world} ranks of {bundle} were not placed within {placement_timeout_s} s; the "
+                f"Ray cluster has {ray.cluster_resources()} (free: {ray.available_resources()}): start Ray on more "
+                "GPUs / nodes (RAY_ADDRESS) or choose a smaller layout (tp * pp * dp ranks)"
+            ) from None
         actor = ray.remote(_Rank)
         self.ranks = [
             actor.options(

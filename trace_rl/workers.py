@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -130,6 +131,23 @@ def init_ray() -> None:
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False)
+
+
+class RolloutPool(Protocol):
+    """What the controller asks of a pool of rollout workers: `LocalPool`, `RayPool`
+    (`trace_rl.sglang_worker.SGLangPool` for patched SGLang servers)."""
+
+    def run(self, requests: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
+        """Each request's trajectories, in request order, and the worker restarts the step took."""
+        ...
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Give every worker policy `version` (HF tensor names)."""
+        ...
+
+    def versions(self) -> list[int]:
+        """The policy version each worker holds."""
+        ...
 
 
 class _Pool:

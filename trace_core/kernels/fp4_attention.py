@@ -135,7 +135,7 @@ def _fp4_grouped_kernel_stage1(
     if BLOCK_H < kv_group_num:
         VALID_BLOCK_H: tl.constexpr = BLOCK_H
     else:
-        VALID_BLOCK_H: tl.constexpr = kv_group_num
+        VALID_BLOCK_H: tl.constexpr = kv_group_num  # type: ignore[no-redef]  # a Triton constexpr set per branch
     cur_head = cur_head_id * VALID_BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = cur_head < (cur_head_id + 1) * VALID_BLOCK_H
     mask_h = mask_h & (cur_head < q_head_num)

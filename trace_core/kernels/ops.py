@@ -22,10 +22,9 @@ except ImportError:  # CPU-only installs: the reference serves every device
 
 from trace_core.formats import FP4Format, ScaleKind, get_format
 from trace_core.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize
-from trace_core.quant import FLOAT_DTYPES, dequantize, nvfp4_global_scale, quantize
+from trace_core.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
 from trace_core.records import Record, check_bits, pack_low_bits, packed_len
 
-FORMAT_IDS = {"nvfp4": 0, "mxfp4": 1, "mxfp4_ocp": 2, "kv_fp4": 3}
 SCALE_NONE, SCALE_SCALAR, SCALE_ROW, SCALE_PER_TOKEN = 0, 1, 2, 3
 
 
@@ -39,6 +38,8 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
         return SCALE_NONE
     if per_token:
         return SCALE_PER_TOKEN
+    if global_scale is None:
+        raise ValueError(f"{fmt.name} kernels need a static global_scale (0-d or [T, 1]) or per_token=True")
     return SCALE_SCALAR if global_scale.dim() == 0 else SCALE_ROW
 
 
@@ -130,7 +131,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         scales.stride(0) if record else 0,
         token_scale.stride(0) if token_scale is not None else 0,
         per_prog,
-        FMT=FORMAT_IDS[fmt.name],
+        FMT=fmt.kernel_id,
         SCALE_MODE=mode,
         BITS=bits if record else 0,
         WRITE_OUT=out is not None,
@@ -149,7 +150,7 @@ def _quantize_record_reference(x, fmt, bits, global_scale, per_token, out, low_b
     if low_bits is not None:
         low_bits.copy_(pack_low_bits(q.codes, bits))
         scales.copy_(q.scales)
-        if token_scale is not None:
+        if token_scale is not None and q.global_scale is not None:  # per-token nvfp4 (quantize_record checks)
             token_scale.copy_(q.global_scale.reshape(token_scale.shape))
 
 
@@ -201,20 +202,10 @@ def _check_buffer(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _global_scale_tensor(x: torch.Tensor, fmt: FP4Format, global_scale, per_token: bool) -> torch.Tensor | None:
-    if fmt.scale is ScaleKind.E8M0:
-        if global_scale is not None or per_token:
-            raise ValueError(f"{fmt.name} has E8M0 block scales only; global_scale / per_token do not apply")
-        return None
-    if per_token:
-        if global_scale is not None:
-            raise ValueError("pass either global_scale (static scale) or per_token=True, not both")
-        return None
-    if global_scale is None:
-        raise ValueError("nvfp4 kernels need a static global_scale (0-d or [T, 1]) or per_token=True")
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    if gs.dim() and tuple(gs.shape) != (x.shape[0], 1):
-        raise ValueError(f"global_scale shape {tuple(gs.shape)} must be scalar or {(x.shape[0], 1)}")
-    return gs.contiguous()
+    gs = check_scale_args(fmt, global_scale, per_token, (x.shape[0],), x.device)
+    if fmt.has_global_scale and gs is None and not per_token:
+        raise ValueError(f"{fmt.name} kernels need a static global_scale (0-d or [T, 1]) or per_token=True")
+    return None if gs is None else gs.contiguous()
 
 
 def record_buffers(t: int, d: int, fmt: FP4Format | str, bits: int, device, per_token: bool = False):
@@ -351,7 +342,7 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         out.stride(0),
         low_bits.stride(0),
         scales.stride(0),
-        FMT=FORMAT_IDS[f.name],
+        FMT=f.kernel_id,
         SCALE_MODE=_scale_mode(f, global_scale, False),
         BITS=bits,
         RECORD_BITS=record_bits,
@@ -416,7 +407,7 @@ def guided_fake_quant(
         gs,
         has_record.contiguous() if has_record is not None else None,
     )
-    fallback = 0
+    fallback: int | torch.Tensor = 0
     if has_record is not None:
         # Every row gets the RTN candidate and rows without a record take it: no data-dependent shapes, so
         # nothing waits on the device (CUDA graphs, torch.compile, CPU run-ahead).

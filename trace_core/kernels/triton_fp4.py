@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# Format ids (constexpr): must match ops.FORMAT_IDS.
-NVFP4 = tl.constexpr(0)
-MXFP4 = tl.constexpr(1)
-MXFP4_OCP = tl.constexpr(2)
-KV_FP4 = tl.constexpr(3)
+from trace_core import formats
+
+# Format ids (constexpr), as the format definitions give them (`FP4Format.kernel_id`).
+NVFP4 = tl.constexpr(formats.NVFP4.kernel_id)
+MXFP4 = tl.constexpr(formats.MXFP4.kernel_id)
+MXFP4_OCP = tl.constexpr(formats.MXFP4_OCP.kernel_id)
+KV_FP4 = tl.constexpr(formats.KV_FP4.kernel_id)
 # Global-scale modes for nvfp4.
 SCALE_NONE = tl.constexpr(0)  # E8M0 formats
 SCALE_SCALAR = tl.constexpr(1)  # one static / per-tensor S_enc
@@ -268,8 +270,9 @@ def _guided_kernel(
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
 ):  # fmt: skip
-    """Guided rounding (DESIGN §2 steps 1-5) of rows [RB] x one chunk of C columns under the record's scales, in
-    the [RB, C / BLOCK, BLOCK / 8, 8] layout of `_quantize_record_kernel` (record bit groups unpack by shifts)."""
+    """Guided rounding (docs/numerics.md, "Guided rounding", steps 1-5) of rows [RB] x one chunk of C columns under
+    the record's scales, in the [RB, C / BLOCK, BLOCK / 8, 8] layout of `_quantize_record_kernel` (record bit
+    groups unpack by shifts)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * RB + tl.arange(0, RB)

@@ -18,11 +18,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from trace_rl.experiments.analysis import BITS, LAYER_SETS, ablation_specs, record_bytes  # noqa: E402
-from trace_rl.experiments.report import FLIP, mean_or_nan  # noqa: E402
-from trace_rl.warmup import PRESETS  # noqa: E402
+from trace_rl.experiments.analysis import BITS, LAYER_SETS, ablation_specs, record_bytes
+from trace_rl.experiments.report import FLIP, mean_or_nan
+from trace_rl.warmup import PRESETS
 
 RUN_LABELS = {
     "bf16": "BF16",
