@@ -14,6 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACE_RL=${TRACE_RL:-$( [ -x .venv/bin/trace-rl ] && echo .venv/bin/trace-rl || echo trace-rl )}
+# torch's OpenMP threads sleep instead of spinning while they wait: on a CPU shared with other work, spinning
+# threads stretch a demo step about ten times (bench/rl_step.py, docs/rl.md); the numbers do not change.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if [ $# -eq 0 ]; then
     if [ -n "${RECIPE:-}" ]; then
         exec "$TRACE_RL" demo "recipe=$RECIPE" "out_dir=out/rl-$RECIPE"

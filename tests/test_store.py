@@ -377,3 +377,15 @@ def test_rollout_capture_to_store_to_guided_rounding_reproduces_the_rollout():
             rollout = dequantize(quantize(acts[site][slots], "nvfp4", per_token=True))
             assert torch.equal(out[row, : len(slots)], rollout)
     assert stats.rtn_fallback == 2 * 64  # one padding row of b, per site
+
+
+def test_small_and_large_shards_encode_to_the_same_bytes_in_the_calling_thread_or_the_pool(monkeypatch):
+    """Shards under `POOL_MIN_BYTES` are compressed in the calling thread, larger ones on the thread pool; the
+    frames and header do not depend on which."""
+    from trace_core import store
+
+    trajs = {f"t{i}": trajectory(i, 9 + i) for i in range(8)}
+    inline = store.encode_shard(trajs)
+    monkeypatch.setattr(store, "POOL_MIN_BYTES", 0)
+    assert store.encode_shard(trajs) == inline
+    assert len(inline) > 8  # a frame per field and trajectory, after the header

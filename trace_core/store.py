@@ -179,6 +179,7 @@ def _fsync_dir(path: Path) -> None:
 _COMPRESSORS = threading.local()
 COMPRESS_WORKERS = min(8, os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(max_workers=COMPRESS_WORKERS, thread_name_prefix="trace-zstd")
+POOL_MIN_BYTES = 4 * FRAME_BYTES  # shards with less raw data are compressed in the calling thread
 
 
 def _compress(level: int, raw) -> bytes:
@@ -224,7 +225,10 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
             entry["binding"] = tr.binding.to_json()
         header["trajectories"][traj] = entry
     flat = [part for parts in raws for part in parts]
-    frames = list(_POOL.map(lambda raw: _compress(level, raw), flat))
+    if sum(p.nbytes for p in flat) < POOL_MIN_BYTES:  # a pool's hand-offs cost more than compressing small shards
+        frames = [_compress(level, raw) for raw in flat]
+    else:
+        frames = list(_POOL.map(lambda raw: _compress(level, raw), flat))
     offset, i = 0, 0
     for entry, parts in zip(entries, raws, strict=True):
         mine = frames[i : i + len(parts)]

@@ -17,6 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -158,6 +159,7 @@ class RecordReader:
         self.stats = ReaderStats()
         self._cache = _LRU(cache_bytes)
         self._headers: dict[str, dict] = {}
+        self._files: dict[str, BinaryIO] = {}  # shards open during one `load` / `verify`
         self._dctx = zstandard.ZstdDecompressor()
         self.index = self._load_index()
 
@@ -226,25 +228,29 @@ class RecordReader:
         if arr is not None:
             self.stats.cache_hits += 1
             return arr
-        path = self.dir / shard
         frames = meta["frames"]
         length, raw_len = frames[i]
         start = self._header(shard)["data_start"] + meta["offset"] + sum(f[0] for f in frames[:i])
-        where = f"shard {path}, trajectory {traj!r}, {name} {kind}"
+
+        def where() -> str:  # built only for an error: this runs once per frame
+            return f"shard {self.dir / shard}, trajectory {traj!r}, {name} {kind}"
+
         try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                frame = f.read(length)
+            f = self._files.get(shard)
+            if f is None:
+                f = self._files[shard] = open(self.dir / shard, "rb")
+            f.seek(start)
+            frame = f.read(length)
         except OSError as e:
-            raise StoreError(f"{where}: cannot read the shard ({e})") from e
+            raise StoreError(f"{where()}: cannot read the shard ({e})") from e
         if len(frame) != length:
-            raise CorruptShardError(f"{where}: frame {i} truncated ({len(frame)} of {length} bytes)")
+            raise CorruptShardError(f"{where()}: frame {i} truncated ({len(frame)} of {length} bytes)")
         try:
             raw = self._dctx.decompress(frame, max_output_size=raw_len)
         except zstandard.ZstdError as e:
-            raise CorruptShardError(f"{where}: corrupt frame {i}, fails its checksum or does not decode ({e})") from e
+            raise CorruptShardError(f"{where()}: corrupt frame {i}, fails its checksum or does not decode ({e})") from e
         if len(raw) != raw_len:
-            raise CorruptShardError(f"{where}: frame {i} decodes to {len(raw)} bytes, header says {raw_len}")
+            raise CorruptShardError(f"{where()}: frame {i} decodes to {len(raw)} bytes, header says {raw_len}")
         arr = np.frombuffer(raw, dtype=_DTYPES[kind])
         self.stats.frames_read += 1
         self.stats.disk_bytes += len(frame)
@@ -252,8 +258,19 @@ class RecordReader:
         self._cache.put(key, arr)
         return arr
 
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
     def load(self, batch: Sequence[tuple[str | int, int, int]], *, pad_to: int | None = None) -> MicroBatchRecords:
         """Records of positions [start, end) of each (trajectory, start, end), padded to `[B, T]`."""
+        try:
+            return self._load(batch, pad_to)
+        finally:
+            self._close_files()
+
+    def _load(self, batch: Sequence[tuple[str | int, int, int]], pad_to: int | None) -> MicroBatchRecords:
         if not batch:
             raise ValueError("load() needs a non-empty micro-batch")
         spans = [(str(t), s, e) for t, s, e in batch]
@@ -333,9 +350,12 @@ class RecordReader:
         """Copy rows [start, end) of one field into `out` (`[end - start, ...]` numpy view), decompressing only the
         frames that hold them."""
         per, width = meta["rows"], int(np.prod(out.shape[1:]))
-        where = f"shard {self.dir / shard}, trajectory {traj!r}, {name}"
+
+        def where() -> str:  # built only for an error: this runs once per field
+            return f"shard {self.dir / shard}, trajectory {traj!r}, {name}"
+
         if meta["raw"] % (width * out.itemsize or 1):
-            raise CorruptShardError(f"{where}: {kind} of {meta['raw']} bytes does not hold rows of width {width}")
+            raise CorruptShardError(f"{where()}: {kind} of {meta['raw']} bytes does not hold rows of width {width}")
         flat = out.reshape(out.shape[0], width)
         row = start
         while row < end:
@@ -344,7 +364,7 @@ class RecordReader:
             first, last = i * per, min(end, (i + 1) * per)
             rows = arr.reshape(-1, width)
             if rows.shape[0] < last - first:
-                raise CorruptShardError(f"{where}: {kind} frame {i} holds {rows.shape[0]} rows, not {last - first}")
+                raise CorruptShardError(f"{where()}: {kind} frame {i} holds {rows.shape[0]} rows, not {last - first}")
             flat[row - start : last - start] = rows[row - first : last - first]
             row = last
 
@@ -375,6 +395,12 @@ class RecordReader:
 
     def verify(self) -> int:
         """Read and check every frame of the step (bypassing the cache); returns the number of frames checked."""
+        try:
+            return self._verify()
+        finally:
+            self._close_files()
+
+    def _verify(self) -> int:
         count = 0
         for traj, shard in sorted(self.index.items()):
             entry = self._header(shard)["trajectories"][traj]
