@@ -150,8 +150,8 @@ class RecordCapturer:
         self.routes_shape = routes
         self.marks, self.versioned = marks, versioned
         self.max_tokens, self.num_slots = max_tokens, num_slots
-        self.device = torch.device(device)
-        self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=self.device)
+        self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=device)
+        self.device = self.staging.device  # resolved: "cuda" becomes "cuda:<current>", as the forward's tensors are
         self.row.view(self.staging, "meta", "written").fill_(1)
         self.store = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8, device=self.device)
         self.stats = CaptureStats()
