@@ -72,16 +72,16 @@ def assert_same(got: TrajectoryRecords, want: TrajectoryRecords) -> None:
     for site, rec in want.records.items():
         g = got.records[site]
         assert (g.fmt, g.bits, g.n) == (rec.fmt, rec.bits, rec.n)
-        assert torch.equal(g.low_bits, rec.low_bits), site
-        assert torch.equal(g.scales, rec.scales), site
+        assert torch.equal(g.low_bits.cpu(), rec.low_bits.cpu()), site
+        assert torch.equal(g.scales.cpu(), rec.scales.cpu()), site
         if rec.global_scale is None:
             assert g.global_scale is None
         else:
-            assert torch.equal(g.global_scale, rec.global_scale.reshape(-1, 1)), site
+            assert torch.equal(g.global_scale.cpu(), rec.global_scale.reshape(-1, 1).cpu()), site
     if want.routes is None:
         assert got.routes is None
     else:
-        assert torch.equal(got.routes, want.routes)
+        assert torch.equal(got.routes.cpu(), want.routes.cpu())
 
 
 def make(fmt: str = "nvfp4", bits: int = 1, *, routes=ROUTES, max_tokens=16, num_slots=64, **kw) -> RecordCapturer:

@@ -107,11 +107,11 @@ def test_staging_writes_inside_a_captured_cuda_graph():
     for values, slots in expected.values():
         got = cap.gather(slots, 32)
         rec = got.records[(1, "moe_in")]
-        assert torch.equal(rec.low_bits, (values * 7).to(torch.uint8))
-        assert torch.equal(rec.scales, (values[:, :4] + 1).to(torch.uint8))
-        assert torch.equal(rec.global_scale, values[:, :1] * 0.5 + 2)
+        assert torch.equal(rec.low_bits.cpu(), (values * 7).to(torch.uint8))
+        assert torch.equal(rec.scales.cpu(), (values[:, :4] + 1).to(torch.uint8))
+        assert torch.equal(rec.global_scale.cpu(), values[:, :1] * 0.5 + 2)
         for layer in range(3):
-            assert torch.equal(got.routes[:, layer], values[:, :2].to(torch.int32) + layer)
+            assert torch.equal(got.routes[:, layer].cpu(), values[:, :2].to(torch.int32) + layer)
 
 
 def test_quantize_record_kernel_writes_staging_rows_inside_a_cuda_graph():
@@ -147,8 +147,8 @@ def test_quantize_record_kernel_writes_staging_rows_inside_a_cuda_graph():
             q = quantize(values * (layer + 1), "nvfp4", per_token=True)
             want = Record.from_quantized(q, 1)
             rec = got.records[(layer, "moe_in")]
-            assert torch.equal(rec.low_bits, want.low_bits) and torch.equal(rec.scales, want.scales)
-            assert torch.equal(rec.global_scale, want.global_scale)
+            assert torch.equal(rec.low_bits.cpu(), want.low_bits) and torch.equal(rec.scales.cpu(), want.scales)
+            assert torch.equal(rec.global_scale.cpu(), want.global_scale)
 
 
 def test_a_batched_gather_copied_into_the_pinned_ring_is_ordered_before_a_reuse_of_the_slots():
