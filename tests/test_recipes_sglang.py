@@ -32,6 +32,7 @@ from tests.test_sglang_fc2 import (  # noqa: E402
     rows_by_expert,
     sglang_native_tokens,
 )
+from tests.test_sglang_moe import load  # noqa: E402
 from trace_core.recipe import get_recipe, recipe_names  # noqa: E402
 from trace_core.records import RecordSpec, pack_low_bits  # noqa: E402
 from trace_core.role_quant import quantize_role  # noqa: E402
@@ -66,10 +67,7 @@ def sglang_run(name: str, store: str) -> tuple[dict, object, torch.Tensor]:
         num_experts=E, hidden_size=H, intermediate_size=64, layer_id=LAYER, top_k=TOPK, params_dtype=torch.bfloat16
     )
     ckpt = checkpoint()
-    shard = {"gate": ("w13_weight", "w1"), "up": ("w13_weight", "w3"), "down": ("w2_weight", "w2")}
-    for e in range(E):
-        for part, (pname, sid) in shard.items():
-            layer.weight_loader(getattr(layer, pname), ckpt[f"{e}.{part}"], f"experts.{e}.{pname}", sid, e)
+    load(layer, ckpt, range(E))
     cap = TraceCapturer(
         check_server_args(args),
         ModelLayout("Qwen3MoeForCausalLM", 2, (0, LAYER), (), H, 1, 16, TOPK),

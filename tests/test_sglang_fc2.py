@@ -28,6 +28,8 @@ from tests.sglang_cpu import install_sgl_kernel_stand_in
 install_sgl_kernel_stand_in()
 layer_mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
 
+from tests.test_sglang_moe import load  # noqa: E402
+
 E, H, INTER, TOPK, T, LAYER = 4, 64, 64, 2, 6, 1
 
 
@@ -116,10 +118,7 @@ def sglang_layer(store: str, tp_group_world: int = 1):
         num_experts=E, hidden_size=H, intermediate_size=INTER, layer_id=LAYER, top_k=TOPK, params_dtype=torch.bfloat16
     )
     ckpt = checkpoint()
-    shard = {"gate": ("w13_weight", "w1"), "up": ("w13_weight", "w3"), "down": ("w2_weight", "w2")}
-    for e in range(E):
-        for part, (name, sid) in shard.items():
-            layer.weight_loader(getattr(layer, name), ckpt[f"{e}.{part}"], f"experts.{e}.{name}", sid, e)
+    load(layer, ckpt, range(E))
     from sglang.srt.distributed.parallel_state import get_moe_tp_group
 
     moe_tp = get_moe_tp_group()
