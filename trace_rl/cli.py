@@ -157,7 +157,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         lr=cfg.lr,
         max_version_diff=cfg.max_version_diff,
     )
-    trainer.load_state_dict(loaded.state["trainer"])
+    trainer.load_sharded(str(loaded.path.parent / loaded.state["sharded"]["dir"]))  # saved at any layout
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(trainer.hf_weights(), out / "model.safetensors")
