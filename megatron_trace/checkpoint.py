@@ -30,10 +30,13 @@ from megatron_trace.parallel import unwrap
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _entries(model: dict, params: Sequence[torch.nn.Parameter]) -> list[tuple[str, object, int, tuple | None]]:
+def _entries(
+    model: dict, params: Sequence[torch.nn.Parameter]
+) -> tuple[list[tuple[str, object, int, tuple | None]], list[int]]:
     """Each sharded entry of the model's state dict that holds (part of) a parameter: `(key, entry, index of the
     parameter, view)`, `view` = `(size, stride, offset)` of the part within the parameter when the entry holds a
-    view of it (the grouped experts' `weight[e]`), None when it is the parameter. Every parameter must be covered."""
+    view of it (the grouped experts' `weight[e]`), None when it is the parameter; and the elements of each parameter
+    the entries cover (the caller requires all of them, once)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 

@@ -104,6 +104,7 @@ def _assert_equal(got: dict, ref: dict) -> None:
             assert got[f][k].dtype == v.dtype and torch.equal(got[f][k], v), (f, k)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_between_layouts_bit_for_bit(tmp_path):
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
