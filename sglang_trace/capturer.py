@@ -75,7 +75,7 @@ def record_args(args: TraceArgs, layout: ModelLayout) -> dict:
         shape=ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim),
         sites=[s for s in spec.sites() if s[1] == "moe_in"],
         routes=(len(layout.moe_layers), layout.topk),
-        marks=2 * len(layout.moe_layers),
+        marks=len(layout.moe_layers),
         versioned=True,
     )
 
@@ -104,10 +104,11 @@ class TraceCapturer(RoutedExpertsCapturer):
             default `RING_REQUESTS` requests of `max_request_tokens`.
 
     Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
-    emulate mode, the MoE-input site in native mode) and the route capture each mark the forward's rows, in CUDA
-    graphs too; a request with a row a hook did not mark is refused, never stored. Every row also carries the weight
-    version (RL step) of the forward that wrote it; a request whose rows were computed under another version than
-    the step it finishes in is refused.
+    emulate mode, the MoE-input site in native mode) mark the forward's rows, in CUDA graphs too; the route capture
+    needs no marker (the capturer resets staged routes to -1 after every forward, so a route not captured in this
+    forward is seen). A request with a row a hook did not mark or route is refused, never stored. Every row also
+    carries the weight version (RL step) of the forward that wrote it; a request whose rows were computed under
+    another version than the step it finishes in is refused.
     """
 
     def __init__(
@@ -136,7 +137,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.kv_pool, self.kv_kinds = kv_pool, kv_kinds(args)
         self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
         # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
-        # site), so its last hook marks the layer; routes come from the top-k module and are marked separately
+        # site), so its last hook marks the layer; routes (from the top-k module) are their own marker
         self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
         # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
         rec = record_args(args, layout)
@@ -188,7 +189,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         rows = None
         self._moe_rows[layer_id] = x.shape[0]
         if self.moe_mark == "moe_in":
-            self._mark(layer_id, "moe", x.shape[0])
+            self._mark(layer_id, x.shape[0])
         if self.records is not None and site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate":
@@ -205,21 +206,19 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self.args.mode != "emulate":
             return h
         # token rows of this layer's forward (the CPU path calls this once per expert, on that expert's rows)
-        self._mark(layer_id, "moe", self._moe_rows.get(layer_id, 0))
+        self._mark(layer_id, self._moe_rows.get(layer_id, 0))
         return fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
         if self.records is not None:
             self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
-            self._mark(layer_id, "routes", topk_ids.shape[0])
 
-    def _mark(self, layer_id: int, kind: str, rows: int) -> None:
-        """Set the hook marker of (`layer_id`, `kind`: "moe" or "routes") on the forward's token rows [0, rows)
-        (rank 0 only)."""
+    def _mark(self, layer_id: int, rows: int) -> None:
+        """Set the FusedMoE hook marker of MoE layer `layer_id` on the forward's token rows [0, rows) (rank 0 only)."""
         if self.records is None:
             return
-        self.records.mark(2 * self.route_index[layer_id] + (kind == "routes"), rows)
+        self.records.mark(self.route_index[layer_id], rows)
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
         """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU)."""
