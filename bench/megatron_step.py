@@ -112,7 +112,7 @@ def main() -> None:
     trajs = [(i, torch.randint(0, cfg.vocab, (length,), generator=g)) for i, length in enumerate(lengths)]
     mbs = [pack_microbatch(trajs[i : i + args.batch], seq_len=args.seq).to(device) for i in range(0, n, args.batch)]
     layers = tuple(range(cfg.layers))
-    spec = RecordSpec.default(layers, layers, bits=args.bits)
+    spec = RecordSpec.latter_half(layers, layers, bits=args.bits)
     t0 = time.perf_counter()
     source = emulate_rollout(model, mbs, spec, num_trajectories=n, max_positions=args.seq)
     sync()

@@ -340,7 +340,7 @@ class GroupedSites:
             raise RuntimeError("GroupedSites: weights are fake-quantized in place only with in_place=True")
         with torch.no_grad():
             for lin in self.linears:
-                lin.weight.copy_(expert_weight_fake_quant(lin.weight, self.role))
+                expert_weight_fake_quant(lin.weight, self.role, out=lin.weight)
 
     def mark_quantized(self) -> None:
         """Record the weights' versions after `write_fake_quant` of every grouped module (parameters that are views
