@@ -343,8 +343,10 @@ class GroupedSites:
                 expert_weight_fake_quant(lin.weight, self.role, out=lin.weight)
 
     def mark_quantized(self) -> None:
-        """Record the weights' versions after `write_fake_quant` of every grouped module (parameters that are views
-        of one buffer share a version counter), so a later write is refused by the forward."""
+        """Record the weights' versions after `write_fake_quant` of every grouped module (a parameter made from a
+        view shares its base's version counter), so a later write through the parameter is refused by the forward.
+        Writes that reach the storage another way (into a buffer the parameter's `.data` was set to) do not move
+        the counter: after those, the call to `quantize_weights_in_place` is the only guard."""
         for lin in self.linears:
             lin.quantized_version = lin.weight._version
 
