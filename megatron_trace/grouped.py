@@ -316,7 +316,7 @@ class GroupedSites:
     copied in again).
 
     Expert weights: a fake-quantized copy per step (`numerics.expert_weights`, straight-through), or with
-    `in_place` the fake-quantized values written into the parameters by `quantize_in_place`."""
+    `in_place` the fake-quantized values written into the parameters by `write_fake_quant`."""
 
     def __init__(self, experts: torch.nn.Module, numerics, *, in_place: bool = False):
         self.linears = (experts.linear_fc1, experts.linear_fc2)

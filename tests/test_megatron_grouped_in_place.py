@@ -13,7 +13,7 @@ from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from tests.test_megatron_grouped import ALL_SITES, CFG, grouped_twin, moe_saved_bytes, trajectories
+from tests.test_megatron_grouped import ALL_SITES, CFG, moe_saved_bytes, trajectories
 from trace_core.recipe import get_recipe
 from trace_core.role_quant import quantize_role
 
@@ -66,9 +66,9 @@ def check_in_place_matches_copy(mode: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mbs = [pack_microbatch(trajs[:2]).to(device), pack_microbatch(trajs[2:]).to(device)]
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
-    seq = build_tiny_moe(CFG, dtype=torch.bfloat16, **overrides)
-    copy, in_place = grouped_twin(seq, **overrides), grouped_twin(seq, **overrides)
-    source = emulate_rollout(seq, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
+    copy, in_place = (build_tiny_moe(CFG, dtype=torch.bfloat16, grouped=True, **overrides) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), in_place.parameters(), strict=True))
+    source = emulate_rollout(copy, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
     w0 = {n: p.detach().clone() for n, p in copy.named_parameters() if ".experts." in n}
     (ref, ref_masters), (got, got_masters) = (train(m, mode, m is in_place, mbs, source) for m in (copy, in_place))
     role = TraceConfig(mode=mode, spec=ALL_SITES).role("weights")
