@@ -148,6 +148,9 @@ def test_resume_with_changed_numerics_is_refused_unless_forced(model_dir, tmp_pa
         assert forced.step == 1 and forced.trainer.opt.param_groups[0]["lr"] == 1e-3
     with Controller(cfg, resume=False) as fresh:  # a fresh start drops the old run's checkpoints
         assert fresh.step == 0 and not checkpoints(tmp_path)
+    save_checkpoint(tmp_path, 9, {"config": dataclasses.asdict(cfg), "step": 9, "trainer": {}})  # earlier rounds'
+    with pytest.raises(ConfigError, match="checkpoint-00000009.pt holds the trainer in an earlier format"):
+        Controller(cfg)
     (tmp_path / "checkpoint.pt").write_bytes(b"old format")
     with pytest.raises(ConfigError, match="old checkpoint format"):
         Controller(cfg)

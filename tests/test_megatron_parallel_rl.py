@@ -12,12 +12,16 @@ step), about 1e-7 relative (tests/test_megatron_parallel.py measures it per grad
 compared with rtol 1e-4: the rollout engine receives the trained weights as BF16, and a master weight 1e-7 away from
 a BF16 rounding boundary can round the other way, moving the next step's rollout log-probs by a BF16 ulp in the few
 tokens that use it. Counters (guided rows, fallbacks, placeholders), rewards and sampled lengths must match exactly.
+Checkpoints are Megatron distributed checkpoints: each layout's last one exports on one rank to the group's policy
+bit for bit, and the single rank's checkpoint of step 1 resumes at TP = 2 + SP with EP = 2 to the single rank's
+step 2.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,7 @@ from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
 from trace_rl.parallel_trainer import check_layout
+from trace_rl.rundir import remove_checkpoint
 from trace_rl.warmup import PRESETS
 
 RUN = dict(
@@ -66,7 +71,7 @@ def model_dir(tiny_model):
 def single(model_dir, tmp_path_factory):
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path_factory.mktemp("single")), **RUN)
     with Controller(cfg, resume=False) as ctrl:
-        return ctrl.run(), ctrl.trainer.hf_weights()
+        return ctrl.run(), ctrl.trainer.hf_weights(), ctrl.out
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +93,10 @@ def _close(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, ray_cluster, tmp_path):
-    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN, **LAYOUTS[name])
-    with Controller(cfg, resume=False) as ctrl:
-        history = ctrl.run()
-        weights = ctrl.trainer.hf_weights()
-    single_history, single_weights = single
-    assert len(history) == len(single_history) == RUN["steps"]
-    for step, (got, ref) in enumerate(zip(history, single_history, strict=True)):
+def _assert_same_steps(history: list[dict], reference: list[dict]) -> None:
+    """Every metric of every step: counters exactly, the rest within the tolerance above."""
+    for got, ref in zip(history, reference, strict=True):
+        step = ref["step"]
         keys = {k for k in ref if not k.startswith("time/")}
         assert keys == {k for k in got if not k.startswith("time/")}, step
         assert ref["trace/rtn_fallback_real_tokens"] == 0 and ref["r3/placeholder_rows"] > 0
@@ -107,16 +106,46 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
                 assert got[k] == ref[k], (step, k, got[k], ref[k])
             else:
                 assert _close(got[k], ref[k]), (step, k, got[k], ref[k])
-    # The policy the rollout gets, gathered across the shards: equal up to a BF16 rounding flip (one ulp, 2^-8).
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, ray_cluster, tmp_path):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN, **LAYOUTS[name])
+    with Controller(cfg, resume=False) as ctrl:
+        history = ctrl.run()
+        weights = ctrl.trainer.hf_weights()
+    single_history, single_weights, _ = single
+    assert len(history) == len(single_history) == RUN["steps"]
+    _assert_same_steps(history, single_history)
+    # The policy the rollout gets, gathered across the shards: equal up to a BF16 rounding flip (one ulp: at most
+    # 2^-7 of the value).
     assert sorted(weights) == sorted(single_weights)
     for k, w in weights.items():
-        torch.testing.assert_close(w.float(), single_weights[k].float(), rtol=2**-8, atol=1e-6, msg=k)
+        ref = single_weights[k].float()
+        diff, ulp = (w.float() - ref).abs(), (torch.finfo(torch.bfloat16).eps * ref.abs()).clamp_min(1e-6)
+        assert (diff <= ulp).all(), (k, float((diff / ulp).max()), int((diff > 0).sum()), w.numel())
     # The layout's last checkpoint (a distributed checkpoint of every rank's shards) loads on one rank: the exported
     # policy is the group's, bit for bit.
     exported = load_file(export_run(tmp_path, tmp_path / "hf") / "model.safetensors")
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k
+
+
+@pytest.mark.slow
+def test_a_single_rank_checkpoint_resumes_at_a_layout(model_dir, single, ray_cluster, tmp_path):
+    """The single-rank run's checkpoint of step 1 resumes under TP = 2 + SP with EP = 2 (each rank loads its shards
+    of the distributed checkpoint) and step 2 is the single rank's step 2."""
+    single_history, _, out = single
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    remove_checkpoint(run / "checkpoint-00000002.pt")
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(run), **RUN, **LAYOUTS["tp2_ep2"])
+    with Controller(cfg) as ctrl:
+        assert ctrl.step == 1 and ctrl.trainer.policy_version() == 1
+        history = ctrl.run()
+    _assert_same_steps(history[1:], single_history[1:])
 
 
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):

@@ -335,7 +335,7 @@ class Controller:
         written = sharded_dir(self.out, self.step, tmp=True)
         shutil.rmtree(written, ignore_errors=True)
         try:
-            self.trainer.save_sharded(str(written))
+            self.trainer.save_sharded(str(written.resolve()))  # Ray actors have another working directory
             sharded = seal_sharded(self.out, self.step)
         except BaseException:
             shutil.rmtree(written, ignore_errors=True)
@@ -358,6 +358,10 @@ class Controller:
         for path, reason in loaded.rejected:
             print(f"checkpoint {path} is damaged ({reason}); resuming from {loaded.path}", file=sys.stderr)
         state, path = loaded.state, loaded.path
+        if "sharded" not in state:
+            raise ConfigError(
+                f"{path} holds the trainer in an earlier format (no distributed checkpoint); use a new out_dir"
+            )
         saved = state["config"]
         changed = {k: (saved[k], getattr(self.cfg, k)) for k in RESUME_KEYS if saved[k] != getattr(self.cfg, k)}
         if changed and not self.cfg.force_resume:
@@ -368,7 +372,7 @@ class Controller:
             )
         if changed:
             print(f"force_resume: resuming {path} with changed settings {changed}", file=sys.stderr)
-        self.trainer.load_sharded(str(path.parent / state["sharded"]["dir"]), lr=self.cfg.lr)
+        self.trainer.load_sharded(str((path.parent / state["sharded"]["dir"]).resolve()), lr=self.cfg.lr)
         self.step, self.history = state["step"], state["history"]
         self.checkpoint_steps = state["checkpoint_steps"]
         for p in state["pending"]:  # prompts are a function of the step; rewards are scored again
