@@ -102,7 +102,7 @@ def main() -> None:
     if True in models:
         masters = {p: p.detach().float() for n, p in models[True].named_parameters() if ".experts." in n}
 
-    def start(grouped: bool, mode: str, in_place: bool) -> TraceSession:
+    def open_run(grouped: bool, mode: str, in_place: bool) -> TraceSession:
         """The run's session on its model, the grouped parameters reset to the masters first (untimed)."""
         if grouped:
             with torch.no_grad():
@@ -136,7 +136,7 @@ def main() -> None:
         )  # fmt: skip
 
     first = models[RUNS[runs[0]][0]]
-    start(RUNS[runs[0]][0], "qat", False).remove()  # the masters into the grouped parameters
+    open_run(RUNS[runs[0]][0], "qat", False).remove()  # the masters into the grouped parameters
     session = TraceSession(first, TraceConfig(mode="qat", spec=spec, measure=False), tap=tap)
     with torch.no_grad():
         session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))
@@ -155,7 +155,7 @@ def main() -> None:
             outs = []
             for grouped in (True, False):
                 in_place = grouped and mode != "bf16"
-                session = start(grouped, mode, in_place)
+                session = open_run(grouped, mode, in_place)
                 if in_place:
                     session.quantize_weights_in_place()
                 with torch.no_grad():
@@ -172,7 +172,7 @@ def main() -> None:
         for run in runs:
             grouped, mode, in_place = RUNS[run]
             model = models[grouped]
-            session = start(grouped, mode, in_place)
+            session = open_run(grouped, mode, in_place)
             session.begin_microbatch(mb.rows, source)
             x = x0.detach().requires_grad_()
             sync()

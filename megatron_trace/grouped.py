@@ -316,7 +316,7 @@ class GroupedSites:
     copied in again).
 
     Expert weights: a fake-quantized copy per step (`numerics.expert_weights`, straight-through), or with
-    `in_place` the fake-quantized values written into the parameters by `quantize_in_place`."""
+    `in_place` the fake-quantized values written into the parameters by `write_fake_quant`."""
 
     def __init__(self, experts: torch.nn.Module, numerics, *, in_place: bool = False):
         self.linears = (experts.linear_fc1, experts.linear_fc2)
@@ -340,11 +340,13 @@ class GroupedSites:
             raise RuntimeError("GroupedSites: weights are fake-quantized in place only with in_place=True")
         with torch.no_grad():
             for lin in self.linears:
-                lin.weight.copy_(expert_weight_fake_quant(lin.weight, self.role))
+                expert_weight_fake_quant(lin.weight, self.role, out=lin.weight)
 
     def mark_quantized(self) -> None:
-        """Record the weights' versions after `write_fake_quant` of every grouped module (parameters that are views
-        of one buffer share a version counter), so a later write is refused by the forward."""
+        """Record the weights' versions after `write_fake_quant` of every grouped module (a parameter made from a
+        view shares its base's version counter), so a later write through the parameter is refused by the forward.
+        Writes that reach the storage another way (into a buffer the parameter's `.data` was set to) do not move
+        the counter: after those, the call to `quantize_weights_in_place` is the only guard."""
         for lin in self.linears:
             lin.quantized_version = lin.weight._version
 

@@ -27,7 +27,8 @@ import torch
 from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
-from sglang_trace.kv import gather_kv_raw, gather_to_first, kv_records_from_shards, request_slots
+from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
+from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.capture import RecordCapturer, record_row_layout
 from trace_core.host_ring import HostRing
@@ -147,6 +148,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         # host bytes per token of a transfer: this rank's raw K/V, plus the record row on rank 0; every rank splits
         # result batches into transfers by rank 0's bytes, so all ranks run the same transfers and gathers
         self.kv_bytes = self._kv_bytes()
+        self.kv_gather = KVGather(kv_pool, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
         self.row_bytes = record_row_layout(**rec)[1].row_bytes
         token_bytes = self.kv_bytes + self.row_bytes
         if host_ring_bytes is None:
@@ -289,7 +291,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V
         of every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds
         the host ring): one slot concatenation, one gather of the record rows, the K/V index ops of
-        `gather_kv_raw`, and one asynchronous copy into the host ring, which waits while the ring is full
+        `gather_kv_raw` (one `KVGather` launch on CUDA), and one asynchronous copy into the host ring, which waits
+        while the ring is full
         (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
         if not self._pending:
             return
@@ -312,7 +315,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         n = slots.shape[0]
         ticket, kv_host, rows_host, copied = None, None, None, None
         if n:
-            kv_dev = gather_kv_raw(self.kv_pool, slots, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
+            kv_dev = self.kv_gather(slots) if self.kv_gather is not None else None
             rows_dev = self.records.gather_rows(slots) if self.records is not None else None
             nbytes = n * (self.kv_bytes + (self.row_bytes if rows_dev is not None else 0))
             ticket, span = self.ring.reserve(nbytes)

@@ -13,7 +13,8 @@ from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from tests.test_megatron_grouped import ALL_SITES, CFG, grouped_twin, moe_saved_bytes, trajectories
+from tests.test_megatron_grouped import ALL_SITES, CFG, moe_saved_bytes, trajectories
+from trace_core.recipe import get_recipe
 from trace_core.role_quant import quantize_role
 
 pytestmark = pytest.mark.usefixtures("megatron_rank")
@@ -65,9 +66,9 @@ def check_in_place_matches_copy(mode: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mbs = [pack_microbatch(trajs[:2]).to(device), pack_microbatch(trajs[2:]).to(device)]
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
-    seq = build_tiny_moe(CFG, dtype=torch.bfloat16, **overrides)
-    copy, in_place = grouped_twin(seq, **overrides), grouped_twin(seq, **overrides)
-    source = emulate_rollout(seq, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
+    copy, in_place = (build_tiny_moe(CFG, dtype=torch.bfloat16, grouped=True, **overrides) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), in_place.parameters(), strict=True))
+    source = emulate_rollout(copy, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
     w0 = {n: p.detach().clone() for n, p in copy.named_parameters() if ".experts." in n}
     (ref, ref_masters), (got, got_masters) = (train(m, mode, m is in_place, mbs, source) for m in (copy, in_place))
     role = TraceConfig(mode=mode, spec=ALL_SITES).role("weights")
@@ -151,3 +152,23 @@ def test_requantizing_nvfp4_weights_is_not_the_identity_for_subnormal_block_scal
     tiny[:, :, :16] *= torch.exp(torch.empty(4, 64, 1).uniform_(-14, -6, generator=g)).bfloat16()
     q = expert_weight_fake_quant(tiny)
     assert not torch.equal(expert_weight_fake_quant(q), q)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4"])
+def test_expert_weight_fake_quant_into_its_own_storage(recipe):
+    check_fake_quant_into_own_storage(recipe, "cpu")
+
+
+def check_fake_quant_into_own_storage(recipe: str, device: str) -> None:
+    """The fake-quant written over the weights it reads (`out=w`, the in-place path) equals a fresh output bit for
+    bit, including a matrix whose amax comes from a negative element and an all-zero matrix."""
+    role = get_recipe(recipe).weights
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(5, 48, 256, generator=g) * 0.02).bfloat16().to(device)
+    w[1, 7, 9] = -1.5
+    w[4] = 0
+    ref = expert_weight_fake_quant(w, role)
+    assert expert_weight_fake_quant(w, role, out=w) is w
+    assert torch.equal(w, ref)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        expert_weight_fake_quant(ref, role, out=torch.empty(5, 256, 48, dtype=w.dtype, device=device).transpose(1, 2))
