@@ -220,7 +220,7 @@ def test_a_tagged_run_gets_its_overrides_and_compares_with_its_untagged_run(out,
     label = results_report.RUN_LABELS["trace_all"]
     assert (ref["run"], rerun["run"]) == (label, label + ", rerun")
     dist = "mean per-step distance of abs Δ logp to the first row"
-    assert ref[dist] == rerun[dist] == "0.00e+00" and rerun["step 0 batch = first row's"] == "yes"
+    assert ref[dist] == rerun[dist] == "0.00e+00" and rerun["step 0: reward, length = first row's"] == "yes"
     dlogp = statistics.fmean(_col(_rows(raw / "rl_trace_all.csv"), "train_rollout_logprob_abs_diff"))
     assert rerun["mean abs Δ logp"] == ref["mean abs Δ logp"] == f"{dlogp:.5f}"
     assert (docs / "rl_layouts_trace_all.png").read_bytes().startswith(b"\x89PNG")

@@ -224,9 +224,10 @@ LAYOUT_COLUMNS = (("train_rollout_logprob_abs_diff", ".5f"), ("train_rollout_k3_
 
 def layout_section(runs: dict[str, list[dict]], docs: Path) -> str:
     """Tagged runs (another trainer layout, a repeat) against the untagged run of the same name and seed, over the
-    steps all of them made: per-run means, step 0 (the same rollout batch when the step-0 rewards and lengths agree:
-    same weights, same seed) and the mean per-step distance of |Δ logp| to the reference run. The reference's other
-    seeds are the scale of run-to-run noise. Figure `rl_layouts_<run>.png`."""
+    steps all of them made: per-run means, step 0 (same weights and seed: whether its mean reward and response
+    length equal the reference's, a check that the runs sampled alike, not a proof of identical tokens) and the
+    mean per-step distance of |Δ logp| to the reference run. The reference's other seeds are the scale of
+    run-to-run noise. Figure `rl_layouts_<run>.png`."""
     out = []
     for ref in sorted({n.split("@")[0] for n in runs if "@" in n and n.split("@")[0] in runs}):
         others = [n for n in runs if _unseeded(n) == _unseeded(ref) and n != ref]  # other seeds, same run
@@ -253,7 +254,7 @@ def layout_section(runs: dict[str, list[dict]], docs: Path) -> str:
         fig.tight_layout()
         fig.savefig(docs / f"rl_layouts_{ref}.png", dpi=110)
         plt.close(fig)
-        header = ["run", "steps", "step 0 batch = first row's", "step 0: mean abs Δ logp", "step 0: k3 KL"]
+        header = ["run", "steps", "step 0: reward, length = first row's", "step 0: mean abs Δ logp", "step 0: k3 KL"]
         header += ["mean abs Δ logp", "k3 KL", "reward", "mean per-step distance of abs Δ logp to the first row"]
         out.append(_table(header, table))
     if not out:
