@@ -2,8 +2,8 @@
 
 At T x D (default 65536 x 4096, BF16, b = 1) for nvfp4 (per token) and kv_fp4, graph-timed like bench/kernels.py:
 - the one-block-per-thread kernel (`_quantize_record16_kernel`, what `ops` launches for 16-element blocks) with and
-  without the record, with the record in 2-byte stores (aligned buffer) and in byte stores (buffer at an odd
-  address), and writing only the record (no fake-quantized output);
+  without the record, with the record in 2-byte stores (aligned buffer), in byte stores (buffer at an odd
+  address) and capped at 32 registers, and writing only the record (no fake-quantized output);
 - the generic kernel (`_quantize_record_kernel`, one 8-element group per thread, what `ops` launched for these
   formats before) in the same variants.
 Differences between rows place the time: record stores, store width, layout. `--tiles` adds a sweep of the
@@ -34,9 +34,9 @@ TILES = [(1, 4096, 8), (1, 4096, 4), (1, 2048, 4), (1, 2048, 8), (2, 2048, 8), (
 """(rows, columns, warps) of the `--tiles` sweep; the first is ops.LAUNCH["quant"], the default."""
 
 
-def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None) -> None:
+def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None, maxnreg=None) -> None:
     """`ops.triton_quantize_record` with the kernel family, record store width and (optionally) the program tile
-    chosen explicitly."""
+    and a register cap chosen explicitly."""
     f = ops.get_format(fmt)
     t, d = x.shape
     per_token = fmt == "nvfp4"
@@ -54,7 +54,7 @@ def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None
         token if token is not None else dummy32, t, d, x.stride(0), out.stride(0) if out is not None else 0,
         low.stride(0) if record else 0, scales.stride(0) if record else 0, 1, per_prog, FMT=f.kernel_id,
         SCALE_MODE=mode, BITS=1 if record else 0, WRITE_OUT=out is not None, RB=rb, C=chunk, ONE_PASS=n_chunks == 1,
-        num_warps=warps, **extra,
+        num_warps=warps, **extra, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -74,14 +74,16 @@ def main() -> None:
         odd = torch.empty(t, low.shape[1] + 1, dtype=torch.uint8, device="cuda")[:, 1:]
         for kernel16 in (True, False):
             cases = {
-                "no record": (out, None, 1),
-                "record (2-byte stores)" if kernel16 else "record": (out, low, 2),
-                "record only, no output": (None, low, 2),
+                "no record": (out, None, 1, None),
+                "record (2-byte stores)" if kernel16 else "record": (out, low, 2, None),
+                "record only, no output": (None, low, 2, None),
             }
             if kernel16:
-                cases["record (byte stores)"] = (out, odd, 1)
-            for label, (o, rec, unit) in cases.items():
-                ms = graph_ms(partial(launch, kernel16, x, fmt, o, rec, scales, token, unit))
+                cases["record (byte stores)"] = (out, odd, 1, None)
+                # the no-record kernel's 32 registers (full occupancy at 8 warps): ptxas spills a few bytes
+                cases["record (2-byte stores), at most 32 registers"] = (out, low, 2, 32)
+            for label, (o, rec, unit, regs) in cases.items():
+                ms = graph_ms(partial(launch, kernel16, x, fmt, o, rec, scales, token, unit, maxnreg=regs))
                 rows.append({"format": fmt, "kernel": "block per thread" if kernel16 else "group per thread",
                              "variant": label, "us": 1e3 * ms})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)

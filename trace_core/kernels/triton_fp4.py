@@ -303,6 +303,13 @@ def _quantize_record_kernel(
 
 
 @triton.jit
+def _count(counter_ptr, n):
+    """Add a program's count n into the int64 counter (relaxed: only the sum is read, after the kernel), skipping
+    zeros; integer addition makes the total independent of the order."""
+    tl.atomic_add(counter_ptr, n.to(tl.int64), mask=n > 0, sem="relaxed")
+
+
+@triton.jit
 def _guided_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride,
@@ -383,9 +390,8 @@ def _guided_kernel(
     if HAS_MASK:
         counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None, None]
     redirected = tl.where(counted & (mag != rtn), 1, 0)
-    # one partial count per program (a single atomic counter would serialize every program on one address)
     total = tl.sum(tl.sum(tl.sum(tl.sum(redirected, axis=3), axis=2), axis=1), axis=0)
-    tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)
+    _count(redirect_ptr, total)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -648,4 +654,4 @@ def _guided16_kernel(
         counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
     redirected = tl.where(counted, ra + rb, 0)
     total = tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0)
-    tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)
+    _count(redirect_ptr, total)
