@@ -68,7 +68,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         use16 = block == 16 and not (bits and fmt_obj.has_global_scale) if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
-                "REC_UNIT": unit(bits)}  # fmt: skip
+                "REC_UNIT": unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int) -> tuple:

@@ -45,11 +45,12 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096},
+    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1},
     "guided": {"rows": 2, "chunk": 1024, "warps": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
-Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile).
+Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
+16-element quantize kernel takes `row_loop` tiles of rows one after the other per program.
 `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
@@ -109,14 +110,17 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
-    grid = (triton.cdiv(t, rb), n_chunks // per_prog)
     record = low_bits is not None
     # 16-element blocks take the block-per-thread kernel, except per-token and static nvfp4 with a record, where
     # the group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
+    loop = 1
     if fmt.block == 16 and not (record and fmt.has_global_scale):
-        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": record_unit(low_bits, bits) if record else 1}
+        loop = LAUNCH["quant"]["row_loop"]
+        unit = record_unit(low_bits, bits) if record else 1
+        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
+    grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)
     kernel[grid](
         x,
         out if out is not None else _dummy(x, x.dtype),

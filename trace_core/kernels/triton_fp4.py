@@ -495,67 +495,69 @@ def _quantize_record16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
-    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr,
+    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
 ):  # fmt: skip
-    """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above)."""
+    """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
+    ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * RB + tl.arange(0, RB)
-    row_mask = rows < T
-    rows64 = rows.to(tl.int64)
     NB: tl.constexpr = C // 16
     offs = _half_offsets(NB)
-    x_rows = x_ptr + rows64[:, None, None] * x_stride
+    for ri in tl.static_range(ROW_LOOP):
+        rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
+        row_mask = rows < T
+        rows64 = rows.to(tl.int64)
+        x_rows = x_ptr + rows64[:, None, None] * x_stride
 
-    if SCALE_MODE == SCALE_PER_TOKEN:
-        if not ONE_PASS:
-            amax_row = tl.zeros((RB,), tl.float32)
-            for c0 in range(0, D, C):
-                m = row_mask[:, None, None] & (c0 + offs < D)
-                xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-                xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
-                amax_row = tl.maximum(amax_row, tl.max(amax, axis=1))
-            s_enc = _token_scale(amax_row)
-            if BITS > 0:
-                tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
-            s_enc = s_enc[:, None]
-    elif SCALE_MODE == SCALE_ROW:
-        s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
-    elif SCALE_MODE == SCALE_SCALAR:
-        s_enc = tl.load(gs_ptr)
-    else:
-        s_enc = 1.0
-
-    for ci in range(chunks_per_prog):
-        c0 = (pid_c * chunks_per_prog + ci) * C
-        m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
-        blk = _block_index(c0, NB)
-        bmask = row_mask[:, None] & (blk < D // 16)
-        xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-        xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-        amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
         if SCALE_MODE == SCALE_PER_TOKEN:
-            if ONE_PASS:
-                s_tok = _token_scale(tl.max(amax_blk, axis=1))
+            if not ONE_PASS:
+                amax_row = tl.zeros((RB,), tl.float32)
+                for c0 in range(0, D, C):
+                    m = row_mask[:, None, None] & (c0 + offs < D)
+                    xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+                    xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+                    amax_row = tl.maximum(amax_row, tl.max(amax, axis=1))
+                s_enc = _token_scale(amax_row)
                 if BITS > 0:
-                    tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
-                s_enc = s_tok[:, None]
-        decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
-        za = _code_sign(xa * encode[:, :, None], FMT)
-        zb = _code_sign(xb * encode[:, :, None], FMT)
-        qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
-        qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
-        if WRITE_OUT:
-            o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
-            ty = out_ptr.dtype.element_ty
-            tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
-            tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
-        if BITS > 0:
-            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
-            rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
-            wa = _half_word(qa, ta, za, BITS, FMT)
-            _store_record16(rec, wa, _half_word(qb, tb, zb, BITS, FMT), bmask, BITS, REC_UNIT)
+                    tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
+                s_enc = s_enc[:, None]
+        elif SCALE_MODE == SCALE_ROW:
+            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        elif SCALE_MODE == SCALE_SCALAR:
+            s_enc = tl.load(gs_ptr)
+        else:
+            s_enc = 1.0
+
+        for ci in range(chunks_per_prog):
+            c0 = (pid_c * chunks_per_prog + ci) * C
+            m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
+            blk = _block_index(c0, NB)
+            bmask = row_mask[:, None] & (blk < D // 16)
+            xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+            xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+            amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+            if SCALE_MODE == SCALE_PER_TOKEN:
+                if ONE_PASS:
+                    s_tok = _token_scale(tl.max(amax_blk, axis=1))
+                    if BITS > 0:
+                        tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
+                    s_enc = s_tok[:, None]
+            decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
+            za = _code_sign(xa * encode[:, :, None], FMT)
+            zb = _code_sign(xb * encode[:, :, None], FMT)
+            qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
+            qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
+            if WRITE_OUT:
+                o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+                ty = out_ptr.dtype.element_ty
+                tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
+                tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
+            if BITS > 0:
+                tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+                rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
+                wa = _half_word(qa, ta, za, BITS, FMT)
+                _store_record16(rec, wa, _half_word(qb, tb, zb, BITS, FMT), bmask, BITS, REC_UNIT)
 
 
 @triton.jit
