@@ -3,7 +3,11 @@ same run.
 
   1. capture overhead: a simulated rollout forward (per layer, a BF16 GEMM sized like a Qwen3-30B-A3B MoE layer's
      expert traffic: all experts' weights read at decode, top-k experts' FLOPs at prefill) with and without record
-     capture (per captured layer a `stage` copy of the MoE-input record and the route ids, then `on_forward_end`);
+     capture, and the GPU kernels each runs per forward. `--record kernel` (SGLang's emulate path): both forwards
+     quantize-dequantize every layer's MoE input (emulate's numerics, `rollout_rtn`); with capture, the recorded
+     layers' kernel also writes the record into the staging rows, every layer stages its routes and sets its
+     FusedMoE hook marker, and the forward ends with `on_forward_end`. `--record stage` (the earlier rounds'
+     upper bound): no fake-quant in either forward, the record copied into staging by `stage` (three copies);
   2. the finish transfer: bytes/s of one gather of a finished request's rows out of the device record store (its
      slots scattered over the store) copied into a span of the pinned host ring, against a plain pinned `copy_`
      of the same number of contiguous bytes;
@@ -33,6 +37,7 @@ from trace_core.host_ring import HostRing
 from trace_core.quant import quantize
 from trace_core.recipe import NVFP4_W4A4_KV4
 from trace_core.records import ModelShape, Record, RecordSpec
+from trace_core.role_quant import rollout_rtn
 from trace_core.store import StepWriter, TrajectoryRecords, read_header, shard_paths
 from trace_core.store_reader import RecordReader
 
@@ -79,47 +84,77 @@ class SimulatedForward:
         self.x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
         self.layers, self.hidden = args.layers, args.hidden
 
-    def __call__(self, on_layer=None) -> None:
+    def __call__(self, moe_input=None, on_layer=None) -> None:
         x = self.x
         for layer in range(self.layers):
-            x = x + (x @ self.w)[:, : self.hidden]
+            h = x if moe_input is None else moe_input(layer, x)
+            x = x + (h @ self.w)[:, : self.hidden]
             if on_layer is not None:
                 on_layer(layer)
 
 
+def recorded_layers(args) -> tuple[int, ...]:
+    """The MoE layers with records: `--layers all` or the latter half (the paper's policy)."""
+    return tuple(range(0 if args.record_layers == "all" else args.layers // 2, args.layers))
+
+
+def kernels_per_forward(fn, device: torch.device) -> int | str | None:
+    """GPU kernels (and memsets / copies) one call of `fn` runs, counted with the profiler; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync(device)
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception as e:  # the count is a side figure: report why it is missing, keep the timings
+        return f"not counted ({type(e).__name__}: {e})"
+
+
 def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    moe_layers = tuple(range(args.layers))
-    spec = RecordSpec.default(moe_layers=moe_layers, attn_layers=(), bits=args.bits)
+    spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
     cap = RecordCapturer(
         spec,
         shape,
-        max_tokens=tokens,
+        max_tokens=max(tokens, args.prefill),  # SGLang sizes staging for the largest prefill chunk
         num_slots=4 * tokens + 1,
         routes=(args.layers, args.topk),
         device=device,
-        marks=2 * args.layers,  # sglang_trace: FusedMoE-hooks and route markers per MoE layer
+        marks=args.layers,  # sglang_trace: one FusedMoE-hook marker per MoE layer (routes are their own)
         versioned=True,
     )
-    recs = records_for(spec, args.hidden, tokens, 0, device)
     ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
     fwd = SimulatedForward(args, tokens, decode, device, dtype)
+    role = NVFP4_W4A4_KV4.moe_in
+    recs = records_for(spec, args.hidden, tokens, 0, device) if args.record == "stage" else {}
     step = [0]
+
+    def emulate(layer: int, x: torch.Tensor) -> torch.Tensor:  # TRACE off: emulate's numerics only
+        return rollout_rtn(role, x, args.bits)
+
+    def emulate_recorded(layer: int, x: torch.Tensor) -> torch.Tensor:  # sglang_trace.moe.emulate_moe_input
+        site = (layer, "moe_in")
+        return rollout_rtn(role, x, args.bits, cap.staging_rows(site, tokens) if site in cap.layouts else None)
 
     def on_layer(layer: int) -> None:
         cap.stage_routes(layer, ids)
         rec = recs.get((layer, "moe_in"))
         if rec is not None:
             cap.stage((layer, "moe_in"), rec.low_bits, rec.scales, rec.global_scale)
-        for i in range(2):
-            cap.mark(2 * layer + i, tokens)
+        cap.mark(layer, tokens)
+
+    kernel = args.record == "kernel"
 
     def plain() -> None:
-        fwd()
+        fwd(emulate if kernel else None)
 
     def captured() -> None:
-        fwd(on_layer)
+        fwd(emulate_recorded if kernel else None, on_layer)
         base = (step[0] % 4) * tokens + 1
         step[0] += 1
         cap.on_forward_end(torch.arange(base, base + tokens, device=device), version=0)
@@ -136,10 +171,14 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dic
     b, c = statistics.median(base_t), statistics.median(cap_t)
     return {
         "tokens": tokens,
+        "record": args.record,
+        "recorded_layers": len(spec.moe_layers),
         "forward_ms": b * 1e3,
         "captured_ms": c * 1e3,
         "overhead_pct": 100 * (c - b) / b,
         "bytes_per_forward": tokens * cap.row.row_bytes,
+        "kernels_forward": kernels_per_forward(plain, device),
+        "kernels_captured": kernels_per_forward(captured, device),
     }
 
 
@@ -164,7 +203,7 @@ def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
 
 
 def bench_transfer(args, device: torch.device, tokens: int) -> dict:
-    spec = RecordSpec.default(moe_layers=tuple(range(args.layers)), attn_layers=(), bits=args.bits)
+    spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
     cap = RecordCapturer(
         spec, shape, max_tokens=tokens, num_slots=4 * tokens + 1, routes=(args.layers, args.topk), device=device
@@ -210,7 +249,7 @@ def _write_raw(directory: Path, blobs: list[bytes]) -> float:
 
 
 def bench_store(args, device: torch.device, work: Path) -> dict:
-    spec = RecordSpec.default(moe_layers=tuple(range(args.layers)), attn_layers=(), bits=args.bits)
+    spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
     trajs = {}
     for i in range(args.trajectories):
         recs = {
@@ -262,8 +301,10 @@ def table(result: dict) -> str:
     rows = ["| measurement | value | baseline (same run) | ratio |", "|---|---|---|---|"]
     for name, r in result.get("overhead", {}).items():
         rows.append(
-            f"| capture, {name} ({r['tokens']} tokens, {r['bytes_per_forward'] / 1e6:.2f} MB) | "
-            f"{r['captured_ms']:.3f} ms | {r['forward_ms']:.3f} ms forward | +{r['overhead_pct']:.2f} % |"
+            f"| capture, {name}, record by {r['record']}, {r['recorded_layers']} recorded layers ({r['tokens']} "
+            f"tokens, {r['bytes_per_forward'] / 1e6:.2f} MB; GPU kernels {r['kernels_captured']} vs "
+            f"{r['kernels_forward']}) | {r['captured_ms']:.3f} ms | {r['forward_ms']:.3f} ms forward | "
+            f"+{r['overhead_pct']:.2f} % |"
         )
     for name, r in result.get("fc2", {}).items():
         rows.append(
@@ -293,6 +334,13 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke check")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--bits", type=int, default=1)
+    p.add_argument(
+        "--record",
+        choices=("kernel", "stage"),
+        default="kernel",
+        help="overhead part: records written by the fake-quant kernel (SGLang's emulate path) or staged by copies",
+    )
+    p.add_argument("--record-layers", choices=("latter-half", "all"), default="all", help="MoE layers with records")
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
@@ -316,7 +364,10 @@ def main() -> None:
     device = torch.device(args.device)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "config": {k: getattr(args, k) for k in (*big, "bits", "level", "trajectories", "traj_tokens")},
+        "config": {
+            k: getattr(args, k)
+            for k in (*big, "bits", "record", "record_layers", "level", "trajectories", "traj_tokens")
+        },
     }
     if "overhead" in parts:
         result["overhead"] = {

@@ -2,13 +2,18 @@
 today's SequentialMLP path, with Qwen3-30B-A3B layer shapes on one expert-parallel rank of 2 (H200, or CPU for a
 smoke run with `--small`).
 
+Grouped `qat` / `trace` fake-quantize the expert weights in place (`TraceConfig.expert_weights_in_place`): before
+every iteration the FP32 masters are copied into the BF16 parameters (untimed, in every grouped run, as the
+optimizer step does), and the in-place fake-quant is timed with the iteration. `grouped_*_copy` keep the per-step
+fake-quantized copy instead.
+
 A few Megatron MoE layers (router with R3 replay, MoE-input site, allgather dispatch, experts, combine) run as a
 residual chain `h = h + moe(h)` on one micro-batch of `--batch` x `--seq` tokens; the loss is `mean(h^2)`. Routes
 are replayed from a fixed, mildly skewed random routing (log-normal expert popularity), identical in every mode.
 `trace` guides the MoE-input site of every layer (b = `--bits`) with records that an RTN pass of the same chain
 wrote (the rollout's role). Modes interleave iteration by iteration; time is CUDA-event time of one fwd+bwd;
 peak memory is `max_memory_allocated` during the iteration above what was allocated before it (gradients are
-freed between iterations, so they count in every mode; the qat/trace weight fake-quant cache counts too).
+freed between iterations, so they count in every mode; the `_copy` runs' weight copy counts too).
 
     python bench/megatron_experts.py --out megatron_experts.json
 """
@@ -30,12 +35,14 @@ from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
 
-RUNS = {  # run name -> (grouped experts, mode)
-    "grouped_bf16": (True, "bf16"),
-    "grouped_qat": (True, "qat"),
-    "grouped_trace": (True, "trace"),
-    "sequential_trace": (False, "trace"),
-    "sequential_qat": (False, "qat"),
+RUNS = {  # run name -> (grouped experts, mode, expert weights fake-quantized in place)
+    "grouped_bf16": (True, "bf16", False),
+    "grouped_qat": (True, "qat", True),
+    "grouped_trace": (True, "trace", True),
+    "grouped_qat_copy": (True, "qat", False),
+    "grouped_trace_copy": (True, "trace", False),
+    "sequential_trace": (False, "trace", False),
+    "sequential_qat": (False, "qat", False),
 }
 
 
@@ -90,6 +97,20 @@ def main() -> None:
                     w = getattr(lg.mlp.experts, name).weight
                     for e, expert in enumerate(ls.mlp.experts.local_experts):
                         getattr(expert, name).weight.copy_(w[e])
+    # FP32 masters of the grouped experts (the optimizer's): copied into the parameters before every grouped run.
+    masters = {}
+    if True in models:
+        masters = {p: p.detach().float() for n, p in models[True].named_parameters() if ".experts." in n}
+
+    def open_run(grouped: bool, mode: str, in_place: bool) -> TraceSession:
+        """The run's session on its model, the grouped parameters reset to the masters first (untimed)."""
+        if grouped:
+            with torch.no_grad():
+                for p, m in masters.items():
+                    p.copy_(m)
+        cfg = TraceConfig(mode=mode, spec=spec, measure=False, expert_weights_in_place=in_place)
+        return TraceSession(models[grouped], cfg)
+
     gen = torch.Generator().manual_seed(0)
     b, s = args.batch, args.seq
     mb = pack_microbatch([(i, torch.zeros(s, dtype=torch.int64)) for i in range(b)]).to(device)
@@ -115,6 +136,7 @@ def main() -> None:
         )  # fmt: skip
 
     first = models[RUNS[runs[0]][0]]
+    open_run(RUNS[runs[0]][0], "qat", False).remove()  # the masters into the grouped parameters
     session = TraceSession(first, TraceConfig(mode="qat", spec=spec, measure=False), tap=tap)
     with torch.no_grad():
         session.begin_microbatch(mb.rows, TensorRolloutSource({}, routes))
@@ -132,7 +154,10 @@ def main() -> None:
         for mode in ("bf16", "qat", "trace"):
             outs = []
             for grouped in (True, False):
-                session = TraceSession(models[grouped], TraceConfig(mode=mode, spec=spec, measure=False))
+                in_place = grouped and mode != "bf16"
+                session = open_run(grouped, mode, in_place)
+                if in_place:
+                    session.quantize_weights_in_place()
                 with torch.no_grad():
                     session.begin_microbatch(mb.rows, source)
                     outs.append(chain(models[grouped], x0))
@@ -145,9 +170,9 @@ def main() -> None:
     metrics: dict[str, dict] = {}
     for it in range(args.warmup + args.iters):
         for run in runs:
-            grouped, mode = RUNS[run]
+            grouped, mode, in_place = RUNS[run]
             model = models[grouped]
-            session = TraceSession(model, TraceConfig(mode=mode, spec=spec, measure=False))
+            session = open_run(grouped, mode, in_place)
             session.begin_microbatch(mb.rows, source)
             x = x0.detach().requires_grad_()
             sync()
@@ -160,6 +185,8 @@ def main() -> None:
                 import time
 
                 t0 = time.perf_counter()
+            if in_place:  # once per optimizer step, after the masters' copy
+                session.quantize_weights_in_place()
             chain(model, x).float().square().mean().backward()
             if device == "cuda":
                 end.record()
@@ -192,30 +219,27 @@ def main() -> None:
 
     copy_bytes = sum(p.numel() * p.element_size() for n, p in first.named_parameters() if ".experts." in n)
 
-    def peak_without_copy(run: str):  # the peak less the step's one fake-quantized expert-weight copy
-        if run in results and results.get("grouped_bf16", {}).get("peak_extra_bytes"):
-            return (results[run]["peak_extra_bytes"] - copy_bytes) / results["grouped_bf16"]["peak_extra_bytes"]
-        return None
-
     ratios = {
         "qat_vs_bf16_grouped": ratio("grouped_qat", "grouped_bf16"),
         "trace_vs_qat_grouped": ratio("grouped_trace", "grouped_qat"),
         "sequential_vs_grouped_trace": ratio("sequential_trace", "grouped_trace"),
         "peak_qat_vs_bf16": ratio("grouped_qat", "grouped_bf16", "peak_extra_bytes"),
         "peak_trace_vs_bf16": ratio("grouped_trace", "grouped_bf16", "peak_extra_bytes"),
-        "peak_qat_less_weight_copy_vs_bf16": peak_without_copy("grouped_qat"),
-        "peak_trace_less_weight_copy_vs_bf16": peak_without_copy("grouped_trace"),
+        "qat_copy_vs_bf16_grouped": ratio("grouped_qat_copy", "grouped_bf16"),
+        "trace_copy_vs_qat_copy_grouped": ratio("grouped_trace_copy", "grouped_qat_copy"),
+        "peak_qat_copy_vs_bf16": ratio("grouped_qat_copy", "grouped_bf16", "peak_extra_bytes"),
+        "peak_trace_copy_vs_bf16": ratio("grouped_trace_copy", "grouped_bf16", "peak_extra_bytes"),
     }
     routed = b * s * args.topk
     flops = 3 * 2 * routed * args.hidden * 3 * args.expert_ffn * args.layers  # fwd + 2x bwd of FC1 (2I) and FC2 (I)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
     print(f"{args.layers} MoE layers, hidden {args.hidden}, {args.experts} local experts top-{args.topk}, "
           f"FFN {args.expert_ffn}, {b * s} tokens ({routed} routed rows), {args.iters} iterations")  # fmt: skip
-    print(f"{'run':<18}{'ms median':>11}{'min':>9}{'max':>9}{'expert TFLOP/s':>16}{'peak extra GiB':>16}")
+    print(f"{'run':<20}{'ms median':>11}{'min':>9}{'max':>9}{'expert TFLOP/s':>16}{'peak extra GiB':>16}")
     for r, v in results.items():
-        print(f"{r:<18}{v['ms_median']:>11.2f}{v['ms_min']:>9.2f}{v['ms_max']:>9.2f}"
+        print(f"{r:<20}{v['ms_median']:>11.2f}{v['ms_min']:>9.2f}{v['ms_max']:>9.2f}"
               f"{flops / v['ms_median'] / 1e9:>16.1f}{v['peak_extra_bytes'] / 2**30:>16.3f}")  # fmt: skip
-    print(f"expert weight copy (fake-quantized, once per step): {copy_bytes / 2**30:.3f} GiB")
+    print(f"expert weight copy of the _copy runs (fake-quantized, once per step): {copy_bytes / 2**30:.3f} GiB")
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}" if v is not None else f"{k}: -")
     if args.out:

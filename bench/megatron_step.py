@@ -1,7 +1,9 @@
 """Trainer step time of a small Megatron MoE under bf16, qat and trace (H200 or any CUDA GPU; CPU for a smoke run).
 
-One step = forward + backward + Adam update over `--microbatches` micro-batches, with R3 replaying the emulated
-rollout's routes in every mode (so routing cost is identical). `trace` also fetches the records of the latter half of
+One step = forward + backward over `--microbatches` micro-batches, then Adam on FP32 master weights and their copy
+into the BF16 parameters (as the trainer does), with R3 replaying the emulated rollout's routes in every mode (so
+routing cost is identical). With `--grouped`, qat and trace fake-quantize the expert weights in place after that copy
+(`TraceConfig.expert_weights_in_place`, timed with the step). `trace` also fetches the records of the latter half of
 the MoE and attention layers (b = `--bits`) per micro-batch. Prints a table and writes JSON to `--out`.
 
     python bench/megatron_step.py --out megatron_step.json
@@ -110,12 +112,14 @@ def main() -> None:
     trajs = [(i, torch.randint(0, cfg.vocab, (length,), generator=g)) for i, length in enumerate(lengths)]
     mbs = [pack_microbatch(trajs[i : i + args.batch], seq_len=args.seq).to(device) for i in range(0, n, args.batch)]
     layers = tuple(range(cfg.layers))
-    spec = RecordSpec.default(layers, layers, bits=args.bits)
+    spec = RecordSpec.latter_half(layers, layers, bits=args.bits)
     t0 = time.perf_counter()
     source = emulate_rollout(model, mbs, spec, num_trajectories=n, max_positions=args.seq)
     sync()
     emulate_s = time.perf_counter() - t0
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    optimizer = torch.optim.Adam(masters, lr=1e-6)
 
     modes = args.modes.split(",")
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -124,19 +128,29 @@ def main() -> None:
     # Modes interleave step by step, so clock and thermal drift hit all of them alike.
     for it in range(args.warmup + args.iters):
         for mode in modes:
-            session = TraceSession(model, TraceConfig(mode=mode, spec=spec, measure=False))
+            in_place = args.grouped and mode != "bf16"
+            session = TraceSession(
+                model, TraceConfig(mode=mode, spec=spec, measure=False, expert_weights_in_place=in_place)
+            )
             sync()
             if device == "cuda":
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
+            if in_place:  # the parameters hold the masters' BF16 values here (the last step's copy)
+                session.quantize_weights_in_place()
             for mb in mbs:
                 session.begin_microbatch(mb.rows, source)
                 logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
                 loss = torch.log_softmax(logits.float(), -1)[..., 0][mb.valid].mean()
                 loss.backward()
+            for p, m in zip(params, masters, strict=True):
+                m.grad, p.grad = p.grad.float(), None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, m in zip(params, masters, strict=True):
+                    p.copy_(m)
             metrics = session.end_step()
             sync()
             if it >= args.warmup:
@@ -147,7 +161,7 @@ def main() -> None:
     flops = step_flops(cfg, args.batch * args.seq * args.microbatches, args.seq)
     results = {}
     for m, t in times.items():
-        q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (t[0],) * 3
+        q1, _, q3 = statistics.quantiles(t, n=4, method="inclusive") if len(t) > 1 else (t[0],) * 3
         results[m] = {
             "step_ms_median": 1e3 * statistics.median(t),
             "step_ms_min": 1e3 * min(t),

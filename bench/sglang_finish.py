@@ -1,11 +1,18 @@
 """Scheduler-thread time per finished request for TRACE (`TraceCapturer.finish_request` for every request of a
-result batch, then `on_batch_done`, the batched transfer into the host ring), for Qwen3-30B-A3B shapes: 48 layers,
-4 KV heads of 128 in an FP4 KV pool (`MHATokenToKVPoolFP4`, sglang 0.5.10.post1), K/V sites on the latter 24
-layers, MoE-input records and routes of every layer in the device record store, b = 1, one rank. The writer
-thread's work is not counted (it runs off the scheduler thread); the next batch starts once the previous one's
-writes finished, so queues stay short. On a CPU "device" the transfer's copies are synchronous memcpys.
+result batch, then `on_batch_done`, the batched transfer into the host ring: wall time until control returns to
+the scheduler, the device idle at the start), for Qwen3-30B-A3B shapes: 48 layers, 4 KV heads of 128 in an FP4 KV
+pool (`MHATokenToKVPoolFP4`, sglang 0.5.10.post1), the default `--trace-layers` and `--trace-sites` (MoE-input
+records and K/V of the recorded layers, routes of every layer), b = 1, one rank. The writer thread's work and the
+asynchronous copy are not counted (they run off the scheduler thread); the next batch starts once the previous
+one's writes finished, so queues stay short. On a CPU "device" the transfer's copies are synchronous memcpys.
+`--kv-gather torch` times the K/V gather as per-site index ops (`gather_kv_raw`) instead of `KVGather`'s one launch.
 
     python bench/sglang_finish.py --tokens 16384 --batch 4 --device cuda     # run from the checkout to be measured
+
+`--seam-stand-in` (for a GPU host where SGLang's modules do not import: no sgl_kernel and its serving deps): when
+importing SGLang fails, the capturer's base class (`RoutedExpertsCapturer`, an empty seam TraceCapturer overrides)
+and the KV pool (`MHATokenToKVPoolFP4`'s per-layer buffers, same shapes and dtypes) are plain stand-ins; every
+line of TraceCapturer, RecordCapturer, KVGather and HostRing that runs is the real one. The JSON says which ran.
 """
 
 from __future__ import annotations
@@ -13,27 +20,88 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
+import types
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
-from sglang.srt.server_args import ServerArgs
 
-from sglang_trace.capturer import TraceCapturer
-from sglang_trace.config import ModelLayout, check_server_args
-from sglang_trace.moe import ExpertWeights
+from sglang_trace.config import SERVER_ARGS_FIELDS, ModelLayout, TraceArgs, parse_layers, parse_sites
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, TOPK = 48, 4, 128, 2048, 8
+
+
+class StandInFP4Pool:
+    """`MHATokenToKVPoolFP4`'s buffers (per layer: packed E2M1 codes `[slots, heads, head_dim / 2]` and E8M0 bytes
+    `[slots, heads * head_dim / 16]`, uint8), for hosts where SGLang does not import."""
+
+    store_dtype = torch.uint8
+
+    def __init__(self, size: int, head_num: int, head_dim: int, layer_num: int, device: str) -> None:
+        self.head_num, self.head_dim, self.layer_num, self.start_layer, self.end_layer = (
+            head_num, head_dim, layer_num, 0, layer_num
+        )  # fmt: skip
+        rows = size + 1
+
+        def codes() -> list[torch.Tensor]:
+            return [
+                torch.zeros(rows, head_num, head_dim // 2, dtype=torch.uint8, device=device) for _ in range(layer_num)
+            ]
+
+        def scales() -> list[torch.Tensor]:
+            return [
+                torch.zeros(rows, head_num * head_dim // 16, dtype=torch.uint8, device=device) for _ in range(layer_num)
+            ]
+
+        self.k_buffer, self.v_buffer, self.k_scale_buffer, self.v_scale_buffer = codes(), codes(), scales(), scales()
+
+
+def sglang_parts(stand_in: bool) -> tuple[str, object, object]:
+    """(what ran, KV-pool factory, req-to-token-pool factory): SGLang's own classes, or, when they do not import
+    and `stand_in` is set, the seam and pool stand-ins (module docstring)."""
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
+
+        def pool(size, device):
+            return MHATokenToKVPoolFP4(size=size, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=KV_HEADS,
+                                       head_dim=HEAD_DIM, layer_num=LAYERS, device=device, enable_memory_saver=False,
+                                       enable_alt_stream=False)  # fmt: skip
+
+        def req_pool(context, device):
+            return ReqToTokenPool(size=2, max_context_len=context, device=device, enable_memory_saver=False)
+
+        return "sglang 0.5.10.post1", pool, req_pool
+    except Exception as e:
+        if not stand_in:
+            raise
+        reason = f"{type(e).__name__}: {e}"
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+    path = "sglang.srt.layers.moe.routed_experts_capturer"
+    for i, part in enumerate(path.split(".")):
+        sys.modules[".".join(path.split(".")[: i + 1])] = types.ModuleType(part)
+    sys.modules[path].RoutedExpertsCapturer = type("RoutedExpertsCapturer", (), {})
+
+    def stand_in_pool(size, device):
+        return StandInFP4Pool(size, KV_HEADS, HEAD_DIM, LAYERS, device)
+
+    def stand_in_req_pool(context, device):
+        return SimpleNamespace(req_to_token=torch.zeros(2, context, dtype=torch.int32, device=device))
+
+    return f"seam and pool stand-ins (SGLang import failed: {reason[:200]})", stand_in_pool, stand_in_req_pool
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--requests", type=int, default=10, help="result batches timed (after two warm-up batches)")
+    p.add_argument("--requests", type=int, default=10, help="result batches timed (after one warm-up batch)")
     p.add_argument("--batch", type=int, default=1, help="requests finishing in one result batch")
+    p.add_argument("--store-dir", help="where the record store is written (default: the system temp dir)")
+    p.add_argument("--kv-gather", choices=("kernel", "torch"), default="kernel", help="K/V gather on the device")
+    p.add_argument("--seam-stand-in", action="store_true", help="stand-ins where SGLang does not import (docstring)")
     p.add_argument(
         "--kv-only",
         action="store_true",
@@ -41,28 +109,33 @@ def main() -> None:
     )
     a = p.parse_args()
     dev = torch.device(a.device)
-    store = tempfile.mkdtemp()
-    args = check_server_args(
-        ServerArgs(model_path="dummy", trace_mode="emulate", trace_store=store, kv_cache_dtype="fp4_e2m1")
+    ran, make_pool, make_req_pool = sglang_parts(a.seam_stand_in)
+    from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot
+    from sglang_trace.config import model_spec
+    from sglang_trace.kv import gather_kv_raw
+    from sglang_trace.kv_gather import KVGather
+    from sglang_trace.moe import ExpertWeights
+
+    store = tempfile.mkdtemp(dir=a.store_dir)
+    defaults = SERVER_ARGS_FIELDS
+    args = TraceArgs(
+        mode="emulate",
+        bits=int(defaults["trace_record_bits"]),
+        layers=parse_layers(str(defaults["trace_layers"])),
+        sites=parse_sites(str(defaults["trace_sites"])),
+        store=store,
+        step=0,
     )
     layout = ModelLayout(
         "Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), HIDDEN, KV_HEADS, HEAD_DIM, TOPK
     )
+    kv_sites = len(model_spec(args, layout).attn_layers) * 2
+    token_bytes = kv_sites * KV_HEADS * (HEAD_DIM // 2 + HEAD_DIM // 16) + record_bytes_per_slot(args, layout)
     slots = a.tokens + 1
-    pool = MHATokenToKVPoolFP4(
-        size=slots,
-        page_size=1,
-        dtype=torch.float4_e2m1fn_x2,
-        head_num=KV_HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device=a.device,
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
+    pool = make_pool(slots, a.device)
     for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=dev))
-    req_pool = ReqToTokenPool(size=2, max_context_len=a.tokens + 2, device=a.device, enable_memory_saver=False)
+    req_pool = make_req_pool(a.tokens + 2, a.device)
     req_pool.req_to_token[0, : a.tokens] = torch.arange(1, a.tokens + 1, dtype=torch.int32, device=dev)
     cap = TraceCapturer(
         args,
@@ -70,11 +143,16 @@ def main() -> None:
         kv_pool=pool,
         max_tokens=a.tokens,
         num_slots=slots + 1,
-        max_request_tokens=a.tokens * max(a.batch, 2),  # the host ring holds two batches
+        max_request_tokens=a.tokens,
         device=dev,
         return_routes=False,
         weights=ExpertWeights(),
+        host_ring_bytes=a.batch * a.tokens * token_bytes,  # one result batch (the bench flushes between batches)
     )
+    if a.kv_gather == "torch":
+        cap.kv_gather = KVGather(pool, cap.spec.attn_layers, cap.kv_kinds, kernel=False)
+    probe = torch.randint(1, slots, (4096,), device=dev)
+    kv_equal = torch.equal(cap.kv_gather(probe), gather_kv_raw(pool, probe, cap.spec.attn_layers, cap.kv_kinds))
     # one forward wrote every position: stand in for its hooks' staging writes (what they wrote does not matter
     # for the finish path), set the hook markers where the capturer has them
     rows = a.tokens
@@ -91,29 +169,37 @@ def main() -> None:
     if a.kv_only:
         kv_only(a, pool, req_pool, layout, cap)
         return
-    times = []
-    for i in range(a.requests + 2):
+    times, cpu_times = [], []
+    for i in range(a.requests + 1):
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for j in range(a.batch):
             cap.finish_request(f"r{i}-{j}", 0, a.tokens + 1, req_pool, list(range(a.tokens + 1)))
         cap.on_batch_done()
         times.append((time.perf_counter() - t0) / a.batch)
+        cpu_times.append((time.thread_time() - c0) / a.batch)
         cap.flush()
     assert cap.stats.write_failures == 0, cap.stats
-    assert cap.stats.transfers == a.requests + 2, cap.stats  # one transfer per result batch
+    assert cap.stats.transfers == a.requests + 1, cap.stats  # one transfer per result batch
     cap.close()
-    ms = [t * 1e3 for t in times[2:]]
+    ms = [t * 1e3 for t in times[1:]]
+    cpu_ms = [t * 1e3 for t in cpu_times[1:]]
     print(
         json.dumps(
             {
                 "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                "sglang": ran,
                 "tokens": a.tokens,
                 "batch": a.batch,
+                "kv_gather": a.kv_gather,
+                "kv_gather_equals_twin": kv_equal,
+                "recorded_moe_layers": len(cap.spec.moe_layers),
                 "kv_sites": 2 * len(cap.spec.attn_layers),
+                "host_bytes_per_token": token_bytes,
                 "finish_ms_per_request_median": statistics.median(ms),
                 "finish_ms": ms,
+                "scheduler_cpu_ms_per_request_median": statistics.median(cpu_ms),
             }
         )
     )

@@ -20,6 +20,9 @@ class TraceConfig:
         measure: compute per-site code-flip rates against the records (one extra quantization per site).
         recipe: the precision recipe (`trace_core.recipe`) of every FP4 site, a name or the object; None takes
             the spec's recipe, else the default. A spec whose recipe or record layout disagrees is refused.
+        expert_weights_in_place: TRACE grouped experts only: their BF16 weight parameters hold the fake-quantized
+            values (`TraceSession.quantize_weights_in_place`, after every copy of the FP32 master weights into
+            them) instead of a fake-quantized copy kept per step. Needs master weights outside the model.
     """
 
     mode: Mode | str = Mode.TRACE
@@ -27,6 +30,7 @@ class TraceConfig:
     replay_routes: bool = True
     measure: bool = True
     recipe: PrecisionRecipe | str | None = None
+    expert_weights_in_place: bool = False
 
     def __post_init__(self) -> None:
         try:

@@ -3,8 +3,10 @@ into Megatron's `TEGroupedMLP` through its `GroupedLinearFc1Builder` / `GroupedL
 non-fused forward needs no TransformerEngine), and the layer spec that builds it.
 
 - All local experts of a linear are one parameter `weight [E, out, in]`: one grouped GEMM per linear, and the NVFP4
-  weight fake-quant of all experts is one launch (`SiteNumerics.expert_weights`, once per optimizer step, reused
-  by every micro-batch and recompute; straight-through to `weight`).
+  weight fake-quant of all experts is one launch, once per optimizer step, reused by every micro-batch and
+  recompute. Either kept as a copy (`SiteNumerics.expert_weights`, straight-through to `weight`), or, with
+  `TraceConfig.expert_weights_in_place`, written into `weight` itself after the FP32 masters are copied in
+  (no copy: the GEMM reads the parameter, whose gradient is the straight-through gradient the masters take).
 - FC2's input goes through `SiteNumerics.fc2_input` (the trainer's site code) inside the FC2 linear, and the FC2
   linear applies the router's top-k weights to its output rows (`row_scaled_grouped_mm`: where the rollout applies
   them, without keeping the FC2 output for their gradient).
@@ -26,6 +28,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from megatron_trace.sites import expert_weight_fake_quant
 from trace_core.guided import straight_through
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -174,6 +177,9 @@ class TraceGroupedLinear(torch.nn.Module):
         self.weight_quant: Quantizer | None = None
         self.input_quant: Quantizer | None = None
         self.row_scale: torch.Tensor | None = None  # per-row output scale for the next forward (`GroupedSites`)
+        # In-place weights (`GroupedSites(in_place=True)`): `weight._version` right after its fake-quant was written
+        # (-1: not yet); the forward refuses weights written since.
+        self.quantized_version: int | None = None
         self._register_state_dict_hook(_split_experts)
         self._register_load_state_dict_pre_hook(partial(_stack_experts, num_local_experts))
 
@@ -184,6 +190,11 @@ class TraceGroupedLinear(torch.nn.Module):
         if self.input_quant is not None:
             x = self.input_quant(x)
         w = self.weight
+        if self.quantized_version is not None and w._version != self.quantized_version:
+            raise RuntimeError(
+                "TraceGroupedLinear: the expert weights were written after their in-place fake-quant (or never "
+                "quantized): call TraceSession.quantize_weights_in_place() after copying the masters in"
+            )
         if self.weight_quant is not None:
             w = straight_through(w, self.weight_quant(w))
         offs = group_offsets(tokens_per_expert, x.device)
@@ -301,12 +312,18 @@ def is_trace_grouped(experts: torch.nn.Module) -> bool:
 class GroupedSites:
     """The weight and FC2-input sites of one TRACE grouped-experts module, and the router's top-k weights moved
     from the activation (where Megatron applies them) to FC2's output rows (where the rollout does, so FC2's input
-    is unweighted); `remove()` restores BF16."""
+    is unweighted); `remove()` restores BF16 (in place: the parameters keep their values until the masters are
+    copied in again).
 
-    def __init__(self, experts: torch.nn.Module, numerics):
+    Expert weights: a fake-quantized copy per step (`numerics.expert_weights`, straight-through), or with
+    `in_place` the fake-quantized values written into the parameters by `write_fake_quant`."""
+
+    def __init__(self, experts: torch.nn.Module, numerics, *, in_place: bool = False):
         self.linears = (experts.linear_fc1, experts.linear_fc2)
+        self.role = numerics.cfg.role("weights")
         for lin in self.linears:
-            lin.weight_quant = numerics.expert_weights
+            lin.weight_quant = None if in_place else numerics.expert_weights
+            lin.quantized_version = -1 if in_place else None
         experts.linear_fc2.input_quant = numerics.fc2_input
         self._hook = experts.register_forward_pre_hook(self._probs_to_fc2_output)
 
@@ -315,7 +332,25 @@ class GroupedSites:
         experts.linear_fc2.row_scale = probs
         return (hidden, tokens_per_expert, torch.ones_like(probs), *rest)
 
+    def write_fake_quant(self) -> None:
+        """Overwrite each linear's weights with their fake-quantized values (all experts in one launch per linear,
+        the values the copy path uses). Every call quantizes: re-quantizing already quantized NVFP4 weights is not
+        the identity for blocks with a subnormal E4M3 scale, so call it once after each write of the masters."""
+        if self.linears[0].quantized_version is None:
+            raise RuntimeError("GroupedSites: weights are fake-quantized in place only with in_place=True")
+        with torch.no_grad():
+            for lin in self.linears:
+                expert_weight_fake_quant(lin.weight, self.role, out=lin.weight)
+
+    def mark_quantized(self) -> None:
+        """Record the weights' versions after `write_fake_quant` of every grouped module (a parameter made from a
+        view shares its base's version counter), so a later write through the parameter is refused by the forward.
+        Writes that reach the storage another way (into a buffer the parameter's `.data` was set to) do not move
+        the counter: after those, the call to `quantize_weights_in_place` is the only guard."""
+        for lin in self.linears:
+            lin.quantized_version = lin.weight._version
+
     def remove(self) -> None:
         self._hook.remove()
         for lin in self.linears:
-            lin.weight_quant = lin.input_quant = lin.row_scale = None
+            lin.weight_quant = lin.input_quant = lin.row_scale = lin.quantized_version = None

@@ -127,6 +127,11 @@ class TraceSession:
         if cfg.quantized:  # refused before any hook is installed
             for layer_id, moe in self.moe_layers.items():
                 _check_experts(layer_id, moe.experts)
+                if cfg.expert_weights_in_place and not is_trace_grouped(moe.experts):
+                    raise NotImplementedError(
+                        f"layer {layer_id}: expert_weights_in_place needs the TRACE grouped experts, not "
+                        f"{type(moe.experts).__name__}"
+                    )
         model._trace_session = self
         self._handles.append(model.register_forward_pre_hook(self._model_forward_begins, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._model_forward_ends))
@@ -144,7 +149,7 @@ class TraceSession:
             return
         for moe in self.moe_layers.values():
             if is_trace_grouped(moe.experts):  # probabilities after FC2: inside the grouped FC2 (GroupedSites)
-                self._handles.append(GroupedSites(moe.experts, self.numerics))
+                self._handles.append(GroupedSites(moe.experts, self.numerics, in_place=cfg.expert_weights_in_place))
                 continue
             self._handles.append(moe.experts.register_forward_pre_hook(self._probs_to_one))
             self._handles.append(moe.experts.register_forward_hook(self._probs_after_fc2))
@@ -168,6 +173,19 @@ class TraceSession:
         self._restore.clear()
         self.model._trace_session = None
         self.end_step()
+
+    def quantize_weights_in_place(self) -> None:
+        """`expert_weights_in_place`: write the fake-quantized values of every grouped expert weight into the
+        parameter (one launch per linear). Call it once after each copy of the FP32 masters into the parameters
+        (the optimizer step, a checkpoint load) and before the next forward; the masters stay the weights (export
+        and checkpoints read them, never the parameters). No-op in `bf16`."""
+        if not self.cfg.expert_weights_in_place:
+            raise ValueError("quantize_weights_in_place needs TraceConfig(expert_weights_in_place=True)")
+        sites = [h for h in self._handles if isinstance(h, GroupedSites)]
+        for s in sites:
+            s.write_fake_quant()
+        for s in sites:
+            s.mark_quantized()
 
     # ----------------------------------------------------------------- per micro-batch driving
     def begin_microbatch(self, rows: TokenRows, source: RolloutSource | None = None) -> None:

@@ -45,10 +45,13 @@ class SiteStats:
 DEFAULT_WEIGHTS = get_recipe(DEFAULT_RECIPE).weights
 
 
-def expert_weight_fake_quant(w: torch.Tensor, role: Role = DEFAULT_WEIGHTS) -> torch.Tensor:
+def expert_weight_fake_quant(
+    w: torch.Tensor, role: Role = DEFAULT_WEIGHTS, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """RTN values of expert matrices `w [E, out, in]` under the recipe's weights role (NVFP4: one global scale per
-    matrix, FC1's gate and up as one matrix), all experts in one kernel launch. No autograd."""
-    return expert_weights_rtn(role, w)
+    matrix, FC1's gate and up as one matrix), all experts in one kernel launch, into `out` if given (may be `w`).
+    No autograd."""
+    return expert_weights_rtn(role, w, out)
 
 
 class SiteNumerics:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
-from sglang_trace.kv import gather_kv_raw, gather_to_first, kv_records_from_shards, request_slots
+from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
+from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.capture import RecordCapturer, record_row_layout
 from trace_core.host_ring import HostRing
@@ -57,13 +58,15 @@ class TraceStats:
 
 @dataclass
 class _Finished:
-    """A finished request waiting for its result batch to close: its KV slots (a view of its `req_to_token` row,
-    valid until the scheduler's next allocation), the store writer of its step, and why it is refused (if known)."""
+    """A finished request waiting for its result batch to close: its binding (the token digest still empty: the
+    writer thread fills it in from `tokens`), its KV slots (a view of its `req_to_token` row, valid until the
+    scheduler's next allocation), the store writer of its step, and why it is refused (if known)."""
 
     binding: Binding | None
     slots: torch.Tensor
     writer: StepWriter | None
     error: str | None = None
+    tokens: list[int] = field(default_factory=list)
 
 
 def record_args(args: TraceArgs, layout: ModelLayout) -> dict:
@@ -75,7 +78,7 @@ def record_args(args: TraceArgs, layout: ModelLayout) -> dict:
         shape=ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim),
         sites=[s for s in spec.sites() if s[1] == "moe_in"],
         routes=(len(layout.moe_layers), layout.topk),
-        marks=2 * len(layout.moe_layers),
+        marks=len(layout.moe_layers),
         versioned=True,
     )
 
@@ -104,10 +107,11 @@ class TraceCapturer(RoutedExpertsCapturer):
             default `RING_REQUESTS` requests of `max_request_tokens`.
 
     Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
-    emulate mode, the MoE-input site in native mode) and the route capture each mark the forward's rows, in CUDA
-    graphs too; a request with a row a hook did not mark is refused, never stored. Every row also carries the weight
-    version (RL step) of the forward that wrote it; a request whose rows were computed under another version than
-    the step it finishes in is refused.
+    emulate mode, the MoE-input site in native mode) mark the forward's rows, in CUDA graphs too; the route capture
+    needs no marker (the capturer resets staged routes to -1 after every forward, so a route not captured in this
+    forward is seen). A request with a row a hook did not mark or route is refused, never stored. Every row also
+    carries the weight version (RL step) of the forward that wrote it; a request whose rows were computed under
+    another version than the step it finishes in is refused.
     """
 
     def __init__(
@@ -136,7 +140,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.kv_pool, self.kv_kinds = kv_pool, kv_kinds(args)
         self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
         # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
-        # site), so its last hook marks the layer; routes come from the top-k module and are marked separately
+        # site), so its last hook marks the layer; routes (from the top-k module) are their own marker
         self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
         # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
         rec = record_args(args, layout)
@@ -146,6 +150,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         # host bytes per token of a transfer: this rank's raw K/V, plus the record row on rank 0; every rank splits
         # result batches into transfers by rank 0's bytes, so all ranks run the same transfers and gathers
         self.kv_bytes = self._kv_bytes()
+        self.kv_gather = KVGather(kv_pool, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
         self.row_bytes = record_row_layout(**rec)[1].row_bytes
         token_bytes = self.kv_bytes + self.row_bytes
         if host_ring_bytes is None:
@@ -188,7 +193,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         rows = None
         self._moe_rows[layer_id] = x.shape[0]
         if self.moe_mark == "moe_in":
-            self._mark(layer_id, "moe", x.shape[0])
+            self._mark(layer_id, x.shape[0])
         if self.records is not None and site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate":
@@ -205,21 +210,19 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self.args.mode != "emulate":
             return h
         # token rows of this layer's forward (the CPU path calls this once per expert, on that expert's rows)
-        self._mark(layer_id, "moe", self._moe_rows.get(layer_id, 0))
+        self._mark(layer_id, self._moe_rows.get(layer_id, 0))
         return fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
         if self.records is not None:
             self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
-            self._mark(layer_id, "routes", topk_ids.shape[0])
 
-    def _mark(self, layer_id: int, kind: str, rows: int) -> None:
-        """Set the hook marker of (`layer_id`, `kind`: "moe" or "routes") on the forward's token rows [0, rows)
-        (rank 0 only)."""
+    def _mark(self, layer_id: int, rows: int) -> None:
+        """Set the FusedMoE hook marker of MoE layer `layer_id` on the forward's token rows [0, rows) (rank 0 only)."""
         if self.records is None:
             return
-        self.records.mark(2 * self.route_index[layer_id] + (kind == "routes"), rows)
+        self.records.mark(self.route_index[layer_id], rows)
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
         """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU)."""
@@ -241,7 +244,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>`
         (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` the request's
         prompt + output ids: the records are bound to (step, policy version = step, trajectory, attempt, token
-        digest), which the handle repeats.
+        digest, computed on the writer thread: hashing a long request's ids costs about a millisecond), which
+        the handle repeats except for the digest (the stored shard's binding carries it).
 
         No device work or wait here, except R3's answer (`--enable-return-routed-experts`), which is read at once.
         A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
@@ -272,9 +276,8 @@ class TraceCapturer(RoutedExpertsCapturer):
             self._failed(trajectory, attempt, None, error)
             self._pending.append(_Finished(None, slots, None, error))
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
-        binding = Binding(step, step, trajectory, attempt, token_digest(tokens), self.args.recipe.name)
-        handle["token_digest"] = binding.tokens
-        finished = _Finished(binding, slots, self._writer)
+        binding = Binding(step, step, trajectory, attempt, "", self.args.recipe.name)  # digest: writer thread
+        finished = _Finished(binding, slots, self._writer, tokens=tokens)
         self._pending.append(finished)
         if self.return_routes:
             try:
@@ -290,7 +293,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V
         of every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds
         the host ring): one slot concatenation, one gather of the record rows, the K/V index ops of
-        `gather_kv_raw`, and one asynchronous copy into the host ring, which waits while the ring is full
+        `gather_kv_raw` (one `KVGather` launch on CUDA), and one asynchronous copy into the host ring, which waits
+        while the ring is full
         (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
         if not self._pending:
             return
@@ -313,7 +317,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         n = slots.shape[0]
         ticket, kv_host, rows_host, copied = None, None, None, None
         if n:
-            kv_dev = gather_kv_raw(self.kv_pool, slots, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
+            kv_dev = self.kv_gather(slots) if self.kv_gather is not None else None
             rows_dev = self.records.gather_rows(slots) if self.records is not None else None
             nbytes = n * (self.kv_bytes + (self.row_bytes if rows_dev is not None else 0))
             ticket, span = self.ring.reserve(nbytes)
@@ -370,7 +374,7 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def _write(self, f: _Finished, rows: torch.Tensor, raws: list[torch.Tensor]) -> None:
         """One trajectory's shard from its host rows and K/V shards (rank order)."""
-        binding = f.binding
+        binding = replace(f.binding, tokens=token_digest(f.tokens))
         try:
             gathered = self.records.read(rows, version=binding.step)
             kv = {}

@@ -24,7 +24,7 @@ LAYER_PRESETS = ("latter-half", "all")
 SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_mode": "off",
     "trace_record_bits": 1,
-    "trace_layers": "latter-half",
+    "trace_layers": "all",
     "trace_sites": "moe_in,k,v",
     "trace_store": None,
     "trace_step": 0,

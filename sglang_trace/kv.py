@@ -71,8 +71,8 @@ def gather_kv_raw(pool, slots: torch.Tensor, layers: Sequence[int], kinds: Seque
         for kind in kinds:
             codes_buf = fp4.k_buffer if kind == "k" else fp4.v_buffer
             scale_buf = fp4.k_scale_buffer if kind == "k" else fp4.v_scale_buffer
-            parts.append(codes_buf[local][slots].reshape(slots.shape[0], -1))  # uint8 [L, W/2]
-            parts.append(scale_buf[local][slots].reshape(slots.shape[0], -1))  # uint8 [L, W/16]
+            parts.append(codes_buf[local][slots].flatten(1))  # uint8 [L, W/2]
+            parts.append(scale_buf[local][slots].flatten(1))  # uint8 [L, W/16]
     return torch.cat(parts, dim=1)
 
 

@@ -253,6 +253,39 @@ def test_rows_gathered_in_one_batch_and_read_elsewhere_equal_per_request_gathers
     assert cap.store.device == cap.staging.device and cap.store.shape == (64, cap.row.row_bytes)
 
 
+def test_a_replay_whose_hook_or_route_capture_did_not_run_is_refused_by_the_reset_sentinels():
+    """CUDA-graph replays skip the eager staging check. After every forward one fill resets the hook markers and the
+    staged routes (to -1), so a replay that misses a marker or one layer's route capture leaves its rows refusable
+    even where an earlier, larger forward left valid-looking values in those staging rows."""
+    cap = make(marks=2, versioned=True)
+    drv = Driver(cap)
+
+    def replay(rows: list[tuple[int, int]], skip_route: int | None = None, skip_mark: int | None = None) -> None:
+        seeds = [seed for _, seed in rows]
+        for site, (fmt_name, _, n) in cap.layouts.items():
+            cap.stage_quantized(site, quantize_rows(fmt_name, site_rows(site, seeds, n)))
+        for layer in range(ROUTES[0]):
+            if layer != skip_route:
+                cap.stage_routes(layer, expected_routes(seeds)[:, layer])
+        for index in range(2):
+            if index != skip_mark:
+                cap.mark(index, len(rows))
+        cap.on_forward_end(torch.tensor([slot for slot, _ in rows]), graph_replay=True, version=0)
+
+    replay([(1, 1), (2, 2), (3, 3)])
+    replay([(4, 4), (5, 5)], skip_route=1)
+    replay([(6, 6)], skip_mark=0)
+    replay([(7, 7), (8, 8)])
+    assert_same(cap.gather(torch.tensor([1, 2, 3]), 3, version=0), drv.expected([1, 2, 3]))
+    assert_same(cap.gather(torch.tensor([7, 8]), 2, version=0), drv.expected([7, 8]))
+    with pytest.raises(ValueError, match=r"route layer\) \[\[0, 1\], \[1, 1\]\]\); a hook did not run"):
+        cap.gather(torch.tensor([4, 5]), 2)
+    with pytest.raises(ValueError, match=r"hook did not run \(first \(position, marker\) \[\[0, 0\]\]"):
+        cap.gather(torch.tensor([6]), 1)
+    staged = cap.row.view(cap.staging, "routes", "routes", torch.int32)
+    assert bool((staged == -1).all()) and bool((cap.row.view(cap.staging, "meta", "marks") == 0xFF).all())
+
+
 class TestHostRing:
     """The bounded host ring of the finish path: fixed size, first in first out, backpressure when full."""
 

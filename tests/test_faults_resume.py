@@ -120,7 +120,7 @@ def test_resume_with_changed_numerics_is_refused_unless_forced(model_dir, tmp_pa
     with Controller(cfg) as ctrl:
         ctrl.run()
     changes = {
-        "record_all_layers=False, the config has True": {"record_all_layers": True},
+        "record_all_layers=True, the config has False": {"record_all_layers": False},
         "measure_all_sites=False, the config has True": {"measure_all_sites": True},
         "max_new_tokens=2, the config has 3": {"max_new_tokens": 3},
         "lr=0.0003, the config has 0.001": {"lr": 1e-3},

@@ -223,9 +223,10 @@ def check_row_scaled_fc2(dtype: torch.dtype, scale_dtype: torch.dtype, device: s
     assert not dx[3].any() and dscale[3] != 0  # a zero weight stops the input gradient, not its own
 
 
-def moe_saved_bytes(model: torch.nn.Module, mode: str, mb, source) -> int:
+def moe_saved_bytes(model: torch.nn.Module, mode: str, mb, source, *, in_place: bool = False) -> int:
     """Bytes of the tensors the autograd graph keeps from inside the MoE layers for one micro-batch: activations and
-    the step's fake-quantized expert weights; parameters excluded."""
+    the step's fake-quantized expert weights; parameters excluded (`in_place`: the weights are fake-quantized in
+    the parameters, `TraceConfig.expert_weights_in_place`)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
     inside = [False]
@@ -243,7 +244,9 @@ def moe_saved_bytes(model: torch.nn.Module, mode: str, mb, source) -> int:
     for layer in model.decoder.layers:
         hooks.append(layer.mlp.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)))
         hooks.append(layer.mlp.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
-    session = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES))
+    session = TraceSession(model, TraceConfig(mode=mode, spec=ALL_SITES, expert_weights_in_place=in_place))
+    if in_place:
+        session.quantize_weights_in_place()
     session.begin_microbatch(mb.rows, source)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(mb.input_ids, mb.position_ids, mb.attention_mask).square().mean()

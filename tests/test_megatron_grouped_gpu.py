@@ -1,6 +1,7 @@
 """TRACE grouped experts and the sync-free sites on CUDA (`pytest -m gpu`): grouped_mm + Triton fake-quant against
-SequentialMLP in BF16 (outputs bit for bit), the row-scaled FC2 against its twin, and the sites captured in a CUDA
-graph (any host sync would abort the capture)."""
+SequentialMLP in BF16 (outputs bit for bit), the expert weights fake-quantized in place against the per-step copy,
+the row-scaled FC2 against its twin, and the sites captured in a CUDA graph (any host sync would abort the
+capture)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.sites import SiteNumerics, expert_weight_fake_quant
 from megatron_trace.source import SiteRows
 from tests.test_megatron_grouped import check_grouped_matches_sequential, check_row_scaled_fc2
+from tests.test_megatron_grouped_in_place import check_fake_quant_into_own_storage, check_in_place_matches_copy
 from trace_core.quant import quantize
 from trace_core.records import Record, RecordSpec
 
@@ -20,6 +22,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("megatron_rank")]
 @pytest.mark.parametrize("mode", ["bf16", "qat", "trace"])
 def test_grouped_experts_match_sequential_mlp_on_cuda(mode):
     check_grouped_matches_sequential(mode, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["qat", "trace"])
+def test_in_place_expert_weights_match_the_weight_copy_on_cuda(mode):
+    check_in_place_matches_copy(mode)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4"])
+def test_expert_weight_fake_quant_into_its_own_storage_on_cuda(recipe):
+    """The Triton kernel writing over the weights it reads (`out=w`)."""
+    check_fake_quant_into_own_storage(recipe, "cuda")
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])

@@ -57,9 +57,9 @@ def test_record_spec_layout_follows_the_recipe():
     nv = RecordSpec.default(layers, layers, recipe="nvfp4-w4a4-kv4")
     assert (nv.moe_format, nv.kv_format, nv.per_token_scale, nv.sites()) == ("nvfp4", "kv_fp4", True, today.sites())
     mx = RecordSpec.default(layers, layers, recipe="mxfp4-w4a4-kv4")
-    assert (mx.moe_format, mx.kv_format, mx.moe_layers, mx.attn_layers) == ("mxfp4", "kv_fp4", (2, 3), (2, 3))
+    assert (mx.moe_format, mx.kv_format, mx.moe_layers, mx.attn_layers) == ("mxfp4", "kv_fp4", layers, layers)
     w4a8 = RecordSpec.default(layers, layers, recipe="mxfp4-w4a8-kv4")  # FP8 MoE input: nothing to record there
-    assert (w4a8.moe_format, w4a8.moe_layers, w4a8.sites()) == (None, (), [(2, "k"), (2, "v"), (3, "k"), (3, "v")])
+    assert (w4a8.moe_format, w4a8.moe_layers, w4a8.sites()) == (None, (), [(i, kv) for i in layers for kv in "kv"])
     with pytest.raises(ValueError, match=r"RecordSpec.moe_format='nvfp4' disagrees with recipe 'mxfp4-w4a4-kv4'"):
         RecordSpec(moe_layers=(1,), moe_format="nvfp4", recipe="mxfp4-w4a4-kv4")
     with pytest.raises(ValueError, match="'mxfp4-w4a8-kv4' does not record moe_in"):

@@ -59,12 +59,16 @@ def test_record_validates_its_parts():
         Record(KV_FP4, 1, 24, rec.low_bits, rec.scales, None)
 
 
-def test_default_spec_is_b1_on_the_latter_half():
-    spec = RecordSpec.default(moe_layers=tuple(range(40)), attn_layers=(3, 7, 11, 15, 19, 23, 27, 31, 35, 39))
-    assert spec.bits == 1
-    assert spec.moe_layers == tuple(range(20, 40))
-    assert spec.attn_layers == (23, 27, 31, 35, 39)
-    assert spec.sites()[:2] == [(20, "moe_in"), (21, "moe_in")] and spec.sites()[-1] == (39, "v")
+def test_default_spec_is_b1_at_every_layer_and_the_papers_is_the_latter_half():
+    moe, attn = tuple(range(40)), (3, 7, 11, 15, 19, 23, 27, 31, 35, 39)
+    spec = RecordSpec.default(moe_layers=moe, attn_layers=attn)
+    assert (spec.bits, spec.moe_layers, spec.attn_layers) == (1, moe, attn)
+    assert spec.sites()[:2] == [(0, "moe_in"), (1, "moe_in")] and spec.sites()[-1] == (39, "v")
+    paper = RecordSpec.latter_half(moe_layers=moe, attn_layers=attn)
+    assert paper.bits == 1
+    assert paper.moe_layers == tuple(range(20, 40))
+    assert paper.attn_layers == (23, 27, 31, 35, 39)
+    assert paper.sites()[:2] == [(20, "moe_in"), (21, "moe_in")] and paper.sites()[-1] == (39, "v")
     with pytest.raises(ValueError, match="distinct non-negative"):
         RecordSpec(moe_layers=(1, 1))
     with pytest.raises(ValueError, match="unknown FP4 format"):

@@ -109,7 +109,7 @@ def test_measured_runs_report_code_flips_at_every_site(raw):
 
 
 def test_trace_run_never_falls_back_to_rtn_on_real_tokens(raw):
-    for name in ("trace", "trace_full"):
+    for name in ("trace", "trace_full", "trace_all"):
         assert _col(_rows(raw / f"rl_{name}.csv"), "trace/rtn_fallback_real_tokens") == [0.0] * STEPS, name
 
 

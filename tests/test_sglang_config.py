@@ -117,7 +117,9 @@ def test_model_spec_latter_half_and_explicit_layers():
     layout = model_layout(qwen3_moe(layers=8, mlp_only_layers=[0]))
     assert layout.moe_layers == (1, 2, 3, 4, 5, 6, 7) and layout.attn_layers == tuple(range(8))
     assert (layout.hidden, layout.num_kv_heads, layout.head_dim, layout.topk) == (64, 2, 32, 2)
-    spec = model_spec(check_server_args(make()), layout)
+    spec = model_spec(check_server_args(make()), layout)  # the default: every layer (RecordSpec.default's policy)
+    assert spec.bits == 1 and spec.moe_layers == layout.moe_layers and spec.attn_layers == layout.attn_layers
+    spec = model_spec(check_server_args(make(trace_layers="latter-half")), layout)
     assert spec.bits == 1 and spec.moe_layers == (4, 5, 6, 7) and spec.attn_layers == (4, 5, 6, 7)
     spec = model_spec(check_server_args(make(trace_layers="0,6-7", trace_record_bits=4)), layout)
     assert spec.bits == 4 and spec.moe_layers == (6, 7) and spec.attn_layers == (0, 6, 7)
@@ -133,7 +135,7 @@ def test_unsupported_model_is_refused_and_hybrid_records_full_attention_kv():
     hybrid = Qwen3NextConfig(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3NextForCausalLM"])
     layout = model_layout(hybrid)
     assert layout.attn_layers == (3, 7) and layout.moe_layers == tuple(range(8))
-    spec = model_spec(check_server_args(make()), layout)
+    spec = model_spec(check_server_args(make(trace_layers="latter-half")), layout)
     assert spec.attn_layers == (7,) and spec.moe_layers == (4, 5, 6, 7)
     with pytest.raises(ValueError, match=r"layers \[9\]"):
         model_spec(check_server_args(make(trace_layers="7,9")), layout)

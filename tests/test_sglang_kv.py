@@ -272,3 +272,34 @@ def test_a_result_batch_moves_in_one_transfer_and_one_gather_over_a_real_tp_grou
                 assert torch.equal(rec.scales[row, : len(idx)], ref.scales), (layer, kind)
             routes = torch.arange(12, dtype=torch.int32).view(6, 2)[idx] + layer
             assert torch.equal(got.routes[row, : len(idx), layer], routes)
+
+
+@pytest.fixture(scope="module")
+def kv_gather_interpreted():
+    """`tests.kv_gather_interpret` (KVGather's kernel vs its twin on a real FP4 pool), run once under the
+    Triton interpreter."""
+    pytest.importorskip("triton")
+    from tests.interpret import interpret
+
+    return interpret("tests.kv_gather_interpret")
+
+
+@pytest.mark.parametrize("case", ["heads4-kv-37rows", "heads1-k-16rows", "heads3-v-5rows", "empty"])
+def test_the_one_launch_kv_gather_equals_its_twin_under_the_interpreter(kv_gather_interpreted, case):
+    kv_gather_interpreted.check(case)
+
+
+@pytest.mark.gpu
+def test_the_one_launch_kv_gather_equals_its_twin_on_the_gpu():
+    from sglang_trace.kv import gather_kv_raw
+    from sglang_trace.kv_gather import KVGather
+
+    pool = memory_pool.MHATokenToKVPoolFP4(size=4096, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=4,
+                                           head_dim=128, layer_num=6, device="cuda", enable_memory_saver=False,
+                                           enable_alt_stream=False)  # fmt: skip
+    for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):
+        buf.random_(0, 256)
+    slots = torch.randint(0, 4097, (3000,), device="cuda")
+    gather = KVGather(pool, (1, 2, 5), ("k", "v"))
+    assert gather.kernel
+    assert torch.equal(gather(slots), gather_kv_raw(pool, slots, (1, 2, 5), ("k", "v")))

@@ -123,18 +123,21 @@ class Rollout:
                     w = (torch.randn(*shape, generator=self.gen) * 0.05).to(torch.bfloat16)
                     layer.weight_loader(getattr(layer, name), w, name, sid, e)
 
-    def forward(self, slots: list[int], mode: ForwardMode, *, graph_replay: bool = False, skip_moe=()) -> None:
+    def forward(
+        self, slots: list[int], mode: ForwardMode, *, graph_replay: bool = False, skip_moe=(), skip_routes=()
+    ) -> None:
         """One model forward over rows `slots`: each MoE layer routes and runs its experts, each attention layer
         writes K/V; then the forward ends, as in ModelRunner.forward. `graph_replay`: report the forward as a CUDA
         graph replay (no eager staging check); `skip_moe`: MoE layers whose FusedMoE does not run (a replay whose
-        captured graph lacks the TRACE hooks)."""
+        captured graph lacks the TRACE hooks); `skip_routes`: MoE layers whose route capture does not run."""
         t = len(slots)
         loc = torch.tensor(slots, dtype=torch.int64)
         rows = [dict() for _ in range(t)]
         for layer in range(LAYERS):
             x = torch.randn(t, H, generator=self.gen).to(torch.bfloat16) * (layer + 1)
             ids = torch.stack([torch.randperm(EXPERTS, generator=self.gen)[:TOPK] for _ in range(t)]).to(torch.int32)
-            get_global_experts_capturer().capture(layer_id=layer, topk_ids=ids)
+            if layer not in skip_routes:
+                get_global_experts_capturer().capture(layer_id=layer, topk_ids=ids)
             topk = StandardTopKOutput(torch.rand(t, TOPK, generator=self.gen), ids, None)
             if layer not in skip_moe:
                 self.moe[layer].forward_impl(x, topk)
@@ -221,7 +224,6 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     slots_a, slots_b = prompt + [20, 21], prompt + [30, 31]
     req_a = rollout.finish("traj-A", 0, slots_a)
     req_b = rollout.finish("traj-B", 1, slots_b)
-    digest = token_digest([*slots_a, 0])
     assert req_a.trace_handle == {
         "store": rollout.args.trace_store,
         "step": 0,
@@ -229,13 +231,13 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
         "attempt": "",
         "policy_version": 0,
         "tokens": 6,
-        "token_digest": digest,
-    }
+    }  # the token digest is computed on the writer thread: the stored shard's binding carries it
     # R3's meta_info format is kept: [seqlen - 1, num_hidden_layers, topk] int32
     assert req_b.routed_experts.shape == (6, LAYERS, TOPK) and req_b.routed_experts.dtype == torch.int32
     assert torch.equal(req_b.routed_experts[4, 1], rollout.seen[30][("routes", 1)])
     check_store(rollout, 0, "traj-A", slots_a)
     check_store(rollout, 0, "traj-B", slots_b)
+    digest = token_digest([*slots_a, 0])  # the rollout's token ids: the test uses slot numbers as ids
     assert RecordReader(rollout.args.trace_store, 0).binding("traj-A") == Binding(0, 0, "traj-A", "", digest)
     assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
 
@@ -321,6 +323,18 @@ def test_a_graph_replay_in_which_a_hook_did_not_run_is_refused_not_stored(rollou
     ok, stale = rollout.finish("ok", 0, [1, 2]), rollout.finish("stale", 1, [3, 4])
     assert "error" not in ok.trace_handle and "a hook did not run" in stale.trace_handle["error"]
     check_store(rollout, 0, "ok", [1, 2])
+    assert rollout.capturer.stats.failed == ["stale"]
+
+
+def test_a_graph_replay_in_which_a_route_capture_did_not_run_is_refused_not_stored(rollout):
+    """The route capture has no marker of its own: the staged routes are reset to -1 after every forward, so a
+    replay whose top-k hook did not run for one layer leaves -1 routes, even where the previous (larger) forward
+    staged valid ids in the same staging rows."""
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND, graph_replay=True)
+    rollout.forward([4, 5], ForwardMode.EXTEND, graph_replay=True, skip_routes=(1,))
+    ok, stale = rollout.finish("ok", 0, [1, 2, 3]), rollout.finish("stale", 1, [4, 5])
+    assert "error" not in ok.trace_handle and "route capture of a layer did not run" in stale.trace_handle["error"]
+    check_store(rollout, 0, "ok", [1, 2, 3])
     assert rollout.capturer.stats.failed == ["stale"]
 
 

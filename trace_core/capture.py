@@ -29,6 +29,7 @@ from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits, pa
 from trace_core.store import Site, SiteLayout, TrajectoryRecords, site_layout
 
 ALIGN = 4  # fp32 / int32 fields are read through dtype views of the byte rows
+MARK_SET, SENTINEL = 1, 0xFF  # a hook marker's byte once its hook ran / every sentinel byte after a reset
 
 
 @dataclass
@@ -56,7 +57,9 @@ class SiteBuffers:
 @dataclass(frozen=True)
 class RowLayout:
     """Byte offsets of every field inside a token row; fp32/int32 fields first, so all of them are aligned. Every
-    row carries a `written` byte (1 in staging, so a stored row is marked written; `release` clears it)."""
+    row carries a `written` byte (1 in staging, so a stored row is marked written; `release` clears it). The routes
+    (last wide field) and the hook markers (first narrow field) are adjacent: `sentinels` is their byte range, which
+    one fill resets after every forward (`RecordCapturer.on_forward_end`)."""
 
     fields: dict[tuple[str, str], tuple[int, int]]  # (owner, field) -> (offset, bytes)
     row_bytes: int
@@ -66,24 +69,35 @@ class RowLayout:
         cls, sites: dict[Site, SiteLayout], routes: tuple[int, int] | None, marks: int = 0, version: bool = False
     ) -> RowLayout:
         wide: list[tuple[tuple[str, str], int]] = []
-        narrow: list[tuple[tuple[str, str], int]] = [(("meta", "written"), 1)]
-        if routes is not None:
-            wide.append((("routes", "routes"), 4 * routes[0] * routes[1]))
+        narrow: list[tuple[tuple[str, str], int]] = []
         if version:
             wide.append((("meta", "version"), 4))
         if marks:
             narrow.append((("meta", "marks"), marks))
+        narrow.append((("meta", "written"), 1))
         for (layer, kind), (fmt_name, bits, n) in sites.items():
             fmt, owner = get_format(fmt_name), f"{layer}.{kind}"
             if fmt.has_global_scale:
                 wide.append(((owner, "global_scale"), 4))
             narrow.append(((owner, "low_bits"), packed_len(n, bits)))
             narrow.append(((owner, "scales"), n // fmt.block))
+        if routes is not None:
+            wide.append((("routes", "routes"), 4 * routes[0] * routes[1]))
         fields, offset = {}, 0
         for key, size in wide + narrow:
             fields[key] = (offset, size)
             offset += size
         return cls(fields=fields, row_bytes=-(-offset // ALIGN) * ALIGN)
+
+    @property
+    def sentinels(self) -> slice:
+        """Byte range of the routes and the hook markers (empty when the row has neither)."""
+        owners = [key for key in (("routes", "routes"), ("meta", "marks")) if key in self.fields]
+        if not owners:
+            return slice(0, 0)
+        start = self.fields[owners[0]][0]
+        end = sum(self.fields[owners[-1]])
+        return slice(start, end)
 
     def view(self, rows: torch.Tensor, owner: str, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         offset, size = self.fields[(owner, name)]
@@ -125,8 +139,10 @@ class RecordCapturer:
         routes: `(route_layers, topk)` to capture R3 routes, layer ids 0..route_layers-1; None to skip.
         device: where staging and the store live (the forward's device).
         marks: hook markers per row (`mark`): every forward must set all of them on its rows, inside a CUDA graph
-            too; `on_forward_end` clears them after storing the rows, so a replay in which a hook did not run
-            leaves its marker at 0 and every gather through those rows fails (a stale row is never stored).
+            too. After storing a forward's rows `on_forward_end` resets the markers and the staged routes (to -1,
+            never a valid expert id) in one fill, so a replay in which a hook, or a layer's route capture, did not
+            run leaves an unset marker or a -1 route, and every gather through those rows fails (a stale row is
+            never stored). The route capture needs no marker of its own.
         versioned: keep the weight version of the forward that wrote each row (`on_forward_end(version=...)`);
             `gather(version=v)` refuses rows written under another version.
     """
@@ -153,8 +169,10 @@ class RecordCapturer:
         self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=device)
         self.device = self.staging.device  # resolved: "cuda" becomes "cuda:<current>", as the forward's tensors are
         self.row.view(self.staging, "meta", "written").fill_(1)
+        self.staging[:, self.row.sentinels].fill_(SENTINEL)
         self.store = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8, device=self.device)
         self.stats = CaptureStats()
+        self._version: int | None = None  # the weight version the staging rows carry
         self._staged: dict[Site | int, int] = {}  # site or route layer -> rows staged in this forward
 
     @property
@@ -241,7 +259,7 @@ class RecordCapturer:
         fill of a fixed view), so a replay sets it exactly when the captured hook runs."""
         if not 0 <= index < self.marks or not 0 <= rows <= self.max_tokens:
             raise ValueError(f"marker {index} of {self.marks} on {rows} rows (max_tokens {self.max_tokens})")
-        self.row.view(self.staging, "meta", "marks")[:rows, index].fill_(1)
+        self.row.view(self.staging, "meta", "marks")[:rows, index].fill_(MARK_SET)
 
     def on_forward_end(
         self,
@@ -252,12 +270,14 @@ class RecordCapturer:
         version: int | None = None,
     ) -> int:
         """Store staging rows [row_start, row_start + T) at KV slots `out_cache_loc` `[T]` (one `index_copy_` on the
-        current stream); returns the forward id (0, 1, ...).
+        current stream), then reset the routes and hook markers of every staging row (one fill); returns the
+        forward id (0, 1, ...).
 
         In eager mode every captured site and route layer must have staged at least row_start + T rows since the
         last call (a hook that did not fire would otherwise store stale rows); pass `graph_replay=True` after
         replaying a CUDA graph, whose staging writes run without Python (the markers catch a hook missing there).
-        `version`: the weight version the forward ran with (required when built `versioned`). CPU slots are
+        `version`: the weight version the forward ran with (required when built `versioned`; written into the
+        staging rows only when it changes, so a forward costs two launches: the copy and the reset). CPU slots are
         range-checked here; on CUDA an out-of-range slot fails `index_copy_`'s device-side bounds check.
         """
         if self.versioned != (version is not None):
@@ -283,11 +303,11 @@ class RecordCapturer:
         if self.device.type == "cpu":
             self._check_range(slots)
         span = slice(row_start, row_start + rows)
-        if version is not None:
-            self.row.view(self.staging, "meta", "version", torch.int32)[span].fill_(version)
+        if version is not None and version != self._version:
+            self.row.view(self.staging, "meta", "version", torch.int32).fill_(version)
+            self._version = version
         self.store.index_copy_(0, slots, self.staging[span])
-        if self.marks:  # after the rows were stored, on the same stream
-            self.row.view(self.staging, "meta", "marks").zero_()
+        self.staging[:, self.row.sentinels].fill_(SENTINEL)  # after the rows were stored, on the same stream
         self.stats.forwards += 1
         self.stats.rows += rows
         self.stats.bytes += rows * self.row.row_bytes
@@ -329,7 +349,7 @@ class RecordCapturer:
 
     def read(self, rows: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
         """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows`; raises
-        ValueError for unwritten rows, unset hook markers or another weight version (see `gather`)."""
+        ValueError for unwritten rows, unset hook markers, unset routes or another weight version (see `gather`)."""
         if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != self.row.row_bytes:
             raise ValueError(f"rows must be uint8 [length, {self.row.row_bytes}], got {rows.dtype} {tuple(rows.shape)}")
         length = rows.shape[0]
@@ -340,11 +360,21 @@ class RecordCapturer:
                 f"{unwritten[:8].tolist()})"
             )
         if self.marks:
-            missing = (self.row.view(rows, "meta", "marks") == 0).nonzero()
+            missing = (self.row.view(rows, "meta", "marks") != MARK_SET).nonzero()
             if missing.numel():
                 raise ValueError(
                     f"{missing[:, 0].unique().numel()} of {length} positions were written by a forward in which a "
                     f"hook did not run (first (position, marker) {missing[:4].tolist()}); records refused"
+                )
+        routes = None
+        if self.routes_shape is not None:
+            routes = self.row.view(rows, "routes", "routes", torch.int32).view(length, *self.routes_shape)
+            unrouted = (routes < 0).any(dim=2).nonzero()
+            if unrouted.numel():
+                raise ValueError(
+                    f"{unrouted[:, 0].unique().numel()} of {length} positions were written by a forward in which "
+                    f"the route capture of a layer did not run (first (position, route layer) "
+                    f"{unrouted[:4].tolist()}); a hook did not run, records refused"
                 )
         if version is not None:
             if not self.versioned:
@@ -359,7 +389,4 @@ class RecordCapturer:
         for site, (fmt_name, bits, n) in self.layouts.items():
             buf = self._buffers(rows, site)
             records[site] = Record(get_format(fmt_name), bits, n, buf.low_bits, buf.scales, buf.global_scale)
-        routes = None
-        if self.routes_shape is not None:
-            routes = self.row.view(rows, "routes", "routes", torch.int32).view(length, *self.routes_shape)
         return TrajectoryRecords(num_tokens=length, records=records, routes=routes)

@@ -66,17 +66,26 @@ def weight_rtn(role: Role, w: torch.Tensor, amax: torch.Tensor | None = None) ->
     return fake_quant(role, w.detach())
 
 
-def expert_weights_rtn(role: Role, w: torch.Tensor) -> torch.Tensor:
-    """RTN values of all expert matrices `w [E, out, in]` under the weights role, each matrix its own per-tensor
-    scale (FC1: gate and up are one matrix), all experts in one kernel launch. No autograd."""
+def expert_weights_rtn(role: Role, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RTN values of all expert matrices `w [E, out, in]` (contiguous) under the weights role, each matrix its own
+    per-tensor scale (FC1: gate and up are one matrix), all experts in one kernel launch. No autograd. `out`
+    receives them (it may be `w` itself: each element is written only from its own block) and is returned."""
     w = w.detach()
     e, n, k = w.shape
+    if out is not None and (out.shape != w.shape or out.dtype != w.dtype or not out.is_contiguous()):
+        raise ValueError(
+            f"out must be a contiguous {w.dtype} {tuple(w.shape)} tensor, got {out.dtype} {tuple(out.shape)}"
+        )
     if role.scale is not Scale.PER_TENSOR:
-        return fake_quant(role, w.reshape(e * n, k)).view(e, n, k)
+        y = fake_quant(role, w.reshape(e * n, k)).view(e, n, k)
+        return y if out is None else out.copy_(y)
     fmt = _per_tensor_format(role)
-    s_enc = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))  # the per-matrix scale goes in as a per-row scale
-    rows = s_enc.repeat_interleave(n).unsqueeze(1)
-    return kernels.rtn_fake_quant(w.reshape(e * n, k), fmt, global_scale=rows).view(e, n, k)
+    amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=(1, 2))  # max |w| per matrix, without a |w| copy
+    rows = nvfp4_global_scale(amax).repeat_interleave(n).unsqueeze(1)  # the matrix scale as a per-row scale
+    if out is None:
+        return kernels.rtn_fake_quant(w.reshape(e * n, k), fmt, global_scale=rows).view(e, n, k)
+    kernels.quantize_record(w.reshape(e * n, k), fmt, 0, global_scale=rows, out=out.detach().view(e * n, k))
+    return out
 
 
 def rollout_rtn(role: Role, x: torch.Tensor, bits: int, record=None) -> torch.Tensor:

@@ -36,7 +36,7 @@ FIELD_HELP = {
     "temperature": "sampling temperature",
     "lr": "AdamW learning rate",
     "record_bits": "guidance spec: low code bits recorded per element (1..4)",
-    "record_all_layers": "record every layer (default: the latter half)",
+    "record_all_layers": "record every layer (the default; false: the latter half)",
     "measure_all_sites": "the rollout records 4 bits at every layer, for whole-code flip rates (analyses)",
     "max_version_diff": "oldest policy version a trained batch may come from, behind the trainer",
     "async_lag": "rollout batches generated ahead of the trainer",

@@ -35,7 +35,8 @@ class RLConfig:
     async_lag: rollout batches generated ahead of the trainer (0 = synchronous); each trained batch is at most
     `max_version_diff` policy versions old, enforced by the trainer. With async_lag > 0 the train / rollout
     log-prob metrics include the policy change since the rollout, not only the engine mismatch.
-    record_bits / record_all_layers: the guidance spec (b code bits on the latter half of the layers, or all).
+    record_bits / record_all_layers: the guidance spec: b code bits at every layer (the default, docs/results.md), or
+    on the latter half of the layers (false: the paper's default, half the record bytes).
     measure_all_sites: the rollout records all 4 code bits at every layer, so per-site code-flip rates compare
     whole codes everywhere (the analyses of docs/results.md); the trainer still guides with the spec above.
     rollout_backend: embedded (`EmbeddedEngine` workers, in-process or Ray actors) or sglang (running patched SGLang
@@ -67,7 +68,7 @@ class RLConfig:
     temperature: float = 1.0
     lr: float = 3e-4
     record_bits: int = 1
-    record_all_layers: bool = False
+    record_all_layers: bool = True
     measure_all_sites: bool = False
     max_version_diff: int = 3
     async_lag: int = 0

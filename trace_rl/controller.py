@@ -83,9 +83,8 @@ class RolloutBatch:
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
     """The trainer's guidance spec."""
     ids = tuple(range(layers))
-    if cfg.record_all_layers:
-        return RecordSpec.of_recipe(cfg.recipe, ids, ids, cfg.record_bits)
-    return RecordSpec.default(ids, ids, bits=cfg.record_bits, recipe=cfg.recipe)
+    make = RecordSpec.default if cfg.record_all_layers else RecordSpec.latter_half
+    return make(ids, ids, bits=cfg.record_bits, recipe=cfg.recipe)
 
 
 def capture_spec(layers: int, cfg: RLConfig) -> RecordSpec:

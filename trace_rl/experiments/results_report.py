@@ -29,7 +29,7 @@ RUN_LABELS = {
     "qat": "FP4 + QAT",
     "trace": "FP4 + TRACE (b=1, latter half)",
     "trace_full": "FP4 + TRACE (full information)",
-    "trace_all": "FP4 + TRACE (b=1, all layers)",
+    "trace_all": "FP4 + TRACE (b=1, all layers: the default)",
 }
 RUN_NAME = re.compile(r"(?P<run>[a-z_0-9]+?)(?:-(?P<recipe>[a-z0-9]+-[a-z0-9]+-[a-z0-9]+))?(?:-s(?P<seed>\d+))?")
 

@@ -1,0 +1,102 @@
+"""One-launch gather of a result batch's raw K/V bytes out of SGLang's FP4 KV pool (the finish path's K/V work on
+the scheduler thread).
+
+`sglang_trace.kv.gather_kv_raw`, the pure-torch twin, runs two index ops per (layer, K/V) site and one
+concatenation: 193 launches per result batch for Qwen3-30B-A3B's 48 layers, each a few microseconds of scheduler
+CPU time. `KVGather` does the same copy in one Triton launch: a table of the per-layer buffers' device addresses,
+built once (SGLang allocates its KV pool once, at start-up), and a kernel that copies row `slots[i]` of every
+buffer into row i of the output, in `gather_kv_raw`'s column order. It is a byte copy, so bit-identical to the twin
+(`tests/test_sglang_kv.py` runs it under the Triton interpreter; the GPU bench checks it on the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglang_trace.kv import _layer_index, check_fp4_pool, gather_kv_raw
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines without triton use the twin (`KVGather.kernel` is False there)
+    triton = None
+
+ROWS_PER_PROGRAM = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _kv_gather_kernel(ptrs, widths, offsets, slots, out, n_rows, out_stride, BR: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        entry = tl.program_id(1)
+        base = tl.load(ptrs + entry).to(tl.pointer_type(tl.uint8))
+        width = tl.load(widths + entry)
+        col0 = tl.load(offsets + entry)
+        cols = tl.arange(0, BLOCK)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & (cols[None, :] < width)
+        slot = tl.load(slots + rows, mask=row_ok, other=0)
+        values = tl.load(base + slot[:, None] * width + cols[None, :], mask=mask)
+        tl.store(out + rows[:, None].to(tl.int64) * out_stride + col0 + cols[None, :], values, mask=mask)
+
+
+class KVGather:
+    """`gather_kv_raw(pool, slots, layers, kinds)` for a fixed pool and site list, in one kernel launch on CUDA.
+
+    Args:
+        pool: SGLang's FP4 KV pool (`MHATokenToKVPoolFP4`, or a `HybridLinearKVPool` holding one).
+        layers, kinds: the recorded attention layers and K/V kinds (the output's column order).
+        kernel: run the Triton kernel (default: on CUDA); False runs the twin, `gather_kv_raw`.
+    """
+
+    def __init__(self, pool, layers: Sequence[int], kinds: Sequence[str], *, kernel: bool | None = None) -> None:
+        check_fp4_pool(getattr(pool, "full_kv_pool", pool))
+        self.pool, self.layers, self.kinds = pool, tuple(layers), tuple(kinds)
+        buffers = []
+        for layer in self.layers:
+            fp4, local = _layer_index(pool, layer)
+            for kind in self.kinds:
+                buffers.append((fp4.k_buffer if kind == "k" else fp4.v_buffer)[local])
+                buffers.append((fp4.k_scale_buffer if kind == "k" else fp4.v_scale_buffer)[local])
+        for buf in buffers:
+            if buf.dtype != torch.uint8 or not buf.is_contiguous():
+                raise ValueError(f"KV buffers must be contiguous uint8, got {buf.dtype} strides {buf.stride()}")
+        self.device = buffers[0].device
+        self.kernel = self.device.type == "cuda" and triton is not None if kernel is None else kernel
+        if self.kernel and triton is None:
+            raise ValueError("KVGather(kernel=True) needs triton")
+        widths = [buf[0].numel() for buf in buffers]
+        self.width = sum(widths)
+        self._buffers = buffers  # the address table below points into them
+        self._ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
+        self._widths = torch.tensor(widths, dtype=torch.int32, device=self.device)
+        self._offsets = torch.tensor(
+            [sum(widths[:i]) for i in range(len(widths))], dtype=torch.int64, device=self.device
+        )
+        self._block = 1 << max(0, (max(widths) - 1).bit_length())
+
+    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
+        """uint8 `[len(slots), width]`: the raw K/V bytes of every site at `slots` (valid KV slots: rows of SGLang's
+        `req_to_token`), on the pool's device."""
+        if slots.dim() != 1:
+            raise ValueError(f"slots must be 1-D, got shape {tuple(slots.shape)}")
+        if not self.kernel:
+            return gather_kv_raw(self.pool, slots, self.layers, self.kinds)
+        slots = slots.to(device=self.device, dtype=torch.int64)
+        out = torch.empty(slots.shape[0], self.width, dtype=torch.uint8, device=self.device)
+        if slots.shape[0]:
+            grid = (triton.cdiv(slots.shape[0], ROWS_PER_PROGRAM), len(self._buffers))
+            _kv_gather_kernel[grid](
+                self._ptrs,
+                self._widths,
+                self._offsets,
+                slots,
+                out,
+                slots.shape[0],
+                out.stride(0),
+                BR=ROWS_PER_PROGRAM,
+                BLOCK=self._block,
+            )
+        return out

@@ -1,0 +1,39 @@
+"""Run by tests/test_sglang_kv.py with TRITON_INTERPRET=1: `KVGather`'s kernel on a real `MHATokenToKVPoolFP4`
+(CPU tensors) against its pure-torch twin `gather_kv_raw`, byte for byte."""
+
+import torch
+
+from tests.interpret import run_cases
+from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+
+def check(heads: int, layers: tuple[int, ...], kinds: tuple[str, ...], rows: int) -> None:
+    install_sgl_kernel_stand_in()
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
+
+    from sglang_trace.kv import gather_kv_raw
+    from sglang_trace.kv_gather import KVGather
+
+    pool = MHATokenToKVPoolFP4(size=100, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=heads, head_dim=32,
+                               layer_num=4, device="cpu", enable_memory_saver=False,
+                               enable_alt_stream=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(heads * 100 + rows)
+    for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    slots = torch.randint(0, 101, (rows,), generator=gen)
+    got = KVGather(pool, layers, kinds, kernel=True)(slots)
+    want = gather_kv_raw(pool, slots, layers, kinds)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got.shape, want.shape)
+
+
+def cases() -> dict:
+    return {
+        "heads4-kv-37rows": lambda: check(4, (1, 3), ("k", "v"), 37),
+        "heads1-k-16rows": lambda: check(1, (0,), ("k",), 16),
+        "heads3-v-5rows": lambda: check(3, (2, 0, 3), ("v",), 5),  # widths 48 and 6: not powers of two
+        "empty": lambda: check(2, (1,), ("k", "v"), 0),
+    }
+
+
+if __name__ == "__main__":
+    run_cases(cases())
