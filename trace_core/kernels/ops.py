@@ -376,9 +376,11 @@ def redirect_counter(stats: GuidanceStats, device: torch.device) -> torch.Tensor
     """`stats.redirected` as the int64 0-d tensor on `device` that the guided op adds into (made once from its
     current value)."""
     r = stats.redirected
-    if not (isinstance(r, torch.Tensor) and r.device == device and r.dtype == torch.int64 and r.dim() == 0):
-        stats.redirected = torch.zeros((), dtype=torch.int64, device=device) + r
-    return stats.redirected
+    if isinstance(r, torch.Tensor) and r.device == device and r.dtype == torch.int64 and r.dim() == 0:
+        return r
+    counter = torch.zeros((), dtype=torch.int64, device=device) + r
+    stats.redirected = counter
+    return counter
 
 
 def guided_fake_quant(
