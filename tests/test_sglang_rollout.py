@@ -156,6 +156,14 @@ class Rollout:
             forward_batch=batch, can_run_graph=graph_replay, cuda_graph_batch=None
         )
 
+    def scheduler(self) -> SimpleNamespace:
+        """The scheduler fields `maybe_collect_routed_experts` and `stream_output` read."""
+        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool, is_generation=True, get_load=lambda: None)
+        scheduler.stream_output_generation = MethodType(
+            SchedulerOutputProcessorMixin.stream_output_generation, scheduler
+        )
+        return scheduler
+
     def finish(self, rid: str, req_pool_idx: int, slots: list[int]):
         """One request finishes alone in its result batch (see `finish_batch`)."""
         return self.finish_batch([(rid, req_pool_idx, slots)])[0]
@@ -165,10 +173,7 @@ class Rollout:
         collected (req_to_token holds its slots, seqlen = len(slots) + 1: the last sampled token has no KV yet),
         its req_to_token row is freed, and then the batch's outputs are streamed (the patched `stream_output`
         moves the batch's records)."""
-        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool, is_generation=True, get_load=lambda: None)
-        scheduler.stream_output_generation = MethodType(
-            SchedulerOutputProcessorMixin.stream_output_generation, scheduler
-        )
+        scheduler = self.scheduler()
         reqs = []
         for rid, req_pool_idx, slots in requests:
             self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
