@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
@@ -58,13 +58,15 @@ class TraceStats:
 
 @dataclass
 class _Finished:
-    """A finished request waiting for its result batch to close: its KV slots (a view of its `req_to_token` row,
-    valid until the scheduler's next allocation), the store writer of its step, and why it is refused (if known)."""
+    """A finished request waiting for its result batch to close: its binding (the token digest still empty: the
+    writer thread fills it in from `tokens`), its KV slots (a view of its `req_to_token` row, valid until the
+    scheduler's next allocation), the store writer of its step, and why it is refused (if known)."""
 
     binding: Binding | None
     slots: torch.Tensor
     writer: StepWriter | None
     error: str | None = None
+    tokens: list[int] = field(default_factory=list)
 
 
 def record_args(args: TraceArgs, layout: ModelLayout) -> dict:
@@ -242,7 +244,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>`
         (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` the request's
         prompt + output ids: the records are bound to (step, policy version = step, trajectory, attempt, token
-        digest), which the handle repeats.
+        digest, computed on the writer thread: hashing a long request's ids costs about a millisecond), which
+        the handle repeats except for the digest (the stored shard's binding carries it).
 
         No device work or wait here, except R3's answer (`--enable-return-routed-experts`), which is read at once.
         A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
@@ -273,9 +276,8 @@ class TraceCapturer(RoutedExpertsCapturer):
             self._failed(trajectory, attempt, None, error)
             self._pending.append(_Finished(None, slots, None, error))
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
-        binding = Binding(step, step, trajectory, attempt, token_digest(tokens), self.args.recipe.name)
-        handle["token_digest"] = binding.tokens
-        finished = _Finished(binding, slots, self._writer)
+        binding = Binding(step, step, trajectory, attempt, "", self.args.recipe.name)  # digest: writer thread
+        finished = _Finished(binding, slots, self._writer, tokens=tokens)
         self._pending.append(finished)
         if self.return_routes:
             try:
@@ -372,7 +374,7 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def _write(self, f: _Finished, rows: torch.Tensor, raws: list[torch.Tensor]) -> None:
         """One trajectory's shard from its host rows and K/V shards (rank order)."""
-        binding = f.binding
+        binding = replace(f.binding, tokens=token_digest(f.tokens))
         try:
             gathered = self.records.read(rows, version=binding.step)
             kv = {}

@@ -80,7 +80,7 @@ from trace_rl.controller import Controller
 from trace_rl.rundir import checkpoints
 ctrl = Controller(CFG)
 ctrl.train_step(), ctrl.train_step()  # checkpoint 2 is written
-size = checkpoints(ctrl.out)[-1][1].stat().st_size
+size = max(f.stat().st_size for f in (ctrl.out / "checkpoint-00000002.dist").iterdir())  # the trainer's shard
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))  # room for records, not for a checkpoint
 ctrl.train_step(), ctrl.train_step()  # checkpoint 4 does not fit
@@ -113,6 +113,20 @@ def test_disk_full_and_corrupt_checkpoints_fall_back_to_the_previous_one(model_d
         ctrl.run()
     assert (tmp_path / "checkpoint-00000005.pt.corrupt").exists()
     assert metrics(tmp_path) == want
+    # A damaged file of the trainer's distributed checkpoint makes the checkpoint damaged too.
+    shard = next((tmp_path / "checkpoint-00000005.dist").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with Controller(cfg) as ctrl:
+        assert ctrl.step == 4
+        assert f"{shard.name}: hash mismatch" in capsys.readouterr().err
+        ctrl.run()
+    assert metrics(tmp_path) == want
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*.dist")) == [
+        "checkpoint-00000004.dist",
+        "checkpoint-00000005.dist",
+    ]
 
 
 def test_resume_with_changed_numerics_is_refused_unless_forced(model_dir, tmp_path):

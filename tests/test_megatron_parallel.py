@@ -1,5 +1,6 @@
 """Parallel layouts on CPU (gloo, torchrun, two ranks): TP=2 + SP, EP=2 (alltoall dispatcher), PP=2 and DP=2 with
-Megatron's DDP and distributed optimizer, all through `get_forward_backward_func`, against the same step on one rank.
+Megatron's DDP and distributed optimizer, all through `get_forward_backward_func`, against the same step on one rank;
+and TP=2 x EP=2 x PP=2 on four ranks.
 
 The single-rank run writes the full model, the rollout's records and routes, its loss, the parameters after one
 SGD step (lr 1, no clipping: the update is the gradient of the per-token loss over the whole step) and every
@@ -38,6 +39,8 @@ LAYOUTS = {
     "pp2_vpp2": dict(pp=2, vpp=2),
     "dp2_distopt": dict(),
 }
+# Layouts of four ranks: TP x EP x PP composed (EP carved out of TP, two pipeline stages of it).
+LAYOUTS_4 = {"tp2_ep2_pp2": dict(tp=2, ep=2, pp=2)}
 
 
 def _trajectories():
@@ -200,6 +203,13 @@ def test_layout_matches_single_rank(name, reference, tmp_path):
     _check_against_reference(reference, _launch(name, 2, tmp_path), tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS_4))
+def test_four_rank_layout_matches_single_rank(name, reference, tmp_path):
+    (tmp_path / "inputs.pt").symlink_to(reference[0] / "inputs.pt")
+    _check_against_reference(reference, _launch(name, 4, tmp_path), tmp_path)
+
+
 def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, monkeypatch):
     """The same TP = 2 + SP step with the two ranks as Ray actors of one placement group (gloo across them)."""
     ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
@@ -221,4 +231,4 @@ def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, mo
 
 if __name__ == "__main__":
     layout_name, work_dir = sys.argv[1], Path(sys.argv[2])
-    _worker(layout_name, LAYOUTS.get(layout_name, {}), work_dir)
+    _worker(layout_name, (LAYOUTS | LAYOUTS_4).get(layout_name, {}), work_dir)

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatron_trace.parallel import Layout
 from megatron_trace.tiny import TinyMoEConfig
+from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
 from trace_rl.parallel_trainer import check_layout
@@ -109,6 +111,12 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
     assert sorted(weights) == sorted(single_weights)
     for k, w in weights.items():
         torch.testing.assert_close(w.float(), single_weights[k].float(), rtol=2**-8, atol=1e-6, msg=k)
+    # The layout's last checkpoint (a distributed checkpoint of every rank's shards) loads on one rank: the exported
+    # policy is the group's, bit for bit.
+    exported = load_file(export_run(tmp_path, tmp_path / "hf") / "model.safetensors")
+    assert exported.keys() == weights.keys()
+    for k, w in weights.items():
+        assert torch.equal(exported[k], w), k
 
 
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):

@@ -153,7 +153,6 @@ class StandIn:
                 "attempt": attempt,
                 "policy_version": step,
                 "tokens": length,
-                "token_digest": binding.tokens,
             }
             meta = {
                 "id": rid,

@@ -135,7 +135,7 @@ def test_unsupported_model_is_refused_and_hybrid_records_full_attention_kv():
     hybrid = Qwen3NextConfig(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3NextForCausalLM"])
     layout = model_layout(hybrid)
     assert layout.attn_layers == (3, 7) and layout.moe_layers == tuple(range(8))
-    spec = model_spec(check_server_args(make()), layout)
+    spec = model_spec(check_server_args(make(trace_layers="latter-half")), layout)
     assert spec.attn_layers == (7,) and spec.moe_layers == (4, 5, 6, 7)
     with pytest.raises(ValueError, match=r"layers \[9\]"):
         model_spec(check_server_args(make(trace_layers="7,9")), layout)

@@ -156,6 +156,14 @@ class Rollout:
             forward_batch=batch, can_run_graph=graph_replay, cuda_graph_batch=None
         )
 
+    def scheduler(self) -> SimpleNamespace:
+        """The scheduler fields `maybe_collect_routed_experts` and `stream_output` read."""
+        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool, is_generation=True, get_load=lambda: None)
+        scheduler.stream_output_generation = MethodType(
+            SchedulerOutputProcessorMixin.stream_output_generation, scheduler
+        )
+        return scheduler
+
     def finish(self, rid: str, req_pool_idx: int, slots: list[int]):
         """One request finishes alone in its result batch (see `finish_batch`)."""
         return self.finish_batch([(rid, req_pool_idx, slots)])[0]
@@ -165,10 +173,7 @@ class Rollout:
         collected (req_to_token holds its slots, seqlen = len(slots) + 1: the last sampled token has no KV yet),
         its req_to_token row is freed, and then the batch's outputs are streamed (the patched `stream_output`
         moves the batch's records)."""
-        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool, is_generation=True, get_load=lambda: None)
-        scheduler.stream_output_generation = MethodType(
-            SchedulerOutputProcessorMixin.stream_output_generation, scheduler
-        )
+        scheduler = self.scheduler()
         reqs = []
         for rid, req_pool_idx, slots in requests:
             self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
@@ -224,7 +229,6 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     slots_a, slots_b = prompt + [20, 21], prompt + [30, 31]
     req_a = rollout.finish("traj-A", 0, slots_a)
     req_b = rollout.finish("traj-B", 1, slots_b)
-    digest = token_digest([*slots_a, 0])
     assert req_a.trace_handle == {
         "store": rollout.args.trace_store,
         "step": 0,
@@ -232,13 +236,13 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
         "attempt": "",
         "policy_version": 0,
         "tokens": 6,
-        "token_digest": digest,
-    }
+    }  # the token digest is computed on the writer thread: the stored shard's binding carries it
     # R3's meta_info format is kept: [seqlen - 1, num_hidden_layers, topk] int32
     assert req_b.routed_experts.shape == (6, LAYERS, TOPK) and req_b.routed_experts.dtype == torch.int32
     assert torch.equal(req_b.routed_experts[4, 1], rollout.seen[30][("routes", 1)])
     check_store(rollout, 0, "traj-A", slots_a)
     check_store(rollout, 0, "traj-B", slots_b)
+    digest = token_digest([*slots_a, 0])  # the rollout's token ids: the test uses slot numbers as ids
     assert RecordReader(rollout.args.trace_store, 0).binding("traj-A") == Binding(0, 0, "traj-A", "", digest)
     assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
 

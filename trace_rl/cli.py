@@ -132,11 +132,12 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def export_run(run_dir: str | Path, out: str | Path) -> Path:
-    """The policy of `run_dir`'s latest checkpoint as an HF checkpoint directory `out`: BF16 `model.safetensors`
-    (`megatron_trace.export.export_hf` of the trainer state) with the source checkpoint's config, generation config
-    and tokenizer files."""
+    """The policy of `run_dir`'s latest checkpoint (saved at any trainer layout; loaded on one rank) as an HF
+    checkpoint directory `out`: BF16 `model.safetensors` (`megatron_trace.export.export_hf` of the trainer state)
+    with the source checkpoint's config, generation config and tokenizer files."""
     import shutil
 
+    import torch
     from safetensors.torch import save_file
 
     from trace_rl.controller import record_spec
@@ -156,8 +157,9 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         spec=record_spec(policy.dims.layers, cfg),
         lr=cfg.lr,
         max_version_diff=cfg.max_version_diff,
+        dtype=getattr(torch, cfg.trainer_dtype),
     )
-    trainer.load_state_dict(loaded.state["trainer"])
+    trainer.load_sharded(str(loaded.path.parent / loaded.state["sharded"]["dir"]))  # saved at any layout
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(trainer.hf_weights(), out / "model.safetensors")

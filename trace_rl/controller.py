@@ -36,7 +36,15 @@ from trace_rl.engine import Trajectory
 from trace_rl.parallel_trainer import GroupTrainer
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
-from trace_rl.rundir import RunLock, checkpoints, load_latest, save_checkpoint
+from trace_rl.rundir import (
+    RunLock,
+    checkpoints,
+    load_latest,
+    remove_checkpoint,
+    save_checkpoint,
+    seal_sharded,
+    sharded_dir,
+)
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
 from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool
@@ -58,6 +66,7 @@ RESUME_KEYS = (
     "max_new_tokens",
     "temperature",
     "lr",
+    "trainer_dtype",
     "rollout_workers",
     "rollout_backend",
     "async_lag",
@@ -149,7 +158,7 @@ class Controller:
             self._load_checkpoint()
         else:
             for _, path in checkpoints(self.out):  # a fresh start: a later resume must not find the old run's
-                path.unlink()
+                remove_checkpoint(path)
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)
@@ -311,8 +320,8 @@ class Controller:
         return {b.step for b in self.pending} | {s for steps in self.checkpoint_steps for s in steps}
 
     def save_checkpoint(self) -> Path:
-        """Trainer state, pending rollout batches (their records stay in the store) and metrics, fsynced and
-        checksummed (`trace_rl.rundir`; the last two are kept)."""
+        """Trainer state (a distributed checkpoint, `megatron_trace.checkpoint`), pending rollout batches (their
+        records stay in the store) and metrics, fsynced and checksummed (`trace_rl.rundir`; the last two are kept)."""
         pending = [
             {
                 "step": b.step,
@@ -322,11 +331,20 @@ class Controller:
             }
             for b in self.pending
         ]
+        # The trainer's tensors: a distributed checkpoint every rank writes (readable at any layout), sealed first.
+        written = sharded_dir(self.out, self.step, tmp=True)
+        shutil.rmtree(written, ignore_errors=True)
+        try:
+            self.trainer.save_sharded(str(written))
+            sharded = seal_sharded(self.out, self.step)
+        except BaseException:
+            shutil.rmtree(written, ignore_errors=True)
+            raise
         self.checkpoint_steps = [*self.checkpoint_steps[-1:], [b.step for b in self.pending]]
         state = {
             "config": asdict(self.cfg),
             "step": self.step,
-            "trainer": self.trainer.state_dict(),
+            "sharded": sharded,
             "pending": pending,
             "history": self.history,
             "checkpoint_steps": self.checkpoint_steps,
@@ -350,7 +368,7 @@ class Controller:
             )
         if changed:
             print(f"force_resume: resuming {path} with changed settings {changed}", file=sys.stderr)
-        self.trainer.load_state_dict(state["trainer"], lr=self.cfg.lr)
+        self.trainer.load_sharded(str(path.parent / state["sharded"]["dir"]), lr=self.cfg.lr)
         self.step, self.history = state["step"], state["history"]
         self.checkpoint_steps = state["checkpoint_steps"]
         for p in state["pending"]:  # prompts are a function of the step; rewards are scored again

@@ -9,8 +9,8 @@ checked against the activation at the site. The micro-batch runs through Megatro
 (`megatron_trace.parallel.forward_backward`: per-token loss over the step and DP, gradients reduced by Megatron's DDP
 and `finalize_model_grads`), then AdamW on FP32 masters of the rank's shards after clipping by the global gradient
 norm. Megatron's distributed optimizer (`megatron_trace.parallel.make_optimizer`) is not used here: it allocates on
-CUDA by name and its state needs Megatron's distributed checkpointing, which this trainer does not write yet; every
-DP replica keeps the full masters of its shards, as the single-rank trainer does.
+CUDA by name; every DP replica keeps the full masters of its shards, as the single-rank trainer does. Checkpoints
+are Megatron distributed checkpoints (`megatron_trace.checkpoint`): any layout restores any other's.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ class RankTrainer(MegatronTrainer):
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The policy as HF tensors, gathered across the shards (on the first pipeline stage; `{}` elsewhere)."""
         return export_hf(list(self.chunks))
+
+    def layout_name(self) -> str:
+        from megatron.core import parallel_state as ps
+
+        lay = self.layout
+        return f"tp={lay.tp} ep={lay.ep} pp={lay.pp} vpp={lay.vpp} dp={ps.get_data_parallel_world_size()}"
 
     def evaluate(self, *args, **kwargs):
         raise NotImplementedError("evaluate() runs on the single-rank trainer only (tp = ep = pp = dp = 1)")
@@ -221,8 +227,8 @@ class GroupTrainer:
     """The controller's trainer over a layout of `world` ranks: a `RankTrainer` in each actor of a `TrainerGroup`
     (one CPU, and one GPU with `gpus_per_rank`, per rank; all on one node when `world <= gpus_per_node`), with the
     `MegatronTrainer` methods the controller calls. The full initial state goes to every rank through Ray's object
-    store once; each rank copies its shards out of it.
-    Checkpoints are per-rank states and restore at the same layout only."""
+    store once; each rank copies its shards out of it. Checkpoints are Megatron distributed checkpoints, which any
+    layout (or the single-rank trainer) restores."""
 
     def __init__(
         self,
@@ -271,16 +277,15 @@ class GroupTrainer:
     def policy_version(self) -> int:
         return self.group.call("policy_version")[0]
 
-    def state_dict(self) -> dict:
-        return {"layout": repr((self.layout, self.world)), "ranks": self.group.call("state_dict")}
+    def save_sharded(self, path: str) -> None:
+        """Every rank writes its shards of the trainer into the directory `path` (Megatron's distributed
+        checkpointing: loadable at any layout, a single rank included). All ranks must see `path`: one node, or a
+        shared file system."""
+        self.group.call("save_sharded", path)
 
-    def load_state_dict(self, state: dict, lr: float | None = None) -> None:
-        """Restore `state_dict()` of a run at this layout (another layout is refused by name)."""
-        here = repr((self.layout, self.world))
-        if state.get("layout") != here:
-            saved = state.get("layout", "single rank")
-            raise ValueError(f"checkpoint of trainer layout {saved} cannot restore at {here}")
-        self.group.call_each("load_state_dict", [((s,), {"lr": lr}) for s in state["ranks"]])
+    def load_sharded(self, path: str, lr: float | None = None) -> None:
+        """Every rank loads its shards of a checkpoint saved at any layout."""
+        self.group.call("load_sharded", path, lr=lr)
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -9,6 +9,14 @@ Checkpoint files are `checkpoint-<step>.pt`: a preamble (magic, payload length, 
 `KEEP` are kept. `load_latest` verifies them newest first and returns the first intact one; damaged newer ones are
 then renamed to `<name>.corrupt` and reported, so the run resumes from the previous checkpoint (when none is intact,
 it raises and renames nothing).
+
+The trainer's tensors are not in that file: they are a Megatron distributed checkpoint (`megatron_trace.checkpoint`,
+loadable at any parallel layout) in the directory `checkpoint-<step>.dist`, written by every trainer rank into
+`.checkpoint-<step>.dist.tmp`, then fsynced and renamed into place (`seal_sharded`) before the file that names it is
+written. The file holds the SHA-256 of the directory's `integrity.json` (Megatron's SHA-256 of every file in it);
+`read_checkpoint` checks both, so a damaged or missing shard makes the checkpoint damaged like a bad file. A
+directory goes with its file (retention, `remove_checkpoint`); one that no file names (a crash between the two) is
+removed at the next save.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import struct
 from dataclasses import dataclass
@@ -27,13 +36,15 @@ from pathlib import Path
 
 import torch
 
-from trace_core.store import atomic_write
+from trace_core.store import _fsync_dir, atomic_write
 
 MAGIC = b"TRACECKP"
 PREAMBLE = struct.Struct("<8sQ32s")  # magic, payload length, SHA-256 of the payload
 KEEP = 2
 LOCK = ".lock"
 _NAME = re.compile(r"checkpoint-(\d{8})\.pt")
+_SHARDED = re.compile(r"\.?checkpoint-(\d{8})\.dist(\.tmp)?")
+INTEGRITY = "integrity.json"  # Megatron's manifest of a distributed checkpoint
 
 
 class RunLockedError(RuntimeError):
@@ -91,16 +102,66 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def sharded_dir(out: Path, step: int, *, tmp: bool = False) -> Path:
+    """The trainer's distributed checkpoint directory of step `step` (`tmp`: where the ranks write it first)."""
+    return out / (f".checkpoint-{step:08d}.dist.tmp" if tmp else f"checkpoint-{step:08d}.dist")
+
+
+def seal_sharded(out: Path, step: int) -> dict:
+    """Make the written `sharded_dir(tmp=True)` durable (every file and the directory fsynced) and rename it into
+    place; returns what the checkpoint file records of it."""
+    tmp, final = sharded_dir(out, step, tmp=True), sharded_dir(out, step)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # left by a run that crashed before its checkpoint file was written
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(out)
+    return {"dir": final.name, "integrity_sha256": hashlib.sha256((final / INTEGRITY).read_bytes()).hexdigest()}
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file and the trainer directory it names."""
+    path.unlink(missing_ok=True)
+    shutil.rmtree(path.with_name(path.name.removesuffix(".pt") + ".dist"), ignore_errors=True)
+
+
 def save_checkpoint(out: Path, step: int, state: dict) -> Path:
-    """Write `state` as `checkpoint-<step>.pt` (fsync + SHA-256, atomic), then keep only the newest `KEEP`."""
+    """Write `state` as `checkpoint-<step>.pt` (fsync + SHA-256, atomic), then keep only the newest `KEEP` (with
+    their trainer directories; directories no kept file names go too)."""
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getbuffer()
     path = out / f"checkpoint-{step:08d}.pt"
     atomic_write(path, [PREAMBLE.pack(MAGIC, len(payload), hashlib.sha256(payload).digest()), payload])
     for _, old in checkpoints(out)[:-KEEP]:
-        old.unlink()
+        remove_checkpoint(old)
+    kept = {s for s, _ in checkpoints(out)}
+    for d in out.iterdir():
+        m = _SHARDED.fullmatch(d.name)
+        if m and d.is_dir() and (m.group(2) or int(m.group(1)) not in kept):
+            shutil.rmtree(d)
     return path
+
+
+def _check_sharded(path: Path, sharded: dict) -> None:
+    """The trainer directory a checkpoint file names: its manifest's SHA-256, then every file against it."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+
+    d = path.parent / sharded["dir"]
+    try:
+        digest = hashlib.sha256((d / INTEGRITY).read_bytes()).hexdigest()
+    except OSError as e:
+        raise CorruptCheckpointError(f"checkpoint {path}: trainer directory {d} unreadable ({e})") from e
+    if digest != sharded["integrity_sha256"]:
+        raise CorruptCheckpointError(f"checkpoint {path}: {d / INTEGRITY} fails its SHA-256 check")
+    try:
+        verify_integrity_manifest(str(d))
+    except CheckpointingException as e:
+        raise CorruptCheckpointError(f"checkpoint {path}: trainer directory {d} is damaged: {e}") from e
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -117,9 +178,12 @@ def read_checkpoint(path: Path) -> dict:
     if hashlib.sha256(payload).digest() != digest:
         raise CorruptCheckpointError(f"checkpoint {path} fails its SHA-256 check")
     try:
-        return torch.load(io.BytesIO(payload), weights_only=True)
+        state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:
         raise CorruptCheckpointError(f"checkpoint {path} does not load: {e}") from e
+    if "sharded" in state:
+        _check_sharded(path, state["sharded"])
+    return state
 
 
 def load_latest(out: Path) -> Loaded | None:

@@ -46,7 +46,7 @@ from trace_rl.workers import Request, RolloutTimeout
 
 WEIGHTS_DIR = "weights"
 POLL_S = (0.01, 0.5)  # first and longest pause between looks at the store while waiting for records
-HANDLE_KEYS = ("store", "step", "trajectory", "attempt", "policy_version", "tokens", "token_digest")
+HANDLE_KEYS = ("store", "step", "trajectory", "attempt", "policy_version", "tokens")  # token digest: in the shard
 
 
 class SGLangError(RuntimeError):
@@ -209,7 +209,6 @@ class SGLangWorker:
             "attempt": req.attempt,
             "policy_version": self._version,
             "tokens": len(tokens) - 1,
-            "token_digest": token_digest(tokens),
         }
         got = {k: handle.get(k) for k in HANDLE_KEYS}
         if isinstance(got["store"], str):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_trace import checkpoint
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf
@@ -76,6 +77,7 @@ class MegatronTrainer:
             raise ValueError(f"trainer state does not match the model: missing {missing}, unexpected {unexpected}")
         self.cfg = TraceConfig(mode=mode, spec=spec, replay_routes=True)
         self.session = TraceSession(self.model, self.cfg)
+        self.chunks = [self.model]
         self._init_optimizer(list(self.model.parameters()), lr, max_version_diff, clip_grad)
         self.moe_layers = sorted(self.session.moe_layers)
 
@@ -219,27 +221,18 @@ class MegatronTrainer:
     def policy_version(self) -> int:
         return self.version
 
-    def state_dict(self) -> dict:
-        return {
-            "master": [m.detach().clone() for m in self.master],
-            "opt": self.opt.state_dict(),
-            "version": self.version,
-        }
+    def layout_name(self) -> str:
+        return "tp=1 ep=1 pp=1 dp=1"
 
-    def load_state_dict(self, state: dict, lr: float | None = None) -> None:
-        """Restore `state_dict()` (masters, optimizer, version); the BF16 parameters follow the masters. `lr`
-        replaces the saved learning rate (a forced resume with another `lr`)."""
-        if "ranks" in state:
-            raise ValueError(f"checkpoint of trainer layout {state['layout']} cannot restore on a single rank")
-        with torch.no_grad():
-            for p, m, saved in zip(self.params, self.master, state["master"], strict=True):
-                m.copy_(saved)
-                p.copy_(saved)
-        self.opt.load_state_dict(state["opt"])
-        if lr is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = lr
-        self.version = state["version"]
+    def save_sharded(self, path: str) -> None:
+        """Save the trainer (parameters, FP32 masters, AdamW state, policy version) as a Megatron distributed
+        checkpoint in the new directory `path` (`megatron_trace.checkpoint`; any layout can load it). Collective."""
+        checkpoint.save(path, self.chunks, self.params, self.opt, version=self.version, layout=self.layout_name())
+
+    def load_sharded(self, path: str, lr: float | None = None) -> None:
+        """Restore `save_sharded`'s directory, saved at any layout. `lr` replaces the saved learning rate (a forced
+        resume with another `lr`). Collective."""
+        self.version = checkpoint.load(path, self.chunks, self.params, self.opt, lr=lr)["version"]
 
 
 class _TrainerProcess(MegatronTrainer):
