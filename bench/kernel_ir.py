@@ -2,7 +2,8 @@
 
 Per kernel configuration: layout conversions (`convert_layout`) and shared-memory ops (`local_alloc`,
 `local_load`, `local_store`) in the TTGIR, shared memory bytes, PTX instruction count (body lines that are
-instructions), and, when the triton install ships ptxas, registers and spill bytes. The local triton may be newer
+instructions), and, when the triton install ships ptxas (and cuobjdump), registers, spill bytes and the static
+SASS instruction count. The local triton may be newer
 than the GPU's, so the counts are indicative; compare kernel versions with the same triton.
 
 Usage: python bench/kernel_ir.py [--module path/to/triton_fp4.py] [--d 4096] [--rows R --chunk C --warps W]
@@ -60,14 +61,14 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(fmt: str, mode: int, bits: int) -> tuple:
+    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None) -> tuple:
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
-        fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record)
-        use16 = block == 16 and not (bits and fmt_obj.has_global_scale)
+        fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
+        use16 = block == 16 and not (bits and fmt_obj.has_global_scale) if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
-                "REC_UNIT": unit(bits)}  # fmt: skip
+                "REC_UNIT": unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int) -> tuple:
@@ -80,6 +81,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
 
     rows = [
         ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
+        ("quant nvfp4 per-token b=1 block kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True)),
         ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
         ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
         ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
@@ -149,14 +151,22 @@ def ptxas_info(ptx: str) -> dict:
         ptxas = nv.get_ptxas(90).path
     except TypeError:  # older triton: no arch argument
         ptxas = nv.get_ptxas().path
+    cuobjdump = Path(ptxas).with_name("cuobjdump")
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "k.ptx"
         p.write_text(ptx)
         out = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(p), "-o", str(Path(d) / "k.o")], capture_output=True,
                              text=True).stderr  # fmt: skip
+        sass = ""
+        if cuobjdump.exists():
+            dump = subprocess.run([str(cuobjdump), "-sass", str(Path(d) / "k.o")], capture_output=True, text=True)
+            sass = dump.stdout
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
-    return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": int(spill.group(1)) if spill else None}
+    # SASS instructions (static, NOP padding excluded): what the scheduler issues, closer to the profile than PTX
+    n_sass = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line) and " NOP" not in line)
+    return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": int(spill.group(1)) if spill else None,
+            "sass_instr": n_sass or None}  # fmt: skip
 
 
 def main() -> None:
@@ -171,7 +181,7 @@ def main() -> None:
     mod = load_module(args.module)
     print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
     header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",
-              "ptx_bar_sync", "ptx_instr", "n_regs", "n_spills"]  # fmt: skip
+              "ptx_bar_sync", "ptx_instr", "sass_instr", "n_regs", "n_spills"]  # fmt: skip
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, kernel, constexprs in configs(mod, args.d, args.rows, args.chunk, args.warps):
         tile = f"{constexprs['RB']}x{constexprs['C']}/{constexprs['num_warps']}w"

@@ -5,7 +5,8 @@ For T in {1, 64, 4096, 65536} x D in {2048, 4096, 7168} and the nvfp4 (per-token
   the same number of bytes;
 - record emission overhead: quantize-and-record vs quantize-only (no record);
 - guided vs RTN fake-quant, forward + backward (straight-through): eager (Python dispatch and autograd included,
-  CPU-bound at small T) and captured in a CUDA graph (the kernels alone), and forward only (graph);
+  CPU-bound at small T) and captured in a CUDA graph (the kernels alone), and forward only (graph), on the
+  rollout's x moved by 2 % of its row amax (so that guidance redirects some elements: `redirected_fraction`);
 - speed-up over `torch.compile` of the pure-torch reference (the peer), for both ops.
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 
@@ -67,6 +68,13 @@ def reference_guided(x, rec):
     return dequantize(q, x.dtype)
 
 
+def redirected_fraction(x: torch.Tensor, rec: Record) -> float:
+    """Fraction of x's elements that guidance by `rec` moves off their RTN point (one eager call)."""
+    stats = GuidanceStats()
+    guided_fake_quant(x, rec, BITS, stats=stats)
+    return int(stats.redirected) / x.numel()
+
+
 def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
     kwargs = FORMATS[fmt]
     per_token = kwargs.get("per_token", False)
@@ -86,7 +94,11 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
     with_record()
     rec = Record(fmt=quantize(x[:1], fmt, **kwargs).fmt, bits=BITS, n=d, low_bits=low, scales=scales,
                  global_scale=token)  # fmt: skip
-    xg = x.clone().requires_grad_(True)
+    # the trainer's input: the rollout's x moved by 2 % of its row amax, so that guidance redirects some elements
+    xt = (x.float() + 0.02 * x.float().abs().amax(-1, keepdim=True) * torch.randn_like(x, dtype=torch.float32)).to(
+        x.dtype
+    )
+    xg = xt.clone().requires_grad_(True)
     grad = torch.randn_like(x)
     stats = GuidanceStats()
 
@@ -98,13 +110,14 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
 
     t_guided, t_rtn = bench_ms(guided_step), bench_ms(rtn_step)
     t_guided_graph, t_rtn_graph = graph_ms(guided_step), graph_ms(rtn_step)
-    t_guided_fwd = graph_ms(lambda: guided_fake_quant(x, rec, BITS, stats=stats))
-    t_rtn_fwd = graph_ms(lambda: rtn_fake_quant(x, fmt, **kwargs))
+    t_guided_fwd = graph_ms(lambda: guided_fake_quant(xt, rec, BITS, stats=stats))
+    t_rtn_fwd = graph_ms(lambda: rtn_fake_quant(xt, fmt, **kwargs))
     row = {
         "format": fmt,
         "T": t,
         "D": d,
         "quant_record_us": 1e3 * t_rec,
+        "quant_plain_us": 1e3 * t_plain,
         "quant_record_GBps": moved / t_rec / 1e6,
         "copy_GBps": copy_gbps(moved),
         "record_overhead_pct": 100 * (t_rec / t_plain - 1),
@@ -115,21 +128,24 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
         "rtn_fwd_bwd_graph_us": 1e3 * t_rtn_graph,
         "guided_over_rtn_graph": t_guided_graph / t_rtn_graph,
         "guided_over_rtn_fwd": t_guided_fwd / t_rtn_fwd,
+        "redirected_fraction": redirected_fraction(xt, rec),
     }
     row["copy_ratio"] = row["quant_record_GBps"] / row["copy_GBps"]
     if "quant" in compiled and t >= 4096:
         t_peer_q = bench_ms(lambda: compiled["quant"](x, fmt, kwargs))
-        t_peer_g = bench_ms(lambda: compiled["guided"](x, rec))
+        t_peer_g = bench_ms(lambda: compiled["guided"](xt, rec))
         row["speedup_vs_compiled_quant"] = t_peer_q / t_rec
-        row["speedup_vs_compiled_guided"] = t_peer_g / bench_ms(lambda: guided_fake_quant(x, rec, BITS, stats=stats))
+        row["speedup_vs_compiled_guided"] = t_peer_g / bench_ms(lambda: guided_fake_quant(xt, rec, BITS, stats=stats))
     return row
 
 
 def markdown(rows: list[dict]) -> str:
     cols = [
-        ("format", "{}"), ("T", "{}"), ("D", "{}"), ("quant_record_us", "{:.1f}"), ("quant_record_GBps", "{:.0f}"),
+        ("format", "{}"), ("T", "{}"), ("D", "{}"), ("quant_record_us", "{:.1f}"), ("quant_plain_us", "{:.1f}"),
+        ("quant_record_GBps", "{:.0f}"),
         ("copy_GBps", "{:.0f}"), ("copy_ratio", "{:.2f}"), ("record_overhead_pct", "{:+.1f}"),
         ("guided_over_rtn", "{:.2f}"), ("guided_over_rtn_graph", "{:.2f}"), ("guided_over_rtn_fwd", "{:.2f}"),
+        ("redirected_fraction", "{:.3f}"),
         ("speedup_vs_compiled_quant", "{:.1f}"),
         ("speedup_vs_compiled_guided", "{:.1f}"),
     ]  # fmt: skip

@@ -2,7 +2,7 @@
 # Nsight Compute profile of the FP4 Triton kernels on a CUDA GPU (T = 65536, D = 4096, BF16, b = 1).
 # Usage: bash bench/profile_kernels.sh OUT_DIR [PYTHON]
 # Writes OUT_DIR/kernels.ncu-rep, OUT_DIR/details.csv (every metric of the lean section set) and OUT_DIR/summary.txt
-# (per kernel: duration, DRAM throughput, SM / issue activity, occupancy, registers, top stall reasons).
+# (per kernel: duration, DRAM throughput and bytes, SM / issue activity, occupancy, registers, stall reasons).
 # Cases, profiled in this order (report IDs 0..5) after one warm-up launch each (--launch-skip 6): quantize-and-record
 # nvfp4 per-token b=1, kv_fp4 b=1, nvfp4 per-token without record, kv_fp4 without record, RTN fake-quant (nvfp4
 # per-token), guided fake-quant (nvfp4 per-token record, b=1). SECTIONS="--set full" profiles every section.
@@ -46,12 +46,21 @@ for phase in ("warm-up", "profiled"):  # ncu skips the warm-up launches (compila
         torch.cuda.synchronize()
         print(f"{phase} launch {i}: {name}", flush=True)
 PY
-REGEX='regex:_quantize_record_kernel|_guided_kernel'
+REGEX='regex:_quantize_record|_guided'  # the group- and block-per-thread kernels
 # Lean section set (about 1 min); pass SECTIONS="--set full" in the environment for everything.
 SECTIONS=${SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section Occupancy --section WarpStateStats --section InstructionStats --section LaunchStats --section SchedulerStats"}
+# DRAM bytes (any write amplification of the record's small stores shows here) and the stall reasons per issue
+STALLS="long_scoreboard lg_throttle drain mio_throttle wait math_pipe_throttle not_selected short_scoreboard \
+  no_instruction barrier membar dispatch_stall imc_miss branch_resolving misc selected"
+METRICS="dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_read.sum"
+for s in $STALLS; do METRICS="$METRICS,smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio"; done
 # shellcheck disable=SC2086
-if ! ncu --clock-control none -k "$REGEX" --launch-skip 6 --launch-count 6 $SECTIONS -f -o "$OUT/kernels" \
+# SKIP / COUNT (default 6 / 6: every profiled launch) pick a range of the 12 launches, e.g. SKIP=7 COUNT=1: kv_fp4 with
+# the record only
+if ! ncu --clock-control none -k "$REGEX" --launch-skip "${SKIP:-6}" --launch-count "${COUNT:-6}" $SECTIONS \
+     --metrics "$METRICS" -f \
+     -o "$OUT/kernels" \
      env PYTHONPATH=".:${PYTHONPATH:-}" "$PY" "$DRIVER" >"$OUT/ncu.log" 2>&1; then
   if grep -qiE "ERR_NVGPUCTRPERM|permission|not supported|counters" "$OUT/ncu.log"; then
     echo "profile_kernels: ncu could not read GPU performance counters (see $OUT/ncu.log);" \
@@ -79,13 +88,17 @@ rows = defaultdict(dict)
 with open(sys.argv[1]) as f:
     for r in csv.DictReader(f):
         key = (r.get("ID"), r.get("Kernel Name", "")[:40])
-        if r.get("Metric Name") in wanted:
-            rows[key][r["Metric Name"]] = f'{r["Metric Value"]} {r.get("Metric Unit", "")}'.strip()
+        name = r.get("Metric Name", "")
+        if name in wanted or name.startswith(("dram__", "lts__", "smsp__average_warps_issue_stalled")):
+            rows[key][name] = f'{r["Metric Value"]} {r.get("Metric Unit", "")}'.strip()
 for (kid, name), m in rows.items():
     print(f"[{kid}] {name}")
     for k in wanted:
         if k in m:
             print(f"    {k:<36} {m[k]}")
+    for k in sorted(k for k in m if k not in wanted):  # raw counters: bytes, sectors, stalls per issued instr.
+        short = k.replace("smsp__average_warps_issue_stalled_", "stall ").replace("_per_issue_active.ratio", "")
+        print(f"    {short:<36} {m[k]}")
 PY
 grep "^profiled" "$OUT/ncu.log" >>"$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -2,8 +2,9 @@
 
 At T x D (default 65536 x 4096, BF16, b = 1) for nvfp4 (per token) and kv_fp4, graph-timed like bench/kernels.py:
 - the one-block-per-thread kernel (`_quantize_record16_kernel`, what `ops` launches for 16-element blocks) with and
-  without the record, with the record in 2-byte stores (aligned buffer) and in byte stores (buffer at an odd
-  address), and writing only the record (no fake-quantized output);
+  without the record, with the record in 2-byte stores (aligned buffer), in byte stores (buffer at an odd
+  address) and capped at 32 registers, and writing only the record (no fake-quantized output); with one tile of
+  rows per program and with several (`ROW_LOOPS`, one after the other: warps stay resident while stores drain);
 - the generic kernel (`_quantize_record_kernel`, one 8-element group per thread, what `ops` launched for these
   formats before) in the same variants.
 Differences between rows place the time: record stores, store width, layout. `--tiles` adds a sweep of the
@@ -16,6 +17,7 @@ Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--tiles] [--out v
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from functools import partial
@@ -32,11 +34,13 @@ from trace_core.kernels import triton_fp4 as k
 
 TILES = [(1, 4096, 8), (1, 4096, 4), (1, 2048, 4), (1, 2048, 8), (2, 2048, 8), (1, 1024, 4), (4, 1024, 8), (2, 1024, 4)]
 """(rows, columns, warps) of the `--tiles` sweep; the first is ops.LAUNCH["quant"], the default."""
+ROW_LOOPS = (4,)
+"""Row tiles per program (`ROW_LOOP`) timed for the block kernel besides one."""
 
 
-def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None) -> None:
+def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None, maxnreg=None, loop=1) -> None:
     """`ops.triton_quantize_record` with the kernel family, record store width and (optionally) the program tile
-    chosen explicitly."""
+    and a register cap chosen explicitly."""
     f = ops.get_format(fmt)
     t, d = x.shape
     per_token = fmt == "nvfp4"
@@ -45,16 +49,16 @@ def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if per_token else 1
     record = low is not None
-    kernel, extra = (k._quantize_record16_kernel, {"REC_UNIT": unit}) if kernel16 else (k._quantize_record_kernel,
-                                                                                       {"BLOCK": f.block})  # fmt: skip
+    kernel, extra = (k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}) if kernel16 else (
+        k._quantize_record_kernel, {"BLOCK": f.block})  # fmt: skip
     dummy8 = torch.empty(1, dtype=torch.uint8, device=x.device)
     dummy32 = torch.empty(1, dtype=torch.float32, device=x.device)
-    kernel[(triton.cdiv(t, rb), n_chunks // per_prog)](
+    kernel[(triton.cdiv(t, rb * loop), n_chunks // per_prog)](
         x, out if out is not None else x, low if record else dummy8, scales if record else dummy8, dummy32,
         token if token is not None else dummy32, t, d, x.stride(0), out.stride(0) if out is not None else 0,
         low.stride(0) if record else 0, scales.stride(0) if record else 0, 1, per_prog, FMT=f.kernel_id,
         SCALE_MODE=mode, BITS=1 if record else 0, WRITE_OUT=out is not None, RB=rb, C=chunk, ONE_PASS=n_chunks == 1,
-        num_warps=warps, **extra,
+        num_warps=warps, **extra, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -74,16 +78,33 @@ def main() -> None:
         odd = torch.empty(t, low.shape[1] + 1, dtype=torch.uint8, device="cuda")[:, 1:]
         for kernel16 in (True, False):
             cases = {
-                "no record": (out, None, 1),
-                "record (2-byte stores)" if kernel16 else "record": (out, low, 2),
-                "record only, no output": (None, low, 2),
+                "no record": (out, None, 1, None),
+                "record (2-byte stores)" if kernel16 else "record": (out, low, 2, None),
+                "record only, no output": (None, low, 2, None),
             }
             if kernel16:
-                cases["record (byte stores)"] = (out, odd, 1)
-            for label, (o, rec, unit) in cases.items():
-                ms = graph_ms(partial(launch, kernel16, x, fmt, o, rec, scales, token, unit))
-                rows.append({"format": fmt, "kernel": "block per thread" if kernel16 else "group per thread",
-                             "variant": label, "us": 1e3 * ms})  # fmt: skip
+                cases["record (byte stores)"] = (out, odd, 1, None)
+                # the no-record kernel's 32 registers (full occupancy at 8 warps): ptxas spills a few bytes
+                cases["record (2-byte stores), at most 32 registers"] = (out, low, 2, 32)
+            loops = (1, *ROW_LOOPS) if kernel16 else (1,)
+            first = {}
+            for (label, (o, rec, unit, regs)), loop in itertools.product(cases.items(), loops):
+                if loop > 1 and label in ("record (byte stores)", "record (2-byte stores), at most 32 registers"):
+                    continue
+                ms = graph_ms(partial(launch, kernel16, x, fmt, o, rec, scales, token, unit, maxnreg=regs, loop=loop))
+                written = [b.clone() for b in (o, rec, scales) if b is not None]
+                row = {
+                    "format": fmt,
+                    "kernel": "block per thread" if kernel16 else "group per thread",
+                    "variant": label if loop == 1 else f"{label}, {loop} row tiles per program",
+                    "us": 1e3 * ms,
+                }
+                if loop == 1:
+                    first[label] = written
+                else:  # the same kernel math: every byte as with one tile per program
+                    pairs = zip(written, first[label], strict=True)
+                    row["equal_to_one_tile"] = all(torch.equal(a, b) for a, b in pairs)
+                rows.append(row)  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
     if args.tiles:
         low, scales, _ = ops.record_buffers(t, d, "kv_fp4", 1, "cuda")
@@ -101,7 +122,8 @@ def main() -> None:
     print("| format | kernel | variant | tile (rows, columns, warps) | us |\n|---|---|---|---|---|")
     for r in rows:
         tile = tuple(r["tile"]) if "tile" in r else "default"
-        print(f"| {r['format']} | {r['kernel']} | {r['variant']} | {tile} | {r['us']:.1f} |")
+        same = {True: " (same bytes)", False: " (DIFFERENT bytes)"}.get(r.get("equal_to_one_tile"), "")
+        print(f"| {r['format']} | {r['kernel']} | {r['variant']}{same} | {tile} | {r['us']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "T": t, "D": d, "rows": rows}, f, indent=1)

@@ -39,6 +39,7 @@ CASES = [
     (1, 16, 128, [100, 1], [2, 1], 30.0, True),  # 16 heads per program, logit cap, attention sinks
     (1, 32, 64, [40], [4], 0.0, False),  # more query heads per KV head than one program holds
     (1, 2, 64, [6, 9], [8, 8], 0.0, False),  # 2 query heads per KV head, requests shorter than their empty splits
+    (2, 2, 16, [6, 40], [8, 2], 0.0, False),  # head dim 16: the grouped kernel pads its tile to 32 columns
 ]
 
 

@@ -16,13 +16,19 @@ SCALE_MODES = {"nvfp4": ("per_token", "scalar", "row"), "mxfp4": ("none",), "mxf
 
 
 def make_input(t: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
-    """Rows spanning many decades, with a zero block, -0.0, exact boundaries and outliers."""
+    """Rows spanning many decades, with a zero block, -0.0, exact boundaries and outliers, and (row 3) every E2M1
+    tie, on both sides, and its neighbours one step of 8 significant bits away, in blocks whose power-of-two scale
+    is 1 (amax 6), so that they reach the rounding as ties under every format but nvfp4."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(t, d, generator=gen) * torch.logspace(-3, 3, max(t, 1))[:t, None]
     if t > 2 and d >= 32:
         x[0, :16] = 0.0
         x[1, 3] = -0.0
         x[2, :8] = torch.tensor([6.0, 0.25, 0.75, 2.5, 5.0, -1.25, -3.5, 60.0])
+    if t > 3 and d >= 32:
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+        x[3, :16] = torch.cat([torch.tensor([6.0]), ties, -ties, torch.tensor([2.0])])
+        x[3, 16:32] = torch.cat([torch.tensor([-6.0]), ties * (1 - 2**-8), -ties * (1 + 2**-7), torch.tensor([0.5])])
     if dtype == torch.float16:
         x = x.clamp(-6e4, 6e4)
     return x.to(dtype).to(device)
@@ -84,6 +90,7 @@ def check_guided(
     rec = Record.from_quantized(q, record_bits)
     gen = torch.Generator().manual_seed(2)
     noise = torch.randn(t, d, generator=gen).to(device) * rollout.float().abs().amax(-1, keepdim=True) * 0.02
+    noise[3:4] = 0.0  # make_input's row of ties stays on the grid and at its ties
     train = (rollout.float() + noise).to(dtype)
     gs = rec.global_scale.float().contiguous() if rec.global_scale is not None else None
     has = torch.arange(t, device=device) % 3 != 1
@@ -91,9 +98,10 @@ def check_guided(
     odd = torch.zeros(t, rec.low_bits.shape[1] + 1, dtype=torch.uint8, device=device)[:, 1:]
     odd.copy_(rec.low_bits)
     for mask, low in ((None, rec.low_bits), (has, rec.low_bits), (None, odd)):
-        out, redirected = guided_fn(train, fmt.name, bits, record_bits, low, rec.scales, gs, mask)
+        redirected = torch.full((), 5, dtype=torch.int64, device=device)  # the op adds into the counter
+        out = guided_fn(train, fmt.name, bits, record_bits, low, rec.scales, gs, mask, redirected)
         ref_q, ref_redirected = guided_quantize(train, rec, bits)
         if mask is not None:
             ref_redirected &= mask.unsqueeze(-1)
         assert torch.equal(out, dequantize(ref_q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}/{record_bits}: differs"
-        assert int(redirected) == int(ref_redirected.sum()), f"{fmt.name} b={bits}: redirected count differs"
+        assert int(redirected) == 5 + int(ref_redirected.sum()), f"{fmt.name} b={bits}: redirected count differs"

@@ -21,11 +21,12 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 @contextlib.contextmanager
 def small_tiles() -> Iterator[None]:
-    """Several chunks per row (the last one partly masked), and per-token nvfp4 rows wider than one tile (a first
-    pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"]."""
+    """Several chunks per row (the last one partly masked), per-token nvfp4 rows wider than one tile (a first
+    pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"], and two row tiles per
+    quantize program (the second partly past the last row)."""
     saved = {k: dict(v) for k, v in ops.LAUNCH.items()}
     try:
-        ops.LAUNCH["quant"].update(rows=2, chunk=32, row_chunk=32)
+        ops.LAUNCH["quant"].update(rows=2, chunk=32, row_chunk=32, row_loop=2)
         ops.LAUNCH["guided"].update(rows=2, chunk=32)
         yield
     finally:

@@ -8,8 +8,8 @@ same pool within the kernel-vs-twin tolerance of tests/test_fp4_attention.py (on
 a sampling draw near a boundary cannot turn a rounding difference into a different trajectory. Log-probs are
 differences of BF16 logits: with every logit within two of its BF16 steps, a log-prob moves by at most four steps
 of the largest |logit| (`_logprob_atol`), the tolerance used.
-The CUDA case runs the `small` preset (head dim 64; the kernel refuses the tiny model's 16, see
-`trace_core.kernels.fp4_attention.MIN_HEAD_DIM`).
+The CUDA case runs the `small` preset (head dim 64, 3 query heads per KV head); the kernel at the tiny model's
+head dim 16 is checked against SGLang's in tests/test_fp4_attention.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def tiny_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory):
-    """The `small` preset (head dim 64, 3 query heads per KV head): the CUDA kernel refuses the tiny model's 16."""
+    """The `small` preset (head dim 64, 3 query heads per KV head), a model shape like the ones served."""
     out = tmp_path_factory.mktemp("small")
     make_tiny_model(out, steps=4, preset="small", lr=1e-4)  # near its initialization: small logits
     return str(out / HF_DIR)

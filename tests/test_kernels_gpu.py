@@ -27,8 +27,8 @@ def _via_op(x, fmt, bits, gs, per_token, out, low, scales, token):
                     token_scale=token if low is not None else None)  # fmt: skip
 
 
-def _guided_via_op(x, fmt, bits, record_bits, low, scales, gs, has):
-    return ops._guided_op(x, fmt, bits, record_bits, low, scales, gs, has)
+def _guided_via_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected):
+    return ops._guided_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected)
 
 
 @pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
@@ -115,6 +115,22 @@ def test_quantize_record_inside_a_captured_cuda_graph():
         assert torch.equal(token, q.global_scale)
 
 
+def test_guided_counts_inside_a_captured_cuda_graph():
+    x = kernel_checks.make_input(64, 2048, torch.bfloat16, "cuda")
+    rollout = kernel_checks.make_input(64, 2048, torch.bfloat16, "cuda", seed=4)
+    rec = Record.from_quantized(quantize(rollout, "kv_fp4"), 1)
+    stats = GuidanceStats()
+    guided_fake_quant(x, rec, 1, stats=stats)  # compiles, and makes the device counter, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = guided_fake_quant(x, rec, 1, stats=stats)
+    graph.replay()
+    graph.replay()
+    ref = GuidanceStats()
+    assert torch.equal(out, guided_round(x, rec, 1, stats=ref))
+    assert ref.redirected > 0 and int(stats.redirected) == 3 * ref.redirected
+
+
 def test_ops_under_torch_compile():
     x = kernel_checks.make_input(16, 512, torch.bfloat16, "cuda")
     rec = Record.from_quantized(quantize(x, "kv_fp4"), 1)
@@ -122,8 +138,10 @@ def test_ops_under_torch_compile():
     @torch.compile(fullgraph=True)
     def step(x, low, scales):
         y = torch.ops.trace_core.fake_quant(x, "kv_fp4", None, False)
-        z, _ = torch.ops.trace_core.guided_fake_quant(x, "kv_fp4", 1, 1, low, scales, None, None)
-        return y + z
+        redirected = torch.zeros((), dtype=torch.int64, device=x.device)
+        z = torch.ops.trace_core.guided_fake_quant(x, "kv_fp4", 1, 1, low, scales, None, None, redirected)
+        return y + z, redirected
 
     expected = dequantize(quantize(x, "kv_fp4"), torch.bfloat16) * 2
-    assert torch.equal(step(x, rec.low_bits, rec.scales), expected)
+    out, redirected = step(x, rec.low_bits, rec.scales)
+    assert torch.equal(out, expected) and int(redirected) == 0  # its own record: nothing redirected

@@ -13,6 +13,7 @@ import pytest
 
 from trace_rl.experiments import results, results_report
 from trace_rl.experiments.analysis import BITS, LAYER_SETS
+from trace_rl.rundir import load_latest
 from trace_rl.warmup import PRESETS
 
 STEPS = 2
@@ -36,6 +37,12 @@ def out(tmp_path_factory):
         ["run", str(out), "--preset", "tiny", "--digits", "1", "--device", "cpu", "--steps", f"{STEPS}"]
         + ["--warmup-steps", "10", "--warmup-lr", "3e-3", "--analysis-batches", "1"]
         + ["--timing-steps", f"{TIMING_STEPS}", "--parallel", "2"]
+    )
+    # a tagged repeat of the default run with one more override (one that leaves the numerics alone)
+    results.main(
+        ["run", str(out), "--model", str(out / "model"), "--runs", "trace_all", "--tag", "rerun", "--device", "cpu"]
+        + ["--digits", "1", "--steps", f"{STEPS}", "--analysis-batches", "0", "--timing-steps", "0"]
+        + ["--set", "keep_record_steps=1"]
     )
     return out
 
@@ -76,7 +83,7 @@ def _md_table(md: str, heading: str) -> list[dict[str, str]]:
 
 
 def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
-    expected = {f"rl_{name}.csv" for name in results.DEFAULT_RUNS}
+    expected = {f"rl_{name}.csv" for name in results.DEFAULT_RUNS} | {"rl_trace_all@rerun.csv"}
     expected |= {f"timing_{mode}_r{r}.csv" for mode in results.TIMING for r in range(1, results.TIMING_ROUNDS + 1)}
     expected |= {"analysis.json", "warmup.json"}
     assert {p.name for p in raw.iterdir()} == expected
@@ -85,7 +92,7 @@ def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
 
 
 def test_rl_runs_log_the_per_step_metrics(raw):
-    for name in results.DEFAULT_RUNS:
+    for name in [*results.DEFAULT_RUNS, "trace_all@rerun"]:
         rows = _rows(raw / f"rl_{name}.csv")
         assert [int(float(r["step"])) for r in rows] == list(range(STEPS)), name
         for key in PER_STEP:
@@ -159,7 +166,8 @@ def test_report_writes_the_tables_and_figures(docs):
 
 def test_rl_table_numbers_come_from_the_raw_csv(raw, docs):
     table = {row["run"]: row for row in _md_table((docs / "tables.md").read_text(), "### RL runs")}
-    assert set(table) == {results_report.RUN_LABELS[name] for name in results.DEFAULT_RUNS}
+    tagged = results_report.RUN_LABELS["trace_all"] + ", rerun"
+    assert set(table) == {results_report.RUN_LABELS[name] for name in results.DEFAULT_RUNS} | {tagged}
     qat = _rows(raw / "rl_qat.csv")
     row = table["FP4 + QAT"]
     assert row["steps"] == f"{STEPS}"
@@ -198,12 +206,37 @@ def test_report_without_the_warmup_names_the_missing_file(raw, tmp_path):
     assert not (tmp_path / "docs").exists()  # refused before anything is written
 
 
+def test_a_tagged_run_gets_its_overrides_and_compares_with_its_untagged_run(out, raw, docs):
+    """`--tag rerun --set keep_record_steps=1`: the run directory and raw file carry the tag, the run's config the
+    override; on one CPU a repeat is deterministic, so the report finds the same step-0 batch and zero distance."""
+    state = load_latest(out / "rl" / "trace_all@rerun" / "trace").state
+    assert (state["config"]["keep_record_steps"], state["config"]["record_all_layers"]) == (1, True)
+    for a, b in zip(_rows(raw / "rl_trace_all@rerun.csv"), _rows(raw / "rl_trace_all.csv"), strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")
+        }
+    heading = "### Trainer layouts and repeats (against the untagged run of the same seed)"
+    ref, rerun = _md_table((docs / "tables.md").read_text(), heading)
+    label = results_report.RUN_LABELS["trace_all"]
+    assert (ref["run"], rerun["run"]) == (label, label + ", rerun")
+    dist = "mean per-step distance of abs Δ logp to the first row"
+    assert ref[dist] == rerun[dist] == "0.00e+00" and rerun["step 0: reward, length = first row's"] == "yes"
+    dlogp = statistics.fmean(_col(_rows(raw / "rl_trace_all.csv"), "train_rollout_logprob_abs_diff"))
+    assert rerun["mean abs Δ logp"] == ref["mean abs Δ logp"] == f"{dlogp:.5f}"
+    assert (docs / "rl_layouts_trace_all.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_run_names_per_recipe_and_seed():
     named = results.run_names(["bf16", "qat"], ["nvfp4-w4a4-kv4", "mxfp4-w4a8-kv4"], [0, 1], seed=0)
     assert list(named) == ["bf16", "qat", "bf16-s1", "qat-s1", "qat-mxfp4-w4a8-kv4", "qat-mxfp4-w4a8-kv4-s1"]
     assert named["qat-mxfp4-w4a8-kv4-s1"] == [*results.RUNS["qat"], "recipe=mxfp4-w4a8-kv4", "seed=1"]
     assert results_report.run_label("qat-mxfp4-w4a8-kv4-s1") == "FP4 + QAT, mxfp4-w4a8-kv4, seed 1"
     assert list(results.run_names(["qat"], ["nvfp4-w4a4-kv4"], [1, 2], seed=0)) == ["qat-s1", "qat-s2"]
+    tagged = results.run_names(["trace_all"], ["nvfp4-w4a4-kv4"], [0, 1], seed=0, tag="ep2", extra=["ep=2", "dp=2"])
+    assert tagged["trace_all-s1@ep2"] == [*results.RUNS["trace_all"], "recipe=nvfp4-w4a4-kv4", "seed=1", "ep=2", "dp=2"]
+    assert results_report.run_label("trace_all-s1@ep2") == results_report.RUN_LABELS["trace_all"] + ", seed 1, ep2"
+    with pytest.raises(ValueError, match="--tag 'EP 2'"):
+        results.run_names(["qat"], ["nvfp4-w4a4-kv4"], [0], tag="EP 2")
     with pytest.raises(ValueError, match="not a run name"):
         results_report.run_label("sgd")
 
@@ -222,3 +255,6 @@ def test_runs_over_seeds_get_a_mean_and_interval(raw, tmp_path):
     dlogp = statistics.fmean(_col(_rows(raw / "rl_qat.csv"), "train_rollout_logprob_abs_diff"))
     assert (row["run"], row["seeds"]) == ("FP4 + QAT", "3")
     assert row["mean abs Δ logp"] == f"{dlogp:.4g} ± 0"
+    reward = _col(_rows(raw / "rl_qat.csv"), "reward/mean")
+    assert row["reward (second half)"] == f"{statistics.fmean(reward[len(reward) // 2 :]):.4g} ± 0"
+    assert (tmp_path / "docs" / "rl_seeds.png").read_bytes().startswith(b"\x89PNG")

@@ -21,10 +21,17 @@ import triton.language as tl
 from trace_core.kernels.triton_fp4 import TWO_126, _pow2
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
-MIN_HEAD_DIM = 64
-"""Smallest head dim the kernels take: 64 and 128 are verified on the H200 (triton 3.6); at head dim 16 the
-compiled decode kernel gave wrong results there (docs/measurements/fp4_attention_round3_h200.txt), while the
-interpreter was exact, so head dims below 64 are refused rather than trusted."""
+MIN_HEAD_DIM = 16
+"""Smallest head dim the decode kernels take (16, 64 and 128 verified on the H200, triton 3.6)."""
+MIN_EXTEND_HEAD_DIM = 64
+"""Smallest head dim the extend kernel takes: 64 and 128 are verified on the H200; smaller ones are not, and are
+refused rather than trusted."""
+PAD_HEAD_DIM = 32
+"""On CUDA the grouped decode kernel runs head dim 16 as a 32-column tile: triton 3.6 compiles the 16-column tile
+wrong on the H200 (the dequantized tile alone is exact there, and so is SGLang's kernel, which loads K transposed
+from memory; `bench/fp4_attention_head_dim.py`). The padded tile gives SGLang's values bit for bit there: the
+tensor-core dot's first 16-deep step takes the same products, the second adds exact zeros. The CPU interpreter
+keeps the 16-column tile, which it computes right (its FP32 matmul would order a 32-deep sum differently)."""
 KV_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -35,16 +42,25 @@ def _tanh(x):
 
 @triton.jit
 def _fp4_tile(codes_ptr, scale_ptr, loc, head, stride_cs, stride_ch, stride_ss, n_mask, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr, LD: tl.constexpr = 0):  # fmt: skip
     """[BLOCK_N, D] values of KV head `head` at pool slots `loc`: byte i of a head's codes holds element 2i in its
     low nibble and 2i + 1 in its high nibble; scale byte j (E8M0, +127) scales elements [16 j, 16 j + 16). Masked
-    rows are 0, as SGLang's masked loads."""
+    rows are 0, as SGLang's masked loads. LD > 0: the pool's head dim, narrower than the tile (columns from LD on
+    are 0)."""
     offs_b = tl.arange(0, D // 2)
-    packed = tl.load(codes_ptr + loc[:, None] * stride_cs + head * stride_ch + offs_b[None, :], mask=n_mask[:, None],
+    offs_s = tl.arange(0, D // 16)
+    if LD == 0:
+        head_scales: tl.constexpr = D // 16
+        code_mask = n_mask[:, None]
+        scale_mask = n_mask[:, None]
+    else:
+        head_scales: tl.constexpr = LD // 16  # type: ignore[no-redef]  # a Triton constexpr set per branch
+        code_mask = n_mask[:, None] & (offs_b[None, :] < LD // 2)
+        scale_mask = n_mask[:, None] & (offs_s[None, :] < LD // 16)
+    packed = tl.load(codes_ptr + loc[:, None] * stride_cs + head * stride_ch + offs_b[None, :], mask=code_mask,
                      other=0).to(tl.int32)  # fmt: skip
     code = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, D)
-    offs_s = tl.arange(0, D // 16)
-    sbyte = tl.load(scale_ptr + loc[:, None] * stride_ss + head * (D // 16) + offs_s[None, :], mask=n_mask[:, None],
+    sbyte = tl.load(scale_ptr + loc[:, None] * stride_ss + head * head_scales + offs_s[None, :], mask=scale_mask,
                     other=127).to(tl.int32)  # fmt: skip
     mag = ((code & 7) << 22).to(tl.float32, bitcast=True) * TWO_126  # E2M1 magnitude of index k (see _magnitude)
     val = (mag.reshape(BLOCK_N, D // 16, 16) * _pow2(sbyte - 127)[:, :, None]).reshape(BLOCK_N, D)
@@ -124,10 +140,13 @@ def _fp4_grouped_kernel_stage1(
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     kv_group_num: tl.constexpr, q_head_num: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr,
-    KV_DTYPE: tl.constexpr,
+    KV_DTYPE: tl.constexpr, Lk: tl.constexpr,
 ):  # fmt: skip
     """SGLang's `_fwd_grouped_kernel_stage1` (BLOCK_H query heads of one KV head per program, GQA) over the FP4
-    pool; the K tile is built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N]."""
+    pool; the K tile is built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N].
+
+    Lk is the head dim; BLOCK_DMODEL is wider for head dim 16 on CUDA (`PAD_HEAD_DIM`), with zeros in the extra
+    columns of q, K and V: the extra terms of q . k are exact zeros and the extra output columns are dropped."""
     cur_batch = tl.program_id(0)
     cur_head_id = tl.program_id(1)
     cur_kv_head = cur_head_id // tl.cdiv(kv_group_num, BLOCK_H)
@@ -150,6 +169,12 @@ def _fp4_grouped_kernel_stage1(
         _qtemp = tl.log2(offs_qidx.to(tl.float32)) * xai_temperature_scale
         xai_temperature_reg = tl.where(offs_qidx > xai_temperature_len, _qtemp, 1.0)
     offs_q = cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
+    if BLOCK_DMODEL > Lk:
+        mask_hd = mask_h[:, None] & (offs_d[None, :] < Lk)
+        PAD: tl.constexpr = Lk
+    else:
+        mask_hd = mask_h[:, None]
+        PAD: tl.constexpr = 0  # type: ignore[no-redef]  # a Triton constexpr set per branch
 
     kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
     split_kv_start = kv_len_per_split * split_kv_id
@@ -159,13 +184,13 @@ def _fp4_grouped_kernel_stage1(
     e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
     if split_kv_end > split_kv_start:
-        q = tl.load(Q + offs_q, mask=mask_h[:, None], other=0.0)
+        q = tl.load(Q + offs_q, mask=mask_hd, other=0.0)
         for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_mask = offs_n < split_kv_end
             kv_loc = tl.load(kv_indices + cur_batch_kv_start_idx + offs_n, mask=n_mask, other=0)
             k = _fp4_tile(K_Codes, K_Scales, kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss, n_mask,
-                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, PAD)  # fmt: skip
             qk = tl.dot(q, tl.trans(k).to(q.dtype))
             qk *= sm_scale_withk
             if logit_cap > 0:
@@ -174,7 +199,7 @@ def _fp4_grouped_kernel_stage1(
                 qk *= xai_temperature_reg[:, None]
             qk = tl.where(mask_h[:, None] & n_mask[None, :], qk, float("-inf"))
             v = _fp4_tile(V_Codes, V_Scales, kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, n_mask,
-                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, PAD)  # fmt: skip
             n_e_max = tl.maximum(tl.max(qk, 1), e_max)
             re_scale = tl.exp(e_max - n_e_max)
             p = tl.exp(qk - n_e_max[:, None])
@@ -184,8 +209,8 @@ def _fp4_grouped_kernel_stage1(
             e_max = n_e_max
         offs_mid_o = (cur_batch * stride_mid_ob + cur_head[:, None] * stride_mid_oh + split_kv_id * stride_mid_os
                       + offs_d[None, :])  # fmt: skip
-        tl.store(Att_Out + offs_mid_o, acc / e_sum[:, None], mask=mask_h[:, None])
-        offs_lse = (cur_batch * stride_mid_ob + cur_head * stride_mid_oh + split_kv_id * stride_mid_os) // BLOCK_DMODEL
+        tl.store(Att_Out + offs_mid_o, acc / e_sum[:, None], mask=mask_hd)
+        offs_lse = (cur_batch * stride_mid_ob + cur_head * stride_mid_oh + split_kv_id * stride_mid_os) // Lk
         tl.store(Att_Lse + offs_lse, e_max + tl.log(e_sum), mask=mask_h)
 
 
@@ -229,16 +254,16 @@ def _fwd_kernel_stage2(
 
 
 def check_fp4_cache(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
-                    v_scales: torch.Tensor) -> tuple[int, int]:  # fmt: skip
+                    v_scales: torch.Tensor, min_head_dim: int = MIN_HEAD_DIM) -> tuple[int, int]:  # fmt: skip
     """(KV heads, head dim) of an FP4 pool layer, or ValueError naming what does not fit (q `[B, Hq, D]`, codes
-    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides, D a power of two >= MIN_HEAD_DIM)."""
+    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides, D a power of two >= min_head_dim)."""
     if k_codes.dim() != 3 or k_codes.dtype != torch.uint8 or v_codes.shape != k_codes.shape:
         got = f"{k_codes.dtype} {tuple(k_codes.shape)} and {v_codes.dtype} {tuple(v_codes.shape)}"
         raise ValueError(f"FP4 KV codes must be uint8 [slots, heads, head_dim / 2] for K and V, got {got}")
     slots, heads, half = k_codes.shape
     d = 2 * half
-    if d < MIN_HEAD_DIM or d & (d - 1):
-        raise ValueError(f"FP4 attention needs a power-of-two head dim >= {MIN_HEAD_DIM}, got {d}")
+    if d < min_head_dim or d & (d - 1):
+        raise ValueError(f"FP4 attention needs a power-of-two head dim >= {min_head_dim}, got {d}")
     for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
         if s.dtype != torch.uint8 or tuple(s.shape) != (slots, heads * d // 16):
             raise ValueError(f"{name} must be uint8 {(slots, heads * d // 16)}, got {s.dtype} {tuple(s.shape)}")
@@ -297,9 +322,10 @@ def fp4_decode_attention(
     else:
         block_h = 16
         grid = (batch, triton.cdiv(q_heads, min(block_h, group)), max_kv_splits)
+        block_d = max(d, PAD_HEAD_DIM) if q.is_cuda else d
         _fp4_grouped_kernel_stage1[grid](
-            *args, kv_group_num=group, q_head_num=q_heads, BLOCK_DMODEL=d, BLOCK_N=32, BLOCK_H=block_h,
-            num_warps=4, num_stages=2, **common,
+            *args, kv_group_num=group, q_head_num=q_heads, BLOCK_DMODEL=block_d, BLOCK_N=32, BLOCK_H=block_h,
+            num_warps=4, num_stages=2, Lk=d, **common,
         )  # fmt: skip
     _fwd_kernel_stage2[(batch, q_heads)](
         attn_logits, attn_lse, o, v_scale, kv_indptr, num_kv_splits, sinks, attn_logits.stride(0),

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.kernels.fp4_attention import KV_DTYPES, _fp4_tile, _tanh, check_fp4_cache
+from trace_core.kernels.fp4_attention import KV_DTYPES, MIN_EXTEND_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache
 from trace_core.kv_attention import extend_tiles
 
 
@@ -152,7 +152,7 @@ def fp4_extend_attention(
         raise ValueError(f"FP4 extend attention does not take a sliding window (got {sliding_window_size})")
     if xai_temperature_len > 0:
         raise ValueError(f"FP4 extend attention does not take xai_temperature_len (got {xai_temperature_len})")
-    heads, d = check_fp4_cache(q_extend, k_codes, k_scales, v_codes, v_scales)
+    heads, d = check_fp4_cache(q_extend, k_codes, k_scales, v_codes, v_scales, MIN_EXTEND_HEAD_DIM)
     for name, t in (("k_extend", k_extend), ("v_extend", v_extend)):
         if t.dim() != 3 or t.shape[1:] != (heads, d) or t.shape[0] != q_extend.shape[0] or t.stride(-1) != 1:
             raise ValueError(f"{name} must be [tokens, {heads}, {d}] like q_extend, got {tuple(t.shape)}")

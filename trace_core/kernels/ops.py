@@ -4,7 +4,8 @@ Ops (namespace `trace_core`), all on 2-D `[T, D]` inputs with a unit last stride
 - `quantize_record`: fake-quantized output and/or the record (packed low-b code bits, scale bytes, FP32 token
   scale) written into caller-provided buffers, so addresses stay fixed under CUDA-graph capture;
 - `fake_quant`: RTN quantize-dequantize, straight-through backward;
-- `guided_fake_quant`: guided rounding from a record, straight-through backward.
+- `guided_fake_quant`: guided rounding from a record, adding the redirected-element count into a counter it
+  mutates (`guided_fake_quant` below attaches the straight-through backward).
 They are registered with `torch.library`, so they trace under `torch.compile` and capture in CUDA graphs.
 """
 
@@ -21,7 +22,7 @@ except ImportError:  # CPU-only installs: the reference serves every device
     triton = None
 
 from trace_core.formats import FP4Format, ScaleKind, get_format
-from trace_core.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize
+from trace_core.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize, straight_through
 from trace_core.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
 from trace_core.records import Record, check_bits, pack_low_bits, packed_len
 
@@ -44,11 +45,12 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096},
+    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1},
     "guided": {"rows": 2, "chunk": 1024, "warps": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
-Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile).
+Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
+16-element quantize kernel takes `row_loop` tiles of rows one after the other per program.
 `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
@@ -108,14 +110,17 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
-    grid = (triton.cdiv(t, rb), n_chunks // per_prog)
     record = low_bits is not None
     # 16-element blocks take the block-per-thread kernel, except per-token and static nvfp4 with a record, where
     # the group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
+    loop = 1
     if fmt.block == 16 and not (record and fmt.has_global_scale):
-        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": record_unit(low_bits, bits) if record else 1}
+        loop = LAUNCH["quant"]["row_loop"]
+        unit = record_unit(low_bits, bits) if record else 1
+        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
+    grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)
     kernel[grid](
         x,
         out if out is not None else _dummy(x, x.dtype),
@@ -293,7 +298,7 @@ def quantize_global_scale(x: torch.Tensor) -> torch.Tensor:
     return nvfp4_global_scale(x.detach().abs().amax())
 
 
-@torch.library.custom_op("trace_core::guided_fake_quant", mutates_args=())
+@torch.library.custom_op("trace_core::guided_fake_quant", mutates_args=("redirected",))
 def _guided_op(
     x: torch.Tensor,
     fmt: str,
@@ -303,27 +308,29 @@ def _guided_op(
     scales: torch.Tensor,
     global_scale: torch.Tensor | None,
     has_record: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    redirected: torch.Tensor,
+) -> torch.Tensor:
     f = get_format(fmt)
     rec = Record(fmt=f, bits=record_bits, n=x.shape[1], low_bits=low_bits, scales=scales, global_scale=global_scale)
-    guided, redirected = guided_quantize(x, rec, bits)
+    guided, moved = guided_quantize(x, rec, bits)
     if has_record is not None:
-        redirected &= has_record.unsqueeze(-1)
-    return dequantize(guided, x.dtype), redirected.sum().to(torch.int32)
+        moved &= has_record.unsqueeze(-1)
+    redirected += moved.sum().to(redirected.device)
+    return dequantize(guided, x.dtype)
 
 
-def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record):
-    """Launch the guided fake-quant kernel; returns (output, redirected-element count)."""
+def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected) -> torch.Tensor:
+    """Launch the guided fake-quant kernel: returns the output and adds the redirected-element count into
+    `redirected` (int64, one element on x's device), each program adding its own count: no reduction launched."""
     from trace_core.kernels import triton_fp4 as k
 
     f = get_format(fmt)
     out = torch.empty_like(x)
     t, d = x.shape
     if t == 0:
-        return out, torch.zeros((), dtype=torch.int32, device=x.device)
+        return out
     rb, chunk, warps = _launch_shape(f, d, "guided")
     grid = (triton.cdiv(t, rb), triton.cdiv(d, chunk))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     if f.block == 16:
         kernel, extra = k._guided16_kernel, {"REC_UNIT": record_unit(low_bits, record_bits)}
     else:
@@ -335,7 +342,7 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         scales,
         global_scale if global_scale is not None else _dummy(x, torch.float32),
         has_record if has_record is not None else _dummy(x, torch.bool),
-        partial,
+        redirected,
         t,
         d,
         x.stride(0),
@@ -352,24 +359,28 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         num_warps=warps,
         **extra,
     )
-    return out, partial.sum(dtype=torch.int32)
+    return out
 
 
 @_guided_op.register_kernel("cuda")
-def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record):
-    return triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record)
+def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected):
+    return triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected)
 
 
 @_guided_op.register_fake
-def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record):
-    return torch.empty_like(x), x.new_empty((), dtype=torch.int32)
+def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected):
+    return torch.empty_like(x)
 
 
-def _guided_backward(ctx, grad, _redirected):
-    return grad, None, None, None, None, None, None, None
-
-
-_guided_op.register_autograd(_guided_backward)
+def redirect_counter(stats: GuidanceStats, device: torch.device) -> torch.Tensor:
+    """`stats.redirected` as the int64 0-d tensor on `device` that the guided op adds into (made once from its
+    current value)."""
+    r = stats.redirected
+    if isinstance(r, torch.Tensor) and r.device == device and r.dtype == torch.int64 and r.dim() == 0:
+        return r
+    counter = torch.zeros((), dtype=torch.int64, device=device) + r
+    stats.redirected = counter
+    return counter
 
 
 def guided_fake_quant(
@@ -397,8 +408,8 @@ def guided_fake_quant(
     stats = GLOBAL_STATS if stats is None else stats
     gs = record.global_scale
     gs = gs.to(torch.float32).contiguous() if gs is not None else None
-    out, redirected = _guided_op(
-        x.contiguous(),
+    value = _guided_op(
+        x.detach().contiguous(),
         record.fmt.name,
         bits,
         record.bits,
@@ -406,7 +417,9 @@ def guided_fake_quant(
         record.scales,
         gs,
         has_record.contiguous() if has_record is not None else None,
+        redirect_counter(stats, x.device),
     )
+    out = straight_through(x, value)  # the op mutates the counter, so its gradient is attached here
     fallback: int | torch.Tensor = 0
     if has_record is not None:
         # Every row gets the RTN candidate and rows without a record take it: no data-dependent shapes, so
@@ -416,7 +429,6 @@ def guided_fake_quant(
         fallback = (~has_record).sum() * x.shape[1]
     stats.guided += x.numel() - fallback
     stats.rtn_fallback += fallback  # counts are device tensors: no host sync until they are read
-    stats.redirected += redirected
     return out
 
 

@@ -101,16 +101,54 @@ def _e8m0_exponent(amax, FMT: tl.constexpr):
 
 
 @triton.jit
+def _binade(a):
+    """The E2M1 binade base around a in [0, 6]: 1 below 2, else 2^floor(log2 a); half of it is the grid step."""
+    return (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma_directed(a, b, c, UP: tl.constexpr):
+    """a * b + c rounded toward zero, or up with UP, without flushing subnormals (libdevice's directed FMAs flush
+    them under triton). The interpreter computes it in FP64, exact for the operands here (b a power of two, a * b
+    and c within 2^25 of each other or c negligible) and then truncated; rounding up adds one ulp where that
+    truncation is inexact (c >= 0 here, so truncation is rounding down)."""
+    if INTERPRET:
+        exact = a.to(tl.float64) * b + c
+        down = exact.to(tl.float32, fp_downcast_rounding="rtz")
+        if UP:
+            inexact = down.to(tl.float64) != exact
+            down = (down.to(tl.int32, bitcast=True) + tl.where(inexact, 1, 0)).to(tl.float32, bitcast=True)
+        return down
+    if UP:
+        return tl.inline_asm_elementwise("fma.rp.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    return tl.inline_asm_elementwise("fma.rz.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=tl.float32,
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _e2m1_round(a, TIES_UP: tl.constexpr):
-    """(q, base): a in [0, 6] rounded to the E2M1 grid (RNE, or ties up), and the binade base whose half is the grid
-    step around a (1 below 2, else 2^floor(log2 a)). FP32 addition rounds a + base * 2^22 to a multiple of that
-    step (its ulp), so one add and one subtract do the rounding; a tie that RNE sent down moves up for TIES_UP."""
-    base = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    """(q, base, t): a in [0, 6] rounded to the E2M1 grid (RNE, or ties up), its binade base (`_binade`), and
+    t = q + base * 2^22, whose FP32 ulp is the grid step: the low bit of t's bits is the parity of q's E2M1 index
+    (`_odd`).
+
+    RNE: FP32 addition rounds a + base * 2^22 to a multiple of the step, so one add and one subtract do the
+    rounding. Ties up: t = rz(rz(a + step / 2) + base * 2^22) is floor(a / step + 1 / 2) steps exactly (the inner
+    rounding goes down to the largest FP32 at or below a + step / 2, which keeps every multiple of the step that
+    lies below it), two fused multiply-adds instead of RNE and a tie fix-up."""
+    base = _binade(a)
     big = base * TWO_22
-    q = (a + big) - big
     if TIES_UP:
-        q = tl.where(a - q == base * 0.25, q + base * 0.5, q)
-    return q, base
+        t = _fma_directed(base, TWO_22, _fma_directed(base, 0.25, a, False), False)
+    else:
+        t = a + big
+    return t - big, base, t
+
+
+@triton.jit
+def _odd(t):
+    """Bit 0 of the E2M1 index of the q that `_e2m1_round` returns with t (int32 0 or 1)."""
+    return t.to(tl.int32, bitcast=True) & 1
 
 
 @triton.jit
@@ -243,7 +281,7 @@ def _quantize_record_kernel(
                 s_enc = s_tok[:, None]
         decode, encode, byte = _block_scales(amax_blk, s_enc, FMT)
         z = _code_sign(x * encode[:, :, None, None], FMT)
-        q, _ = _e2m1_round(tl.minimum(tl.abs(z), 6.0), FMT == KV_FP4)
+        q, _, t = _e2m1_round(tl.minimum(tl.abs(z), 6.0), FMT == KV_FP4)
         if WRITE_OUT:
             val = _with_sign(q, z) * decode[:, :, None, None]
             tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
@@ -251,16 +289,24 @@ def _quantize_record_kernel(
         if BITS > 0:
             sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
             tl.store(sptr, byte.to(tl.uint8)[:, :, None] + tl.zeros((1, 1, G), tl.uint8), mask=gmask & first)
-            k = _index(q)
-            if BITS == 4:
-                code = k | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
+            if BITS == 1:
+                code = _odd(t)
+            elif BITS == 4:
+                code = _index(q) | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
             else:
-                code = k & ((1 << BITS) - 1)
+                code = _index(q) & ((1 << BITS) - 1)
             # element i of a group at bit i * BITS: BITS bytes per group of 8
             word = tl.sum(code << (tl.arange(0, 8) * BITS)[None, None, None, :], axis=3)
             rec = rec_ptr + rows64[:, None, None] * rec_stride + gidx * BITS
             for j in tl.static_range(BITS):
                 tl.store(rec + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _count(counter_ptr, n):
+    """Add a program's count n into the int64 counter (relaxed: only the sum is read, after the kernel), skipping
+    zeros; integer addition makes the total independent of the order."""
+    tl.atomic_add(counter_ptr, n.to(tl.int64), mask=n > 0, sem="relaxed")
 
 
 @triton.jit
@@ -309,7 +355,7 @@ def _guided_kernel(
     x = tl.load(x_ptr + rows64[:, None, None, None] * x_stride + c0 + offs, mask=m, other=0.0).to(tl.float32)
     z = _code_sign(tl.minimum(tl.maximum(x * encode[:, :, :, None], -6.0), 6.0), FMT)
     a = tl.abs(z)
-    q, base = _e2m1_round(a, False)
+    q, base, t = _e2m1_round(a, False)
     # bracket lo <= a <= hi on the grid (lo == hi on a grid point); RTN, ties up for SGLang's KV
     d = a - q
     step = base * 0.5
@@ -321,7 +367,7 @@ def _guided_kernel(
         rtn = q
     if BITS == 1:
         # lo and hi differ in bit 0 unless equal: take the one whose bit 0 is the rollout's
-        mag = tl.where(((_index(lo) ^ c) & 1) == 0, lo, hi)
+        mag = tl.where(((_odd(t) ^ c) == 0) == (lo == q), lo, hi)
     elif BITS == 4:
         q_roll = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * TWO_126
         d_lo = tl.abs(_with_sign(lo, z) - q_roll)
@@ -344,9 +390,8 @@ def _guided_kernel(
     if HAS_MASK:
         counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None, None]
     redirected = tl.where(counted & (mag != rtn), 1, 0)
-    # one partial count per program (a single atomic counter would serialize every program on one address)
     total = tl.sum(tl.sum(tl.sum(tl.sum(redirected, axis=3), axis=2), axis=1), axis=0)
-    tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)
+    _count(redirect_ptr, total)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -382,13 +427,15 @@ def _e4m3_round_hw(v):
 
 
 @triton.jit
-def _half_word(q, z, BITS: tl.constexpr, FMT: tl.constexpr):
-    """Low BITS bits of the 8 codes of a half [RB, NB, 8], element i at bit i * BITS: int32 [RB, NB]."""
-    k = _index(q)
-    if BITS == 4:
-        code = k | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
+def _half_word(q, t, z, BITS: tl.constexpr, FMT: tl.constexpr):
+    """Low BITS bits of the 8 codes of a half [RB, NB, 8] (q, t from `_e2m1_round`), element i at bit i * BITS:
+    int32 [RB, NB]."""
+    if BITS == 1:
+        code = _odd(t)
+    elif BITS == 4:
+        code = _index(q) | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
     else:
-        code = k & ((1 << BITS) - 1)
+        code = _index(q) & ((1 << BITS) - 1)
     return tl.sum(code << (tl.arange(0, 8) * BITS)[None, None, :], axis=2)
 
 
@@ -448,66 +495,69 @@ def _quantize_record16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
-    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr,
+    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
 ):  # fmt: skip
-    """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above)."""
+    """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
+    ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * RB + tl.arange(0, RB)
-    row_mask = rows < T
-    rows64 = rows.to(tl.int64)
     NB: tl.constexpr = C // 16
     offs = _half_offsets(NB)
-    x_rows = x_ptr + rows64[:, None, None] * x_stride
+    for ri in tl.static_range(ROW_LOOP):
+        rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
+        row_mask = rows < T
+        rows64 = rows.to(tl.int64)
+        x_rows = x_ptr + rows64[:, None, None] * x_stride
 
-    if SCALE_MODE == SCALE_PER_TOKEN:
-        if not ONE_PASS:
-            amax_row = tl.zeros((RB,), tl.float32)
-            for c0 in range(0, D, C):
-                m = row_mask[:, None, None] & (c0 + offs < D)
-                xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-                xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
-                amax_row = tl.maximum(amax_row, tl.max(amax, axis=1))
-            s_enc = _token_scale(amax_row)
-            if BITS > 0:
-                tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
-            s_enc = s_enc[:, None]
-    elif SCALE_MODE == SCALE_ROW:
-        s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
-    elif SCALE_MODE == SCALE_SCALAR:
-        s_enc = tl.load(gs_ptr)
-    else:
-        s_enc = 1.0
-
-    for ci in range(chunks_per_prog):
-        c0 = (pid_c * chunks_per_prog + ci) * C
-        m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
-        blk = _block_index(c0, NB)
-        bmask = row_mask[:, None] & (blk < D // 16)
-        xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-        xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-        amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
         if SCALE_MODE == SCALE_PER_TOKEN:
-            if ONE_PASS:
-                s_tok = _token_scale(tl.max(amax_blk, axis=1))
+            if not ONE_PASS:
+                amax_row = tl.zeros((RB,), tl.float32)
+                for c0 in range(0, D, C):
+                    m = row_mask[:, None, None] & (c0 + offs < D)
+                    xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+                    xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+                    amax_row = tl.maximum(amax_row, tl.max(amax, axis=1))
+                s_enc = _token_scale(amax_row)
                 if BITS > 0:
-                    tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
-                s_enc = s_tok[:, None]
-        decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
-        za = _code_sign(xa * encode[:, :, None], FMT)
-        zb = _code_sign(xb * encode[:, :, None], FMT)
-        qa, _ = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
-        qb, _ = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
-        if WRITE_OUT:
-            o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
-            ty = out_ptr.dtype.element_ty
-            tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
-            tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
-        if BITS > 0:
-            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
-            rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
-            _store_record16(rec, _half_word(qa, za, BITS, FMT), _half_word(qb, zb, BITS, FMT), bmask, BITS, REC_UNIT)
+                    tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
+                s_enc = s_enc[:, None]
+        elif SCALE_MODE == SCALE_ROW:
+            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        elif SCALE_MODE == SCALE_SCALAR:
+            s_enc = tl.load(gs_ptr)
+        else:
+            s_enc = 1.0
+
+        for ci in range(chunks_per_prog):
+            c0 = (pid_c * chunks_per_prog + ci) * C
+            m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
+            blk = _block_index(c0, NB)
+            bmask = row_mask[:, None] & (blk < D // 16)
+            xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+            xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+            amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+            if SCALE_MODE == SCALE_PER_TOKEN:
+                if ONE_PASS:
+                    s_tok = _token_scale(tl.max(amax_blk, axis=1))
+                    if BITS > 0:
+                        tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
+                    s_enc = s_tok[:, None]
+            decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
+            za = _code_sign(xa * encode[:, :, None], FMT)
+            zb = _code_sign(xb * encode[:, :, None], FMT)
+            qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
+            qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
+            if WRITE_OUT:
+                o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+                ty = out_ptr.dtype.element_ty
+                tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
+                tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
+            if BITS > 0:
+                tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+                rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
+                wa = _half_word(qa, ta, za, BITS, FMT)
+                _store_record16(rec, wa, _half_word(qb, tb, zb, BITS, FMT), bmask, BITS, REC_UNIT)
 
 
 @triton.jit
@@ -516,35 +566,40 @@ def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.co
     c = (word[:, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, :]) & ((1 << BITS) - 1)
     z = _code_sign(x * encode[:, :, None], FMT)  # only its sign is used: clamping |z| to 6 is clamping z
     a = tl.minimum(tl.abs(z), 6.0)
-    q, base = _e2m1_round(a, False)
+    if BITS == 1:
+        # the bracket end whose index bit 0 is the rollout's: a rounded down or up to the grid (the same point when
+        # a is on it), as t = q + base * 2^22, whose low bit is that parity (`_e2m1_round`)
+        base = _binade(a)
+        t_lo = _fma_directed(base, TWO_22, a, False)
+        t_hi = _fma_directed(base, TWO_22, a, True)
+        t = tl.where((_odd(t_lo) ^ c) == 0, t_lo, t_hi)
+        _, _, t_rtn = _e2m1_round(a, FMT == KV_FP4)
+        return _with_sign(t - base * TWO_22, z) * decode[:, :, None], tl.where(t != t_rtn, 1, 0)
+    q, base, _ = _e2m1_round(a, False)
     d = a - q
     step = base * 0.5
     if FMT == KV_FP4:
         rtn = tl.where(d == base * 0.25, q + step, q)  # ties up: a tie has a above q
     else:
         rtn = q
-    if BITS == 1:
-        # the RNE point q when its bit 0 is the rollout's (or a is on the grid), else q's neighbour toward a
-        mag = tl.where((((_index(q) ^ c) & 1) == 0) | (d == 0), q, q + tl.where(d > 0, step, -step))
+    lo = tl.where(d < 0, q - step, q)
+    hi = tl.where(d > 0, q + step, q)
+    if BITS == 4:
+        q_roll = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * TWO_126
+        d_lo = tl.abs(_with_sign(lo, z) - q_roll)
+        d_hi = tl.abs(_with_sign(hi, z) - q_roll)
+        mag = tl.where(d_hi < d_lo, hi, lo)
     else:
-        lo = tl.where(d < 0, q - step, q)
-        hi = tl.where(d > 0, q + step, q)
-        if BITS == 4:
-            q_roll = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * TWO_126
-            d_lo = tl.abs(_with_sign(lo, z) - q_roll)
-            d_hi = tl.abs(_with_sign(hi, z) - q_roll)
-            mag = tl.where(d_hi < d_lo, hi, lo)
-        else:
-            MASK: tl.constexpr = (1 << BITS) - 1
-            k_lo = _index(lo)
-            k_hi = _index(hi)
-            below = k_lo - 1 - ((k_lo - 1 - c) & MASK)
-            above = k_hi + 1 + ((c - k_hi - 1) & MASK)
-            mid = _magnitude(tl.maximum(below, 0)) + _magnitude(tl.minimum(above, 7))
-            twice = 2.0 * a
-            outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
-            outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
-            mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
+        MASK: tl.constexpr = (1 << BITS) - 1
+        k_lo = _index(lo)
+        k_hi = _index(hi)
+        below = k_lo - 1 - ((k_lo - 1 - c) & MASK)
+        above = k_hi + 1 + ((c - k_hi - 1) & MASK)
+        mid = _magnitude(tl.maximum(below, 0)) + _magnitude(tl.minimum(above, 7))
+        twice = 2.0 * a
+        outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
+        outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
+        mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
     return _with_sign(mag, z) * decode[:, :, None], tl.where(mag != rtn, 1, 0)
 
 
@@ -601,4 +656,4 @@ def _guided16_kernel(
         counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
     redirected = tl.where(counted, ra + rb, 0)
     total = tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0)
-    tl.store(redirect_ptr + pid_r * tl.num_programs(1) + pid_c, total)
+    _count(redirect_ptr, total)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from trace_core.recipe import DEFAULT_RECIPE, recipe_names
@@ -39,21 +41,26 @@ RUNS = {
 }
 DEFAULT_RUNS = ("bf16", "qat", "trace_full", "trace", "trace_all")
 TIMING = {"qat": ["mode=qat"], "trace": ["mode=trace", "record_all_layers=false"]}  # as measured in docs/results.md
+TAG = re.compile(r"[a-z0-9]+")
 TIMING_ROUNDS = 2  # qat, trace, qat, trace: drift over the session hits both modes alike
 
 
-def run_names(runs: list[str], recipes: list[str], seeds: list[int], seed: int = 0) -> dict[str, list[str]]:
-    """Run name -> its overrides: each of `runs` under each recipe and seed. The first recipe and the seed `seed`
-    keep the plain name; others append `-<recipe>` / `-s<seed>`. `bf16` has no recipe and runs under the first
-    only."""
+def run_names(
+    runs: list[str], recipes: list[str], seeds: list[int], seed: int = 0, tag: str = "", extra: Sequence[str] = ()
+) -> dict[str, list[str]]:
+    """Run name -> its overrides: each of `runs` under each recipe and seed, plus `extra`. The first recipe and the
+    seed `seed` keep the plain name; others append `-<recipe>` / `-s<seed>`; a `tag` (runs of another trainer
+    layout, a repeat) appends `@<tag>`. `bf16` has no recipe and runs under the first only."""
+    if tag and not TAG.fullmatch(tag):
+        raise ValueError(f"--tag {tag!r}: use lowercase letters and digits")
     out = {}
     for recipe in recipes:
         for s in seeds:
             for name in runs:
                 if name == "bf16" and recipe != recipes[0]:
                     continue
-                tag = name + (f"-{recipe}" if recipe != recipes[0] else "") + (f"-s{s}" if s != seed else "")
-                out[tag] = [*RUNS[name], f"recipe={recipe}", f"seed={s}"]
+                full = name + (f"-{recipe}" if recipe != recipes[0] else "") + (f"-s{s}" if s != seed else "")
+                out[full + (f"@{tag}" if tag else "")] = [*RUNS[name], f"recipe={recipe}", f"seed={s}", *extra]
     return out
 
 
@@ -110,7 +117,8 @@ def run_all(args: argparse.Namespace) -> None:
         raise SystemExit(f"--runs: unknown runs {unknown}; use a subset of {list(RUNS)}")
     recipes = args.recipes.split(",")
     seeds = [int(s) for s in args.rl_seeds.split(",")] if args.rl_seeds else [args.seed]
-    named = run_names([n for n in RUNS if n in args.runs.split(",")], recipes, seeds, args.seed)
+    names = [n for n in RUNS if n in args.runs.split(",")]
+    named = run_names(names, recipes, seeds, args.seed, args.tag, args.set)
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     for name, overrides in named.items():
         if len(procs) >= args.parallel:
@@ -195,6 +203,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recipes", default=DEFAULT_RECIPE, help=f"comma-separated precision recipes of {recipe_names()}")
     ap.add_argument("--rl-seeds", help="comma-separated seeds of the RL runs (default: --seed)")
     ap.add_argument("--parallel", type=int, default=4, help="RL runs at a time")
+    ap.add_argument("--tag", default="", help="suffix `@TAG` of the run names (runs with --set, repeats)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an RLConfig override of every RL run, e.g. the trainer layout: --set ep=2 --set dp=2 (repeatable)",
+    )
     ap.add_argument("--analysis-batches", type=int, default=4, help="0 skips the analyses")
     ap.add_argument("--timing-steps", type=int, default=12, help="0 skips the timing runs")
     ap.add_argument("--device", default="cuda", help="cpu or cuda")

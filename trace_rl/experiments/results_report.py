@@ -31,18 +31,30 @@ RUN_LABELS = {
     "trace_full": "FP4 + TRACE (full information)",
     "trace_all": "FP4 + TRACE (b=1, all layers: the default)",
 }
-RUN_NAME = re.compile(r"(?P<run>[a-z_0-9]+?)(?:-(?P<recipe>[a-z0-9]+-[a-z0-9]+-[a-z0-9]+))?(?:-s(?P<seed>\d+))?")
+RUN_NAME = re.compile(
+    r"(?P<run>[a-z_0-9]+?)(?:-(?P<recipe>[a-z0-9]+-[a-z0-9]+-[a-z0-9]+))?(?:-s(?P<seed>\d+))?(?:@(?P<tag>[a-z0-9]+))?"
+)
 
 
-def run_label(name: str) -> str:
-    """`qat-mxfp4-w4a8-kv4-s1` -> `FP4 + QAT, mxfp4-w4a8-kv4, seed 1` (`trace_rl.experiments.results.run_names`)."""
+def _match(name: str) -> re.Match:
     m = RUN_NAME.fullmatch(name)
     if m is None or m["run"] not in RUN_LABELS:
         raise ValueError(f"run {name!r} is not a run name of trace_rl.experiments.results")
-    parts = (
-        [RUN_LABELS[m["run"]]] + ([m["recipe"]] if m["recipe"] else []) + ([f"seed {m['seed']}"] if m["seed"] else [])
-    )
-    return ", ".join(parts)
+    return m
+
+
+def run_label(name: str) -> str:
+    """`qat-mxfp4-w4a8-kv4-s1@ep2` -> `FP4 + QAT, mxfp4-w4a8-kv4, seed 1, ep2`
+    (`trace_rl.experiments.results.run_names`)."""
+    m = _match(name)
+    parts = [RUN_LABELS[m["run"]]] + [m["recipe"]] * bool(m["recipe"]) + [f"seed {m['seed']}"] * bool(m["seed"])
+    return ", ".join(parts + [m["tag"]] * bool(m["tag"]))
+
+
+def _unseeded(name: str) -> str:
+    """The run name without its seed: the name of its group over seeds."""
+    m = _match(name)
+    return m["run"] + f"-{m['recipe']}" * bool(m["recipe"]) + f"@{m['tag']}" * bool(m["tag"])
 
 
 POLICY = [
@@ -82,9 +94,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _run_order(name: str) -> tuple:
-    """Runs of the default recipe first, then by recipe; within one, by seed and then in `RUN_LABELS` order."""
-    m = RUN_NAME.fullmatch(name)
-    return (m["recipe"] or "", int(m["seed"] or 0), list(RUN_LABELS).index(m["run"]))
+    """Untagged runs of the default recipe first, then by tag and recipe; within one, by seed and then in
+    `RUN_LABELS` order."""
+    m = _match(name)
+    return (m["tag"] or "", m["recipe"] or "", int(m["seed"] or 0), list(RUN_LABELS).index(m["run"]))
 
 
 def rl_section(raw: Path, docs: Path) -> str:
@@ -137,34 +150,116 @@ def rl_section(raw: Path, docs: Path) -> str:
     fig.tight_layout()
     fig.savefig(docs / "rl_mismatch.png", dpi=110)
     plt.close(fig)
-    return "### RL runs\n\n" + _table(header, rows) + seeds_section(runs)
+    return "### RL runs\n\n" + _table(header, rows) + seeds_section(runs, docs) + layout_section(runs, docs)
 
 
-def seeds_section(runs: dict[str, list[dict]]) -> str:
-    """Runs repeated over seeds: mean over seeds with a 95 % t-interval of the per-run values."""
+SEED_COLUMNS = (  # (metric, its steps: None = all, k > 0 = the last k, 0 = the second half), label
+    ("reward/mean", 10, "reward (last 10)"),
+    ("reward/mean", 0, "reward (second half)"),
+    ("train_rollout_logprob_abs_diff", None, "mean abs Δ logp"),
+    ("train_rollout_k3_kl", None, "k3 KL"),
+)
+
+
+def _steps(values: list[float], tail: int | None) -> list[float]:
+    return values if tail is None else values[-tail:] if tail else values[len(values) // 2 :]
+
+
+def _mean_t95(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of its two-sided 95 % Student t-interval."""
+    return mean_or_nan(values), _t95(len(values)) * statistics.stdev(values) / len(values) ** 0.5
+
+
+def seeds_section(runs: dict[str, list[dict]], docs: Path) -> str:
+    """Runs repeated over seeds: mean over seeds with a 95 % t-interval of the per-run values (table), and per step
+    (figure `rl_seeds.png`, 10-step moving averages: the mean over seeds with the 95 % t-interval as a band for the
+    reward, the range over seeds for the mismatch, on a log scale)."""
     groups: dict[str, list[list[dict]]] = {}
     for name, hist in runs.items():
-        m = RUN_NAME.fullmatch(name)
-        groups.setdefault(name if m is None else name[: m.start("seed") - 2] if m["seed"] else name, []).append(hist)
+        groups.setdefault(_unseeded(name), []).append(hist)
+    # the steps every seed made (runs cut short by a time limit end at slightly different steps)
+    groups = {base: [h[: min(map(len, hists))] for h in hists] for base, hists in groups.items() if len(hists) >= 2}
+    if not groups:
+        return ""
     rows = []
     for base, hists in groups.items():
-        if len(hists) < 2:
-            continue
-        cells = [run_label(base), f"{len(hists)}", f"{min(len(h) for h in hists)}"]
-        for key, tail in (("reward/mean", 10), ("train_rollout_logprob_abs_diff", None), ("train_rollout_k3_kl", None)):
-            per_run = [mean_or_nan([m[key] for m in h if key in m][-tail if tail else 0 :]) for h in hists]
-            mean, half = mean_or_nan(per_run), _t95(len(per_run)) * statistics.stdev(per_run) / len(per_run) ** 0.5
+        cells = [run_label(base), f"{len(hists)}", f"{len(hists[0])}"]
+        for key, tail, _ in SEED_COLUMNS:
+            mean, half = _mean_t95([mean_or_nan(_steps([m[key] for m in h if key in m], tail)) for h in hists])
             cells.append(f"{mean:.4g} ± {half:.2g}")
         rows.append(cells)
-    if not rows:
-        return ""
-    header = ["run", "seeds", "steps (min)", "reward (last 10)", "mean abs Δ logp", "k3 KL"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in (
+        (axes[0], "reward/mean", "reward: mean over seeds, 95 % t-interval"),
+        (axes[1], "train_rollout_logprob_abs_diff", "mean abs Δ logp: mean and range over seeds"),
+    ):
+        for base, hists in groups.items():
+            n = len(hists[0])
+            smooth = [[mean_or_nan([m[key] for m in h[max(0, i - 9) : i + 1]]) for i in range(n)] for h in hists]
+            at = [[run[i] for run in smooth] for i in range(n)]
+            (line,) = ax.plot(range(n), [mean_or_nan(v) for v in at], lw=1, label=run_label(base))
+            if key == "reward/mean":
+                low, high = zip(*((m - h, m + h) for m, h in map(_mean_t95, at)), strict=True)
+            else:
+                low, high = [min(v) for v in at], [max(v) for v in at]
+            ax.fill_between(range(n), low, high, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{title} (10-step moving average)", fontsize=9)
+        ax.set_xlabel("RL step")
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(docs / "rl_seeds.png", dpi=110)
+    plt.close(fig)
+    header = ["run", "seeds", "steps"] + [label for *_, label in SEED_COLUMNS]
     return "\n\nOver seeds (mean ± half-width of the 95 % t-interval over the runs):\n\n" + _table(header, rows)
 
 
 def _t95(n: int) -> float:
     """Two-sided 95 % Student t quantile with n - 1 degrees of freedom (n = 2..6)."""
     return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}[n]
+
+
+LAYOUT_COLUMNS = (("train_rollout_logprob_abs_diff", ".5f"), ("train_rollout_k3_kl", ".2e"), ("reward/mean", ".3f"))
+
+
+def layout_section(runs: dict[str, list[dict]], docs: Path) -> str:
+    """Tagged runs (another trainer layout, a repeat) against the untagged run of the same name and seed, over the
+    steps all of them made: per-run means, step 0 (same weights and seed: whether its mean reward and response
+    length equal the reference's, a check that the runs sampled alike, not a proof of identical tokens) and the
+    mean per-step distance of |Δ logp| to the reference run. The reference's other seeds are the scale of
+    run-to-run noise. Figure `rl_layouts_<run>.png`."""
+    out = []
+    for ref in sorted({n.split("@")[0] for n in runs if "@" in n and n.split("@")[0] in runs}):
+        others = [n for n in runs if _unseeded(n) == _unseeded(ref) and n != ref]  # other seeds, same run
+        rows = [ref] + [n for n in runs if n.split("@")[0] == ref and n != ref] + others
+        n = min(len(runs[r]) for r in rows)
+        dlogp = "train_rollout_logprob_abs_diff"
+        base = [m[dlogp] for m in runs[ref][:n]]
+        table = []
+        fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+        for r in rows:
+            hist = runs[r][:n]
+            first = runs[r][0]
+            same = all(first[k] == runs[ref][0][k] for k in ("reward/mean", "rollout/response_len"))
+            dist = mean_or_nan([abs(m[dlogp] - b) for m, b in zip(hist, base, strict=True)])
+            step0 = [f"{first[dlogp]:.5f}", f"{first['train_rollout_k3_kl']:.2e}"]
+            means = [f"{mean_or_nan([m[k] for m in hist]):{f}}" for k, f in LAYOUT_COLUMNS]
+            table.append([run_label(r), f"{n}", "yes" if same else "no", *step0, *means, f"{dist:.2e}"])
+            for ax, key in zip(axes, (dlogp, "train_rollout_k3_kl", "reward/mean"), strict=True):
+                ax.plot([m["step"] for m in hist], [m[key] for m in hist], lw=1, label=run_label(r))
+        for ax, title in zip(axes, ("mean abs Δ logp", "k3 KL", "reward"), strict=True):
+            ax.set_title(title)
+            ax.set_xlabel("RL step")
+        axes[0].legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(docs / f"rl_layouts_{ref}.png", dpi=110)
+        plt.close(fig)
+        header = ["run", "steps", "step 0: reward, length = first row's", "step 0: mean abs Δ logp", "step 0: k3 KL"]
+        header += ["mean abs Δ logp", "k3 KL", "reward", "mean per-step distance of abs Δ logp to the first row"]
+        out.append(_table(header, table))
+    if not out:
+        return ""
+    return "\n\n### Trainer layouts and repeats (against the untagged run of the same seed)\n\n" + "\n\n".join(out)
 
 
 def _config_mean(rows: list[dict], key: str) -> float:
