@@ -17,8 +17,11 @@ run() {
         bench/megatron_parallel.py --layout "$layout" --work "$work" --out "$out/${layout//[=,]/_}" "$@" \
         > "$out/${layout//[=,]/_}.log" 2>&1 || { tail -n 40 "$out/${layout//[=,]/_}.log"; exit 1; }
 }
+# The table is rewritten after every layout: a run cut short by a time limit still leaves it for what finished.
 run 1 single --repeat 2 "$@"
+"$PY" bench/megatron_parallel.py --summary "$out" > "$out/summary.md"
 for layout in ${LAYOUTS:-tp=2 ep=2 pp=2 dp=2}; do
     run 2 "$layout" "$@"
+    "$PY" bench/megatron_parallel.py --summary "$out" > "$out/summary.md"
 done
-"$PY" bench/megatron_parallel.py --summary "$out" | tee "$out/summary.md"
+cat "$out/summary.md"
