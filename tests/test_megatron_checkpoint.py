@@ -1,6 +1,6 @@
 """Trainer checkpoints through Megatron's distributed checkpointing (`megatron_trace.checkpoint`) move between layouts
-bit for bit: one rank -> TP = 2 + SP, EP = 2 (SequentialMLP and the TRACE grouped experts), PP = 2 (two gloo ranks,
-torchrun) -> one rank.
+bit for bit: one rank -> TP = 2 + SP, EP = 2 (SequentialMLP and the TRACE grouped experts), PP = 2, PP = 2 with two
+virtual stages (two gloo ranks, torchrun) -> one rank.
 
 The single rank (in this process) saves BF16 parameters, FP32 masters that differ from them, and AdamW moments after
 one step. Each two-rank layout loads that checkpoint into its shards (under Megatron DDP, whose parameters are views
@@ -27,6 +27,7 @@ LAYOUTS = {
     "ep2": (dict(ep=2), False),
     "ep2_grouped": (dict(ep=2), True),
     "pp2": (dict(pp=2), False),
+    "pp2_vpp2": (dict(pp=2, vpp=2), False),
 }
 FIELDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
