@@ -21,72 +21,21 @@ pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sgla
 
 from megatron_trace.config import TraceConfig  # noqa: E402
 from megatron_trace.sites import SiteNumerics  # noqa: E402
-from tests.test_sglang_fc2 import (  # noqa: E402
-    LAYER,
-    TOPK,
-    E,
-    GemmInputs,
-    checkpoint,
-    layer_mod,
-    routed_input,
-    rows_by_expert,
-    sglang_native_tokens,
-)
-from tests.test_sglang_moe import load  # noqa: E402
+from tests.test_sglang_fc2 import LAYER, E, checkpoint, routed_input, run_sglang, sglang_layer  # noqa: E402
 from trace_core.recipe import get_recipe, recipe_names  # noqa: E402
 from trace_core.records import RecordSpec, pack_low_bits  # noqa: E402
 from trace_core.role_quant import quantize_role  # noqa: E402
 
-H = 64
-
 
 def sglang_run(name: str, store: str) -> tuple[dict, object, torch.Tensor]:
     """FC1 / FC2 GEMM inputs of the patched FusedMoE under recipe `name`, its capturer and its w13 weights."""
-    from sglang.srt.distributed.parallel_state import get_moe_tp_group
-    from sglang.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    from sglang_trace import hooks
-    from sglang_trace.capturer import TraceCapturer
-    from sglang_trace.config import ModelLayout, check_server_args
+    from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
 
     # a recipe that does not record the MoE input records K and V only (the FP4 KV pool itself is not built here)
-    sites = {"trace_sites": "moe_in"} if get_recipe(name).recorded("moe_in") else {"trace_sites": "k,v"}
-    args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        trace_mode="emulate",
-        trace_recipe=name,
-        trace_store=store,
-        kv_cache_dtype="fp4_e2m1",
-        **sites,
-    )
-    set_global_server_args_for_scheduler(args)
-    layer = layer_mod.FusedMoE(
-        num_experts=E, hidden_size=H, intermediate_size=64, layer_id=LAYER, top_k=TOPK, params_dtype=torch.bfloat16
-    )
-    ckpt = checkpoint()
-    load(layer, ckpt, range(E))
-    cap = TraceCapturer(
-        check_server_args(args),
-        ModelLayout("Qwen3MoeForCausalLM", 2, (0, LAYER), (), H, 1, 16, TOPK),
-        kv_pool=None,
-        max_tokens=16,
-        num_slots=32,
-        max_request_tokens=16,
-        device="cpu",
-        return_routes=False,
-        weights=hooks.EXPERT_WEIGHTS,
-        tp_rank=get_moe_tp_group().rank_in_group,
-    )
-    set_global_experts_capturer(cap)
-    x, ids, weights = routed_input()
-    with GemmInputs() as seen:
-        layer.forward_impl(x, StandardTopKOutput(topk_weights=weights, topk_ids=ids, router_logits=None))
-    w13 = [layer.w13_weight[e] for e in range(E)]
-    w2 = [layer.w2_weight[e] for e in range(E)]
-    return rows_by_expert(seen.calls, w13, w2, sglang_native_tokens(ids)), cap, layer.w13_weight.detach().clone()
+    sites = "moe_in" if get_recipe(name).recorded("moe_in") else "k,v"
+    layer = sglang_layer(store, attention_layers=(), trace_recipe=name, kv_cache_dtype="fp4_e2m1", trace_sites=sites)
+    rows, _ = run_sglang(layer)
+    return rows, get_global_experts_capturer(), layer.w13_weight.detach().clone()
 
 
 @pytest.mark.parametrize("name", recipe_names())

@@ -96,8 +96,9 @@ def sglang_native_tokens(ids: torch.Tensor) -> dict[int, list[int]]:
     return out
 
 
-def sglang_layer(store: str, tp_group_world: int = 1):
-    """A patched FusedMoE (layer LAYER) loaded from `checkpoint()` through its weight loader, TRACE emulate on."""
+def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = (0, 1), **server_args):
+    """A patched FusedMoE (layer LAYER) loaded from `checkpoint()` through its weight loader, TRACE emulate on;
+    its capturer is SGLang's global one. `server_args` override the `ServerArgs` below (a recipe, other sites)."""
     from sglang.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
@@ -106,12 +107,15 @@ def sglang_layer(store: str, tp_group_world: int = 1):
     from sglang_trace.config import ModelLayout, check_server_args
 
     args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        trace_mode="emulate",
-        trace_store=store,
-        trace_sites="moe_in",
-        tp_size=tp_group_world,
+        **{
+            "model_path": "dummy",
+            "device": "cpu",
+            "trace_mode": "emulate",
+            "trace_store": store,
+            "trace_sites": "moe_in",
+            "tp_size": tp_group_world,
+        }
+        | server_args
     )
     set_global_server_args_for_scheduler(args)
     layer = layer_mod.FusedMoE(
@@ -124,7 +128,7 @@ def sglang_layer(store: str, tp_group_world: int = 1):
     moe_tp = get_moe_tp_group()
     cap = TraceCapturer(
         check_server_args(args),
-        ModelLayout("Qwen3MoeForCausalLM", 2, (0, LAYER), (0, 1), H, 1, 16, TOPK),
+        ModelLayout("Qwen3MoeForCausalLM", 2, (0, LAYER), attention_layers, H, 1, 16, TOPK),
         kv_pool=None,
         max_tokens=16,
         num_slots=32,
