@@ -168,7 +168,8 @@ def _fields(rec: Record) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename or new file in it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -295,7 +296,7 @@ def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 @contextlib.contextmanager
@@ -378,7 +379,7 @@ class StepWriter:
                     ) from None
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         with self._lock:
             self.stats.shards += 1
             self.stats.trajectories += len(named)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from trace_core.store import _fsync_dir, atomic_write
+from trace_core.store import atomic_write, fsync_dir
 
 MAGIC = b"TRACECKP"
 PREAMBLE = struct.Struct("<8sQ32s")  # magic, payload length, SHA-256 of the payload
@@ -114,11 +114,11 @@ def seal_sharded(out: Path, step: int) -> dict:
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # left by a run that crashed before its checkpoint file was written
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(out)
+    fsync_dir(out)
     return {"dir": final.name, "integrity_sha256": hashlib.sha256((final / INTEGRITY).read_bytes()).hexdigest()}
 
 
