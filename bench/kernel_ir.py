@@ -61,14 +61,14 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None) -> tuple:
+    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None) -> tuple:
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
         use16 = block == 16 and not (bits and fmt_obj.has_global_scale) if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
-                "REC_UNIT": unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
+                "REC_UNIT": rec_unit or unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int) -> tuple:
@@ -84,6 +84,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("quant nvfp4 per-token b=1 block kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True)),
         ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
         ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
+        ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),
+        ("quant nvfp4 per-token b=1 wide record stores", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True, rec_unit=16)),
         ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
         ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
         ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),

@@ -159,7 +159,12 @@ QUANT_TILES = [(1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (1, 4096,
 GUIDED_TILES = [(1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4)]
 
 
-def tune(t: int = 65536, ds: tuple[int, ...] = (2048, 4096, 7168), out: str | None = None) -> dict:
+def tune(
+    t: int = 65536,
+    ds: tuple[int, ...] = (2048, 4096, 7168),
+    out: str | None = None,
+    kernels: tuple[str, ...] = ("quant", "guided"),
+) -> dict:
     """Sweep each kernel's program tile (rows x chunk, warps; `row_chunk` for per-token nvfp4) at T = `t`, graph-
     timed; the best tile per kernel minimizes the summed time over formats and widths (quantize: with and without
     the record). Prints every configuration, returns (and writes to `out`) the best as a `TRACE_FP4_LAUNCH` JSON."""
@@ -173,7 +178,7 @@ def tune(t: int = 65536, ds: tuple[int, ...] = (2048, 4096, 7168), out: str | No
             rec = Record(quantize(x[:1], fmt, **kwargs).fmt, BITS, d, low, scales, token)
             cases.append((fmt, d, x, kwargs, low, scales, token, rec))
     totals: dict[tuple, float] = {}
-    for kernel, tiles in (("quant", QUANT_TILES), ("guided", GUIDED_TILES)):
+    for kernel, tiles in ((k, {"quant": QUANT_TILES, "guided": GUIDED_TILES}[k]) for k in kernels):
         row_chunks = (4096, 8192) if kernel == "quant" else (None,)
         for (rows, chunk, warps), row_chunk in itertools.product(tiles, row_chunks):
             ops.LAUNCH[kernel].update(rows=rows, chunk=chunk, warps=warps)
@@ -195,7 +200,7 @@ def tune(t: int = 65536, ds: tuple[int, ...] = (2048, 4096, 7168), out: str | No
         ops.LAUNCH[kernel].clear()
         ops.LAUNCH[kernel].update(saved[kernel])
     best = {}
-    for kernel in ("quant", "guided"):
+    for kernel in kernels:
         ranked = sorted((v, k) for k, v in totals.items() if k[0] == kernel)
         for v, k in ranked:
             print(f"{kernel} total {1e3 * v:9.1f} us  rows={k[1]} chunk={k[2]} warps={k[3]} row_chunk={k[4]}")
@@ -217,9 +222,11 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' program tiles instead")
     parser.add_argument("--tune-out", help="with --tune: write the best tiles here (TRACE_FP4_LAUNCH JSON)")
+    parser.add_argument("--tune-kernels", nargs="+", default=["quant", "guided"], choices=["quant", "guided"],
+                        help="with --tune: the kernels to sweep")  # fmt: skip
     args = parser.parse_args()
     if args.tune:
-        tune(out=args.tune_out)
+        tune(ds=tuple(args.d or (2048, 4096, 7168)), out=args.tune_out, kernels=tuple(args.tune_kernels))
         return
     ts, ds = ((64, 4096), (4096,)) if args.quick else ((1, 64, 4096, 65536), (2048, 4096, 7168))
     ts, ds = args.t or ts, args.d or ds

@@ -11,7 +11,12 @@ Differences between rows place the time: record stores, store width, layout. `--
 program tile (rows x columns, warps) of the kv_fp4 block kernel with and without the record: the record's
 overhead at each tile, and at the best tile of each.
 
-Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--tiles] [--out variants.json]
+`--wide D [D ...]` instead times, at each row width D, the record stored per block (2-byte words and scale
+bytes, `REC_UNIT` 2) against the record stored in 16-byte vectors and 8-byte scale words (`REC_UNIT` 16, what
+`ops` launches where `record_store_unit` allows it), both against the block kernel without a record, and for
+nvfp4 the group-per-thread kernel with the record; it checks that every variant writes the same bytes.
+
+Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--tiles] [--wide 2048 4096 7168] [--out variants.json]
 """
 
 from __future__ import annotations
@@ -62,13 +67,56 @@ def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None
     )  # fmt: skip
 
 
+def wide(t: int, ds: list[int]) -> list[dict]:
+    """The `--wide` comparison (module docstring): one row per format, width and variant, with the overhead over
+    the no-record kernel and whether its bytes equal the per-block stores'."""
+    rows = []
+    for d, fmt in itertools.product(ds, ("nvfp4", "kv_fp4")):
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        low, scales, token = ops.record_buffers(t, d, fmt, 1, "cuda", per_token=fmt == "nvfp4")
+        variants = {"no record": (True, None, 1), "record, per-block stores": (True, low, 2),
+                    "record, 16-byte vectors": (True, low, 16)}  # fmt: skip
+        if fmt == "nvfp4":
+            variants["record, group-per-thread kernel"] = (False, low, 1)
+        plain, first = None, None
+        for label, (kernel16, rec, unit) in variants.items():
+            for buf in (low, scales, out):  # every variant must write all of its bytes
+                buf.zero_()
+            ms = graph_ms(partial(launch, kernel16, x, fmt, out, rec, scales, token, unit))
+            row = {"format": fmt, "T": t, "D": d, "variant": label, "us": 1e3 * ms}
+            if rec is None:
+                plain = ms
+            else:
+                written = [b.clone() for b in (out, low, scales)]
+                first = first or written
+                row["overhead_pct"] = 100 * (ms / plain - 1)
+                row["same_bytes"] = all(torch.equal(a, b) for a, b in zip(written, first, strict=True))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x, out
+    print(f"\nGPU: {torch.cuda.get_device_name()}  T={t} bf16 b=1\n")
+    print("| format | D | variant | us | over no record | same bytes |\n|---|---|---|---|---|---|")
+    for r in rows:
+        over = f"{r['overhead_pct']:+.1f} %" if "overhead_pct" in r else "-"
+        print(f"| {r['format']} | {r['D']} | {r['variant']} | {r['us']:.1f} | {over} | {r.get('same_bytes', '-')} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--t", type=int, default=65536)
     parser.add_argument("--d", type=int, default=4096)
     parser.add_argument("--tiles", action="store_true", help="also sweep the kv_fp4 block kernel's tile")
+    parser.add_argument("--wide", type=int, nargs="+", metavar="D", help="only the record store comparison")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.wide:
+        rows = wide(args.t, args.wide)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "T": args.t, "rows": rows}, f, indent=1)
+        return
     t, d = args.t, args.d
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(x)

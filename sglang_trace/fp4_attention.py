@@ -46,11 +46,12 @@ def reads_fp4(pool, phase: str) -> bool:
     if getattr(fp4, "k_scale_buffer", None) is None:
         return False
     check_fp4_pool(fp4)
-    from trace_core.kernels.fp4_attention import MIN_EXTEND_HEAD_DIM, MIN_HEAD_DIM
+    from trace_core.kernels.fp4_attention import MIN_HEAD_DIM
 
-    d, least = fp4.head_dim, MIN_HEAD_DIM if phase == "decode" else MIN_EXTEND_HEAD_DIM
-    if d < least or d & (d - 1):
-        raise ValueError(f"{ENV}: the FP4 {phase} attention kernel needs a power-of-two head dim >= {least}, got {d}")
+    d = fp4.head_dim
+    if d < MIN_HEAD_DIM or d & (d - 1):
+        need = f"a power-of-two head dim >= {MIN_HEAD_DIM}"
+        raise ValueError(f"{ENV}: the FP4 {phase} attention kernel needs {need}, got {d}")
     return True
 
 

@@ -138,6 +138,8 @@ EXTEND_CASES = [
     (1, 2, 64, [0, 70, 5], [9, 40, 70], True, 0.0, False),  # no prefix, prefix over one key block, two query blocks
     (2, 1, 64, [33], [20], False, 30.0, True),  # MHA, bidirectional, logit cap, sinks
     (1, 2, 128, [130], [3], True, 0.0, False),  # head dim 128, short extend after a long prefix
+    (2, 2, 16, [40, 0], [20, 70], True, 0.0, False),  # head dim 16: the kernel pads its tile to 32 columns on CUDA
+    (1, 2, 32, [70], [33], True, 0.0, False),  # head dim 32
 ]
 
 

@@ -41,12 +41,7 @@ def check_sglang_pool() -> None:
     small = MHATokenToKVPoolFP4(size=8, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=heads, head_dim=32,
                                 layer_num=1, device="cpu", enable_memory_saver=False, start_layer=0,
                                 enable_alt_stream=False)  # fmt: skip
-    assert fp4_attention.reads_fp4(small, "decode")
-    try:
-        fp4_attention.reads_fp4(small, "extend")
-        raise AssertionError("a head dim of 32 was not refused for extend when the backend starts")
-    except ValueError as e:
-        assert "extend attention kernel needs a power-of-two head dim >= 64, got 32" in str(e), e
+    assert fp4_attention.reads_fp4(small, "decode") and fp4_attention.reads_fp4(small, "extend")
     q = torch.randn(len(lens), heads * group, d, generator=gen).to(torch.bfloat16)
     indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
     nsplit = torch.tensor([2, 3], dtype=torch.int32)

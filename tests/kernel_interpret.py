@@ -62,7 +62,20 @@ def cases() -> dict[str, Callable[[], None]]:
                 g = partial(guided, fmt, 5, 160, torch.float32, 4, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, q)
                 out[f"guided-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, g)
+    for fmt in ("nvfp4", "kv_fp4"):  # D a multiple of 128, aligned buffers: the record in 16-byte vectors
+        for mode in kernel_checks.SCALE_MODES[fmt]:
+            for bits in (1, 2):
+                out[f"quant-{fmt}-{mode}-b{bits}-wide-record"] = partial(quant, fmt, 3, 256, torch.float32, bits, mode,
+                                                                         "cpu")  # fmt: skip
+                q = partial(quant, fmt, 5, 384, torch.float32, bits, mode, "cpu")
+                out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(_in_wide_tiles, q)
     return out
+
+
+def _in_wide_tiles(fn: Callable[[], None]) -> None:
+    with small_tiles():
+        ops.LAUNCH["quant"].update(chunk=128, row_chunk=128)  # three chunks of 128 columns per row
+        fn()
 
 
 if __name__ == "__main__":

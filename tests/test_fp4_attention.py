@@ -25,7 +25,7 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests import fp4_attention_interpret
 from tests.interpret import Interpreted, interpret
-from trace_core.kernels.fp4_attention import MIN_EXTEND_HEAD_DIM, check_fp4_cache
+from trace_core.kernels.fp4_attention import check_fp4_cache
 from trace_core.kv_attention import decode_attention_reference, dequantize_kv
 
 
@@ -56,8 +56,8 @@ def test_bad_cache_is_named():
     with pytest.raises(ValueError, match="power-of-two head dim >= 16, got 48"):
         check_fp4_cache(q, kc[..., :24], ks, kc[..., :24], ks)
     assert check_fp4_cache(q[..., :16], kc[..., :8], ks[:, :2], kc[..., :8], ks[:, :2]) == (2, 16)
-    with pytest.raises(ValueError, match="power-of-two head dim >= 64, got 16"):  # extend: not verified below 64
-        check_fp4_cache(q[..., :16], kc[..., :8], ks[:, :2], kc[..., :8], ks[:, :2], MIN_EXTEND_HEAD_DIM)
+    with pytest.raises(ValueError, match="power-of-two head dim >= 16, got 8"):
+        check_fp4_cache(q[..., :8], kc[..., :4], ks[:, :1], kc[..., :4], ks[:, :1])
     with pytest.raises(ValueError, match="k_scales must be uint8 \\(10, 8\\)"):
         check_fp4_cache(q, kc, ks[:, :4], kc, ks)
     with pytest.raises(ValueError, match="q must be"):

@@ -22,14 +22,13 @@ from trace_core.kernels.triton_fp4 import TWO_126, _pow2
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
 MIN_HEAD_DIM = 16
-"""Smallest head dim the decode kernels take (16, 64 and 128 verified on the H200, triton 3.6)."""
-MIN_EXTEND_HEAD_DIM = 64
-"""Smallest head dim the extend kernel takes: 64 and 128 are verified on the H200; smaller ones are not, and are
-refused rather than trusted."""
+"""Smallest head dim the decode and extend kernels take (powers of two; 16, 32, 64 and 128 are tested on the
+H200, triton 3.6)."""
 PAD_HEAD_DIM = 32
-"""On CUDA the grouped decode kernel runs head dim 16 as a 32-column tile: triton 3.6 compiles the 16-column tile
-wrong on the H200 (the dequantized tile alone is exact there, and so is SGLang's kernel, which loads K transposed
-from memory; `bench/fp4_attention_head_dim.py`). The padded tile gives SGLang's values bit for bit there: the
+"""On CUDA the grouped decode kernel and the extend kernel run head dim 16 as a 32-column tile: triton 3.6
+compiles the grouped decode kernel's 16-column tile wrong on the H200 (the dequantized tile alone is exact there,
+and so is SGLang's kernel, which loads K transposed from memory; `bench/fp4_attention_head_dim.py`), and the
+extend kernel's prefix dot is built the same way. The padded tile gives SGLang's values bit for bit there: the
 tensor-core dot's first 16-deep step takes the same products, the second adds exact zeros. The CPU interpreter
 keeps the 16-column tile, which it computes right (its FP32 matmul would order a 32-deep sum differently)."""
 KV_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -254,16 +253,16 @@ def _fwd_kernel_stage2(
 
 
 def check_fp4_cache(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
-                    v_scales: torch.Tensor, min_head_dim: int = MIN_HEAD_DIM) -> tuple[int, int]:  # fmt: skip
+                    v_scales: torch.Tensor) -> tuple[int, int]:  # fmt: skip
     """(KV heads, head dim) of an FP4 pool layer, or ValueError naming what does not fit (q `[B, Hq, D]`, codes
-    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides, D a power of two >= min_head_dim)."""
+    uint8 `[S, H, D/2]`, scales uint8 `[S, H * D / 16]`, unit last strides, D a power of two >= `MIN_HEAD_DIM`)."""
     if k_codes.dim() != 3 or k_codes.dtype != torch.uint8 or v_codes.shape != k_codes.shape:
         got = f"{k_codes.dtype} {tuple(k_codes.shape)} and {v_codes.dtype} {tuple(v_codes.shape)}"
         raise ValueError(f"FP4 KV codes must be uint8 [slots, heads, head_dim / 2] for K and V, got {got}")
     slots, heads, half = k_codes.shape
     d = 2 * half
-    if d < min_head_dim or d & (d - 1):
-        raise ValueError(f"FP4 attention needs a power-of-two head dim >= {min_head_dim}, got {d}")
+    if d < MIN_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"FP4 attention needs a power-of-two head dim >= {MIN_HEAD_DIM}, got {d}")
     for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
         if s.dtype != torch.uint8 or tuple(s.shape) != (slots, heads * d // 16):
             raise ValueError(f"{name} must be uint8 {(slots, heads * d // 16)}, got {s.dtype} {tuple(s.shape)}")

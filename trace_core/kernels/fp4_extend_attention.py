@@ -18,8 +18,30 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.kernels.fp4_attention import KV_DTYPES, MIN_EXTEND_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache
+from trace_core.kernels.fp4_attention import KV_DTYPES, PAD_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache
 from trace_core.kv_attention import extend_tiles
+
+
+@triton.jit
+def _online_step(qk, final_mask, v, acc, deno, e_max, logit_cap: tl.constexpr, v_scale, HAS_V_SCALE: tl.constexpr):
+    """One key block of SGLang's online softmax, shared by both stages: the scaled logits qk [BLOCK_M, BLOCK_N]
+    capped and masked, the running max e_max, denominator deno and output acc updated with the block's values v,
+    p cast to v's dtype for the dot (the prefix stage multiplies its P V by v_scale, as SGLang does)."""
+    if logit_cap > 0:
+        qk = logit_cap * _tanh(qk / logit_cap)
+    qk = tl.where(final_mask, qk, float("-inf"))
+    row_max = tl.max(qk, 1)
+    row_max_fixed = tl.where(row_max == float("-inf"), -1e20, row_max)
+    n_e_max = tl.maximum(row_max_fixed, e_max)
+    re_scale = tl.exp(e_max - n_e_max)
+    p = tl.exp(qk - n_e_max[:, None])
+    deno = deno * re_scale + tl.sum(p, 1)
+    p = p.to(v.dtype)
+    if HAS_V_SCALE:
+        acc = acc * re_scale[:, None] + tl.dot(p, v) * v_scale
+    else:
+        acc = acc * re_scale[:, None] + tl.dot(p, v)
+    return acc, deno, n_e_max
 
 
 @triton.jit
@@ -29,10 +51,14 @@ def _fp4_extend_kernel(
     stride_qbs, stride_qh, stride_kbs, stride_kh, stride_vbs, stride_vh, stride_obs, stride_oh,
     stride_kcs, stride_kch, stride_kss, stride_vcs, stride_vch, stride_vss,
     logit_cap: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, KV_DTYPE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, KV_DTYPE: tl.constexpr, Lk: tl.constexpr,
 ):  # fmt: skip
     """SGLang's `_fwd_kernel` without the features refused above (module docstring); prefix K/V from the FP4
-    pool, the K tile built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N]."""
+    pool, the K tile built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N].
+
+    Lk is the head dim; D is wider for head dim 16 on CUDA (`PAD_HEAD_DIM`, as in the decode kernel), with zeros
+    in the extra columns of q, K and V: the extra terms of q . k are exact zeros and the extra output columns are
+    not stored."""
     cur_seq = tl.program_id(0)
     cur_head = tl.program_id(1)
     cur_block_m = tl.program_id(2)
@@ -44,10 +70,15 @@ def _fp4_extend_kernel(
     cur_seq_len_prefix = tl.load(kv_indptr + cur_seq + 1) - cur_seq_kv_start_idx
 
     offs_d = tl.arange(0, D)
+    mask_d = offs_d < Lk
+    if D > Lk:
+        PAD: tl.constexpr = Lk
+    else:
+        PAD: tl.constexpr = 0  # type: ignore[no-redef]  # a Triton constexpr set per branch
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = (cur_block_m * BLOCK_M + offs_m) < cur_seq_len_extend
     offs_q = (cur_seq_extend_start_idx + cur_block_m * BLOCK_M + offs_m[:, None]) * stride_qbs + cur_head * stride_qh
-    q = tl.load(Q_Extend + offs_q + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    q = tl.load(Q_Extend + offs_q + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
     offs_n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -61,23 +92,12 @@ def _fp4_extend_kernel(
         final_mask = mask_m[:, None] & mask_n[None, :]
         offs_kv_loc = tl.load(kv_indices + cur_seq_kv_start_idx + start_n + offs_n, mask=mask_n, other=0)
         k = tl.trans(_fp4_tile(K_Codes, K_Scales, offs_kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss,
-                               mask_n, D, BLOCK_N, KV_DTYPE))  # fmt: skip
+                               mask_n, D, BLOCK_N, KV_DTYPE, PAD))  # fmt: skip
         qk = tl.dot(q.to(k.dtype), k)
         qk *= sm_scale * k_scale
-        if logit_cap > 0:
-            qk = logit_cap * _tanh(qk / logit_cap)
-        qk = tl.where(final_mask, qk, float("-inf"))
-        row_max = tl.max(qk, 1)
-        row_max_fixed = tl.where(row_max == float("-inf"), -1e20, row_max)
-        n_e_max = tl.maximum(row_max_fixed, e_max)
-        re_scale = tl.exp(e_max - n_e_max)
-        p = tl.exp(qk - n_e_max[:, None])
-        deno = deno * re_scale + tl.sum(p, 1)
         v = _fp4_tile(V_Codes, V_Scales, offs_kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, mask_n, D,
-                      BLOCK_N, KV_DTYPE)  # fmt: skip
-        p = p.to(v.dtype)
-        acc = acc * re_scale[:, None] + tl.dot(p, v) * v_scale
-        e_max = n_e_max
+                      BLOCK_N, KV_DTYPE, PAD)  # fmt: skip
+        acc, deno, e_max = _online_step(qk, final_mask, v, acc, deno, e_max, logit_cap, v_scale, True)
 
     # stage 2: the new tokens (SGLang's "triangle part"), from k_extend / v_extend
     cur_block_m_end = (
@@ -92,29 +112,18 @@ def _fp4_extend_kernel(
             mask_causal &= mask_m[:, None] & mask_n[None, :]
             final_mask &= mask_causal
         offs_k = (cur_seq_extend_start_idx + start_n + offs_n[None, :]) * stride_kbs + cur_kv_head * stride_kh
-        k = tl.load(K_Extend + offs_k + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        k = tl.load(K_Extend + offs_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k, out_dtype=tl.float32)
         qk *= sm_scale
-        if logit_cap > 0:
-            qk = logit_cap * _tanh(qk / logit_cap)
-        qk = tl.where(final_mask, qk, float("-inf"))
-        row_max = tl.max(qk, 1)
-        row_max_fixed = tl.where(row_max == float("-inf"), -1e20, row_max)
-        n_e_max = tl.maximum(row_max_fixed, e_max)
-        re_scale = tl.exp(e_max - n_e_max)
-        p = tl.exp(qk - n_e_max[:, None])
-        deno = deno * re_scale + tl.sum(p, 1)
         offs_v = (cur_seq_extend_start_idx + start_n + offs_n[:, None]) * stride_vbs + cur_kv_head * stride_vh
-        v = tl.load(V_Extend + offs_v + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        p = p.to(v.dtype)
-        acc = acc * re_scale[:, None] + tl.dot(p, v)
-        e_max = n_e_max
+        v = tl.load(V_Extend + offs_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc, deno, e_max = _online_step(qk, final_mask, v, acc, deno, e_max, logit_cap, 1.0, False)
 
     if HAS_SINK:
         cur_sink = tl.load(sink_ptr + cur_head)
         deno += tl.exp(cur_sink - e_max)
     offs_o = (cur_seq_extend_start_idx + cur_block_m * BLOCK_M + offs_m[:, None]) * stride_obs + cur_head * stride_oh
-    tl.store(O_Extend + offs_o + offs_d[None, :], acc / deno[:, None], mask=mask_m[:, None])
+    tl.store(O_Extend + offs_o + offs_d[None, :], acc / deno[:, None], mask=mask_m[:, None] & mask_d[None, :])
 
 
 def fp4_extend_attention(
@@ -152,7 +161,7 @@ def fp4_extend_attention(
         raise ValueError(f"FP4 extend attention does not take a sliding window (got {sliding_window_size})")
     if xai_temperature_len > 0:
         raise ValueError(f"FP4 extend attention does not take xai_temperature_len (got {xai_temperature_len})")
-    heads, d = check_fp4_cache(q_extend, k_codes, k_scales, v_codes, v_scales, MIN_EXTEND_HEAD_DIM)
+    heads, d = check_fp4_cache(q_extend, k_codes, k_scales, v_codes, v_scales)
     for name, t in (("k_extend", k_extend), ("v_extend", v_extend)):
         if t.dim() != 3 or t.shape[1:] != (heads, d) or t.shape[0] != q_extend.shape[0] or t.stride(-1) != 1:
             raise ValueError(f"{name} must be [tokens, {heads}, {d}] like q_extend, got {tuple(t.shape)}")
@@ -167,6 +176,7 @@ def fp4_extend_attention(
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0),
         v_extend.stride(1), o_extend.stride(0), o_extend.stride(1), k_codes.stride(0), k_codes.stride(1),
         k_scales.stride(0), v_codes.stride(0), v_codes.stride(1), v_scales.stride(0),
-        logit_cap=logit_cap, D=d, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=is_causal, HAS_SINK=sinks is not None,
-        KV_DTYPE=KV_DTYPES[kv_dtype], num_warps=warps, num_stages=1,
+        logit_cap=logit_cap, D=max(d, PAD_HEAD_DIM) if q_extend.is_cuda else d, BLOCK_M=block_m, BLOCK_N=block_n,
+        IS_CAUSAL=is_causal, HAS_SINK=sinks is not None, KV_DTYPE=KV_DTYPES[kv_dtype], num_warps=warps, num_stages=1,
+        Lk=d,
     )  # fmt: skip

@@ -45,12 +45,13 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1},
+    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 1},
     "guided": {"rows": 2, "chunk": 1024, "warps": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
 Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
-16-element quantize kernel takes `row_loop` tiles of rows one after the other per program.
+16-element quantize kernel takes `row_loop` tiles of rows one after the other per program, and with `wide_record`
+(1, else 0) stores the record in 16-byte vectors where `record_store_unit` allows it.
 `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
@@ -59,7 +60,7 @@ def _launch_overrides(text: str) -> None:
         override = json.loads(text)
         for kernel, values in override.items():
             unknown = set(values) - set(LAUNCH[kernel])
-            if unknown or not all(isinstance(v, int) and v > 0 for v in values.values()):
+            if unknown or not all(isinstance(v, int) and (v > 0 or k == "wide_record") for k, v in values.items()):
                 raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
             LAUNCH[kernel].update(values)
     except (ValueError, KeyError, AttributeError) as e:
@@ -91,6 +92,16 @@ def record_unit(buf: torch.Tensor, bits: int) -> int:
     return 1
 
 
+def record_store_unit(low_bits: torch.Tensor, scales: torch.Tensor, bits: int, d: int) -> int:
+    """How the 16-element quantize kernel stores a record: 16 (16-byte vectors of code bits, 8-byte words of scale
+    bytes, per 128 columns) where `LAUNCH["quant"]["wide_record"]` is on, b is 1 or 2, D a multiple of 128, the
+    code-bit rows 16-byte and the scale rows 8-byte aligned; else `record_unit`'s per-block words."""
+    aligned = all(b.data_ptr() % u == 0 and b.stride(0) % u == 0 for b, u in ((low_bits, 16), (scales, 8)))
+    if LAUNCH["quant"]["wide_record"] and bits in (1, 2) and d % 128 == 0 and aligned:
+        return 16
+    return record_unit(low_bits, bits)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -111,12 +122,12 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     record = low_bits is not None
-    # 16-element blocks take the block-per-thread kernel, except per-token and static nvfp4 with a record, where
-    # the group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
+    # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block, where the
+    # group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
     loop = 1
-    if fmt.block == 16 and not (record and fmt.has_global_scale):
+    unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
+    if fmt.block == 16 and (unit == 16 or not (record and fmt.has_global_scale)):
         loop = LAUNCH["quant"]["row_loop"]
-        unit = record_unit(low_bits, bits) if record else 1
         kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}

@@ -46,6 +46,15 @@ def _pow2(n):
 
 
 @triton.jit
+def _rcp(x):
+    """1 / x rounded to nearest even: `rcp.rn.f32` (libdevice `rcp_rn`), the same value as the IEEE division
+    `div_rn(1, x)` and cheaper; the interpreter, without libdevice, divides."""
+    if INTERPRET:
+        return tl.math.div_rn(1.0, x)
+    return libdevice.rcp_rn(x)
+
+
+@triton.jit
 def _e4m3_round(v):
     """Round FP32 v in [0, 448] to the nearest-even E4M3 value; returns (value, byte)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -205,6 +214,44 @@ def _token_scale(amax_row):
 
 
 @triton.jit
+def _static_scale(gs_ptr, rows, row_mask, SCALE_MODE: tl.constexpr, NDIM: tl.constexpr):
+    """nvfp4's S_enc in a static scale mode, broadcastable against [RB, ...] tensors of NDIM dimensions: a load per
+    row (SCALE_ROW), the scalar (SCALE_SCALAR), or 1 (SCALE_NONE, the E8M0 formats)."""
+    if SCALE_MODE == SCALE_ROW:
+        s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        if NDIM == 3:
+            s_enc = s_enc[:, :, None]
+    elif SCALE_MODE == SCALE_SCALAR:
+        s_enc = tl.load(gs_ptr)
+    else:
+        s_enc = 1.0
+    return s_enc
+
+
+@triton.jit
+def _row_amax(x_ptr, rows64, row_mask, x_stride, D, RB: tl.constexpr, C: tl.constexpr):
+    """Amax of each of the rows [RB] over all D columns, read in [RB, C] tiles (the first pass of per-token nvfp4
+    when a row is wider than one chunk; a max, so the tile layout does not change the result)."""
+    cols = tl.arange(0, C)[None, :]
+    amax_row = tl.zeros((RB,), tl.float32)
+    for c0 in range(0, D, C):
+        m = row_mask[:, None] & (c0 + cols < D)
+        x = tl.load(x_ptr + rows64[:, None] * x_stride + c0 + cols, mask=m, other=0.0).to(tl.float32)
+        amax_row = tl.maximum(amax_row, tl.max(tl.abs(x), axis=1))
+    return amax_row
+
+
+@triton.jit
+def _per_token_scale(amax_row, tok_ptr, rows64, tok_stride, row_mask, BITS: tl.constexpr):
+    """Per-token S_enc [RB, 1] of rows with amax `amax_row` [RB], stored as the record's token scale when there is
+    a record."""
+    s_enc = _token_scale(amax_row)
+    if BITS > 0:
+        tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
+    return s_enc[:, None]
+
+
+@triton.jit
 def _tile(NB: tl.constexpr, G: tl.constexpr):
     """Column offsets [1, NB, G, 8] within a chunk: NB scale blocks of G groups of 8 elements (8 elements fill
     BITS bytes of the record). Every tensor of the kernels lives in this layout or a reduction of it."""
@@ -247,23 +294,11 @@ def _quantize_record_kernel(
     offs = _tile(NB, G)
     x_rows = x_ptr + rows64[:, None, None, None] * x_stride
 
-    if SCALE_MODE == SCALE_PER_TOKEN:
-        if not ONE_PASS:
-            amax_row = tl.zeros((RB,), tl.float32)
-            for c0 in range(0, D, C):
-                m = row_mask[:, None, None, None] & (c0 + offs < D)
-                x = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-                amax_row = tl.maximum(amax_row, tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1))
-            s_enc = _token_scale(amax_row)
-            if BITS > 0:
-                tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
-            s_enc = s_enc[:, None]
-    elif SCALE_MODE == SCALE_ROW:
-        s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
-    elif SCALE_MODE == SCALE_SCALAR:
-        s_enc = tl.load(gs_ptr)
-    else:
-        s_enc = 1.0
+    if SCALE_MODE != SCALE_PER_TOKEN:
+        s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
+    elif not ONE_PASS:
+        s_enc = _per_token_scale(_row_amax(x_ptr, rows64, row_mask, x_stride, D, RB, C), tok_ptr, rows64, tok_stride,
+                                 row_mask, BITS)  # fmt: skip
 
     first = tl.arange(0, G)[None, None, :] == 0  # one group of each block stores its scale byte
     for ci in range(chunks_per_prog):
@@ -273,12 +308,8 @@ def _quantize_record_kernel(
         gmask = row_mask[:, None, None] & (gidx < D // 8)  # D is a multiple of BLOCK, BLOCK of 8
         x = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
         amax_blk = tl.max(tl.max(tl.abs(x), axis=3), axis=2)
-        if SCALE_MODE == SCALE_PER_TOKEN:
-            if ONE_PASS:
-                s_tok = _token_scale(tl.max(amax_blk, axis=1))
-                if BITS > 0:
-                    tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
-                s_enc = s_tok[:, None]
+        if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
+            s_enc = _per_token_scale(tl.max(amax_blk, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
         decode, encode, byte = _block_scales(amax_blk, s_enc, FMT)
         z = _code_sign(x * encode[:, :, None, None], FMT)
         q, _, t = _e2m1_round(tl.minimum(tl.abs(z), 6.0), FMT == KV_FP4)
@@ -336,12 +367,9 @@ def _guided_kernel(
     sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
     byte = tl.load(sptr, mask=gmask, other=0).to(tl.int32)
     if FMT == NVFP4:
-        if SCALE_MODE == SCALE_SCALAR:
-            s_enc = tl.load(gs_ptr)
-        else:
-            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None, None]
-        decode = _e4m3_decode(byte) * tl.math.div_rn(1.0, s_enc)
-        encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
+        s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 3)
+        decode = _e4m3_decode(byte) * _rcp(s_enc)
+        encode = tl.minimum(_rcp(decode), FLT_MAX)
     else:
         decode = _pow2(byte - 127)
         encode = _pow2(127 - byte)
@@ -491,6 +519,77 @@ def _load_record16(rec, mask, BITS: tl.constexpr, REC_UNIT: tl.constexpr):
 
 
 @triton.jit
+def _lane_pack(w, N: tl.constexpr, WIDTH: tl.constexpr):
+    """The WIDTH-bit words w [RB, NB] of each N consecutive blocks as one integer [RB, NB / N], block i of a group
+    at bit i * WIDTH (int64 when N * WIDTH > 32): a sum over the threads that hold them (warp shuffles)."""
+    RB: tl.constexpr = w.shape[0]
+    NB: tl.constexpr = w.shape[1]
+    shift = tl.arange(0, N) * WIDTH
+    if N * WIDTH > 32:
+        w = w.to(tl.uint32, bitcast=True).to(tl.int64)  # zero-extended: a 32-bit word may have its top bit set
+        shift = shift.to(tl.int64)
+    return tl.sum(tl.reshape(w, (RB, NB // N, N)) << shift[None, None, :], axis=2)
+
+
+@triton.jit
+def _store_wide(ptr, lo, hi, mask, WORDS: tl.constexpr):
+    """Store int64 lo (WORDS = 1), or lo then hi (WORDS = 2, one 16-byte vector), at byte pointers ptr (8- or
+    16-byte aligned) where mask is set. By inline PTX: the compiler's own store would first move the packed words
+    into a layout of its choosing, through shared memory."""
+    if INTERPRET:
+        p = ptr.to(tl.pointer_type(tl.int64))
+        tl.store(p, lo, mask=mask)
+        if WORDS == 2:
+            tl.store(p + 1, hi, mask=mask)
+    elif WORDS == 2:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.v2.b64 [$1], {$3, $4}; mov.b32 $0, 0; }",
+            "=r,l,r,l,l",
+            [ptr.to(tl.int64), mask.to(tl.int32), lo, hi],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.b64 [$1], $3; mov.b32 $0, 0; }",
+            "=r,l,r,l",
+            [ptr.to(tl.int64), mask.to(tl.int32), lo],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _spread(v, N: tl.constexpr):
+    """v [RB, NB / N] back on the [RB, NB] blocks it was packed from (`_lane_pack`): each block gets its group's
+    value, which the threads of the group already hold (no data movement)."""
+    RB: tl.constexpr = v.shape[0]
+    G: tl.constexpr = v.shape[1]
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (RB, G, N)), (RB, G * N))
+
+
+@triton.jit
+def _store_record_wide(rec_row, scale_row, blk, word, byte, bmask, BITS: tl.constexpr):
+    """Store a chunk's record as 16-byte vectors of code bits and 8-byte words of scale bytes, one per 8 // BITS
+    (8) blocks, each by the thread of the group's first block: whole sectors per warp instead of 2 * BITS and 1
+    bytes per thread. word [RB, NB] is each block's 16 * BITS code bits, byte its scale byte, blk its index in
+    the row; rec_row / scale_row point at each row's record [RB, 1]. Needs BITS in (1, 2), D a multiple of 128
+    and record rows 16-byte aligned (`ops.record_store_unit`)."""
+    BPV: tl.constexpr = 8 // BITS  # blocks per 16-byte vector of code bits
+    RB: tl.constexpr = word.shape[0]
+    NB: tl.constexpr = word.shape[1]
+    pairs = tl.reshape(_lane_pack(word, 4 // BITS, 16 * BITS), (RB, NB // BPV, 2))
+    half = tl.arange(0, 2)[None, None, :]
+    lo = _spread(tl.sum(tl.where(half == 0, pairs, 0), axis=2), BPV)
+    hi = _spread(tl.sum(tl.where(half == 1, pairs, 0), axis=2), BPV)
+    _store_wide(rec_row + blk * (2 * BITS), lo, hi, bmask & (blk % BPV == 0), 2)
+    scales = _spread(_lane_pack(_lane_pack(byte, 4, 8), 2, 32), 8)
+    _store_wide(scale_row + blk, scales, scales, bmask & (blk % 8 == 0), 1)
+
+
+@triton.jit
 def _quantize_record16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
@@ -509,25 +608,11 @@ def _quantize_record16_kernel(
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None, None] * x_stride
 
-        if SCALE_MODE == SCALE_PER_TOKEN:
-            if not ONE_PASS:
-                amax_row = tl.zeros((RB,), tl.float32)
-                for c0 in range(0, D, C):
-                    m = row_mask[:, None, None] & (c0 + offs < D)
-                    xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-                    xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-                    amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
-                    amax_row = tl.maximum(amax_row, tl.max(amax, axis=1))
-                s_enc = _token_scale(amax_row)
-                if BITS > 0:
-                    tl.store(tok_ptr + rows64 * tok_stride, s_enc, mask=row_mask)
-                s_enc = s_enc[:, None]
-        elif SCALE_MODE == SCALE_ROW:
-            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
-        elif SCALE_MODE == SCALE_SCALAR:
-            s_enc = tl.load(gs_ptr)
-        else:
-            s_enc = 1.0
+        if SCALE_MODE != SCALE_PER_TOKEN:
+            s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
+        elif not ONE_PASS:
+            s_enc = _per_token_scale(_row_amax(x_ptr, rows64, row_mask, x_stride, D, RB, C), tok_ptr, rows64,
+                                     tok_stride, row_mask, BITS)  # fmt: skip
 
         for ci in range(chunks_per_prog):
             c0 = (pid_c * chunks_per_prog + ci) * C
@@ -537,12 +622,8 @@ def _quantize_record16_kernel(
             xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
             xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
             amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
-            if SCALE_MODE == SCALE_PER_TOKEN:
-                if ONE_PASS:
-                    s_tok = _token_scale(tl.max(amax_blk, axis=1))
-                    if BITS > 0:
-                        tl.store(tok_ptr + rows64 * tok_stride, s_tok, mask=row_mask)
-                    s_enc = s_tok[:, None]
+            if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
+                s_enc = _per_token_scale(tl.max(amax_blk, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
             decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
             za = _code_sign(xa * encode[:, :, None], FMT)
             zb = _code_sign(xb * encode[:, :, None], FMT)
@@ -554,10 +635,16 @@ def _quantize_record16_kernel(
                 tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
                 tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
             if BITS > 0:
-                tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
-                rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
                 wa = _half_word(qa, ta, za, BITS, FMT)
-                _store_record16(rec, wa, _half_word(qb, tb, zb, BITS, FMT), bmask, BITS, REC_UNIT)
+                wb = _half_word(qb, tb, zb, BITS, FMT)
+                if REC_UNIT == 16:
+                    rec_row = rec_ptr + rows64[:, None] * rec_stride
+                    scale_row = scale_ptr + rows64[:, None] * scale_stride
+                    _store_record_wide(rec_row, scale_row, blk, wa | (wb << (8 * BITS)), byte, bmask, BITS)
+                else:
+                    tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+                    _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
+                                    REC_UNIT)  # fmt: skip
 
 
 @triton.jit
@@ -626,16 +713,13 @@ def _guided16_kernel(
 
     byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + blk, mask=bmask, other=0)
     if FMT == NVFP4:
-        if SCALE_MODE == SCALE_SCALAR:
-            s_enc = tl.load(gs_ptr)
-        else:
-            s_enc = tl.load(gs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
         if INTERPRET:
             sf = _e4m3_decode(byte.to(tl.int32))
         else:
             sf = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        decode = sf * tl.math.div_rn(1.0, s_enc)
-        encode = tl.minimum(tl.math.div_rn(1.0, decode), FLT_MAX)
+        decode = sf * _rcp(s_enc)
+        encode = tl.minimum(_rcp(decode), FLT_MAX)
     else:
         e = byte.to(tl.int32) - 127
         decode = _pow2(e)
