@@ -20,18 +20,23 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
-def small_tiles() -> Iterator[None]:
-    """Several chunks per row (the last one partly masked), per-token nvfp4 rows wider than one tile (a first
-    pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"], and two row tiles per
-    quantize program (the second partly past the last row)."""
+def launch(quant: dict[str, int], guided: dict[str, int] | None = None) -> Iterator[None]:
+    """`ops.LAUNCH` with these entries for the duration."""
     saved = {k: dict(v) for k, v in ops.LAUNCH.items()}
     try:
-        ops.LAUNCH["quant"].update(rows=2, chunk=32, row_chunk=32, row_loop=2)
-        ops.LAUNCH["guided"].update(rows=2, chunk=32)
+        ops.LAUNCH["quant"].update(quant)
+        ops.LAUNCH["guided"].update(guided or {})
         yield
     finally:
         ops.LAUNCH.clear()
         ops.LAUNCH.update(saved)
+
+
+def small_tiles() -> contextlib.AbstractContextManager[None]:
+    """Several chunks per row (the last one partly masked), per-token nvfp4 rows wider than one tile (a first
+    pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"], and two row tiles per
+    quantize program (the second partly past the last row)."""
+    return launch({"rows": 2, "chunk": 32, "row_chunk": 32, "row_loop": 2}, {"rows": 2, "chunk": 32})
 
 
 def _in_small_tiles(fn: Callable[[], None]) -> None:
@@ -65,16 +70,18 @@ def cases() -> dict[str, Callable[[], None]]:
     for fmt in ("nvfp4", "kv_fp4"):  # D a multiple of 128, aligned buffers: the record in 16-byte vectors
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 2):
-                out[f"quant-{fmt}-{mode}-b{bits}-wide-record"] = partial(quant, fmt, 3, 256, torch.float32, bits, mode,
-                                                                         "cpu")  # fmt: skip
+                q = partial(quant, fmt, 3, 256, torch.float32, bits, mode, "cpu")
+                out[f"quant-{fmt}-{mode}-b{bits}-wide-record"] = partial(_wide, q)  # one chunk per row
                 q = partial(quant, fmt, 5, 384, torch.float32, bits, mode, "cpu")
-                out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(_in_wide_tiles, q)
+                # three chunks of 128 columns per row, two rows per tile, two row tiles per program
+                out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(
+                    _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
+                )
     return out
 
 
-def _in_wide_tiles(fn: Callable[[], None]) -> None:
-    with small_tiles():
-        ops.LAUNCH["quant"].update(chunk=128, row_chunk=128)  # three chunks of 128 columns per row
+def _wide(fn: Callable[[], None], **tile: int) -> None:
+    with launch({"wide_record": 1, **tile}):
         fn()
 
 

@@ -114,18 +114,18 @@ def test_launch_shape_respects_blocks():
 
 def test_record_store_unit_takes_16_byte_vectors_only_where_they_fit():
     low, scales, _ = record_buffers(4, 256, "kv_fp4", 1, "cpu")
-    assert ops.record_store_unit(low, scales, 1, 256) == 16
-    low2, scales2, _ = record_buffers(4, 256, "kv_fp4", 2, "cpu")
-    assert ops.record_store_unit(low2, scales2, 2, 256) == 16
-    low4, scales4, _ = record_buffers(4, 256, "kv_fp4", 4, "cpu")
-    assert ops.record_store_unit(low4, scales4, 4, 256) == 4  # b = 4: per-block 4-byte words
-    odd = torch.zeros(4, low.shape[1] + 1, dtype=torch.uint8)[:, 1:]
-    assert ops.record_store_unit(odd, scales, 1, 256) == 1  # a staging-row view at an odd address
-    narrow, narrow_scales, _ = record_buffers(4, 96, "kv_fp4", 1, "cpu")
-    assert ops.record_store_unit(narrow, narrow_scales, 1, 96) == 2  # D not a multiple of 128
+    assert ops.record_store_unit(low, scales, 1, 256) == 2  # off by default: per-block 2-byte words
     saved = ops.LAUNCH["quant"]["wide_record"]
     try:
-        ops.LAUNCH["quant"]["wide_record"] = 0
-        assert ops.record_store_unit(low, scales, 1, 256) == 2
+        ops.LAUNCH["quant"]["wide_record"] = 1
+        assert ops.record_store_unit(low, scales, 1, 256) == 16
+        low2, scales2, _ = record_buffers(4, 256, "kv_fp4", 2, "cpu")
+        assert ops.record_store_unit(low2, scales2, 2, 256) == 16
+        low4, scales4, _ = record_buffers(4, 256, "kv_fp4", 4, "cpu")
+        assert ops.record_store_unit(low4, scales4, 4, 256) == 4  # b = 4: per-block 4-byte words
+        odd = torch.zeros(4, low.shape[1] + 1, dtype=torch.uint8)[:, 1:]
+        assert ops.record_store_unit(odd, scales, 1, 256) == 1  # a staging-row view at an odd address
+        narrow, narrow_scales, _ = record_buffers(4, 96, "kv_fp4", 1, "cpu")
+        assert ops.record_store_unit(narrow, narrow_scales, 1, 96) == 2  # D not a multiple of 128
     finally:
         ops.LAUNCH["quant"]["wide_record"] = saved

@@ -40,6 +40,17 @@ def test_quantize_record_is_bit_exact(fmt, dtype, shape):
             kernel_checks.check_quantize_record(fmt, *shape, dtype, bits, mode, "cuda", _via_op)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
+def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
+    # the 16-byte record stores (off by default, LAUNCH["quant"]["wide_record"]) on D multiples of 128, one and
+    # two chunks per row; the strided buffers of check_quantize_record keep the per-block stores
+    monkeypatch.setitem(ops.LAUNCH["quant"], "wide_record", 1)
+    for mode in kernel_checks.SCALE_MODES[fmt]:
+        for bits in (1, 2):
+            for t, d in ((64, 2048), (130, 7168)):
+                kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_token_rows_wider_than_one_tile(dtype):
     # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last partly masked)
