@@ -71,12 +71,13 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
                 "REC_UNIT": rec_unit or unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
-    def guided(fmt: str, mode: int, bits: int) -> tuple:
+    def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
         f = ops.get_format(fmt)
         block = f.block
         kernel = getattr(mod, "_guided16_kernel", None) if block == 16 else None
         args = {**launch(fmt, "guided"), "FMT": f.kernel_id, "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
-                "HAS_MASK": False, "BLOCK": block, "REC_UNIT": unit(bits)}  # fmt: skip
+                "HAS_MASK": False, "BLOCK": block, "REC_UNIT": unit(bits),
+                "ROW_LOOP": loop or ops.LAUNCH["guided"]["row_loop"]}  # fmt: skip
         return kernel or mod._guided_kernel, args
 
     rows = [
@@ -90,6 +91,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
         ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),
         ("guided nvfp4 b=1", guided("nvfp4", ops.SCALE_ROW, 1)),
+        ("guided nvfp4 b=1, 4 row tiles per program", guided("nvfp4", ops.SCALE_ROW, 1, loop=4)),
         ("guided kv_fp4 b=1", guided("kv_fp4", ops.SCALE_NONE, 1)),
         ("guided nvfp4 b=2", guided("nvfp4", ops.SCALE_ROW, 2)),
         ("guided nvfp4 b=4", guided("nvfp4", ops.SCALE_ROW, 4)),

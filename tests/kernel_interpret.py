@@ -35,8 +35,8 @@ def launch(quant: dict[str, int], guided: dict[str, int] | None = None) -> Itera
 def small_tiles() -> contextlib.AbstractContextManager[None]:
     """Several chunks per row (the last one partly masked), per-token nvfp4 rows wider than one tile (a first
     pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"], and two row tiles per
-    quantize program (the second partly past the last row)."""
-    return launch({"rows": 2, "chunk": 32, "row_chunk": 32, "row_loop": 2}, {"rows": 2, "chunk": 32})
+    quantize and guided program (the second partly past the last row)."""
+    return launch({"rows": 2, "chunk": 32, "row_chunk": 32, "row_loop": 2}, {"rows": 2, "chunk": 32, "row_loop": 2})
 
 
 def _in_small_tiles(fn: Callable[[], None]) -> None:

@@ -70,6 +70,15 @@ def test_guided_is_bit_exact(fmt, dtype, shape):
             kernel_checks.check_guided(fmt, *shape, dtype, record_bits, bits, mode, "cuda", _guided_via_op)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
+def test_guided_with_several_row_tiles_per_program(fmt, monkeypatch):
+    # LAUNCH["guided"]["row_loop"]: 4 tiles of rows per program, the last program's partly past the last row
+    monkeypatch.setitem(ops.LAUNCH["guided"], "row_loop", 4)
+    for mode in kernel_checks.SCALE_MODES[fmt]:
+        for record_bits, bits in ((1, 1), (4, 2)):
+            kernel_checks.check_guided(fmt, 37, 2048, torch.bfloat16, record_bits, bits, mode, "cuda", _guided_via_op)
+
+
 def test_guided_wrapper_matches_guided_round_with_fallback_rows():
     x = kernel_checks.make_input(33, 2048, torch.bfloat16, "cuda")
     roll = quantize(kernel_checks.make_input(33, 2048, torch.bfloat16, "cuda", seed=3), "nvfp4", per_token=True)

@@ -46,11 +46,12 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 LAUNCH: dict[str, dict[str, int]] = {
     "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 0},
-    "guided": {"rows": 2, "chunk": 1024, "warps": 4},
+    "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 1},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
 Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
-16-element quantize kernel takes `row_loop` tiles of rows one after the other per program, and with `wide_record`
+16-element kernels take `row_loop` tiles of rows one after the other per program (guided: one count added per
+program), and the quantize kernel with `wide_record`
 = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the
 H200, `bench/record_variants.py --wide`).
 `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
@@ -342,11 +343,13 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
     if t == 0:
         return out
     rb, chunk, warps = _launch_shape(f, d, "guided")
-    grid = (triton.cdiv(t, rb), triton.cdiv(d, chunk))
+    loop = 1
     if f.block == 16:
-        kernel, extra = k._guided16_kernel, {"REC_UNIT": record_unit(low_bits, record_bits)}
+        loop = LAUNCH["guided"]["row_loop"]
+        kernel, extra = k._guided16_kernel, {"REC_UNIT": record_unit(low_bits, record_bits), "ROW_LOOP": loop}
     else:
         kernel, extra = k._guided_kernel, {"BLOCK": f.block}
+    grid = (triton.cdiv(t, rb * loop), triton.cdiv(d, chunk))
     kernel[grid](
         x,
         out,

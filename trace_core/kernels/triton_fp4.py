@@ -695,49 +695,52 @@ def _guided16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    RB: tl.constexpr, C: tl.constexpr, REC_UNIT: tl.constexpr,
+    RB: tl.constexpr, C: tl.constexpr, REC_UNIT: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
 ):  # fmt: skip
     """`_guided_kernel` for 16-element blocks, one block per thread: its scale byte and record words are loaded
-    and decoded once."""
+    and decoded once. Each program takes ROW_LOOP tiles of RB rows one after the other (a loop, not unrolled: the
+    registers of one tile) and adds their redirected count into the counter once: fewer atomic adds on its one
+    address."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * RB + tl.arange(0, RB)
-    row_mask = rows < T
-    rows64 = rows.to(tl.int64)
     NB: tl.constexpr = C // 16
     c0 = pid_c * C
     offs = _half_offsets(NB)
-    m = row_mask[:, None, None] & (c0 + offs < D)
     blk = _block_index(c0, NB)
-    bmask = row_mask[:, None] & (blk < D // 16)
+    redirected = tl.zeros((RB, NB), tl.int32)  # per block: a sum within each thread
+    for ri in range(ROW_LOOP):
+        rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
+        row_mask = rows < T
+        rows64 = rows.to(tl.int64)
+        m = row_mask[:, None, None] & (c0 + offs < D)
+        bmask = row_mask[:, None] & (blk < D // 16)
 
-    byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + blk, mask=bmask, other=0)
-    if FMT == NVFP4:
-        s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
-        if INTERPRET:
-            sf = _e4m3_decode(byte.to(tl.int32))
+        byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + blk, mask=bmask, other=0)
+        if FMT == NVFP4:
+            s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
+            if INTERPRET:
+                sf = _e4m3_decode(byte.to(tl.int32))
+            else:
+                sf = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            decode = sf * _rcp(s_enc)
+            encode = tl.minimum(_rcp(decode), FLT_MAX)
         else:
-            sf = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        decode = sf * _rcp(s_enc)
-        encode = tl.minimum(_rcp(decode), FLT_MAX)
-    else:
-        e = byte.to(tl.int32) - 127
-        decode = _pow2(e)
-        encode = _pow2(-e)
-    wa, wb = _load_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * RECORD_BITS), bmask, RECORD_BITS,
-                            REC_UNIT)  # fmt: skip
+            e = byte.to(tl.int32) - 127
+            decode = _pow2(e)
+            encode = _pow2(-e)
+        wa, wb = _load_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * RECORD_BITS), bmask, RECORD_BITS,
+                                REC_UNIT)  # fmt: skip
 
-    x_rows = x_ptr + rows64[:, None, None] * x_stride + c0 + offs
-    o_rows = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
-    xa = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
-    xb = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
-    va, ra = _guided_half(xa, encode, decode, wa, BITS, RECORD_BITS, FMT)
-    vb, rb = _guided_half(xb, encode, decode, wb, BITS, RECORD_BITS, FMT)
-    tl.store(o_rows, va.to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(o_rows + 8, vb.to(out_ptr.dtype.element_ty), mask=m)
-    counted = m
-    if HAS_MASK:
-        counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
-    redirected = tl.where(counted, ra + rb, 0)
-    total = tl.sum(tl.sum(tl.sum(redirected, axis=2), axis=1), axis=0)
-    _count(redirect_ptr, total)
+        x_rows = x_ptr + rows64[:, None, None] * x_stride + c0 + offs
+        o_rows = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+        xa = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
+        xb = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
+        va, ra = _guided_half(xa, encode, decode, wa, BITS, RECORD_BITS, FMT)
+        vb, rb = _guided_half(xb, encode, decode, wb, BITS, RECORD_BITS, FMT)
+        tl.store(o_rows, va.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(o_rows + 8, vb.to(out_ptr.dtype.element_ty), mask=m)
+        counted = m
+        if HAS_MASK:
+            counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
+        redirected += tl.sum(tl.where(counted, ra + rb, 0), axis=2)
+    _count(redirect_ptr, tl.sum(tl.sum(redirected, axis=1), axis=0))
