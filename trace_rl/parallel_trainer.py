@@ -20,13 +20,12 @@ import math
 import torch
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.export import export_hf
 from megatron_trace.loss import grpo_advantages, grpo_loss_terms, token_logprobs
 from megatron_trace.parallel import Layout, MicroBatchInput, build_chunks, forward_backward, load_full_state, wrap_ddp
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import RecordSpec
-from trace_rl.config import RLConfig
+from trace_rl.config import RLConfig, check_trainer_experts
 from trace_rl.engine import Trajectory
 from trace_rl.trainer import MegatronTrainer
 
@@ -72,15 +71,23 @@ class RankTrainer(MegatronTrainer):
         clip_grad: float = 1.0,
         dtype: torch.dtype = torch.bfloat16,
         micro_batch: int = 0,
+        experts: str = "grouped",
+        expert_weights_in_place: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
+        check_trainer_experts(experts, expert_weights_in_place)
         layout.init()
         check_layout(tiny, layout, ps.get_data_parallel_world_size())
         self.layout, self.tiny, self.micro_batch = layout, tiny, micro_batch
-        self.cfg = TraceConfig(mode=mode, spec=spec, replay_routes=True)
+        self.cfg = TraceConfig(
+            mode=mode, spec=spec, replay_routes=True, expert_weights_in_place=expert_weights_in_place
+        )
+        grouped = experts == "grouped"
         chunks = build_chunks(
-            lambda v: build_tiny_moe(tiny, dtype=dtype, routing_replay=True, vp_stage=v, **layout.config_overrides()),
+            lambda v: build_tiny_moe(
+                tiny, dtype=dtype, routing_replay=True, vp_stage=v, grouped=grouped, **layout.config_overrides()
+            ),
             layout,
         )
         self.sessions = []
@@ -92,9 +99,12 @@ class RankTrainer(MegatronTrainer):
         self._init_optimizer([p for c in self.chunks for p in c.parameters()], lr, max_version_diff, clip_grad)
         self.moe_layers = list(range(tiny.layers))  # the rollout records routes of every MoE layer
 
+    def training_sessions(self) -> list[TraceSession]:
+        return self.sessions
+
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The policy as HF tensors, gathered across the shards (on the first pipeline stage; `{}` elsewhere)."""
-        return export_hf(list(self.chunks))
+        return self._export(list(self.chunks))
 
     def layout_name(self) -> str:
         from megatron.core import parallel_state as ps
