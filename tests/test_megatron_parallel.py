@@ -229,6 +229,20 @@ def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, mo
     _check_against_reference(reference, results, tmp_path)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU parameters")
+def test_megatrons_optimizer_is_refused_on_cpu_naming_why():
+    """megatron-core 0.19.2's optimizers cannot hold CPU parameters (type checks against `torch.cuda.*Tensor`, loss
+    scales allocated on 'cuda'): `make_optimizer` says so instead of failing inside Megatron."""
+    from megatron_trace.cpu import init_single_rank
+    from megatron_trace.parallel import make_optimizer, wrap_ddp
+    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+
+    init_single_rank()
+    chunks = wrap_ddp([build_tiny_moe(TinyMoEConfig(**CFG_KW), dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"need CUDA parameters, these are on \['cpu'\].*distrib_optimizer\.py:401"):
+        make_optimizer(chunks, lr=1e-3)
+
+
 if __name__ == "__main__":
     layout_name, work_dir = sys.argv[1], Path(sys.argv[2])
     _worker(layout_name, (LAYOUTS | LAYOUTS_4).get(layout_name, {}), work_dir)
