@@ -89,10 +89,20 @@ def main() -> None:
         help="runs in one process: the 2nd, 4th, ... with the micro-batches reversed, the 3rd, 5th, ... as the 1st "
         "(the noise floor: run to run and sum order)",
     )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms (warn_only: ops without a deterministic kernel warn, named in the "
+        "log): whether one GPU's run-to-run noise comes from nondeterministic kernels such as Megatron's MoE "
+        "unpermute (scatter_add_ unless deterministic algorithms are on)",
+    )
     args = ap.parse_args()
     if args.summary:
         print(summary(args.summary))
         return
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     from megatron.core import parallel_state
 
@@ -202,6 +212,7 @@ def main() -> None:
             "rank": rank,
             "world": world,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "deterministic": args.deterministic,
             "loss": losses,
             "grad_norm": norms,
             "step_s_median": statistics.median(times[1:] if len(times) > 1 else times),
