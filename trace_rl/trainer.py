@@ -82,6 +82,10 @@ class MegatronTrainer:
         check_trainer_experts(experts, expert_weights_in_place)
         init_single_rank()
         self.model = build_tiny_moe(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")
+        names = set(gather_full_state([self.model]))  # the full state's names (SequentialMLP's for either experts)
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or unexpected:
+            raise ValueError(f"trainer state does not match the model: missing {missing}, unexpected {unexpected}")
         load_full_state(self.model, state)
         self.cfg = TraceConfig(
             mode=mode, spec=spec, replay_routes=True, expert_weights_in_place=expert_weights_in_place
