@@ -8,6 +8,9 @@ import csv
 import json
 import shutil
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -261,3 +264,27 @@ def test_runs_over_seeds_get_a_mean_and_interval(raw, tmp_path):
     reward = _col(_rows(raw / "rl_qat.csv"), "reward/mean")
     assert row["reward (second half)"] == f"{statistics.fmean(reward[len(reward) // 2 :]):.4g} ± 0"
     assert (tmp_path / "docs" / "rl_seeds.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_rl_time_limit_stops_the_runs_still_running(tmp_path, capsys):
+    """`--rl-time-limit`: at the deadline a run still running is stopped and named; one that ended before it is
+    waited for as usual, and a failure is still an error."""
+    logs = {name: tmp_path / f"{name}.log" for name in ("slow", "quick", "broken")}
+    code = {"slow": "import time; time.sleep(120)", "quick": "pass", "broken": "raise SystemExit(3)"}
+    procs = {
+        name: (subprocess.Popen([sys.executable, "-c", code[name]], stdout=logs[name].open("w")), logs[name])
+        for name in ("quick", "slow")
+    }
+    start = time.monotonic()
+    results._wait(procs, deadline=start + 2)
+    assert time.monotonic() - start < 60
+    assert procs["slow"][0].returncode is not None and procs["quick"][0].returncode == 0
+    assert "stopped runs ['slow'], still running" in capsys.readouterr().out
+    broken = {
+        "broken": (
+            subprocess.Popen([sys.executable, "-c", code["broken"]], stdout=logs["broken"].open("w")),
+            logs["broken"],
+        )
+    }
+    with pytest.raises(RuntimeError, match=r"runs \['broken'\] failed"):
+        results._wait(broken, deadline=time.monotonic() + 60)
