@@ -288,3 +288,26 @@ def test_rl_time_limit_stops_the_runs_still_running(tmp_path, capsys):
     }
     with pytest.raises(RuntimeError, match=r"runs \['broken'\] failed"):
         results._wait(broken, deadline=time.monotonic() + 60)
+
+
+def test_reward_windows_pair_each_run_with_qat_by_seed(raw, tmp_path):
+    """Two seeds each of QAT and TRACE (the same per-step file per run for both seeds): per window the mean reward
+    of each, and TRACE − QAT paired by seed, the difference of the window means with a zero-width interval."""
+    seeds = tmp_path / "raw"
+    seeds.mkdir()
+    shutil.copy(raw / "warmup.json", seeds)
+    for run in ("qat", "trace_all"):
+        for name in (run, f"{run}-s1"):
+            shutil.copy(raw / f"rl_{run}.csv", seeds / f"rl_{name}.csv")
+    results_report.main([str(seeds), str(tmp_path / "docs")])
+    md = (tmp_path / "docs" / "tables.md").read_text()
+    qat, trace, diff = _md_table(md, "Reward by window of steps (mean ± half-width of the 95 % t-interval over seeds):")
+    reward = {run: _col(_rows(raw / f"rl_{run}.csv"), "reward/mean") for run in ("qat", "trace_all")}
+    last = list(qat)[-1]  # "reward, steps a–b"
+    a, b = map(int, last.removeprefix("reward, steps ").split("–"))
+    assert b == min(map(len, reward.values())) - 1
+    window = {run: statistics.fmean(r[a : b + 1]) for run, r in reward.items()}
+    assert qat["run"] == "FP4 + QAT" and qat[last] == f"{window['qat']:.3f} ± 0.000"
+    assert trace[last] == f"{window['trace_all']:.3f} ± 0.000"
+    assert diff["run"] == results_report.RUN_LABELS["trace_all"] + " − FP4 + QAT, paired by seed"
+    assert diff[last] == f"{window['trace_all'] - window['qat']:+.3f} ± 0.000"
