@@ -7,7 +7,10 @@ same run.
      quantize-dequantize every layer's MoE input (emulate's numerics, `rollout_rtn`); with capture, the recorded
      layers' kernel also writes the record into the staging rows, every layer stages its routes and sets its
      FusedMoE hook marker, and the forward ends with `on_forward_end`. `--record stage` (the earlier rounds'
-     upper bound): no fake-quant in either forward, the record copied into staging by `stage` (three copies);
+     upper bound): no fake-quant in either forward, the record copied into staging by `stage` (three copies).
+     Part `graph`: the decode forward captured once in a CUDA graph per variant and replayed, as SGLang's
+     cuda-graph runner does (the hooks' writes run inside the graph; `on_forward_end` runs eagerly after the
+     replay, as SGLang calls it after the forward);
   2. the finish transfer: bytes/s of one gather of a finished request's rows out of the device record store (its
      slots scattered over the store) copied into a span of the pinned host ring, against a plain pinned `copy_`
      of the same number of contiguous bytes;
@@ -114,7 +117,23 @@ def kernels_per_forward(fn, device: torch.device) -> int | str | None:
         return f"not counted ({type(e).__name__}: {e})"
 
 
-def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dict:
+def graphed(body, after, device: torch.device):
+    """`body` captured in a CUDA graph after three warm-up calls on a side stream (each followed by `after`, which
+    runs outside the graph); returns the graph's replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+            after(False)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph.replay
+
+
+def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
@@ -150,14 +169,25 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dic
 
     kernel = args.record == "kernel"
 
+    slots = [torch.arange(i * tokens + 1, (i + 1) * tokens + 1, device=device) for i in range(4)]  # out_cache_loc
+
     def plain() -> None:
         fwd(emulate if kernel else None)
 
-    def captured() -> None:
+    def recorded() -> None:
         fwd(emulate_recorded if kernel else None, on_layer)
-        base = (step[0] % 4) * tokens + 1
+
+    def forward_end(replay: bool) -> None:
         step[0] += 1
-        cap.on_forward_end(torch.arange(base, base + tokens, device=device), version=0)
+        cap.on_forward_end(slots[step[0] % 4], graph_replay=replay, version=0)
+
+    if graph:
+        plain = graphed(plain, lambda replay: None, device)
+        recorded = graphed(recorded, forward_end, device)
+
+    def captured() -> None:
+        recorded()
+        forward_end(graph)
 
     def timed(fn) -> float:
         return mean_time(fn, args.iters, device)
@@ -172,6 +202,7 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool) -> dic
     return {
         "tokens": tokens,
         "record": args.record,
+        "cuda_graph": graph,
         "recorded_layers": len(spec.moe_layers),
         "forward_ms": b * 1e3,
         "captured_ms": c * 1e3,
@@ -299,7 +330,8 @@ def bench_store(args, device: torch.device, work: Path) -> dict:
 
 def table(result: dict) -> str:
     rows = ["| measurement | value | baseline (same run) | ratio |", "|---|---|---|---|"]
-    for name, r in result.get("overhead", {}).items():
+    for name, r in [*result.get("overhead", {}).items(), *result.get("graph", {}).items()]:
+        name += ", CUDA graph" if r["cuda_graph"] else ""
         rows.append(
             f"| capture, {name}, record by {r['record']}, {r['recorded_layers']} recorded layers ({r['tokens']} "
             f"tokens, {r['bytes_per_forward'] / 1e6:.2f} MB; GPU kernels {r['kernels_captured']} vs "
@@ -345,14 +377,18 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
-        "--parts", default="overhead,fc2,transfer,store", help="comma-separated subset of overhead,fc2,transfer,store"
+        "--parts",
+        default="overhead,fc2,transfer,store",
+        help="comma-separated subset of overhead,graph (decode under a CUDA graph; GPU),fc2,transfer,store",
     )
     p.add_argument("--trajectories", type=int, help="store part: trajectories written (default 16; small: 4)")
     p.add_argument("--traj-tokens", type=int, help="store part: tokens per trajectory (default 4096; small: 256)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"overhead", "fc2", "transfer", "store"}:
-        raise ValueError(f"--parts must name overhead, fc2, transfer and/or store, got {args.parts!r}")
+    if not parts <= {"overhead", "graph", "fc2", "transfer", "store"}:
+        raise ValueError(f"--parts must name overhead, graph, fc2, transfer and/or store, got {args.parts!r}")
+    if "graph" in parts and args.device == "cpu":
+        raise ValueError("--parts graph captures CUDA graphs: it needs --device cuda")
     big = dict(hidden=2048, layers=48, experts=128, topk=8, moe_inter=768, decode=64, prefill=8192)
     small = dict(hidden=256, layers=4, experts=16, topk=4, moe_inter=64, decode=8, prefill=256)
     for k, v in (small if args.small else big).items():
@@ -369,11 +405,20 @@ def main() -> None:
             for k in (*big, "bits", "record", "record_layers", "level", "trajectories", "traj_tokens")
         },
     }
+
+    def done() -> None:  # each part's result is kept as soon as it is measured
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2))
+
+    if "graph" in parts:
+        result["graph"] = {"decode": bench_overhead(args, device, args.decode, decode=True, graph=True)}
+        done()
     if "overhead" in parts:
         result["overhead"] = {
             "decode": bench_overhead(args, device, args.decode, decode=True),
             "prefill": bench_overhead(args, device, args.prefill, decode=False),
         }
+        done()
     if "fc2" in parts:
         result["fc2"] = {
             "decode": bench_fc2(args, device, args.decode, decode=True),
@@ -384,9 +429,8 @@ def main() -> None:
     if "store" in parts:
         with tempfile.TemporaryDirectory() as work:
             result["store"] = bench_store(args, device, Path(work))
+    done()
     print(table(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

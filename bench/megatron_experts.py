@@ -21,8 +21,12 @@ freed between iterations, so they count in every mode; the `_copy` runs' weight 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -61,7 +65,37 @@ def parse() -> argparse.Namespace:
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run; numbers mean nothing)")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="directory: one profiled iteration of each run (torch profiler)")
     return p.parse_args()
+
+
+def profile(iteration: Callable[[str], tuple], runs: list[str], out: str) -> dict[str, dict]:
+    """One more iteration of each run under the torch profiler: per run the kernel table (self CUDA time, top 40) in
+    `{out}/{run}.txt`, the trace in `{out}/{run}.json.gz`, and the summary returned: CUDA-event ms of the iteration,
+    the sum of its kernels' times (their gap to the event time is time the GPU waited on the host) and launches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for run in runs:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            elapsed, _, _ = iteration(run)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+        Path(out, f"{run}.txt").write_text(f"{run}: {elapsed:.2f} ms (CUDA events, profiled)\n{table}\n")
+        trace = Path(out, f"{run}.json")
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+            g.write(f.read())
+        trace.unlink()
+        summary[run] = {
+            "ms_profiled": elapsed,
+            "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3,
+            "kernels": len(kernels),
+        }
+        print(f"profile {run}: {summary[run]}")
+    return summary
 
 
 def skewed_routes(tokens: int, experts: int, topk: int, gen: torch.Generator) -> torch.Tensor:
@@ -165,42 +199,46 @@ def main() -> None:
             same[mode] = bool(torch.equal(*outs))
         print(f"grouped == sequential output (bit-exact): {same}")
 
+    def iteration(run: str) -> tuple[float, int, dict]:
+        """One timed forward + backward of `run` (the in-place fake-quant included): ms, peak bytes, metrics."""
+        grouped, mode, in_place = RUNS[run]
+        model = models[grouped]
+        session = open_run(grouped, mode, in_place)
+        session.begin_microbatch(mb.rows, source)
+        x = x0.detach().requires_grad_()
+        sync()
+        base = torch.cuda.memory_allocated() if device == "cuda" else 0
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        if in_place:  # once per optimizer step, after the masters' copy
+            session.quantize_weights_in_place()
+        chain(model, x).float().square().mean().backward()
+        if device == "cuda":
+            end.record()
+            sync()
+            elapsed = start.elapsed_time(end)
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            elapsed, peak = 1e3 * (time.perf_counter() - t0), 0
+        metrics = session.end_step()
+        session.remove()
+        model.zero_grad(set_to_none=True)
+        return elapsed, peak, metrics
+
     times: dict[str, list[float]] = {r: [] for r in runs}
     peaks: dict[str, list[int]] = {r: [] for r in runs}
     metrics: dict[str, dict] = {}
     for it in range(args.warmup + args.iters):
         for run in runs:
-            grouped, mode, in_place = RUNS[run]
-            model = models[grouped]
-            session = open_run(grouped, mode, in_place)
-            session.begin_microbatch(mb.rows, source)
-            x = x0.detach().requires_grad_()
-            sync()
-            base = torch.cuda.memory_allocated() if device == "cuda" else 0
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                import time
-
-                t0 = time.perf_counter()
-            if in_place:  # once per optimizer step, after the masters' copy
-                session.quantize_weights_in_place()
-            chain(model, x).float().square().mean().backward()
-            if device == "cuda":
-                end.record()
-                sync()
-                elapsed = start.elapsed_time(end)
-                peak = torch.cuda.max_memory_allocated() - base
-            else:
-                elapsed, peak = 1e3 * (time.perf_counter() - t0), 0
-            metrics[run] = session.end_step()
-            session.remove()
-            model.zero_grad(set_to_none=True)
+            elapsed, peak, metrics[run] = iteration(run)
             if it >= args.warmup:
                 times[run].append(elapsed)
                 peaks[run].append(peak)
+    profiles = profile(iteration, runs, args.profile) if args.profile else {}
     results = {
         r: {
             "ms_median": statistics.median(t),
@@ -246,6 +284,7 @@ def main() -> None:
         payload = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
         payload |= {"args": vars(args), "results": results, "ratios": ratios, "grouped_equals_sequential": same}
         payload["expert_weight_copy_bytes"] = copy_bytes
+        payload["profiles"] = profiles
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=2)
 

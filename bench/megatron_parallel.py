@@ -10,8 +10,9 @@ token-level TIS (C = 5) over all micro-batches (per-token loss over the step and
 distributed optimizer with FP32 masters, gradient clipping at 1. Per rank: loss and grad norm per step, median step
 time, peak memory. `--repeat 2` runs the steps a second time with the micro-batches in reverse order: the same
 math with the sums in another order, whose difference to the first run is the noise floor the layouts are judged
-against (BF16 steps amplify any rounding difference once the first update differs). On a CPU (gloo; a dry run of
-the script) the optimizer step is left out: Megatron's optimizers allocate on 'cuda' by name.
+against (BF16 steps amplify any rounding difference once the first update differs); `--repeat N` alternates the two
+orders N times (a run in the first order again measures one GPU's run-to-run nondeterminism alone). On a CPU
+(gloo; a dry run of the script) the optimizer step is left out: Megatron's optimizers need CUDA parameters.
 """
 
 from __future__ import annotations
@@ -82,12 +83,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="trajectories per micro-batch")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument(
-        "--repeat", type=int, default=1, help="2: run again with the micro-batches reversed (the noise floor)"
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs in one process: the 2nd, 4th, ... with the micro-batches reversed, the 3rd, 5th, ... as the 1st "
+        "(the noise floor: run to run and sum order)",
+    )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms (warn_only: ops without a deterministic kernel warn, named in the "
+        "log): whether one GPU's run-to-run noise comes from nondeterministic kernels such as Megatron's MoE "
+        "unpermute (scatter_add_ unless deterministic algorithms are on)",
     )
     args = ap.parse_args()
     if args.summary:
         print(summary(args.summary))
         return
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     from megatron.core import parallel_state
 
@@ -197,6 +212,7 @@ def main() -> None:
             "rank": rank,
             "world": world,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "deterministic": args.deterministic,
             "loss": losses,
             "grad_norm": norms,
             "step_s_median": statistics.median(times[1:] if len(times) > 1 else times),
@@ -206,8 +222,11 @@ def main() -> None:
 
     for r in range(args.repeat):
         out = run(reverse=r % 2 == 1)
+        if r > 1:
+            out["layout"] = f"{args.layout} repeat {r}" + (" reversed" if r % 2 else "")
         print(json.dumps(out), flush=True)
-        Path(f"{args.out}{'_reversed' if r % 2 else ''}.rank{rank}.json").write_text(json.dumps(out, indent=1))
+        suffix = "" if r == 0 else "_reversed" if r == 1 else f"_repeat{r}"
+        Path(f"{args.out}{suffix}.rank{rank}.json").write_text(json.dumps(out, indent=1))
     torch.distributed.destroy_process_group()
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Trainer layouts on one host with 2 GPUs: single GPU (twice: the second run with the micro-batches reversed is the
-# noise floor), then TP=2 (+SP), EP=2 (alltoall), PP=2 and DP=2 (distributed optimizer), or the layouts in $LAYOUTS,
-# each for a few RL steps of the `small` preset in trace mode (bench/megatron_parallel.py); prints the table
-# docs/megatron.md quotes.   [LAYOUTS="tp=2 ep=2"] bench/megatron_parallel.sh OUT_DIR [args for megatron_parallel.py]
+# noise floor; $REPEAT runs, default 2), then TP=2 (+SP), EP=2 (alltoall), PP=2 and DP=2 (distributed optimizer), or
+# the layouts in $LAYOUTS, each for a few RL steps of the `small` preset in trace mode (bench/megatron_parallel.py); prints the table
+# docs/megatron.md quotes.   [LAYOUTS="tp=2 ep=2"] [REPEAT=4] bench/megatron_parallel.sh OUT_DIR [args for megatron_parallel.py]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench/megatron_parallel.sh OUT_DIR}
@@ -18,7 +18,7 @@ run() {
         > "$out/${layout//[=,]/_}.log" 2>&1 || { tail -n 40 "$out/${layout//[=,]/_}.log"; exit 1; }
 }
 # The table is rewritten after every layout: a run cut short by a time limit still leaves it for what finished.
-run 1 single --repeat 2 "$@"
+run 1 single --repeat "${REPEAT:-2}" "$@"
 "$PY" bench/megatron_parallel.py --summary "$out" > "$out/summary.md"
 for layout in ${LAYOUTS:-tp=2 ep=2 pp=2 dp=2}; do
     run 2 "$layout" "$@"

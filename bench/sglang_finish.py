@@ -151,7 +151,7 @@ def main() -> None:
     )
     if a.kv_gather == "torch":
         cap.kv_gather = KVGather(pool, cap.spec.attn_layers, cap.kv_kinds, kernel=False)
-    probe = torch.randint(1, slots, (4096,), device=dev)
+    probe = torch.randint(1, slots, (4096,), device=dev, dtype=torch.int32)  # req_to_token's dtype
     kv_equal = torch.equal(cap.kv_gather(probe), gather_kv_raw(pool, probe, cap.spec.attn_layers, cap.kv_kinds))
     # one forward wrote every position: stand in for its hooks' staging writes (what they wrote does not matter
     # for the finish path), set the hook markers where the capturer has them
@@ -169,15 +169,18 @@ def main() -> None:
     if a.kv_only:
         kv_only(a, pool, req_pool, layout, cap)
         return
-    times, cpu_times = [], []
+    times, cpu_times, finish_times = [], [], []
+    prompt, output = list(range(a.tokens)), [0]  # the request's own id lists (SGLang's Req holds them)
     for i in range(a.requests + 1):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.thread_time()
         for j in range(a.batch):
-            cap.finish_request(f"r{i}-{j}", 0, a.tokens + 1, req_pool, list(range(a.tokens + 1)))
+            cap.finish_request(f"r{i}-{j}", 0, a.tokens + 1, req_pool, prompt, output)
+        t1 = time.perf_counter()
         cap.on_batch_done()
         times.append((time.perf_counter() - t0) / a.batch)
+        finish_times.append((t1 - t0) / a.batch)
         cpu_times.append((time.thread_time() - c0) / a.batch)
         cap.flush()
     assert cap.stats.write_failures == 0, cap.stats
@@ -185,6 +188,7 @@ def main() -> None:
     cap.close()
     ms = [t * 1e3 for t in times[1:]]
     cpu_ms = [t * 1e3 for t in cpu_times[1:]]
+    finish_ms = [t * 1e3 for t in finish_times[1:]]
     print(
         json.dumps(
             {
@@ -199,6 +203,7 @@ def main() -> None:
                 "host_bytes_per_token": token_bytes,
                 "finish_ms_per_request_median": statistics.median(ms),
                 "finish_ms": ms,
+                "finish_request_ms_per_request_median": statistics.median(finish_ms),
                 "scheduler_cpu_ms_per_request_median": statistics.median(cpu_ms),
             }
         )

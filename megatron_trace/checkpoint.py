@@ -12,8 +12,16 @@ offsets, replicas saved once):
 - common (rank 0): `adam_step`, the policy `version`, and the layout it was saved at (for messages only).
 
 A checkpoint saved at one layout (TP, EP, PP, virtual PP, DP) loads at any other that splits the same model: each
-rank reads the slices of the global tensors it holds (`load`). The trainer's masters and AdamW state live in a
-plain `torch.optim.AdamW` over the rank's shards; Megatron's `DistributedOptimizer` is not used here.
+rank reads the slices of the global tensors it holds (`load`). The masters and AdamW state come from either
+optimizer the trainers use, and either restores the other's checkpoint:
+
+- a plain `torch.optim.AdamW` over full FP32 masters of the rank's shards (CPU, and the single-rank trainer);
+- Megatron's `DistributedOptimizer` (or its `ChainedOptimizer` of dense and expert parameters), where each DP rank
+  holds a contiguous range of every parameter's flattened master and moments: saving and loading go through one
+  full-shape FP32 tensor per parameter and field, assembled over the parameter's DP group (the expert DP group for
+  experts) and scattered back into the ranges after a load. That costs, for the duration of the call, the memory
+  of the non-distributed optimizer's masters and moments.
+
 Saving writes Megatron's integrity manifest (`integrity.json`, SHA-256 of every file); `verify` checks it.
 """
 
@@ -99,32 +107,92 @@ def _sharded(
     return state, targets
 
 
+def adam_state(params: Sequence[torch.nn.Parameter], optimizer) -> tuple[list[torch.Tensor], dict, int]:
+    """FP32 master and AdamW moments of each of `params`, full shape (zeros before the first step), and the Adam
+    step, from a torch AdamW over one master per parameter or from Megatron's distributed optimizer (assembled over
+    DP: collective). The AdamW's masters are its own tensors; the distributed optimizer's are new."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        master = optimizer.param_groups[0]["params"]
+        if len(optimizer.param_groups) != 1 or len(master) != len(params):
+            raise ValueError("the trainer's AdamW must hold one group with one master per parameter")
+        states = [optimizer.state[m] for m in master]
+        moments = {
+            name: [st.get(name, torch.zeros_like(m)) for st, m in zip(states, master, strict=True)] for name in MOMENTS
+        }
+    else:
+        shards = _dp_shards(optimizer)
+        states = [inner.state.get(s, {}) for inner, _, _, s in shards.values()]
+        master = _assemble(params, shards, lambda inner, s: s)
+        moments = {
+            name: _assemble(params, shards, lambda inner, s, name=name: inner.state.get(s, {}).get(name))
+            for name in MOMENTS
+        }
+    steps = {int(st["step"]) for st in states if "step" in st}
+    if len(steps) > 1:
+        raise ValueError(f"AdamW state at different steps per parameter: {sorted(steps)}")
+    return master, moments, steps.pop() if steps else 0
+
+
+def _dp_shards(optimizer) -> dict[int, tuple]:
+    """Megatron's distributed optimizer: for each model parameter (by id) of which this DP rank holds a range, the
+    inner torch optimizer, the range `[start, end)` in the flattened parameter and the FP32 master of that range."""
+    out = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "shard_fp32_from_float16_groups"):
+            raise TypeError(f"{type(opt).__name__}: checkpoints hold a torch AdamW or Megatron's DistributedOptimizer")
+        groups = [
+            *zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
+            *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True),
+        ]
+        for models, mains in groups:
+            for p, main in zip(models, mains, strict=True):
+                r = opt._get_model_param_range_map(p)["param"]
+                out[id(p)] = (opt.optimizer, r.start, r.end, main)
+    return out
+
+
+def _dp_group(p: torch.nn.Parameter):
+    """The group the distributed optimizer shards `p` over: expert DP for experts, DP (with CP) for the rest."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(p, "allreduce", True):
+        return ps.get_data_parallel_group(with_context_parallel=True)
+    return ps.get_expert_data_parallel_group()
+
+
+def _assemble(params: Sequence[torch.nn.Parameter], shards: dict, pick) -> list[torch.Tensor]:
+    """Full FP32 tensors from every DP rank's ranges (`pick(inner optimizer, master range)`; None: zeros), summed
+    over the parameter's DP group, whose ranks hold disjoint ranges that cover the parameter."""
+    out = []
+    for p in params:
+        full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if id(p) in shards:
+            inner, lo, hi, main = shards[id(p)]
+            part = pick(inner, main)
+            if part is not None:
+                full[lo:hi] = part
+        torch.distributed.all_reduce(full, group=_dp_group(p))
+        out.append(full.view(p.shape))
+    return out
+
+
 def save(
     path: str | Path,
     chunks: Sequence[torch.nn.Module],
     params: Sequence[torch.nn.Parameter],
-    optimizer: torch.optim.AdamW,
+    optimizer,
     *,
     version: int,
     layout: str,
 ) -> None:
     """Save this rank's part of the trainer (collective: every rank calls it with the same `path`, a directory that
-    every rank sees and that does not exist yet or is empty). `params[i]` is the model parameter whose FP32 master is
-    `optimizer`'s i-th parameter."""
+    every rank sees and that does not exist yet or is empty). `optimizer` is a torch AdamW whose i-th parameter is
+    the FP32 master of `params[i]`, or Megatron's distributed optimizer over `chunks`."""
     from megatron.core import dist_checkpointing
 
-    master = optimizer.param_groups[0]["params"]
-    if len(optimizer.param_groups) != 1 or len(master) != len(params):
-        raise ValueError("the trainer's AdamW must hold one group with one master per parameter")
-    steps = {int(optimizer.state[m]["step"]) for m in master if "step" in optimizer.state[m]}
-    if len(steps) > 1:
-        raise ValueError(f"AdamW state at different steps per parameter: {sorted(steps)}")
-    moments = {
-        name: [optimizer.state[m][name] if name in optimizer.state[m] else torch.zeros_like(m) for m in master]
-        for name in MOMENTS
-    }
+    master, moments, step = adam_state(params, optimizer)
     state, _ = _sharded(chunks, params, master, moments)
-    state["trainer"] = {"adam_step": steps.pop() if steps else 0, "version": version, "layout": layout}
+    state["trainer"] = {"adam_step": step, "version": version, "layout": layout}
     Path(path).mkdir(parents=True, exist_ok=True)
     _in_process_results_queue()
     dist_checkpointing.save(state, str(path), verify_integrity=True)
@@ -144,19 +212,26 @@ def load(
     path: str | Path,
     chunks: Sequence[torch.nn.Module],
     params: Sequence[torch.nn.Parameter],
-    optimizer: torch.optim.AdamW,
+    optimizer,
     *,
     lr: float | None = None,
 ) -> dict:
-    """Load a checkpoint of `save` (any layout) into this rank's shards: parameters, masters and AdamW state
-    (collective). `lr` replaces the saved learning rate. Every tensor must be in the checkpoint with the model's
-    global shape (otherwise a ValueError naming the key). Returns the common part (`adam_step`, `version`, `layout`)."""
+    """Load a checkpoint of `save` (any layout, either optimizer) into this rank's shards: parameters, masters and
+    AdamW state (collective). `lr` replaces the saved learning rate. Every tensor must be in the checkpoint with the
+    model's global shape (otherwise a ValueError naming the key). Returns the common part (`adam_step`, `version`,
+    `layout`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException
 
-    master = optimizer.param_groups[0]["params"]
+    local = isinstance(optimizer, torch.optim.Optimizer)
+    if local:
+        master = optimizer.param_groups[0]["params"]
+        if len(optimizer.param_groups) != 1 or len(master) != len(params):
+            raise ValueError("the trainer's AdamW must hold one group with one master per parameter")
+    else:
+        master = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
     moments = {name: [torch.empty_like(m) for m in master] for name in MOMENTS}
     state, targets = _sharded(chunks, params, master, moments)
     try:
@@ -173,14 +248,25 @@ def load(
                 raise ValueError(f"checkpoint {path}: missing {missing}, unexpected {unexpected}")
         for name, key, t in targets:
             t.copy_(loaded[name][key])
-    optimizer.state.clear()
-    if common["adam_step"]:
-        for i, m in enumerate(master):
-            optimizer.state[m] = {"step": torch.tensor(float(common["adam_step"]))} | {
-                name: moments[name][i] for name in MOMENTS
-            }
+    step = common["adam_step"]
+    if local:
+        optimizer.state.clear()
+        slots = [(optimizer, m, i, None) for i, m in enumerate(master)]
+    else:
+        shards = _dp_shards(optimizer)
+        index = {id(p): i for i, p in enumerate(params)}
+        slots = [(inner, main, index[k], (lo, hi)) for k, (inner, lo, hi, main) in shards.items()]
+        with torch.no_grad():
+            for inner, main, i, (lo, hi) in slots:
+                main.copy_(master[i].view(-1)[lo:hi])
+                inner.state.pop(main, None)
+    for inner, main, i, span in slots:
+        if step:
+            part = (lambda t: t) if span is None else (lambda t, lo=span[0], hi=span[1]: t.view(-1)[lo:hi].clone())
+            inner.state[main] = {"step": torch.tensor(float(step))} | {n: part(moments[n][i]) for n in MOMENTS}
     if lr is not None:
-        for group in optimizer.param_groups:
+        inners = [optimizer] if local else [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        for group in (g for inner in inners for g in inner.param_groups):
             group["lr"] = lr
     return common
 

@@ -7,8 +7,9 @@ dispatcher copies its split sizes to the host on a CUDA side stream, and the pip
 counter with `device="cuda"`, p2p calls `torch.cuda.synchronize()` after batched send / receive and DDP orders its
 gradient reduction on `torch.cuda.current_stream()`. On a machine without CUDA these shims route them to the CPU
 (the split sizes become numpy arrays, as the CUDA path makes them; streams have nothing to wait for); they are never
-installed when CUDA is available. Megatron's optimizers allocate on 'cuda' by name and are not shimmed: on a CPU the
-trainer's DDP and schedules run, the optimizer step needs CUDA.
+installed when CUDA is available. Megatron's optimizers are not shimmed: they accept only `torch.cuda.*Tensor`
+parameter types (`megatron_trace.parallel.make_optimizer` refuses CPU parameters, naming the checks); on a CPU the
+trainer's DDP and schedules run, and the trainers step torch's AdamW on FP32 masters instead.
 """
 
 from __future__ import annotations

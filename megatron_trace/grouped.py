@@ -73,20 +73,33 @@ class _RowScaledGroupedMM(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
         ctx.save_for_backward(x, w, offs, scale)
-        return (y * scale.unsqueeze(-1)).to(y.dtype)
+        return _scale_rows(y, scale, out=y)  # y is not kept: scaled in place
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w, offs, scale = ctx.saved_tensors
         g = g.contiguous()
-        s = scale.unsqueeze(-1)
-        wide = torch.promote_types(x.dtype, scale.dtype)  # the product's dtype in the forward
-        gs = (g.to(wide) * s).to(g.dtype)  # the gradient autograd would pass to the GEMM's output
-        dw = F.grouped_mm(gs.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
-        u = F.grouped_mm(g, w, offs=offs).to(wide)
-        dx = (u * s).to(x.dtype)
-        dscale = (u * x.to(wide)).sum(-1).to(scale.dtype) if ctx.needs_input_grad[3] else None
+        dw = None
+        if ctx.needs_input_grad[1]:  # the gradient autograd would pass to the GEMM's output (g may be shared)
+            dw = F.grouped_mm(_scale_rows(g, scale).t(), x, offs=offs)
+        u = F.grouped_mm(g, w, offs=offs)
+        dx = _scale_rows(u, scale, dtype=x.dtype)
+        dscale = None
+        if ctx.needs_input_grad[3]:
+            wide = torch.promote_types(x.dtype, scale.dtype)  # the product's dtype in the forward
+            dscale = (u.to(wide) * x.to(wide)).sum(-1).to(scale.dtype)
         return dx, dw, None, dscale
+
+
+def _scale_rows(
+    t: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`(t * scale[:, None]).to(dtype or t.dtype)` in one pass: the product is taken in the promoted dtype and
+    rounded once on store (the same values as the two eager ops, without their promoted-dtype temporary); into `out`
+    if given (may be `t`)."""
+    if out is None:
+        out = torch.empty_like(t, dtype=dtype or t.dtype)
+    return torch.mul(t, scale.unsqueeze(-1), out=out)
 
 
 def row_scaled_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -328,9 +341,11 @@ class GroupedSites:
         self._hook = experts.register_forward_pre_hook(self._probs_to_fc2_output)
 
     def _probs_to_fc2_output(self, experts: torch.nn.Module, args: tuple) -> tuple:
+        """Megatron still multiplies its activation by the probabilities it gets: ones in the activation's dtype
+        (the product is the activation exactly, in one pass, where FP32 ones would promote it to FP32 and back)."""
         hidden, tokens_per_expert, probs, *rest = args
         experts.linear_fc2.row_scale = probs
-        return (hidden, tokens_per_expert, torch.ones_like(probs), *rest)
+        return (hidden, tokens_per_expert, torch.ones_like(probs, dtype=hidden.dtype), *rest)
 
     def write_fake_quant(self) -> None:
         """Overwrite each linear's weights with their fake-quantized values (all experts in one launch per linear,

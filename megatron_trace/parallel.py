@@ -221,9 +221,17 @@ def make_optimizer(
     weight_decay: float = 0.0,
 ):
     """Megatron's optimizer over DDP-wrapped chunks: FP32 master weights (the model's BF16 parameters are copies),
-    sharded over DP with `distributed`."""
+    sharded over DP with `distributed`. CUDA parameters only (a ValueError on others, naming why)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    devices = {p.device.type for c in chunks for p in c.parameters()}
+    if devices != {"cuda"}:
+        raise ValueError(
+            f"Megatron's optimizers need CUDA parameters, these are on {sorted(devices)}: megatron-core 0.19.2 "
+            "accepts only 'torch.cuda.*Tensor' parameter types (DistributedOptimizer, distrib_optimizer.py:401) and "
+            "allocates its loss-scale tensors on 'cuda' (MixedPrecisionOptimizer, optimizer.py:690-702); on a CPU "
+            "use AdamW over FP32 masters of the rank's shards (trace_rl.parallel_trainer does)"
+        )
     config = unwrap(chunks[0]).config
     opt_config = OptimizerConfig(
         optimizer=optimizer,

@@ -11,7 +11,9 @@ forward, and `get_routed_experts(...)` for every finished request just before it
     returns the handle `meta_info["trace"]` carries and queues the request; when the scheduler has processed a
     result batch (`on_batch_done`, called by the patched `stream_output`) it gathers every queued request's
     records and K/V in one batched transfer into a bounded host ring and hands them to a writer thread, which
-    collects the attention-TP ranks' K/V shards in one gather and writes the shards;
+    collects the attention-TP ranks' K/V and record shards in one gather and writes the store's shards;
+  * under attention TP keeps only its share of the MoE layers' records, markers and routes (`record_shards`;
+    the inputs and routes are the same on every rank), so each rank's record store is about 1 / TP of one rank's;
   * still answers `get_routed_experts` in R3's format (`[seqlen - 1, num_hidden_layers, topk]` int32) when
     `--enable-return-routed-experts` is on.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -30,10 +33,10 @@ from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
 from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
-from trace_core.capture import RecordCapturer, record_row_layout
+from trace_core.capture import RecordCapturer, RowReader, record_row_layout
 from trace_core.host_ring import HostRing
 from trace_core.records import Binding, ModelShape, token_digest
-from trace_core.store import StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
+from trace_core.store import Site, StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
 
 logger = logging.getLogger(__name__)
 
@@ -59,34 +62,85 @@ class TraceStats:
 @dataclass
 class _Finished:
     """A finished request waiting for its result batch to close: its binding (the token digest still empty: the
-    writer thread fills it in from `tokens`), its KV slots (a view of its `req_to_token` row, valid until the
-    scheduler's next allocation), the store writer of its step, and why it is refused (if known)."""
+    writer thread fills it in from `ids()`), its KV slots (a view of its `req_to_token` row, valid until the
+    scheduler's next allocation), the store writer of its step, and why it is refused (if known). The token ids
+    are SGLang's own lists, kept by reference (no copy on the scheduler thread): the prompt ids and the first
+    `outputs` entries of the output ids."""
 
     binding: Binding | None
     slots: torch.Tensor
     writer: StepWriter | None
     error: str | None = None
-    tokens: list[int] = field(default_factory=list)
+    prompt: Sequence[int] = ()
+    output: Sequence[int] = ()
+    outputs: int = 0
+
+    def ids(self) -> list[int]:
+        """The request's prompt + output ids at finish."""
+        return [*self.prompt, *self.output[: self.outputs]]
 
 
-def record_args(args: TraceArgs, layout: ModelLayout) -> dict:
-    """`RecordCapturer` arguments of the MoE-input records and routes (one definition for the capturer and the
-    memory accounting): what one KV slot holds in the device record store."""
+@dataclass(frozen=True)
+class RecordShard:
+    """What one attention-TP rank keeps in its device record store: the MoE-input sites, hook markers and routes
+    of the MoE layers it owns (each in MoE-layer order). MoE inputs and routes are the same on every TP rank, so
+    each is kept by one rank only; the store-writing rank merges the shards (`TraceCapturer._write`)."""
+
+    sites: tuple[Site, ...]
+    marks: tuple[int, ...]
+    routes: tuple[int, ...]
+
+
+def record_shards(
+    args: TraceArgs, layout: ModelLayout, tp_size: int = 1, routes_on_first: bool = False
+) -> list[RecordShard]:
+    """The record shards of `tp_size` attention-TP ranks (rank order). MoE layers go round-robin over the ranks,
+    recorded layers first and then the others (markers and routes only), so every rank keeps about 1 / tp_size of
+    the bytes. `routes_on_first`: rank 0 keeps every layer's routes (R3's answer is read on rank 0 at finish)."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     spec = model_spec(args, layout)
+    sites = [s for s in spec.sites() if s[1] == "moe_in"]
+    recorded = [layer for layer, _ in sites]
+    order = recorded + [layer for layer in layout.moe_layers if layer not in recorded]
+    owner = {layer: k % tp_size for k, layer in enumerate(order)}
+    shards = []
+    for rank in range(tp_size):
+        mine = tuple(layer for layer in layout.moe_layers if owner[layer] == rank)
+        routes = (tuple(layout.moe_layers) if rank == 0 else ()) if routes_on_first else mine
+        shards.append(RecordShard(tuple(s for s in sites if owner[s[0]] == rank), mine, routes))
+    return shards
+
+
+def record_args(args: TraceArgs, layout: ModelLayout, shard: RecordShard | None = None) -> dict:
+    """`RecordCapturer` arguments of one rank's record shard (default: one rank keeps everything); one
+    definition for the capturer and the memory accounting: what one KV slot holds in that rank's record store."""
+    if shard is None:
+        shard = record_shards(args, layout)[0]
     return dict(
-        spec=spec,
+        spec=model_spec(args, layout),
         shape=ModelShape(hidden=layout.hidden, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim),
-        sites=[s for s in spec.sites() if s[1] == "moe_in"],
-        routes=(len(layout.moe_layers), layout.topk),
-        marks=len(layout.moe_layers),
+        sites=list(shard.sites),
+        routes=(len(shard.routes), layout.topk) if shard.routes else None,
+        marks=len(shard.marks),
         versioned=True,
     )
 
 
-def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout) -> int:
-    """Device bytes the record store adds to every KV slot (added to SGLang's per-token KV cell size on every TP
-    rank, so all ranks size their KV pools alike)."""
-    return record_row_layout(**record_args(args, layout))[1].row_bytes
+def shard_reader(args: TraceArgs, layout: ModelLayout, shard: RecordShard) -> RowReader:
+    """Reads rows of `shard`'s record store (on the rank that merges the shards)."""
+    rec = record_args(args, layout, shard)
+    layouts, row = record_row_layout(**rec)
+    return RowReader(layouts, row, rec["routes"], rec["marks"], versioned=True)
+
+
+def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout, tp_size: int = 1, routes_on_first: bool = False) -> int:
+    """Device bytes the record store adds to every KV slot on each of `tp_size` attention-TP ranks: the largest
+    rank's shard (added to SGLang's per-token KV cell size on every rank, so all ranks size their KV pools alike)."""
+    return max(
+        shard_reader(args, layout, shard).row.row_bytes
+        for shard in record_shards(args, layout, tp_size, routes_on_first)
+    )
 
 
 class TraceCapturer(RoutedExpertsCapturer):
@@ -99,12 +153,12 @@ class TraceCapturer(RoutedExpertsCapturer):
         max_request_tokens: the longest request (SGLang's context length); the host ring holds at least one.
         device: where staging and the record store live. return_routes: answer `get_routed_experts` (R3's flag).
         weights: the emulated expert weights whose completeness every forward checks.
-        tp_rank: attention-TP rank (rank 0 keeps the MoE records and routes, and writes the store).
-        trace_group: a gloo group over the attention-TP ranks, created at start-up for TRACE alone (the K/V shards
-            of each transfer are gathered to rank 0 over it, on the writer thread); None for one rank.
+        tp_rank, tp_size: attention-TP rank and size. Each rank keeps the MoE-input records, hook markers and
+            routes of its share of the MoE layers (`record_shards`); rank 0 merges the shards and writes the store.
+        trace_group: a gloo group over the attention-TP ranks, created at start-up for TRACE alone (each transfer's
+            K/V and record shards are gathered to rank 0 over it, on the writer thread); required when tp_size > 1.
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
-        host_ring_bytes: host ring size on rank 0 (other ranks hold only their K/V bytes of the same tokens);
-            default `RING_REQUESTS` requests of `max_request_tokens`.
+        host_ring_bytes: host ring size on each rank; default `RING_REQUESTS` requests of `max_request_tokens`.
 
     Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
     emulate mode, the MoE-input site in native mode) mark the forward's rows, in CUDA graphs too; the route capture
@@ -127,6 +181,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         return_routes: bool,
         weights: ExpertWeights,
         tp_rank: int = 0,
+        tp_size: int = 1,
         trace_group=None,
         moe_tp_group=None,
         host_ring_bytes: int | None = None,
@@ -138,21 +193,32 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self.spec.attn_layers and kv_pool is None:
             raise ValueError("k/v sites are recorded but no FP4 KV pool was given")
         self.kv_pool, self.kv_kinds = kv_pool, kv_kinds(args)
-        self.route_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"TP rank {tp_rank} outside [0, {tp_size})")
+        group_size = 1 if trace_group is None else torch.distributed.get_world_size(trace_group)
+        if group_size != tp_size:
+            raise ValueError(f"TRACE's group spans {group_size} ranks, the attention-TP size is {tp_size}")
+        # record shards: each rank keeps its MoE layers' records, markers and routes; rank 0 keeps every layer's
+        # routes when R3 answers at finish
+        self.shards = record_shards(args, layout, tp_size, routes_on_first=return_routes)
+        shard = self.shards[tp_rank]
+        self.mark_index = {layer: i for i, layer in enumerate(shard.marks)}
+        self.route_index = {layer: i for i, layer in enumerate(shard.routes)}
+        self.moe_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
         # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
         # site), so its last hook marks the layer; routes (from the top-k module) are their own marker
         self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
-        # MoE inputs and routes are the same on every TP rank; only rank 0 (which writes the store) keeps them
-        rec = record_args(args, layout)
-        self.records = (
-            RecordCapturer(max_tokens=max_tokens, num_slots=num_slots, device=device, **rec) if tp_rank == 0 else None
-        )
-        # host bytes per token of a transfer: this rank's raw K/V, plus the record row on rank 0; every rank splits
-        # result batches into transfers by rank 0's bytes, so all ranks run the same transfers and gathers
+        rec = record_args(args, layout, shard)
+        self.records = RecordCapturer(max_tokens=max_tokens, num_slots=num_slots, device=device, **rec)
+        self.readers = [shard_reader(args, layout, s) for s in self.shards] if tp_rank == 0 else []
+        self.site_order = [s for s in self.spec.sites() if s[1] == "moe_in"]  # one rank's record order
+        # host bytes per token of a transfer, the same on every rank (so all ranks run the same transfers and
+        # gathers): this rank's raw K/V, then its record row, padded to the largest rank's row
         self.kv_bytes = self._kv_bytes()
         self.kv_gather = KVGather(kv_pool, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
-        self.row_bytes = record_row_layout(**rec)[1].row_bytes
-        token_bytes = self.kv_bytes + self.row_bytes
+        self.row_bytes = self.records.row.row_bytes
+        self.shard_bytes = record_bytes_per_slot(args, layout, tp_size, routes_on_first=return_routes)
+        self.token_bytes = token_bytes = self.kv_bytes + self.shard_bytes
         if host_ring_bytes is None:
             host_ring_bytes = RING_REQUESTS * max_request_tokens * token_bytes
         if host_ring_bytes < max_request_tokens * token_bytes:
@@ -161,10 +227,9 @@ class TraceCapturer(RoutedExpertsCapturer):
                 f"x {token_bytes} bytes"
             )
         self.ring_tokens = host_ring_bytes // token_bytes
-        own_bytes = self.kv_bytes + (self.row_bytes if self.records is not None else 0)  # rank 0: token_bytes
-        self.ring = HostRing(max(1, self.ring_tokens * own_bytes), pin=torch.device(device).type == "cuda")
+        self.ring = HostRing(self.ring_tokens * token_bytes, pin=torch.device(device).type == "cuda")
         self.return_routes = return_routes
-        self.tp_rank, self.trace_group, self.moe_tp_group = tp_rank, trace_group, moe_tp_group
+        self.tp_rank, self.tp_size, self.trace_group, self.moe_tp_group = tp_rank, tp_size, trace_group, moe_tp_group
         self.step = args.step
         self.stats = TraceStats()
         self._writer = StepWriter(args.store, self.step) if tp_rank == 0 else None
@@ -194,7 +259,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._moe_rows[layer_id] = x.shape[0]
         if self.moe_mark == "moe_in":
             self._mark(layer_id, x.shape[0])
-        if self.records is not None and site in self.records.layouts:
+        if site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate":
             return emulate_moe_input(x, self.spec.bits, rows, self.args.recipe.moe_in)
@@ -214,22 +279,25 @@ class TraceCapturer(RoutedExpertsCapturer):
         return fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id`."""
-        if self.records is not None:
-            self.records.stage_routes(self.route_index[layer_id], topk_ids[:, : self.layout.topk])
+        """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id` (on the
+        rank that keeps them)."""
+        index = self.route_index.get(layer_id)
+        if index is not None:
+            self.records.stage_routes(index, topk_ids[:, : self.layout.topk])
 
     def _mark(self, layer_id: int, rows: int) -> None:
-        """Set the FusedMoE hook marker of MoE layer `layer_id` on the forward's token rows [0, rows) (rank 0 only)."""
-        if self.records is None:
-            return
-        self.records.mark(self.route_index[layer_id], rows)
+        """Set the FusedMoE hook marker of MoE layer `layer_id` on the forward's token rows [0, rows) (on the rank
+        that keeps it)."""
+        index = self.mark_index.get(layer_id)
+        if index is not None:
+            self.records.mark(index, rows)
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
         """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU)."""
         if self._pending:  # finished requests whose batch was never closed: their slots may have been reused
             self._refuse_pending("its result batch was not closed before the next forward (slots may be reused)")
         self.weights.check_complete()
-        if self.records is None or forward_batch.forward_mode.is_idle():
+        if forward_batch.forward_mode.is_idle():
             return
         version = UNKNOWN_VERSION if self.step is None else self.step
         self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph), version=version)
@@ -237,23 +305,31 @@ class TraceCapturer(RoutedExpertsCapturer):
     # --- request finish -----------------------------------------------------------------------------------------
 
     def finish_request(
-        self, rid: str, req_pool_idx: int, seqlen: int, req_to_token_pool, tokens: list[int]
+        self,
+        rid: str,
+        req_pool_idx: int,
+        seqlen: int,
+        req_to_token_pool,
+        tokens: Sequence[int],
+        output_ids: Sequence[int] = (),
     ) -> dict | None:
         """Queue a finished request's records (positions [0, seqlen - 1)) for the store; returns the handle on the
         store-writing rank (None elsewhere). Must run before the request's KV is released; `on_batch_done` moves
         the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>`
-        (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` the request's
-        prompt + output ids: the records are bound to (step, policy version = step, trajectory, attempt, token
-        digest, computed on the writer thread: hashing a long request's ids costs about a millisecond), which
-        the handle repeats except for the digest (the stored shard's binding carries it).
+        (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` + `output_ids`
+        the request's prompt + output ids (SGLang's `origin_input_ids` and `output_ids`, kept by reference and read
+        on the writer thread; a later append to `output_ids` is not read): the records are bound to (step, policy
+        version = step, trajectory, attempt, token digest, computed on the writer thread: hashing a long request's
+        ids costs about a millisecond), which the handle repeats except for the digest (the stored shard's binding
+        carries it).
 
         No device work or wait here, except R3's answer (`--enable-return-routed-experts`), which is read at once.
         A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
         or whose write fails is not stored: it is counted in `stats`, logged, and marked failed in the store
         (`trace_core.store.write_failure`, which the reader reports); the server keeps serving. When that is
         known at finish (R3 on, or no weight version), the handle also says so (`"error"`)."""
-        if len(tokens) != seqlen:
-            raise ValueError(f"request {rid!r}: {len(tokens)} prompt + output ids, seqlen {seqlen}")
+        if len(tokens) + len(output_ids) != seqlen:
+            raise ValueError(f"request {rid!r}: {len(tokens) + len(output_ids)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
         self.stats.requests += 1
@@ -277,7 +353,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             self._pending.append(_Finished(None, slots, None, error))
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
         binding = Binding(step, step, trajectory, attempt, "", self.args.recipe.name)  # digest: writer thread
-        finished = _Finished(binding, slots, self._writer, tokens=tokens)
+        finished = _Finished(binding, slots, self._writer, None, tokens, output_ids, len(output_ids))
         self._pending.append(finished)
         if self.return_routes:
             try:
@@ -311,58 +387,65 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._transfer(chunk)
 
     def _transfer(self, chunk: list[_Finished]) -> None:
-        """One transfer: the chunk's rows gathered on the device and copied into one host ring span (async on
-        CUDA), then queued for the writer thread."""
-        slots = torch.cat([f.slots for f in chunk]).long()
+        """One transfer: the chunk's K/V bytes and record rows gathered into one device buffer (this rank's raw
+        K/V, then its record rows) and copied into a host ring span `[n * token_bytes]` (the rest of the span pads to
+        the largest rank's rows) in one copy (async on CUDA), then queued for the writer thread."""
+        slots = chunk[0].slots if len(chunk) == 1 else torch.cat([f.slots for f in chunk])
         n = slots.shape[0]
-        ticket, kv_host, rows_host, copied = None, None, None, None
+        ticket, span, copied = None, None, None
         if n:
-            kv_dev = self.kv_gather(slots) if self.kv_gather is not None else None
-            rows_dev = self.records.gather_rows(slots) if self.records is not None else None
-            nbytes = n * (self.kv_bytes + (self.row_bytes if rows_dev is not None else 0))
-            ticket, span = self.ring.reserve(nbytes)
-            kv_host = span[: n * self.kv_bytes].view(n, self.kv_bytes)
-            rows_host = span[n * self.kv_bytes :].view(n, -1) if rows_dev is not None else None
-            if kv_dev is not None:
-                kv_host.copy_(kv_dev, non_blocking=True)
-            if rows_dev is not None:
-                rows_host.copy_(rows_dev, non_blocking=True)
+            kv_end, used = n * self.kv_bytes, n * (self.kv_bytes + self.row_bytes)
+            staged = torch.empty(used, dtype=torch.uint8, device=self.records.device)
+            if self.kv_gather is not None:
+                self.kv_gather(slots, out=staged[:kv_end].view(n, self.kv_bytes))
+            self.records.gather_rows(slots, out=staged[kv_end:].view(n, self.row_bytes))
+            ticket, span = self.ring.reserve(n * self.token_bytes)
+            span[:used].copy_(staged, non_blocking=True)
             if slots.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
             self.stats.transfers += 1
         self._writes = [f for f in self._writes if not f.done()]
-        self._writes.append(self._pool.submit(self._write_batch, chunk, kv_host, rows_host, copied, ticket))
+        self._writes.append(self._pool.submit(self._write_batch, chunk, n, span, copied, ticket))
 
     def _write_batch(
         self,
         chunk: list[_Finished],
-        kv_host: torch.Tensor | None,
-        rows_host: torch.Tensor | None,
+        n: int,
+        span: torch.Tensor | None,
         copied: torch.cuda.Event | None,
         ticket: int | None,
     ) -> None:
-        """Writer thread: wait for the transfer's copy, gather the K/V shards to rank 0 (one gather under TP), then
-        on rank 0 check, unpack and write each request's shard. A refusal or write error is counted, logged and
-        marked in the store, never raised; the host ring span is released in every case."""
+        """Writer thread: wait for the transfer's copy, gather every rank's span to rank 0 (one gather under TP),
+        then on rank 0 split each rank's span into its K/V bytes and record rows, and check, merge, unpack and write
+        each request's shard. A refusal or write error is counted, logged and marked in the store, never raised;
+        the host ring span is released in every case."""
         try:
             if copied is not None:
                 copied.synchronize()
-            shards = [kv_host] if self.kv_bytes and kv_host is not None else []
-            if shards and self.trace_group is not None:
-                shards = gather_to_first(kv_host, self.trace_group)
+            spans = [span]
+            if span is not None and self.trace_group is not None:  # n == 0 on every rank alike: no gather
+                spans = gather_to_first(span, self.trace_group)
                 with self._lock:
                     self.stats.collectives += 1
             if self._writer is None:
                 return
-            if rows_host is None:  # a transfer of requests with no positions (seqlen 1)
-                rows_host = torch.empty(0, self.row_bytes, dtype=torch.uint8)
+            kv_end = n * self.kv_bytes
+            raws, rows = [], []
+            if span is None:
+                spans = [None] * len(self.readers)
+            for reader, part in zip(self.readers, spans, strict=True):
+                row_bytes = reader.row.row_bytes
+                if part is None:  # a transfer of requests with no positions (seqlen 1)
+                    part = torch.empty(0, dtype=torch.uint8)
+                raws.append(part[:kv_end].view(n, self.kv_bytes))
+                rows.append(part[kv_end : kv_end + n * row_bytes].view(n, row_bytes))
             offset = 0
             for f in chunk:
-                span = slice(offset, offset + f.slots.shape[0])
-                offset = span.stop
+                at = slice(offset, offset + f.slots.shape[0])
+                offset = at.stop
                 if f.error is None:
-                    self._write(f, rows_host[span], [s[span] for s in shards])
+                    self._write(f, [r[at] for r in rows], [r[at] for r in raws] if self.kv_bytes else [])
         except Exception as e:  # a failed transfer must not take the server down
             logger.error("TRACE transfer of %d requests failed: %s: %s", len(chunk), type(e).__name__, e)
             for f in chunk:
@@ -372,11 +455,27 @@ class TraceCapturer(RoutedExpertsCapturer):
             if ticket is not None:
                 self.ring.release(ticket)
 
-    def _write(self, f: _Finished, rows: torch.Tensor, raws: list[torch.Tensor]) -> None:
-        """One trajectory's shard from its host rows and K/V shards (rank order)."""
-        binding = replace(f.binding, tokens=token_digest(f.tokens))
+    def _merge(self, rows: list[torch.Tensor], version: int) -> TrajectoryRecords:
+        """One request's MoE-input records and routes from every rank's record rows (rank order), each checked
+        (written, hook markers, routes, weight version): the records one rank keeping every layer would hold."""
+        parts = [reader.read(r, version=version) for reader, r in zip(self.readers, rows, strict=True)]
+        if len(parts) == 1:
+            return parts[0]
+        length = rows[0].shape[0]
+        found = {site: rec for part in parts for site, rec in part.records.items()}
+        routes = torch.empty(length, len(self.layout.moe_layers), self.layout.topk, dtype=torch.int32)
+        for shard, part in zip(self.shards, parts, strict=True):
+            if shard.routes:
+                routes[:, [self.moe_index[layer] for layer in shard.routes]] = part.routes
+        records = {site: found[site] for site in self.site_order}
+        return TrajectoryRecords(num_tokens=length, records=records, routes=routes)
+
+    def _write(self, f: _Finished, rows: list[torch.Tensor], raws: list[torch.Tensor]) -> None:
+        """One trajectory's shard from its record rows and K/V bytes on the host (one of each per rank, rank
+        order)."""
+        binding = replace(f.binding, tokens=token_digest(f.ids()))
         try:
-            gathered = self.records.read(rows, version=binding.step)
+            gathered = self._merge(rows, binding.step)
             kv = {}
             if raws:
                 pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
@@ -389,7 +488,7 @@ class TraceCapturer(RoutedExpertsCapturer):
                     num_kv_heads=self.layout.num_kv_heads,
                 )
             records = {**gathered.records, **kv}
-            length = rows.shape[0]
+            length = rows[0].shape[0]
             tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
             f.writer.write({binding.trajectory: tr})
         except Exception as e:
@@ -461,4 +560,4 @@ class TraceCapturer(RoutedExpertsCapturer):
         return None  # no host mirror of the KV slots: records stay on the device until a request finishes
 
     def get_device_cache(self):
-        return None if self.records is None else self.records.store
+        return self.records.store

@@ -42,7 +42,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TRACE_GROUP_TIMEOUT = timedelta(minutes=10)  # a rank missing from a K/V gather fails that transfer, not the server
+TRACE_GROUP_TIMEOUT = timedelta(minutes=10)  # a rank missing from a gather fails that transfer, not the server
 
 # Expert weights of this process (one model per scheduler/TP process).
 EXPERT_WEIGHTS = ExpertWeights()
@@ -127,19 +127,23 @@ def check_moe_layers(model, mode: str) -> int:
 
 
 def record_bytes_per_token(model_runner) -> int:
-    """Device bytes per KV slot of TRACE's record store (0 when off), which SGLang adds to its per-token KV cell
-    size before sizing the KV pool: the store is allocated later, with one row per slot of that pool."""
+    """Device bytes per KV slot of TRACE's record store on each TP rank (0 when off; the largest rank's shard),
+    which SGLang adds to its per-token KV cell size before sizing the KV pool: the store is allocated later, with
+    one row per slot of that pool."""
     args: TraceArgs = check_server_args(model_runner.server_args)
     if not args.enabled:
         return 0
     from sglang_trace.capturer import record_bytes_per_slot
 
-    return record_bytes_per_slot(args, model_layout(model_runner.model_config.hf_config))
+    layout = model_layout(model_runner.model_config.hf_config)
+    routes_on_first = model_runner.server_args.enable_return_routed_experts
+    return record_bytes_per_slot(args, layout, model_runner.tp_size, routes_on_first)
 
 
 def trace_group(tp):
-    """A gloo group over the attention-TP ranks for TRACE's K/V gathers (None for one rank), created at start-up
-    by every rank in the same order, so TRACE's collectives never interleave with SGLang's on its own groups."""
+    """A gloo group over the attention-TP ranks for TRACE's record and K/V gathers (None for one rank), created at
+    start-up by every rank in the same order, so TRACE's collectives never interleave with SGLang's on its own
+    groups."""
     import torch.distributed as dist
 
     if tp.world_size == 1:
@@ -187,7 +191,8 @@ def install_capturer(model_runner) -> bool:
         return_routes=server_args.enable_return_routed_experts,
         weights=EXPERT_WEIGHTS,
         tp_rank=tp.rank_in_group,
-        trace_group=trace_group(tp) if args.kv_sites else None,
+        tp_size=tp.world_size,
+        trace_group=trace_group(tp),
         moe_tp_group=moe_tp if moe_tp.world_size > 1 else None,
     )
     set_global_experts_capturer(capturer)
@@ -229,9 +234,8 @@ def on_request_finished(scheduler, req) -> None:
     capturer = _capturer()
     if capturer is None:
         return
-    tokens = [*req.origin_input_ids, *req.output_ids]
     req.trace_handle = capturer.finish_request(
-        req.rid, req.req_pool_idx, req.seqlen, scheduler.req_to_token_pool, tokens
+        req.rid, req.req_pool_idx, req.seqlen, scheduler.req_to_token_pool, req.origin_input_ids, req.output_ids
     )
 
 

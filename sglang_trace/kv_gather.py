@@ -37,7 +37,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & (cols[None, :] < width)
-        slot = tl.load(slots + rows, mask=row_ok, other=0)
+        slot = tl.load(slots + rows, mask=row_ok, other=0).to(tl.int64)
         values = tl.load(base + slot[:, None] * width + cols[None, :], mask=mask)
         tl.store(out + rows[:, None].to(tl.int64) * out_stride + col0 + cols[None, :], values, mask=mask)
 
@@ -77,15 +77,19 @@ class KVGather:
         )
         self._block = 1 << max(0, (max(widths) - 1).bit_length())
 
-    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
-        """uint8 `[len(slots), width]`: the raw K/V bytes of every site at `slots` (valid KV slots: rows of SGLang's
-        `req_to_token`), on the pool's device."""
-        if slots.dim() != 1:
-            raise ValueError(f"slots must be 1-D, got shape {tuple(slots.shape)}")
+    def __call__(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 `[len(slots), width]`: the raw K/V bytes of every site at `slots` (int32 or int64 valid KV slots:
+        rows of SGLang's `req_to_token`), on the pool's device; written into `out` (contiguous) when given."""
+        if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
+        if out is not None and (out.shape != (slots.shape[0], self.width) or not out.is_contiguous()):
+            raise ValueError(f"out must be contiguous [{slots.shape[0]}, {self.width}], got {tuple(out.shape)}")
         if not self.kernel:
-            return gather_kv_raw(self.pool, slots, self.layers, self.kinds)
-        slots = slots.to(device=self.device, dtype=torch.int64)
-        out = torch.empty(slots.shape[0], self.width, dtype=torch.uint8, device=self.device)
+            raw = gather_kv_raw(self.pool, slots, self.layers, self.kinds)
+            return raw if out is None else out.copy_(raw)
+        slots = slots.to(self.device).contiguous()  # the kernel reads slots[i] by address
+        if out is None:
+            out = torch.empty(slots.shape[0], self.width, dtype=torch.uint8, device=self.device)
         if slots.shape[0]:
             grid = (triton.cdiv(slots.shape[0], ROWS_PER_PROGRAM), len(self._buffers))
             _kv_gather_kernel[grid](

@@ -7,7 +7,9 @@ from tests.interpret import run_cases
 from tests.sglang_cpu import install_sgl_kernel_stand_in
 
 
-def check(heads: int, layers: tuple[int, ...], kinds: tuple[str, ...], rows: int) -> None:
+def check(heads: int, layers: tuple[int, ...], kinds: tuple[str, ...], rows: int, into: bool = False) -> None:
+    """`into`: int32 slots (SGLang's `req_to_token` dtype), written into a view of a larger buffer, as the finish
+    path's transfer does."""
     install_sgl_kernel_stand_in()
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
 
@@ -21,7 +23,13 @@ def check(heads: int, layers: tuple[int, ...], kinds: tuple[str, ...], rows: int
     for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     slots = torch.randint(0, 101, (rows,), generator=gen)
-    got = KVGather(pool, layers, kinds, kernel=True)(slots)
+    gather = KVGather(pool, layers, kinds, kernel=True)
+    if into:
+        buffer = torch.full((rows * gather.width + 7,), 0xAB, dtype=torch.uint8)
+        got = gather(slots.int(), out=buffer[:-7].view(rows, gather.width))
+        assert got.data_ptr() == buffer.data_ptr() and bool((buffer[-7:] == 0xAB).all())
+    else:
+        got = gather(slots)
     want = gather_kv_raw(pool, slots, layers, kinds)
     assert got.dtype == want.dtype and torch.equal(got, want), (got.shape, want.shape)
 
@@ -31,6 +39,7 @@ def cases() -> dict:
         "heads4-kv-37rows": lambda: check(4, (1, 3), ("k", "v"), 37),
         "heads1-k-16rows": lambda: check(1, (0,), ("k",), 16),
         "heads3-v-5rows": lambda: check(3, (2, 0, 3), ("v",), 5),  # widths 48 and 6: not powers of two
+        "heads2-kv-21rows-int32-into": lambda: check(2, (0, 3), ("k", "v"), 21, into=True),
         "empty": lambda: check(2, (1,), ("k", "v"), 0),
     }
 

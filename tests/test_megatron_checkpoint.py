@@ -7,7 +7,9 @@ one step. Each two-rank layout loads that checkpoint into its shards (under Mega
 of one buffer), gathers parameters, masters and both moments back to full tensors (every one must equal the saved
 one exactly: a checkpoint is a copy, there is no tolerance) and saves its own checkpoint; the single rank loads each
 of those and must get the same state again. A checkpoint of another model, and one whose file was changed, are
-refused. On a GPU machine the same test runs with NCCL and CUDA tensors.
+refused. On a GPU machine the same test runs with NCCL and CUDA tensors, and with two more layouts that hold the
+masters and moments in Megatron's distributed optimizer (DP = 2, and EP = 2 with the grouped experts), which must
+load, give back and save the same state.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ LAYOUTS = {
     "pp2": (dict(pp=2), False),
     "pp2_vpp2": (dict(pp=2, vpp=2), False),
 }
+# On GPUs: Megatron's distributed optimizer (each DP rank holds a range of every master and moment) in place of the
+# AdamW over full masters; the dense parameters are split over DP = 2 in both, the experts too in the first.
+DISTRIBUTED = {"dp2_distopt": (dict(), False), "ep2_grouped_distopt": (dict(ep=2), True)}
 FIELDS = ("param", "master", "exp_avg", "exp_avg_sq")
+
+
+def _layouts() -> dict:
+    return LAYOUTS | (DISTRIBUTED if torch.cuda.is_available() else {})
 
 
 def _trainer_state(chunks):
@@ -39,16 +48,18 @@ def _trainer_state(chunks):
     return params, master, torch.optim.AdamW(master, lr=1e-3)
 
 
-def _full(chunks, params, master, opt) -> dict[str, dict[str, torch.Tensor]]:
+def _full(chunks, params, opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every field gathered to full tensors under the single-rank names (`{}` off the first pipeline stage)."""
+    from megatron_trace.checkpoint import adam_state
     from megatron_trace.parallel import gather_full_state
 
-    of = {id(p): m for p, m in zip(params, master, strict=True)}
+    master, moments, _ = adam_state(params, opt)
+    of = {id(p): i for i, p in enumerate(params)}
     pick = {
         "param": lambda p: p.detach(),
-        "master": lambda p: of[id(p)].detach(),
-        "exp_avg": lambda p: opt.state[of[id(p)]]["exp_avg"],
-        "exp_avg_sq": lambda p: opt.state[of[id(p)]]["exp_avg_sq"],
+        "master": lambda p: master[of[id(p)]].detach(),
+        "exp_avg": lambda p: moments["exp_avg"][of[id(p)]],
+        "exp_avg_sq": lambda p: moments["exp_avg_sq"][of[id(p)]],
     }
     return {f: gather_full_state(chunks, pick[f]) for f in FIELDS}
 
@@ -58,11 +69,11 @@ def _worker(work: Path) -> None:
     from megatron.core import parallel_state
 
     from megatron_trace import checkpoint
-    from megatron_trace.parallel import Layout, build_chunks, wrap_ddp
+    from megatron_trace.parallel import Layout, build_chunks, make_optimizer, wrap_ddp
     from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
     cfg = TinyMoEConfig(**CFG_KW)
-    for name, (kw, grouped) in LAYOUTS.items():
+    for name, (kw, grouped) in _layouts().items():
         layout = Layout(**kw)
         layout.init()
         chunks = build_chunks(
@@ -71,11 +82,15 @@ def _worker(work: Path) -> None:
             ),
             layout,
         )
-        chunks = wrap_ddp(chunks, distributed_optimizer=False)
-        params, master, opt = _trainer_state(chunks)
+        distributed = name in DISTRIBUTED
+        chunks = wrap_ddp(chunks, distributed_optimizer=distributed)
+        if distributed:
+            params, opt = [p for c in chunks for p in c.parameters()], make_optimizer(chunks, lr=1e-3)
+        else:
+            params, _, opt = _trainer_state(chunks)
         common = checkpoint.load(work / "single", chunks, params, opt)
         assert common["version"] == 3 and common["adam_step"] == 1, common
-        full = _full(chunks, params, master, opt)
+        full = _full(chunks, params, opt)
         if torch.distributed.get_rank() == 0:
             torch.save(full, work / f"{name}.pt")
         checkpoint.save(work / name, chunks, params, opt, version=common["version"], layout=name)
@@ -118,7 +133,7 @@ def test_a_checkpoint_moves_between_layouts_bit_for_bit(tmp_path):
             m.add_(torch.randn(m.shape, generator=g).to(m.device) * 1e-3)  # masters are not the BF16 parameters
             m.grad = torch.randn(m.shape, generator=g).to(m.device)
     opt.step()
-    ref = _full([model], params, master, opt)
+    ref = _full([model], params, opt)
     checkpoint.save(tmp_path / "single", [model], params, opt, version=3, layout="single")
 
     root = Path(__file__).resolve().parents[1]
@@ -127,12 +142,12 @@ def test_a_checkpoint_moves_between_layouts_bit_for_bit(tmp_path):
     proc = subprocess.run([*cmd, __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
-    for name in LAYOUTS:
+    for name in _layouts():
         _assert_equal(torch.load(tmp_path / f"{name}.pt"), ref)  # one rank -> the layout
-        back, p2, m2, opt2 = _single(seed=5)
+        back, p2, _, opt2 = _single(seed=5)
         common = checkpoint.load(tmp_path / name, [back], p2, opt2)
         assert common == {"adam_step": 1, "version": 3, "layout": name}
-        _assert_equal(_full([back], p2, m2, opt2), ref)  # the layout -> one rank
+        _assert_equal(_full([back], p2, opt2), ref)  # the layout -> one rank
 
     # Another model (more experts) is refused; so is a changed file of the checkpoint.
     from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe

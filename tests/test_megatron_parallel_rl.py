@@ -80,7 +80,8 @@ def ray_cluster():
     root = str(Path(__file__).resolve().parents[1])
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, old) if p)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    gpus = torch.cuda.device_count()
+    ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
     if old is None:
@@ -148,11 +149,42 @@ def test_a_single_rank_checkpoint_resumes_at_a_layout(model_dir, single, ray_clu
     _assert_same_steps(history[1:], single_history[1:])
 
 
+@pytest.mark.gpu
+def test_rl_steps_at_dp2_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir, ray_cluster, tmp_path):
+    """On two GPUs (NCCL, one Ray actor per GPU) the group trainer runs Megatron's distributed optimizer: DP = 2 with
+    two micro-batches per rank gives one GPU's steps (FP32 trainer, the tolerance above), and its distributed
+    checkpoint of step 1 (each rank's ranges of the masters and moments) resumes the group to the same step 2."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    gpu = RUN | dict(device="cuda")
+    with Controller(RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "single"), **gpu), resume=False) as ctrl:
+        single_history = ctrl.run()
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "dp2"), **gpu, **LAYOUTS["dp2_microbatch2"])
+    with Controller(cfg, resume=False) as ctrl:
+        assert ctrl.trainer.group.call("layout_name") == ["tp=1 ep=1 pp=1 vpp=None dp=2 optimizer=distributed"] * 2
+        history = ctrl.run()
+        weights = ctrl.trainer.hf_weights()
+    _assert_same_steps(history, single_history)
+    run = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "dp2", run)
+    remove_checkpoint(run / "checkpoint-00000002.pt")
+    with Controller(cfg.replace(out_dir=str(run))) as ctrl:
+        assert ctrl.step == 1 and ctrl.trainer.policy_version() == 1
+        resumed = ctrl.run()
+    _assert_same_steps(resumed[1:], history[1:])
+    # The distributed optimizer's checkpoint loads on one rank (AdamW over full masters): the group's policy exactly.
+    exported = load_file(export_run(tmp_path / "dp2", tmp_path / "hf") / "model.safetensors")
+    assert exported.keys() == weights.keys()
+    for k, w in weights.items():
+        assert torch.equal(exported[k], w), k
+
+
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):
     from trace_rl.trainer_group import TrainerGroup
 
-    with pytest.raises(RuntimeError, match=r"2 ranks of \{'CPU': 1, 'GPU': 1\} were not placed within 2 s"):
-        TrainerGroup(2, gpus_per_rank=1, placement_timeout_s=2)
+    world = torch.cuda.device_count() + 2  # more GPU ranks than the cluster has
+    with pytest.raises(RuntimeError, match=rf"{world} ranks of \{{'CPU': 1, 'GPU': 1\}} were not placed within 2 s"):
+        TrainerGroup(world, gpus_per_rank=1, placement_timeout_s=2)
 
 
 def test_layout_keys_are_validated():

@@ -94,6 +94,17 @@ def test_cli_flags_parse_into_server_args():
         (dict(moe_runner_backend="triton_kernel"), "--moe-runner-backend triton_kernel"),
         (dict(enable_torch_compile=True), "--enable-torch-compile"),
         (dict(custom_weight_loader=["my.loader"]), "--custom-weight-loader"),
+        (dict(speculative_algorithm="EAGLE"), "speculative decoding"),
+        (dict(pp_size=2), "pipeline parallelism"),
+        (dict(enable_lmcache=True), "--enable-lmcache"),
+        (dict(moe_a2a_backend="deepep"), "--moe-a2a-backend"),
+        (dict(enable_single_batch_overlap=True), "--enable-single-batch-overlap"),
+        (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
+        (dict(load_format="direct"), "--load-format direct"),
+        *[
+            (dict(moe_runner_backend=runner), f"--moe-runner-backend {runner}")
+            for runner in ("flashinfer_cutlass", "flashinfer_mxfp4", "cutlass", "deep_gemm", "marlin", "aiter")
+        ],
     ],
 )
 def test_bad_trace_args_fail_naming_the_problem(kw, message):
@@ -175,3 +186,73 @@ def test_final_settings_are_validated_after_sglang_defaults(tmp_path):
     assert ServerArgs(**kw, trace_sites="moe_in").load_format == "auto"
     with pytest.raises(ValueError, match="--enable-pdmux"):
         ServerArgs(**kw, trace_sites="moe_in", enable_pdmux=True)
+
+
+def qwen3_30b_a3b() -> Qwen3MoeConfig:
+    """Qwen3-30B-A3B's shape (its published config.json): the model docs/sglang.md sizes the record store for."""
+    return Qwen3MoeConfig(
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+def shard_row_bytes(sites: int, marks: int, routes: int, hidden: int = 2048, topk: int = 8, bits: int = 1) -> int:
+    """A record-store row by its definition (docs/sglang.md "Memory"): per MoE-input site the packed low bits, one
+    E4M3 scale per 16 elements and the FP32 token scale; 4 * topk bytes of routes per route layer; one hook-marker
+    byte per marked layer; the weight version (4) and the written byte; rounded up to 4 bytes."""
+    row = sites * (hidden * bits // 8 + hidden // 16 + 4) + routes * 4 * topk + marks + 4 + 1
+    return -(-row // 4) * 4
+
+
+@pytest.mark.parametrize("layers", ["all", "latter-half"])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("r3", [False, True])
+def test_record_store_shards_split_the_moe_layers_over_tp_ranks(layers, tp, r3):
+    """Each attention-TP rank keeps the MoE-input records, markers and routes of its share of the MoE layers: the
+    shards partition them (rank 0 keeps every route when R3 answers at finish), every rank's row is the row of its
+    share, and what every rank adds to its KV cell (the largest shard) is about 1 / tp of one rank's."""
+    from sglang_trace.capturer import record_bytes_per_slot, record_shards, shard_reader
+
+    args = check_server_args(make(trace_layers=layers))
+    layout = model_layout(qwen3_30b_a3b())
+    spec = model_spec(args, layout)
+    shards = record_shards(args, layout, tp, routes_on_first=r3)
+    assert len(shards) == tp
+    sites = [site for shard in shards for site in shard.sites]
+    assert sorted(sites) == sorted(s for s in spec.sites() if s[1] == "moe_in")
+    assert sorted(layer for shard in shards for layer in shard.marks) == list(layout.moe_layers)
+    routes = [layer for shard in shards for layer in shard.routes]
+    assert routes == list(layout.moe_layers) if r3 else sorted(routes) == list(layout.moe_layers)
+    assert max(len(s.sites) for s in shards) - min(len(s.sites) for s in shards) <= 1
+    rows = [shard_reader(args, layout, shard).row.row_bytes for shard in shards]
+    assert rows == [shard_row_bytes(len(s.sites), len(s.marks), len(s.routes)) for s in shards]
+    assert record_bytes_per_slot(args, layout, tp, r3) == max(rows)
+    one = record_bytes_per_slot(args, layout)
+    assert one == shard_row_bytes(len(spec.moe_layers), 48, 48)
+    if not r3:
+        assert max(rows) <= one / tp + 16
+
+
+def test_docs_record_store_sizes():
+    """The numbers docs/sglang.md ("Memory") gives for Qwen3-30B-A3B at b = 1, against the code."""
+    from sglang_trace.capturer import record_bytes_per_slot
+
+    layout = model_layout(qwen3_30b_a3b())
+    kv_tp4 = 48 * 2 * 1 * (128 // 2 + 128 // 16)  # one KV head per rank at TP 4: 6,912 bytes per token
+    sizes = {
+        (layers, tp, r3): record_bytes_per_slot(check_server_args(make(trace_layers=layers)), layout, tp, r3)
+        for layers in ("all", "latter-half")
+        for tp in (1, 4)
+        for r3 in (False, True)
+    }
+    assert (kv_tp4, sizes["all", 1, False], sizes["latter-half", 1, False]) == (6912, 20216, 10904)
+    assert (sizes["all", 4, False], sizes["all", 4, True], sizes["latter-half", 4, False]) == (5060, 6212, 2732)
+    share = {k: round(100 * kv_tp4 / (kv_tp4 + v)) for k, v in sizes.items() if k[1] == 4}
+    assert (share["all", 4, False], share["all", 4, True], share["latter-half", 4, False]) == (58, 53, 72)

@@ -123,9 +123,9 @@ def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = 
     )
     ckpt = checkpoint()
     load(layer, ckpt, range(E))
-    from sglang.srt.distributed.parallel_state import get_moe_tp_group
+    from sglang.srt.distributed.parallel_state import get_moe_tp_group, get_tp_group
 
-    moe_tp = get_moe_tp_group()
+    moe_tp, tp = get_moe_tp_group(), get_tp_group()
     cap = TraceCapturer(
         check_server_args(args),
         ModelLayout("Qwen3MoeForCausalLM", 2, (0, LAYER), attention_layers, H, 1, 16, TOPK),
@@ -136,7 +136,9 @@ def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = 
         device="cpu",
         return_routes=False,
         weights=hooks.EXPERT_WEIGHTS,
-        tp_rank=moe_tp.rank_in_group,
+        tp_rank=tp.rank_in_group,
+        tp_size=tp.world_size,
+        trace_group=hooks.trace_group(tp),
         moe_tp_group=moe_tp if moe_tp.world_size > 1 else None,
     )
     set_global_experts_capturer(cap)

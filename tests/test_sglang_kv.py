@@ -183,95 +183,165 @@ def test_hybrid_linear_pool_stores_fp4_and_records_full_attention_layers(req_poo
         gather_kv_shard(hybrid, slots, [5], ["k"], 1)
 
 
-def _finish_rank(rank: int, world: int, init_file: str, store: str, out: str) -> None:
-    """One attention-TP rank of a scheduler: a forward writes its half of the KV heads (and, on rank 0, the routes)
-    then two requests finish in one result batch; the batch moves in one transfer with one gather over a gloo
-    group made for TRACE, and rank 0 writes the store."""
+def moe_inputs(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What MoE layer `layer` sees in the test forward (the same on every TP rank): routes `[6, 2]`, its dispatched
+    input `[6, 64]` and this rank's FC2 input."""
+    gen = torch.Generator().manual_seed(40 + layer)
+    x = (torch.randn(6, 64, generator=gen) * torch.logspace(-1, 1, 64)).to(torch.bfloat16)
+    return torch.arange(12, dtype=torch.int32).view(6, 2) + layer, x, torch.randn(6, 32).to(torch.bfloat16)
+
+
+def run_rank(rank: int, world: int, group, store: str, return_routes: bool) -> dict:
+    """One attention-TP rank of a scheduler (the whole model on one rank when world is 1): a forward writes its KV
+    heads and its share of the MoE records and routes; a graph-replayed forward in which MoE layer 1's FusedMoE
+    hooks did not run writes two more slots; then three requests finish in one result batch, which moves in one
+    transfer with one gather over TRACE's gloo group, and rank 0 merges the shards and writes the store."""
     from types import SimpleNamespace
 
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_trace.capturer import TraceCapturer
+    from sglang_trace.config import ModelLayout, check_server_args
+    from sglang_trace.moe import ExpertWeights
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        kv_cache_dtype="fp4_e2m1",
+        trace_mode="emulate",
+        trace_layers="all",
+        trace_sites="moe_in,k,v",
+        trace_store=store,
+    )
+    layout = ModelLayout("Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), 64, HEADS, 32, 2)
+    local = HEADS // world
+    pool = fp4_pool(heads=local)
+    cap = TraceCapturer(
+        check_server_args(server_args),
+        layout,
+        kv_pool=pool,
+        max_tokens=16,
+        num_slots=SLOTS,
+        max_request_tokens=32,
+        device="cpu",
+        return_routes=return_routes,
+        weights=ExpertWeights(),
+        tp_rank=rank,
+        tp_size=world,
+        trace_group=group,
+    )
+    extend = SimpleNamespace(forward_mode=ForwardMode.EXTEND, out_cache_loc=torch.tensor([7, 3, 9, 1, 2, 8]))
+    experts_ran_on = []
+    for layer in range(LAYERS):  # what the model's layers call, in their order
+        routes, x, h = moe_inputs(layer)
+        cap.capture(layer, routes)
+        experts_ran_on.append(cap.moe_input(layer, x))
+        cap.fc2_input(layer, h)
+        kv = kv_values(6, 20 + layer)[:, rank * local : (rank + 1) * local]
+        write(pool, layer, extend.out_cache_loc, kv, -kv)
+    cap.on_forward_end(extend, False, None)
+    replay = SimpleNamespace(forward_mode=ForwardMode.DECODE, out_cache_loc=torch.tensor([10, 11]))
+    for layer in range(LAYERS):
+        routes, x, h = moe_inputs(layer)
+        cap.capture(layer, routes[:2])
+        if layer != 1:
+            cap.moe_input(layer, x[:2])
+            cap.fc2_input(layer, h[:2])
+        kv = kv_values(2, 30 + layer)[:, rank * local : (rank + 1) * local]
+        write(pool, layer, replay.out_cache_loc, kv, -kv)
+    cap.on_forward_end(replay, True, None)
+    req_to_token = memory_pool.ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+    req_to_token.req_to_token[0, :4] = torch.tensor([7, 3, 9, 1])
+    req_to_token.req_to_token[1, :3] = torch.tensor([7, 2, 8])  # shares the first prompt slot
+    req_to_token.req_to_token[2, :3] = torch.tensor([7, 10, 11])  # positions 1, 2: layer 1's hooks did not run
+    handles = [
+        cap.finish_request(rid, i, n, req_to_token, list(range(n)))
+        for i, (rid, n) in enumerate((("a", 5), ("b", 4), ("c", 4)))
+    ]
+    r3 = cap.get_routed_experts(0, 5, req_to_token) if return_routes and rank == 0 else None
+    cap.on_batch_done()
+    cap.flush()
+    s = cap.stats
+    out = dict(
+        stats=[s.batches, s.transfers, s.collectives, s.shards_written, s.write_failures],
+        record_bytes=cap.records.row.row_bytes,
+        experts_ran_on=experts_ran_on,
+        handles=handles,
+        r3=r3,
+    )
+    cap.close()
+    return out
+
+
+def _tp_rank(rank: int, world: int, init_file: str, store: str, out: str) -> None:
     import torch.distributed as dist
 
     install_sgl_kernel_stand_in()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.server_args import ServerArgs
-
-        from sglang_trace.capturer import TraceCapturer
-        from sglang_trace.config import ModelLayout, check_server_args
-        from sglang_trace.moe import ExpertWeights
-
-        server_args = ServerArgs(
-            model_path="dummy",
-            device="cpu",
-            kv_cache_dtype="fp4_e2m1",
-            trace_mode="emulate",
-            trace_layers="all",
-            trace_sites="k,v",
-            trace_store=store,
-        )
-        layout = ModelLayout(
-            "Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), 64, HEADS, 32, 2
-        )
-        local = HEADS // world
-        pool = fp4_pool(heads=local)
-        cap = TraceCapturer(
-            check_server_args(server_args),
-            layout,
-            kv_pool=pool,
-            max_tokens=16,
-            num_slots=SLOTS,
-            max_request_tokens=32,
-            device="cpu",
-            return_routes=False,
-            weights=ExpertWeights(),
-            tp_rank=rank,
-            trace_group=dist.new_group(backend="gloo"),
-        )
-        slots = torch.tensor([7, 3, 9, 1, 2, 8])
-        for layer in range(LAYERS):  # what the model's layers call, in their order
-            cap.capture(layer, torch.arange(12, dtype=torch.int32).view(6, 2) + layer)
-            cap.moe_input(layer, torch.randn(6, 64).to(torch.bfloat16))
-            cap.fc2_input(layer, torch.randn(6, 32).to(torch.bfloat16))
-            kv = kv_values(6, 20 + layer)[:, rank * local : (rank + 1) * local]
-            write(pool, layer, slots, kv, -kv)
-        cap.on_forward_end(SimpleNamespace(forward_mode=ForwardMode.EXTEND, out_cache_loc=slots), False, None)
-        req_to_token = memory_pool.ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
-        req_to_token.req_to_token[0, :4] = slots[:4]
-        req_to_token.req_to_token[1, :3] = slots[[0, 4, 5]]  # shares the first prompt slot
-        cap.finish_request("a", 0, 5, req_to_token, list(range(5)))
-        cap.finish_request("b", 1, 4, req_to_token, list(range(4)))
-        cap.on_batch_done()
-        cap.flush()
-        s = cap.stats
-        torch.save([s.batches, s.transfers, s.collectives, s.shards_written, s.write_failures], f"{out}.{rank}")
-        cap.close()
+        group = dist.new_group(backend="gloo")
+        results = [run_rank(rank, world, group, f"{store}-r3{r3}", r3) for r3 in (False, True)]
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_a_result_batch_moves_in_one_transfer_and_one_gather_over_a_real_tp_group(tmp_path):
-    """Two scheduler processes on a gloo group, each with half of the KV heads: two requests finishing in one result
-    batch cost one transfer and one gather per rank; the stored K/V records are the full-width reference and the
-    routes are rank 0's (the same on every rank)."""
+def test_tp_ranks_keep_record_shards_and_the_store_equals_one_rank_bit_for_bit(tmp_path):
+    """Two scheduler processes on a gloo group, each with half of the KV heads and its share of the MoE layers'
+    records, hook markers and routes (about half of one rank's record store; with R3 on, rank 0 keeps every
+    route): three requests finishing in one result batch cost one transfer and one gather per rank, and the store
+    rank 0 writes from the merged shards equals, bit for bit, the store of one rank holding the whole model (K/V
+    and MoE-input records, routes); the records equal the reference quantization. A request with a position whose
+    MoE layer owned by rank 1 missed its hooks is refused on rank 0 (the merging rank checks every shard)."""
     import torch.multiprocessing as mp
 
-    from trace_core.store_reader import RecordReader
+    from trace_core.records import Record
+    from trace_core.store_reader import FailedRecordError, RecordReader
 
-    store, out = str(tmp_path / "records"), str(tmp_path / "stats")
-    mp.spawn(_finish_rank, args=(2, str(tmp_path / "init"), store, out), nprocs=2, join=True)
-    assert torch.load(f"{out}.0") == [1, 1, 1, 2, 0]  # batches, transfers, gathers, shards written, failures
-    assert torch.load(f"{out}.1") == [1, 1, 1, 0, 0]  # rank 1 sends its shard; rank 0 writes
-    got = RecordReader(store, 0).load([("a", 0, 4), ("b", 0, 3)])
-    for row, idx in enumerate(([0, 1, 2, 3], [0, 4, 5])):
-        for layer in range(LAYERS):
-            full = kv_values(6, 20 + layer)[idx]
-            for kind, x in (("k", full), ("v", -full)):
-                rec, ref = got.records[(layer, kind)], expected(x, 1)
-                assert torch.equal(rec.low_bits[row, : len(idx)], ref.low_bits), (layer, kind)
-                assert torch.equal(rec.scales[row, : len(idx)], ref.scales), (layer, kind)
-            routes = torch.arange(12, dtype=torch.int32).view(6, 2)[idx] + layer
-            assert torch.equal(got.routes[row, : len(idx), layer], routes)
+    out = str(tmp_path / "stats")
+    mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), str(tmp_path / "tp2"), out), nprocs=2, join=True)
+    tp = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for r3 in (False, True):
+        one = run_rank(0, 1, None, str(tmp_path / f"tp1-r3{r3}"), r3)
+        ranks = [tp[rank][r3] for rank in range(2)]
+        assert one["stats"] == [1, 1, 0, 2, 1]  # batches, transfers, gathers, shards written, failures
+        assert ranks[0]["stats"] == [1, 1, 1, 2, 1]
+        assert ranks[1]["stats"] == [1, 1, 1, 0, 0]  # rank 1 sends its shards; rank 0 checks, merges, writes
+        # layers 0, 2 on rank 0 and layer 1 on rank 1; R3 keeps every layer's routes on rank 0
+        assert ranks[0]["record_bytes"] < one["record_bytes"] and ranks[1]["record_bytes"] < one["record_bytes"] / 2
+        unstored = [{k: v for k, v in h.items() if k != "store"} for h in ranks[0]["handles"] + one["handles"]]
+        assert unstored[:2] == unstored[3:5] and ranks[1]["handles"] == [None] * 3
+        # with R3 on, rank 0 reads its own rows at finish: one rank sees c's missing hooks there, two ranks on the
+        # writer thread (rank 1 keeps layer 1's markers); either way c is refused, counted and marked failed
+        assert ("error" in one["handles"][2]) == r3 and "error" not in ranks[0]["handles"][2]
+        for rank in range(2):  # every rank's experts ran on the same quantize-dequantized inputs
+            assert all(map(torch.equal, ranks[rank]["experts_ran_on"], one["experts_ran_on"]))
+        if r3:
+            assert torch.equal(ranks[0]["r3"], one["r3"]) and ranks[0]["r3"].shape == (4, LAYERS, 2)
+        want = [("a", 0, 4), ("b", 0, 3)]
+        got = RecordReader(str(tmp_path / f"tp2-r3{r3}"), 0).load(want)
+        ref = RecordReader(str(tmp_path / f"tp1-r3{r3}"), 0).load(want)
+        assert got.records.keys() == ref.records.keys() and len(got.records) == 3 * LAYERS
+        for site, rec in got.records.items():
+            for name in ("low_bits", "scales", "global_scale"):
+                a, b = getattr(rec, name), getattr(ref.records[site], name)
+                assert (a is None and b is None) or torch.equal(a, b), (site, name)
+        assert torch.equal(got.routes, ref.routes)
+        for row, idx in enumerate(([0, 1, 2, 3], [0, 4, 5])):
+            for layer in range(LAYERS):
+                routes, x, _ = moe_inputs(layer)
+                assert torch.equal(got.routes[row, : len(idx), layer], routes[idx])
+                moe = Record.from_quantized(quantize(x[idx], "nvfp4", per_token=True), 1)
+                assert torch.equal(got.records[(layer, "moe_in")].low_bits[row, : len(idx)], moe.low_bits)
+                assert torch.equal(got.records[(layer, "moe_in")].scales[row, : len(idx)], moe.scales)
+                full = kv_values(6, 20 + layer)[idx]
+                for kind, kv in (("k", full), ("v", -full)):
+                    rec, ref_kv = got.records[(layer, kind)], expected(kv, 1)
+                    assert torch.equal(rec.low_bits[row, : len(idx)], ref_kv.low_bits), (layer, kind)
+                    assert torch.equal(rec.scales[row, : len(idx)], ref_kv.scales), (layer, kind)
+        with pytest.raises(FailedRecordError, match="hook did not run"):
+            RecordReader(str(tmp_path / f"tp2-r3{r3}"), 0).load([("c", 0, 3)])
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +354,9 @@ def kv_gather_interpreted():
     return interpret("tests.kv_gather_interpret")
 
 
-@pytest.mark.parametrize("case", ["heads4-kv-37rows", "heads1-k-16rows", "heads3-v-5rows", "empty"])
+@pytest.mark.parametrize(
+    "case", ["heads4-kv-37rows", "heads1-k-16rows", "heads3-v-5rows", "heads2-kv-21rows-int32-into", "empty"]
+)
 def test_the_one_launch_kv_gather_equals_its_twin_under_the_interpreter(kv_gather_interpreted, case):
     kv_gather_interpreted.check(case)
 

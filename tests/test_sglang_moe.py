@@ -179,27 +179,6 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     ref = Record.from_quantized(quantize(x, "nvfp4", per_token=True), 4)
     assert torch.equal(staged.low_bits[:6], ref.low_bits) and torch.equal(staged.scales[:6], ref.scales)
 
-    # another TP rank: same numerics, nothing staged (rank 0 keeps the replicated MoE records)
-    other = TraceCapturer(
-        args,
-        layout,
-        kv_pool=None,
-        max_tokens=8,
-        num_slots=16,
-        max_request_tokens=8,
-        device="cpu",
-        return_routes=False,
-        weights=hooks.EXPERT_WEIGHTS,
-        tp_rank=1,
-    )
-    set_global_experts_capturer(other)
-    try:
-        assert torch.equal(layer.forward_impl(x, topk), reference)
-        other.capture(1, ids)
-    finally:
-        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
-    assert other.records is None and other.get_host_cache() is None
-
 
 def test_native_site_reproduces_codes_under_the_static_input_scale():
     """native: the kernel quantizes with the layer's static `S_enc` (`w13_input_scale_quant`); the record must be the
@@ -217,3 +196,27 @@ def test_native_site_reproduces_codes_under_the_static_input_scale():
     ref = Record.from_quantized(quantize(x, "nvfp4", global_scale=s_enc), 2)
     assert torch.equal(rec.low_bits, ref.low_bits) and torch.equal(rec.scales, ref.scales)
     assert torch.equal(rec.global_scale, s_enc.expand(5, 1))
+
+
+@pytest.mark.parametrize(
+    "flag, where, message",
+    [
+        (None, None, None),
+        ("use_intel_amx_backend", "layer", "CPU AMX fused_experts_cpu"),
+        ("use_flashinfer_cutlass", "method", "use_flashinfer_cutlass"),
+        ("use_triton_kernels", "method", "use_triton_kernels"),
+    ],
+)
+def test_model_load_refuses_a_built_layer_whose_expert_path_is_not_hooked(emulate_args, flag, where, message):
+    """`check_moe_layers` (run by `install_capturer` at model load, after SGLang resolved `--moe-runner-backend
+    auto` per layer) passes SGLang's BF16 FusedMoE on the CPU path and refuses a layer built for an expert path
+    without the FC2-input site, naming it: the flags SGLang's layer and quant method set when built for CPU AMX,
+    flashinfer_cutlass or triton_kernels."""
+    model = torch.nn.Module()
+    model.mlp = make_layer()
+    if flag is None:
+        assert hooks.check_moe_layers(model, "emulate") == 1
+        return
+    setattr(model.mlp if where == "layer" else model.mlp.quant_method, flag, True)
+    with pytest.raises(ValueError, match=f"MoE layer mlp runs .*{message}"):
+        hooks.check_moe_layers(model, "emulate")

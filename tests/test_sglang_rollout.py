@@ -31,7 +31,7 @@ from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput  # noqa: 
 from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin  # noqa: E402
 from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
@@ -55,6 +55,21 @@ def qwen3_moe() -> Qwen3MoeConfig:
         num_experts_per_tok=TOPK,
         moe_intermediate_size=INTER,
         architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+def forward_batch(mode: ForwardMode, out_cache_loc: torch.Tensor) -> ForwardBatch:
+    """SGLang's own `ForwardBatch` of one forward writing `out_cache_loc` (what `on_forward_end` receives from the
+    model runner); the test's positions are one request's."""
+    t = out_cache_loc.shape[0]
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=1,
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        req_pool_indices=torch.zeros(1, dtype=torch.int64),
+        seq_lens=torch.tensor([t]),
+        out_cache_loc=out_cache_loc,
+        seq_lens_sum=t,
     )
 
 
@@ -151,7 +166,7 @@ class Rollout:
                 rows[r][("routes", layer)] = ids[r]
         for slot, row in zip(slots, rows, strict=True):
             self.seen[slot] = row
-        batch = SimpleNamespace(forward_mode=mode, out_cache_loc=loc)
+        batch = forward_batch(mode, loc)
         get_global_experts_capturer().on_forward_end(
             forward_batch=batch, can_run_graph=graph_replay, cuda_graph_batch=None
         )
@@ -186,6 +201,7 @@ class Rollout:
                 output_ids=[0],
             )
             SchedulerOutputProcessorMixin.maybe_collect_routed_experts(scheduler, req)
+            req.output_ids.append(-1)  # the ids are read by reference on the writer thread: a later id is not
             reqs.append(req)
         SchedulerOutputProcessorMixin.stream_output(scheduler, [], False)
         return reqs
@@ -347,9 +363,7 @@ def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):
     loc = torch.tensor([3, 4])
     rollout.capturer.capture(0, torch.zeros(2, TOPK, dtype=torch.int32))  # layer 1 never routed, no MoE input
     with pytest.raises(ValueError, match="nothing was captured"):
-        rollout.capturer.on_forward_end(
-            SimpleNamespace(forward_mode=ForwardMode.DECODE, out_cache_loc=loc), False, None
-        )
+        rollout.capturer.on_forward_end(forward_batch(ForwardMode.DECODE, loc), False, None)
     req = rollout.finish("never-run", 2, [40, 41])  # R3 on: the routes are read at once
     assert "no captured record" in req.trace_handle["error"] and req.routed_experts is None
 
@@ -448,8 +462,13 @@ def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
     small, huge = build(64), build(10**12)
     assert small.ring.capacity == huge.ring.capacity == 2 * 32 * (small.kv_bytes + small.row_bytes)
     assert huge.records.store.device.type == "meta" and huge.records.store.shape[0] == 10**12
-    runner = SimpleNamespace(server_args=rollout.args, model_config=SimpleNamespace(hf_config=qwen3_moe()))
+    runner = SimpleNamespace(server_args=rollout.args, model_config=SimpleNamespace(hf_config=qwen3_moe()), tp_size=1)
     assert hooks.record_bytes_per_token(runner) == rollout.capturer.records.row.row_bytes
+    # under TP every rank counts the largest rank's record shard (test_sglang_config checks the shards)
+    runner.tp_size = 2
+    r3 = rollout.args.enable_return_routed_experts  # rank 0 then keeps every route
+    assert hooks.record_bytes_per_token(runner) == record_bytes_per_slot(rollout.capturer.args, layout, 2, r3)
+    assert hooks.record_bytes_per_token(runner) < rollout.capturer.row_bytes
     assert record_bytes_per_slot(rollout.capturer.args, layout) == rollout.capturer.row_bytes
     with pytest.raises(ValueError, match="cannot hold one request of 32 tokens"):
         TraceCapturer(
@@ -492,6 +511,7 @@ def test_the_kv_budget_counts_the_record_store(rollout):
             kv_cache_dtype=torch.float4_e2m1fn_x2,
             use_mla_backend=False,
             mem_fraction_static=0.9,
+            tp_size=1,
         )
         r.get_cell_size_per_token = MethodType(KVMixin.get_cell_size_per_token, r)
         return r

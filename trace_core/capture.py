@@ -127,6 +127,76 @@ def record_row_layout(
     return layouts, RowLayout.build(layouts, routes, marks, versioned)
 
 
+@dataclass(frozen=True)
+class RowReader:
+    """Checks and splits store rows of one row layout (`record_row_layout`'s output and the capturer's options)
+    without the capturer's buffers: what a process reading another process's rows needs (e.g. the rank that merges
+    the record shards of several TP ranks)."""
+
+    layouts: dict[Site, SiteLayout]
+    row: RowLayout
+    routes_shape: tuple[int, int] | None = None
+    marks: int = 0
+    versioned: bool = False
+
+    def buffers(self, rows: torch.Tensor, site: Site) -> SiteBuffers:
+        """Views of `site`'s fields in byte rows of this layout."""
+        if site not in self.layouts:
+            raise ValueError(f"site {site} is not captured; captured sites: {list(self.layouts)}")
+        owner = f"{site[0]}.{site[1]}"
+        has_gs = get_format(self.layouts[site][0]).has_global_scale
+        return SiteBuffers(
+            low_bits=self.row.view(rows, owner, "low_bits"),
+            scales=self.row.view(rows, owner, "scales"),
+            global_scale=self.row.view(rows, owner, "global_scale", torch.float32) if has_gs else None,
+        )
+
+    def read(self, rows: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
+        """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows`; raises
+        ValueError for unwritten rows, unset hook markers, unset routes or another weight version (see
+        `RecordCapturer.gather`)."""
+        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != self.row.row_bytes:
+            raise ValueError(f"rows must be uint8 [length, {self.row.row_bytes}], got {rows.dtype} {tuple(rows.shape)}")
+        length = rows.shape[0]
+        unwritten = (self.row.view(rows, "meta", "written").flatten() == 0).nonzero().flatten()
+        if unwritten.numel():
+            raise ValueError(
+                f"{unwritten.numel()} of {length} positions have no captured record (first positions "
+                f"{unwritten[:8].tolist()})"
+            )
+        if self.marks:
+            missing = (self.row.view(rows, "meta", "marks") != MARK_SET).nonzero()
+            if missing.numel():
+                raise ValueError(
+                    f"{missing[:, 0].unique().numel()} of {length} positions were written by a forward in which a "
+                    f"hook did not run (first (position, marker) {missing[:4].tolist()}); records refused"
+                )
+        routes = None
+        if self.routes_shape is not None:
+            routes = self.row.view(rows, "routes", "routes", torch.int32).view(length, *self.routes_shape)
+            unrouted = (routes < 0).any(dim=2).nonzero()
+            if unrouted.numel():
+                raise ValueError(
+                    f"{unrouted[:, 0].unique().numel()} of {length} positions were written by a forward in which "
+                    f"the route capture of a layer did not run (first (position, route layer) "
+                    f"{unrouted[:4].tolist()}); a hook did not run, records refused"
+                )
+        if version is not None:
+            if not self.versioned:
+                raise ValueError("gather(version=...) needs a capturer built with versioned=True")
+            versions = self.row.view(rows, "meta", "version", torch.int32).flatten()
+            if length and not bool((versions == version).all()):
+                raise ValueError(
+                    f"positions were computed under weight versions {versions.unique().tolist()}, not {version} only "
+                    "(a weight update without a cache flush, or an in-place pause across an update); records refused"
+                )
+        records = {}
+        for site, (fmt_name, bits, n) in self.layouts.items():
+            buf = self.buffers(rows, site)
+            records[site] = Record(get_format(fmt_name), bits, n, buf.low_bits, buf.scales, buf.global_scale)
+        return TrajectoryRecords(num_tokens=length, records=records, routes=routes)
+
+
 class RecordCapturer:
     """Captures records (and optionally R3 routes) of every forward into a store keyed by KV slot.
 
@@ -163,6 +233,7 @@ class RecordCapturer:
         if max_tokens < 1 or num_slots < 1:
             raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
         self.layouts, self.row = record_row_layout(spec, shape, sites, routes, marks, versioned)
+        self.reader = RowReader(self.layouts, self.row, routes, marks, versioned)
         self.routes_shape = routes
         self.marks, self.versioned = marks, versioned
         self.max_tokens, self.num_slots = max_tokens, num_slots
@@ -180,20 +251,9 @@ class RecordCapturer:
         """bool `[num_slots]`: which KV slots hold a stored row (a forward wrote them since their last release)."""
         return self.row.view(self.store, "meta", "written").flatten().bool()
 
-    def _buffers(self, rows: torch.Tensor, site: Site) -> SiteBuffers:
-        if site not in self.layouts:
-            raise ValueError(f"site {site} is not captured; captured sites: {list(self.layouts)}")
-        owner = f"{site[0]}.{site[1]}"
-        has_gs = get_format(self.layouts[site][0]).has_global_scale
-        return SiteBuffers(
-            low_bits=self.row.view(rows, owner, "low_bits"),
-            scales=self.row.view(rows, owner, "scales"),
-            global_scale=self.row.view(rows, owner, "global_scale", torch.float32) if has_gs else None,
-        )
-
     def site_buffers(self, site: Site) -> SiteBuffers:
         """Staging views of `site` (`[max_tokens, ...]`, fixed addresses) for a kernel to write rows into."""
-        return self._buffers(self.staging, site)
+        return self.reader.buffers(self.staging, site)
 
     def staging_rows(self, site: Site, rows: int) -> SiteBuffers:
         """Staging views of rows [0, rows) of `site` for a kernel to write into (e.g. the `out`-style buffers of
@@ -327,15 +387,20 @@ class RecordCapturer:
             self._check_range(slots)
         self.row.view(self.store, "meta", "written")[slots] = 0
 
-    def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Store rows at `slots` (1-D int, on the capturer's device) as one `[len, row_bytes]` tensor: one
-        `index_select` on the current stream, no host sync. `read` checks and splits them."""
+    def gather_rows(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store rows at `slots` (1-D int32 or int64, on the capturer's device) as one `[len, row_bytes]` tensor
+        (written into `out`, contiguous, when given): one `index_select` on the current stream, no host sync.
+        `read` checks and splits them."""
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
-        slots = slots.to(self.device).long()
+        slots = slots.to(self.device)
         if self.device.type == "cpu":
             self._check_range(slots)
-        return self.store.index_select(0, slots)
+        if out is None:
+            return self.store.index_select(0, slots)
+        if out.shape != (slots.shape[0], self.row.row_bytes) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous [{slots.shape[0]}, {self.row.row_bytes}], got {tuple(out.shape)}")
+        return torch.index_select(self.store, 0, slots, out=out)
 
     def gather(self, slots: torch.Tensor, length: int, *, version: int | None = None) -> TrajectoryRecords:
         """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`, on the
@@ -348,45 +413,6 @@ class RecordCapturer:
         return self.read(self.gather_rows(slots[:length]), version)
 
     def read(self, rows: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
-        """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows`; raises
-        ValueError for unwritten rows, unset hook markers, unset routes or another weight version (see `gather`)."""
-        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != self.row.row_bytes:
-            raise ValueError(f"rows must be uint8 [length, {self.row.row_bytes}], got {rows.dtype} {tuple(rows.shape)}")
-        length = rows.shape[0]
-        unwritten = (self.row.view(rows, "meta", "written").flatten() == 0).nonzero().flatten()
-        if unwritten.numel():
-            raise ValueError(
-                f"{unwritten.numel()} of {length} positions have no captured record (first positions "
-                f"{unwritten[:8].tolist()})"
-            )
-        if self.marks:
-            missing = (self.row.view(rows, "meta", "marks") != MARK_SET).nonzero()
-            if missing.numel():
-                raise ValueError(
-                    f"{missing[:, 0].unique().numel()} of {length} positions were written by a forward in which a "
-                    f"hook did not run (first (position, marker) {missing[:4].tolist()}); records refused"
-                )
-        routes = None
-        if self.routes_shape is not None:
-            routes = self.row.view(rows, "routes", "routes", torch.int32).view(length, *self.routes_shape)
-            unrouted = (routes < 0).any(dim=2).nonzero()
-            if unrouted.numel():
-                raise ValueError(
-                    f"{unrouted[:, 0].unique().numel()} of {length} positions were written by a forward in which "
-                    f"the route capture of a layer did not run (first (position, route layer) "
-                    f"{unrouted[:4].tolist()}); a hook did not run, records refused"
-                )
-        if version is not None:
-            if not self.versioned:
-                raise ValueError("gather(version=...) needs a capturer built with versioned=True")
-            versions = self.row.view(rows, "meta", "version", torch.int32).flatten()
-            if length and not bool((versions == version).all()):
-                raise ValueError(
-                    f"positions were computed under weight versions {versions.unique().tolist()}, not {version} only "
-                    "(a weight update without a cache flush, or an in-place pause across an update); records refused"
-                )
-        records = {}
-        for site, (fmt_name, bits, n) in self.layouts.items():
-            buf = self._buffers(rows, site)
-            records[site] = Record(get_format(fmt_name), bits, n, buf.low_bits, buf.scales, buf.global_scale)
-        return TrajectoryRecords(num_tokens=length, records=records, routes=routes)
+        """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows`
+        (`RowReader.read`)."""
+        return self.reader.read(rows, version)

@@ -61,6 +61,8 @@ FIELD_HELP = {
     "dp": "trainer data parallelism (divides the trajectories of a step)",
     "gpus_per_node": "GPUs per node for the trainer group with device = cuda (TP stays within a node)",
     "trainer_dtype": "trainer parameter dtype: bfloat16, or float32 (to check a layout against one rank)",
+    "trainer_experts": "trainer routed experts: grouped (one grouped GEMM per linear) or sequential (SequentialMLP)",
+    "expert_weights_in_place": "grouped expert weights fake-quantized in place under the FP32 masters (no copy)",
     "train_micro_batch": "trajectories per trainer micro-batch on each DP rank (gradient accumulation); 0 = one",
     "data": "prompt dataset: addition (the synthetic task) or a .jsonl / .parquet file",
     "prompt_key": "dataset field of the prompt: a string (the user turn) or a list of {role, content} messages",
@@ -158,6 +160,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         lr=cfg.lr,
         max_version_diff=cfg.max_version_diff,
         dtype=getattr(torch, cfg.trainer_dtype),
+        experts=cfg.trainer_experts,
+        expert_weights_in_place=cfg.expert_weights_in_place,
     )
     trainer.load_sharded(str(loaded.path.parent / loaded.state["sharded"]["dir"]))  # saved at any layout
     out = Path(out)

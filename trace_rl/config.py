@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from trace_core.modes import MODES
@@ -19,10 +20,34 @@ from trace_core.records import check_bits
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 SECRET_REFS = ("env:", "file:")
 CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
+TRAINER_EXPERTS = ("grouped", "sequential")
+
+
+def trainer_experts_errors(experts: str, in_place: bool) -> list[str]:
+    """What is wrong with the trainer's expert settings `trainer_experts` / `expert_weights_in_place`: an unknown
+    kind, grouped experts where torch has no `torch.nn.functional.grouped_mm`, in-place weights without them."""
+    if experts not in TRAINER_EXPERTS:
+        return [f"trainer_experts={experts!r} is not one of {TRAINER_EXPERTS}"]
+    errors = []
+    if experts == "grouped" and not hasattr(torch.nn.functional, "grouped_mm"):
+        errors.append(
+            f"trainer_experts='grouped' needs torch.nn.functional.grouped_mm, which torch {torch.__version__} lacks: "
+            "set trainer_experts=sequential and expert_weights_in_place=false"
+        )
+    if in_place and experts != "grouped":
+        errors.append("expert_weights_in_place=true needs trainer_experts='grouped' (set it false for sequential)")
+    return errors
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
+
+
+def check_trainer_experts(experts: str, in_place: bool) -> None:
+    """ConfigError for the errors of `trainer_experts_errors` (the trainers' own check of their arguments)."""
+    errors = trainer_experts_errors(experts, in_place)
+    if errors:
+        raise ConfigError("invalid trainer experts: " + "; ".join(errors))
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,11 @@ class RLConfig:
     parallel; tp * pp * dp ranks, EP carved out of dp * tp); more than one rank runs the trainer as a Ray group, one
     GPU per rank with device = "cuda" (at most gpus_per_node per node, TP within a node), gloo ranks on a CPU.
     trainer_dtype: the trainer's parameter dtype (bfloat16, or float32 to check a layout against one rank).
+    trainer_experts: the trainer's routed experts, `grouped` (the TRACE grouped experts on torch's grouped_mm,
+    `megatron_trace.grouped`) or `sequential` (Megatron's SequentialMLP, a loop over the experts); the same numerics
+    forward, another rounding of two input gradients (docs/performance.md). expert_weights_in_place: the grouped
+    expert weights hold their fake-quantized values after every master write instead of a fake-quantized copy per
+    step (same results bit for bit, no copy; export, checkpoints and evaluation read the FP32 masters).
     train_micro_batch: trajectories per trainer micro-batch on each DP rank (gradient accumulation through Megatron's
     schedule; also with one rank); 0 = all of a rank's trajectories in one micro-batch.
     data / eval_data and the fields after them: the prompt dataset (`addition` or a JSONL / Parquet file,
@@ -112,6 +142,8 @@ class RLConfig:
     dp: int = 1
     gpus_per_node: int = 8
     trainer_dtype: str = "bfloat16"
+    trainer_experts: str = "grouped"
+    expert_weights_in_place: bool = True
     train_micro_batch: int = 0
 
     def __post_init__(self) -> None:
@@ -224,6 +256,7 @@ class RLConfig:
             )
         if self.trainer_dtype not in ("bfloat16", "float32"):
             errors.append(f"trainer_dtype={self.trainer_dtype!r} must be bfloat16 or float32")
+        errors += trainer_experts_errors(self.trainer_experts, self.expert_weights_in_place)
         return errors
 
     def logger_list(self) -> tuple[str, ...]:

@@ -134,6 +134,7 @@ class Controller:
         self.spec = record_spec(tiny.layers, cfg)
         kw = dict(mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff)
         kw["dtype"] = getattr(torch, cfg.trainer_dtype)
+        kw |= dict(experts=cfg.trainer_experts, expert_weights_in_place=cfg.expert_weights_in_place)
         if cfg.parallel_trainer():
             self.trainer = GroupTrainer.from_config(tiny, state, cfg, **kw)
         else:

@@ -7,10 +7,17 @@ store, only the records of its pipeline stage's sites (`MegatronTrainer.prepare`
 slices the KV records to the rank's KV heads and the MoE-input records to the rows of its sequence-parallel chunk,
 checked against the activation at the site. The micro-batch runs through Megatron's schedule
 (`megatron_trace.parallel.forward_backward`: per-token loss over the step and DP, gradients reduced by Megatron's DDP
-and `finalize_model_grads`), then AdamW on FP32 masters of the rank's shards after clipping by the global gradient
-norm. Megatron's distributed optimizer (`megatron_trace.parallel.make_optimizer`) is not used here: it allocates on
-CUDA by name; every DP replica keeps the full masters of its shards, as the single-rank trainer does. Checkpoints
-are Megatron distributed checkpoints (`megatron_trace.checkpoint`): any layout restores any other's.
+and `finalize_model_grads`), then the optimizer step after clipping by the global gradient norm:
+
+- on GPUs Megatron's distributed optimizer (`megatron_trace.parallel.make_optimizer`: AdamW, FP32 masters, each DP
+  rank keeping its range of every parameter's masters and moments, gradients reduce-scattered by DDP, parameters
+  all-gathered after the step);
+- on CPUs (gloo) AdamW on full FP32 masters of the rank's shards, on every DP replica as the single-rank trainer
+  does: megatron-core 0.19.2's optimizers refuse non-CUDA parameters (`make_optimizer` says where).
+
+Both are the same AdamW update (torch's, betas 0.9 / 0.999, eps 1e-8, no weight decay, clipping coefficient
+`clip / (norm + 1e-6)`). Checkpoints are Megatron distributed checkpoints (`megatron_trace.checkpoint`): any layout
+and either optimizer restore any other's.
 """
 
 from __future__ import annotations
@@ -20,13 +27,20 @@ import math
 import torch
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.export import export_hf
 from megatron_trace.loss import grpo_advantages, grpo_loss_terms, token_logprobs
-from megatron_trace.parallel import Layout, MicroBatchInput, build_chunks, forward_backward, load_full_state, wrap_ddp
+from megatron_trace.parallel import (
+    Layout,
+    MicroBatchInput,
+    build_chunks,
+    forward_backward,
+    load_full_state,
+    make_optimizer,
+    wrap_ddp,
+)
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import RecordSpec
-from trace_rl.config import RLConfig
+from trace_rl.config import RLConfig, check_trainer_experts
 from trace_rl.engine import Trajectory
 from trace_rl.trainer import MegatronTrainer
 
@@ -54,10 +68,11 @@ def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
 
 
 class RankTrainer(MegatronTrainer):
-    """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and
-    AdamW on FP32 masters of its shards. A step's trajectories of this DP rank run as micro-batches of
-    `micro_batch` trajectories (0: one micro-batch), gradients accumulated through Megatron's schedule. Construct
-    it in every rank of a torch.distributed launch (torchrun or a `TrainerGroup`); every method is collective."""
+    """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and the
+    optimizer (Megatron's distributed optimizer on CUDA, AdamW on FP32 masters of its shards on a CPU). A step's
+    trajectories of this DP rank run as micro-batches of `micro_batch` trajectories (0: one micro-batch), gradients
+    accumulated through Megatron's schedule. Construct it in every rank of a torch.distributed launch (torchrun or a
+    `TrainerGroup`); every method is collective."""
 
     def __init__(
         self,
@@ -72,15 +87,23 @@ class RankTrainer(MegatronTrainer):
         clip_grad: float = 1.0,
         dtype: torch.dtype = torch.bfloat16,
         micro_batch: int = 0,
+        experts: str = "grouped",
+        expert_weights_in_place: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
+        check_trainer_experts(experts, expert_weights_in_place)
         layout.init()
         check_layout(tiny, layout, ps.get_data_parallel_world_size())
         self.layout, self.tiny, self.micro_batch = layout, tiny, micro_batch
-        self.cfg = TraceConfig(mode=mode, spec=spec, replay_routes=True)
+        self.cfg = TraceConfig(
+            mode=mode, spec=spec, replay_routes=True, expert_weights_in_place=expert_weights_in_place
+        )
+        grouped = experts == "grouped"
         chunks = build_chunks(
-            lambda v: build_tiny_moe(tiny, dtype=dtype, routing_replay=True, vp_stage=v, **layout.config_overrides()),
+            lambda v: build_tiny_moe(
+                tiny, dtype=dtype, routing_replay=True, vp_stage=v, grouped=grouped, **layout.config_overrides()
+            ),
             layout,
         )
         self.sessions = []
@@ -88,19 +111,47 @@ class RankTrainer(MegatronTrainer):
             load_full_state(c, state)
             self.sessions.append(TraceSession(c, self.cfg))
         self.sites = {site for s in self.sessions for site in s.numerics.stats}
-        self.chunks = wrap_ddp(chunks, distributed_optimizer=False)
+        self.distributed_optimizer = next(chunks[0].parameters()).is_cuda
+        self.chunks = wrap_ddp(chunks, distributed_optimizer=self.distributed_optimizer)
         self._init_optimizer([p for c in self.chunks for p in c.parameters()], lr, max_version_diff, clip_grad)
         self.moe_layers = list(range(tiny.layers))  # the rollout records routes of every MoE layer
 
+    def training_sessions(self) -> list[TraceSession]:
+        return self.sessions
+
+    def _init_optimizer(self, params: list, lr: float, max_version_diff: int, clip_grad: float) -> None:
+        """Megatron's distributed optimizer over the DDP chunks on CUDA; AdamW on FP32 masters otherwise."""
+        if not self.distributed_optimizer:
+            return super()._init_optimizer(params, lr, max_version_diff, clip_grad)
+        self.params = [p for p in params if p.requires_grad]
+        self.device = self.params[0].device
+        self.master = []  # the distributed optimizer holds its own FP32 ranges of the masters
+        self.opt = make_optimizer(self.chunks, lr=lr, clip_grad=clip_grad)
+        self.max_version_diff, self.clip_grad = max_version_diff, clip_grad
+        self.version = 0
+        self._quantize_in_place()  # after make_optimizer: its FP32 masters are made from the parameters
+
+    def _masters_to_params(self) -> None:
+        """With the distributed optimizer: each rank copies its FP32 ranges into the parameters and the DP ranks
+        all-gather them (collective)."""
+        if not self.distributed_optimizer:
+            return super()._masters_to_params()
+        for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+            o._copy_main_params_to_model_params()
+        for c in self.chunks:
+            c.start_param_sync(force_sync=True)
+
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The policy as HF tensors, gathered across the shards (on the first pipeline stage; `{}` elsewhere)."""
-        return export_hf(list(self.chunks))
+        return self._export(list(self.chunks))
 
     def layout_name(self) -> str:
         from megatron.core import parallel_state as ps
 
-        lay = self.layout
-        return f"tp={lay.tp} ep={lay.ep} pp={lay.pp} vpp={lay.vpp} dp={ps.get_data_parallel_world_size()}"
+        lay, opt = self.layout, "distributed" if self.distributed_optimizer else "adamw-replicated"
+        return (
+            f"tp={lay.tp} ep={lay.ep} pp={lay.pp} vpp={lay.vpp} dp={ps.get_data_parallel_world_size()} optimizer={opt}"
+        )
 
     def evaluate(self, *args, **kwargs):
         raise NotImplementedError("evaluate() runs on the single-rank trainer only (tp = ep = pp = dp = 1)")
@@ -159,10 +210,17 @@ class RankTrainer(MegatronTrainer):
         for c in self.chunks:
             c.zero_grad_buffer()
         reports = forward_backward(self.chunks, items, loss_terms)
-        norm = self._clip_gradients()
         for s in self.sessions:
             s.check_routes()  # refuse the update if a bad route was replayed as placeholders
-        self._update()
+        if self.distributed_optimizer:
+            ok, norm, _ = self.opt.step()  # clips by the global norm, steps its ranges, all-gathers the parameters
+            self.opt.zero_grad()
+            self._quantize_in_place()
+            if not ok:
+                raise RuntimeError(f"Megatron's optimizer skipped step {step} (non-finite gradients, norm {norm})")
+        else:
+            norm = self._clip_gradients()
+            self._update()
         sites: list[dict[str, float]] = []  # counters of each chunk's session (summed over all in `_combine`)
         for s in self.sessions:
             raw = {
@@ -187,7 +245,7 @@ class RankTrainer(MegatronTrainer):
         torch.distributed.all_gather_object(everyone, own)
         self.version += 1
         metrics = _combine(everyone)
-        metrics["actor/grad_norm"] = norm
+        metrics["actor/grad_norm"] = float(norm)
         metrics["rollout/staleness"] = float(staleness)
         return metrics
 

@@ -2,8 +2,12 @@
 per rollout batch, records and routes read back from the record store.
 
 BF16 parameters as in production (`dtype`), with FP32 master weights for AdamW (the parameters are the BF16 copy of
-the masters after every step). One micro-batch per step: the rollout batch is small on the embedded default. This is
-one rank; `trace_rl.parallel_trainer` runs the same step over a parallel layout (TP, EP, PP, DP) as a Ray group.
+the masters after every step). The experts are the TRACE grouped experts (`megatron_trace.grouped`, `experts =
+"grouped"`) or Megatron's SequentialMLP (`"sequential"`); with `expert_weights_in_place` the grouped expert weights
+hold their fake-quantized values after every master write (`TraceSession.quantize_weights_in_place`), so export,
+checkpoints and evaluation copy the masters back in first (`_master_weights`). One micro-batch per step: the
+rollout batch is small on the embedded default. This is one rank; `trace_rl.parallel_trainer` runs the same step
+over a parallel layout (TP, EP, PP, DP) as a Ray group.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +26,14 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf
 from megatron_trace.loss import grpo_advantages, grpo_loss, mismatch_metrics, token_logprobs
+from megatron_trace.parallel import gather_full_state, load_full_state
 from megatron_trace.rows import MicroBatch, pack_microbatch
 from megatron_trace.session import Tap, TraceSession
 from megatron_trace.source import TensorRolloutSource, source_from_store
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store_reader import RecordReader
+from trace_rl.config import check_trainer_experts
 from trace_rl.engine import Trajectory
 
 
@@ -68,18 +76,28 @@ class MegatronTrainer:
         max_version_diff: int,
         clip_grad: float = 1.0,
         dtype: torch.dtype = torch.bfloat16,
+        experts: str = "grouped",
+        expert_weights_in_place: bool = True,
     ):
+        check_trainer_experts(experts, expert_weights_in_place)
         init_single_rank()
-        self.model = build_tiny_moe(tiny, dtype=dtype, routing_replay=True)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        self.model = build_tiny_moe(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")
+        names = set(gather_full_state([self.model]))  # the full state's names (SequentialMLP's for either experts)
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
         if missing or unexpected:
             raise ValueError(f"trainer state does not match the model: missing {missing}, unexpected {unexpected}")
-        self.cfg = TraceConfig(mode=mode, spec=spec, replay_routes=True)
+        load_full_state(self.model, state)
+        self.cfg = TraceConfig(
+            mode=mode, spec=spec, replay_routes=True, expert_weights_in_place=expert_weights_in_place
+        )
         self.session = TraceSession(self.model, self.cfg)
         self.chunks = [self.model]
         self._init_optimizer(list(self.model.parameters()), lr, max_version_diff, clip_grad)
         self.moe_layers = sorted(self.session.moe_layers)
+
+    def training_sessions(self) -> list[TraceSession]:
+        """The training session of each model chunk."""
+        return [self.session]
 
     def _init_optimizer(self, params: list, lr: float, max_version_diff: int, clip_grad: float) -> None:
         """AdamW over FP32 masters of `params` (this rank's parameters; the model keeps its own `dtype`)."""
@@ -89,10 +107,52 @@ class MegatronTrainer:
         self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0)
         self.max_version_diff, self.clip_grad = max_version_diff, clip_grad
         self.version = 0
+        self._quantize_in_place()
+
+    def _masters_to_params(self) -> None:
+        """The model's parameters become the (`dtype`) copy of the FP32 masters."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master, strict=True):
+                p.copy_(m)
+
+    def _quantize_in_place(self) -> None:
+        """With `expert_weights_in_place`: fake-quantize the grouped expert weights in place, from the parameters
+        the masters were just copied into (once per master write: re-quantizing is not the identity)."""
+        if self.cfg.expert_weights_in_place:
+            for s in self.training_sessions():
+                s.quantize_weights_in_place()
+
+    @contextmanager
+    def _master_weights(self) -> Iterator[None]:
+        """Inside: the parameters are the masters' copy (the policy), not the in-place fake-quantized expert weights;
+        after: quantized in place again. What export, checkpoints and evaluation read."""
+        if not self.cfg.expert_weights_in_place:
+            yield
+            return
+        self._masters_to_params()
+        try:
+            yield
+        finally:
+            self._quantize_in_place()
+
+    def _export(self, chunks: list) -> dict[str, torch.Tensor]:
+        """`export_hf` of the masters' weights. On the CPU the exported tensors can be the parameters themselves:
+        with in-place expert weights they are copied before the parameters are quantized again."""
+        with self._master_weights():
+            weights = export_hf(chunks)
+            if self.cfg.expert_weights_in_place:
+                weights = {k: w.clone() for k, w in weights.items()}
+        return weights
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The policy as HF Qwen3-MoE checkpoint tensors (BF16), for the rollout engines."""
-        return export_hf(self.model)
+        return self._export([self.model])
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy as a single-rank Megatron state dict (SequentialMLP names, the masters' weights in the model's
+        dtype, on the CPU; `megatron_trace.parallel.load_full_state` loads it into any layout). Collective."""
+        with self._master_weights():
+            return {k: t.clone() for k, t in gather_full_state(self.chunks).items()}
 
     def prepare(
         self,
@@ -164,16 +224,22 @@ class MegatronTrainer:
     @torch.no_grad()
     def evaluate(self, batch: TrainBatch, cfg: TraceConfig, tap: Tap | None = None) -> dict[str, float]:
         """Forward only under another `TraceConfig` (mode, record spec) on the current policy: the mismatch
-        metrics against the rollout and the session's site metrics. The training session is restored after."""
-        self.session.remove()
-        session = TraceSession(self.model, cfg, tap=tap)
-        try:
-            logp = self._logprobs(batch, session)
-            metrics = mismatch_metrics(logp, batch.logp_rollout, batch.mask) | session.end_step()
-            metrics |= batch.fallback_on_real_tokens(metrics, session.numerics.captured)
-        finally:
-            session.remove()
-            self.session = TraceSession(self.model, self.cfg)
+        metrics against the rollout and the session's site metrics, on the masters' weights (`_master_weights`).
+        The training session is restored after."""
+        with self._master_weights():
+            self.session.remove()
+            session = TraceSession(self.model, cfg, tap=tap)
+            try:
+                if cfg.expert_weights_in_place:
+                    session.quantize_weights_in_place()
+                logp = self._logprobs(batch, session)
+                metrics = mismatch_metrics(logp, batch.logp_rollout, batch.mask) | session.end_step()
+                metrics |= batch.fallback_on_real_tokens(metrics, session.numerics.captured)
+            finally:
+                session.remove()
+                if cfg.expert_weights_in_place:
+                    self._masters_to_params()
+                self.session = TraceSession(self.model, self.cfg)
         return metrics
 
     def _staleness(self, version: int) -> int:
@@ -211,12 +277,12 @@ class MegatronTrainer:
         return metrics
 
     def _update(self) -> None:
-        """AdamW on the masters (gradients set), then the model's parameters follow them."""
+        """AdamW on the masters (gradients set), then the model's parameters follow them (expert weights quantized
+        in place after, with `expert_weights_in_place`)."""
         self.opt.step()
         self.opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master, strict=True):
-                p.copy_(m)
+        self._masters_to_params()
+        self._quantize_in_place()
 
     def policy_version(self) -> int:
         return self.version
@@ -227,12 +293,16 @@ class MegatronTrainer:
     def save_sharded(self, path: str) -> None:
         """Save the trainer (parameters, FP32 masters, AdamW state, policy version) as a Megatron distributed
         checkpoint in the new directory `path` (`megatron_trace.checkpoint`; any layout can load it). Collective."""
-        checkpoint.save(path, self.chunks, self.params, self.opt, version=self.version, layout=self.layout_name())
+        with self._master_weights():  # the parameters' entries hold the masters' copy, not in-place fake-quant
+            checkpoint.save(path, self.chunks, self.params, self.opt, version=self.version, layout=self.layout_name())
 
     def load_sharded(self, path: str, lr: float | None = None) -> None:
         """Restore `save_sharded`'s directory, saved at any layout. `lr` replaces the saved learning rate (a forced
         resume with another `lr`). Collective."""
         self.version = checkpoint.load(path, self.chunks, self.params, self.opt, lr=lr)["version"]
+        if self.cfg.expert_weights_in_place:
+            self._masters_to_params()
+            self._quantize_in_place()
 
 
 class _TrainerProcess(MegatronTrainer):
