@@ -8,6 +8,9 @@ import csv
 import json
 import shutil
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -261,3 +264,50 @@ def test_runs_over_seeds_get_a_mean_and_interval(raw, tmp_path):
     reward = _col(_rows(raw / "rl_qat.csv"), "reward/mean")
     assert row["reward (second half)"] == f"{statistics.fmean(reward[len(reward) // 2 :]):.4g} ± 0"
     assert (tmp_path / "docs" / "rl_seeds.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_rl_time_limit_stops_the_runs_still_running(tmp_path, capsys):
+    """`--rl-time-limit`: at the deadline a run still running is stopped and named; one that ended before it is
+    waited for as usual, and a failure is still an error."""
+    logs = {name: tmp_path / f"{name}.log" for name in ("slow", "quick", "broken")}
+    code = {"slow": "import time; time.sleep(120)", "quick": "pass", "broken": "raise SystemExit(3)"}
+    procs = {
+        name: (subprocess.Popen([sys.executable, "-c", code[name]], stdout=logs[name].open("w")), logs[name])
+        for name in ("quick", "slow")
+    }
+    start = time.monotonic()
+    results._wait(procs, deadline=start + 2)
+    assert time.monotonic() - start < 60
+    assert procs["slow"][0].returncode is not None and procs["quick"][0].returncode == 0
+    assert "stopped runs ['slow'], still running" in capsys.readouterr().out
+    broken = {
+        "broken": (
+            subprocess.Popen([sys.executable, "-c", code["broken"]], stdout=logs["broken"].open("w")),
+            logs["broken"],
+        )
+    }
+    with pytest.raises(RuntimeError, match=r"runs \['broken'\] failed"):
+        results._wait(broken, deadline=time.monotonic() + 60)
+
+
+def test_reward_windows_pair_each_run_with_qat_by_seed(raw, tmp_path):
+    """Two seeds each of QAT and TRACE (the same per-step file per run for both seeds): per window the mean reward
+    of each, and TRACE − QAT paired by seed, the difference of the window means with a zero-width interval."""
+    seeds = tmp_path / "raw"
+    seeds.mkdir()
+    shutil.copy(raw / "warmup.json", seeds)
+    for run in ("qat", "trace_all"):
+        for name in (run, f"{run}-s1"):
+            shutil.copy(raw / f"rl_{run}.csv", seeds / f"rl_{name}.csv")
+    results_report.main([str(seeds), str(tmp_path / "docs")])
+    md = (tmp_path / "docs" / "tables.md").read_text()
+    qat, trace, diff = _md_table(md, "Reward by window of steps (mean ± half-width of the 95 % t-interval over seeds):")
+    reward = {run: _col(_rows(raw / f"rl_{run}.csv"), "reward/mean") for run in ("qat", "trace_all")}
+    last = list(qat)[-1]  # "reward, steps a–b"
+    a, b = map(int, last.removeprefix("reward, steps ").split("–"))
+    assert b == min(map(len, reward.values())) - 1
+    window = {run: statistics.fmean(r[a : b + 1]) for run, r in reward.items()}
+    assert qat["run"] == "FP4 + QAT" and qat[last] == f"{window['qat']:.3f} ± 0.000"
+    assert trace[last] == f"{window['trace_all']:.3f} ± 0.000"
+    assert diff["run"] == results_report.RUN_LABELS["trace_all"] + " − FP4 + QAT, paired by seed"
+    assert diff[last] == f"{window['trace_all'] - window['qat']:+.3f} ± 0.000"

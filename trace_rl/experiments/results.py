@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -72,12 +73,27 @@ def _launch(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def _wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
-    failed = []
+def _wait(procs: dict[str, tuple[subprocess.Popen, Path]], deadline: float | None = None) -> None:
+    """Wait for every run; at `deadline` (`time.monotonic()`) stop the ones still running (their per-step metrics,
+    written as each step ends, are kept) and say which."""
+    failed, stopped = [], []
     for name, (proc, log) in procs.items():
-        if proc.wait() != 0:
+        try:
+            code = proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            stopped.append(name)
+            continue
+        if code != 0:
             failed.append(name)
-            print(f"--- {name} failed (exit {proc.returncode}); end of {log}:\n" + log.read_text()[-3000:])
+            print(f"--- {name} failed (exit {code}); end of {log}:\n" + log.read_text()[-3000:])
+    if stopped:
+        print(f"--rl-time-limit: stopped runs {stopped}, still running at the deadline", flush=True)
     if failed:
         raise RuntimeError(f"runs {failed} failed")
 
@@ -120,9 +136,10 @@ def run_all(args: argparse.Namespace) -> None:
     names = [n for n in RUNS if n in args.runs.split(",")]
     named = run_names(names, recipes, seeds, args.seed, args.tag, args.set)
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    deadline = None if args.rl_time_limit is None else time.monotonic() + args.rl_time_limit
     for name, overrides in named.items():
         if len(procs) >= args.parallel:
-            _wait({k: procs.pop(k) for k in list(procs)[:1]})
+            _wait({k: procs.pop(k) for k in list(procs)[:1]}, deadline)
         (out / "rl").mkdir(parents=True, exist_ok=True)
         log = out / "rl" / f"{name}.log"
         procs[name] = (_launch(out / "rl" / name, shared(args.steps) + overrides, log), log)
@@ -146,7 +163,7 @@ def run_all(args: argparse.Namespace) -> None:
         for proc, _ in procs.values():  # no RL run outlives a failed driver
             proc.kill()
         raise
-    _wait(procs)
+    _wait(procs, deadline)
     if args.timing_steps:
         for r in range(1, TIMING_ROUNDS + 1):
             for name, extra in TIMING.items():
@@ -203,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recipes", default=DEFAULT_RECIPE, help=f"comma-separated precision recipes of {recipe_names()}")
     ap.add_argument("--rl-seeds", help="comma-separated seeds of the RL runs (default: --seed)")
     ap.add_argument("--parallel", type=int, default=4, help="RL runs at a time")
+    ap.add_argument(
+        "--rl-time-limit",
+        type=float,
+        help="seconds after which RL runs still running are stopped (they keep the steps they made)",
+    )
     ap.add_argument("--tag", default="", help="suffix `@TAG` of the run names (runs with --set, repeats)")
     ap.add_argument(
         "--set",

@@ -174,13 +174,15 @@ def seeds_section(runs: dict[str, list[dict]], docs: Path) -> str:
     """Runs repeated over seeds: mean over seeds with a 95 % t-interval of the per-run values (table), and per step
     (figure `rl_seeds.png`, 10-step moving averages: the mean over seeds with the 95 % t-interval as a band for the
     reward, the range over seeds for the mismatch, on a log scale)."""
-    groups: dict[str, list[list[dict]]] = {}
+    by_seed: dict[str, dict[str | None, list[dict]]] = {}
     for name, hist in runs.items():
-        groups.setdefault(_unseeded(name), []).append(hist)
-    # the steps every seed made (runs cut short by a time limit end at slightly different steps)
-    groups = {base: [h[: min(map(len, hists))] for h in hists] for base, hists in groups.items() if len(hists) >= 2}
-    if not groups:
+        by_seed.setdefault(_unseeded(name), {})[_match(name)["seed"]] = hist
+    seeded = {base: runs for base, runs in by_seed.items() if len(runs) >= 2}
+    if not seeded:
         return ""
+    # the steps every run over seeds made (runs cut short by a time limit end at slightly different steps)
+    n = min(len(h) for runs in seeded.values() for h in runs.values())
+    groups = {base: [h[:n] for h in runs.values()] for base, runs in seeded.items()}
     rows = []
     for base, hists in groups.items():
         cells = [run_label(base), f"{len(hists)}", f"{len(hists[0])}"]
@@ -211,7 +213,45 @@ def seeds_section(runs: dict[str, list[dict]], docs: Path) -> str:
     fig.savefig(docs / "rl_seeds.png", dpi=110)
     plt.close(fig)
     header = ["run", "seeds", "steps"] + [label for *_, label in SEED_COLUMNS]
-    return "\n\nOver seeds (mean ± half-width of the 95 % t-interval over the runs):\n\n" + _table(header, rows)
+    table = "\n\nOver seeds (mean ± half-width of the 95 % t-interval over the runs):\n\n" + _table(header, rows)
+    return table + windows_section(by_seed, n)
+
+
+def windows_section(by_seed: dict[str, dict[str | None, list[dict]]], n: int) -> str:
+    """Mean reward in four windows of the first `n` steps (n windows when n < 4): per run over seeds (mean ± 95 %
+    t-interval of the per-run window means), a single-seed untagged run of the default recipe that made `n` steps
+    (its value), and each run's difference to FP4 + QAT of the same recipe and tag, paired by seed (the same prompts
+    at every step)."""
+    k = min(4, n)
+    edges = [n * i // k for i in range(k + 1)]
+    spans = list(zip(edges, edges[1:], strict=False))
+
+    def window_means(hist: list[dict]) -> list[float]:
+        return [mean_or_nan([m["reward/mean"] for m in hist[a:b]]) for a, b in spans]
+
+    def cells(values: list[list[float]], sign: str = "") -> list[str]:
+        if len(values) == 1:
+            return [f"{v:{sign}.3f}" for v in values[0]]
+        return [f"{m:{sign}.3f} ± {h:.3f}" for m, h in (_mean_t95(list(w)) for w in zip(*values, strict=True))]
+
+    rows = []
+    for base, runs in by_seed.items():
+        m = _match(base)
+        if len(runs) >= 2 or (not m["recipe"] and not m["tag"] and len(next(iter(runs.values()))) >= n):
+            label = run_label(base) + ("" if len(runs) >= 2 else " (one seed)")
+            rows.append([label, f"{len(runs)}", *cells([window_means(h[:n]) for h in runs.values()])])
+    for base, runs in by_seed.items():
+        ref = by_seed.get(base.replace(_match(base)["run"], "qat", 1), {})
+        seeds = [s for s in runs if s in ref]
+        if _match(base)["run"] != "qat" and len(runs) >= 2 and len(seeds) >= 2:
+            diffs = [
+                [a - b for a, b in zip(window_means(runs[s][:n]), window_means(ref[s][:n]), strict=True)] for s in seeds
+            ]
+            rows.append([f"{run_label(base)} − FP4 + QAT, paired by seed", f"{len(seeds)}", *cells(diffs, "+")])
+    header = ["run", "seeds"] + [f"reward, steps {a}–{b - 1}" for a, b in spans]
+    return "\n\nReward by window of steps (mean ± half-width of the 95 % t-interval over seeds):\n\n" + _table(
+        header, rows
+    )
 
 
 def _t95(n: int) -> float:
