@@ -47,9 +47,10 @@ class Interpreted:
             raise AssertionError(f"case {case} failed under the interpreter:\n{error}")
 
 
-def interpret(module: str, timeout: float = 900) -> Interpreted:
-    """Run `python -m module` with `TRITON_INTERPRET=1` from the repository root and collect its case results."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def interpret(module: str, timeout: float = 900, **env_vars: str) -> Interpreted:
+    """Run `python -m module` with `TRITON_INTERPRET=1` (and `env_vars`) from the repository root and collect its
+    case results."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **env_vars)
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         [sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True, timeout=timeout

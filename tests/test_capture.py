@@ -244,6 +244,12 @@ def test_rows_gathered_in_one_batch_and_read_elsewhere_equal_per_request_gathers
         cap.on_forward_end(torch.tensor([slot for slot, _ in rows]), version=3)
     cap.release(torch.tensor([7]))
     host = cap.gather_rows(torch.tensor([6, 5, 9, 7])).clone()  # request A: slots 6, 5; request B: 9, 7
+    # the finish path's form: SGLang's int32 slots, written into a view of a larger buffer
+    buffer = torch.full((4 * cap.row.row_bytes + 8,), 0xAB, dtype=torch.uint8)
+    into = cap.gather_rows(torch.tensor([6, 5, 9, 7], dtype=torch.int32), out=buffer[8:].view(4, -1))
+    assert torch.equal(into, host) and into.data_ptr() == buffer.data_ptr() + 8 and bool((buffer[:8] == 0xAB).all())
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        cap.gather_rows(torch.tensor([6, 5]), out=buffer[8:].view(4, -1))
     assert_same(cap.read(host[:2], version=3), drv.expected([2, 5]))
     assert_same(cap.read(host[:2], version=3), cap.gather(torch.tensor([6, 5]), 2, version=3))
     with pytest.raises(ValueError, match=r"1 of 2 positions have no captured record \(first positions \[1\]"):

@@ -158,7 +158,8 @@ def test_a_batched_gather_copied_into_the_pinned_ring_is_ordered_before_a_reuse_
     gpu.forward([(5, 1), (6, 2), (9, 3)])
     ring = HostRing(1 << 16, pin=True)
     torch.cuda._sleep(SLEEP_CYCLES)  # the gather and the copy are still queued when the reuse is issued
-    rows = gpu.cap.gather_rows(torch.tensor([5, 6, 9], device="cuda"))
+    staged = torch.empty(3 * gpu.cap.row.row_bytes + 16, dtype=torch.uint8, device="cuda")  # the transfer's buffer
+    rows = gpu.cap.gather_rows(torch.tensor([5, 6, 9], dtype=torch.int32, device="cuda"), out=staged[16:].view(3, -1))
     ticket, span = ring.reserve(rows.numel())
     host = span.view(rows.shape)
     host.copy_(rows, non_blocking=True)

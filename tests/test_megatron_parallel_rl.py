@@ -150,30 +150,33 @@ def test_a_single_rank_checkpoint_resumes_at_a_layout(model_dir, single, ray_clu
 
 
 @pytest.mark.gpu
-def test_rl_steps_at_dp2_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir, ray_cluster, tmp_path):
-    """On two GPUs (NCCL, one Ray actor per GPU) the group trainer runs Megatron's distributed optimizer: DP = 2 with
-    two micro-batches per rank gives one GPU's steps (FP32 trainer, the tolerance above), and its distributed
-    checkpoint of step 1 (each rank's ranges of the masters and moments) resumes the group to the same step 2."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA GPUs")
+def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir, ray_cluster, tmp_path):
+    """On GPUs the group trainer runs Megatron's distributed optimizer (NCCL, one Ray actor per GPU): DP = 2 on two
+    GPUs (DP = 1 on one: the optimizer's copy-back and all-gather paths without a peer), two micro-batches per
+    step, gives the single-rank trainer's steps (FP32 trainer, the tolerance above), and its distributed checkpoint
+    of step 1 (each rank's ranges of the masters and moments) resumes the group to the same step 2."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dp = min(2, torch.cuda.device_count())
     gpu = RUN | dict(device="cuda")
     with Controller(RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "single"), **gpu), resume=False) as ctrl:
         single_history = ctrl.run()
-    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "dp2"), **gpu, **LAYOUTS["dp2_microbatch2"])
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "group"), **gpu, dp=dp, train_micro_batch=2)
     with Controller(cfg, resume=False) as ctrl:
-        assert ctrl.trainer.group.call("layout_name") == ["tp=1 ep=1 pp=1 vpp=None dp=2 optimizer=distributed"] * 2
+        name = f"tp=1 ep=1 pp=1 vpp=None dp={dp} optimizer=distributed"
+        assert ctrl.trainer.group.call("layout_name") == [name] * dp
         history = ctrl.run()
         weights = ctrl.trainer.hf_weights()
     _assert_same_steps(history, single_history)
     run = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "dp2", run)
+    shutil.copytree(tmp_path / "group", run)
     remove_checkpoint(run / "checkpoint-00000002.pt")
     with Controller(cfg.replace(out_dir=str(run))) as ctrl:
         assert ctrl.step == 1 and ctrl.trainer.policy_version() == 1
         resumed = ctrl.run()
     _assert_same_steps(resumed[1:], history[1:])
     # The distributed optimizer's checkpoint loads on one rank (AdamW over full masters): the group's policy exactly.
-    exported = load_file(export_run(tmp_path / "dp2", tmp_path / "hf") / "model.safetensors")
+    exported = load_file(export_run(tmp_path / "group", tmp_path / "hf") / "model.safetensors")
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k

@@ -1,0 +1,156 @@
+"""Run by tests/test_sglang_model.py in a child process with `SGLANG_USE_CPU_ENGINE=1` (SGLang's CPU engine mode,
+read when its modules are imported): SGLang's real `Qwen3MoeForCausalLM`, built on CPU, loaded through its own
+`load_weights` (the patched FusedMoE weight loader quantizes the experts), TRACE installed by its start-up hook
+(`hooks.install_capturer`, the model-load layer check included), and one prefill forward through SGLang's
+`torch_native` attention backend and FP4 KV pool. The request's stored records must equal the reference
+quantization of what each layer actually saw (observed with forward hooks on SGLang's modules): MoE inputs, K and
+V, and the routes the model's top-k chose.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from types import SimpleNamespace
+
+import torch
+
+from tests.interpret import run_cases
+from tests.sglang_cpu import init_cpu_parallel_state, install_sgl_kernel_stand_in
+
+LAYERS, H, HEADS, KV_HEADS, HEAD_DIM, E, TOPK, INTER, VOCAB, T = 2, 64, 4, 2, 32, 4, 2, 32, 128, 7
+
+
+def checkpoint(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A random Qwen3-MoE checkpoint in the Hugging Face names SGLang's `load_weights` maps."""
+
+    def w(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    ckpt = {
+        "model.embed_tokens.weight": w(VOCAB, H, scale=1.0),
+        "model.norm.weight": 1 + w(H),
+        "lm_head.weight": w(VOCAB, H),
+    }
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        ckpt |= {
+            p + "input_layernorm.weight": 1 + w(H),
+            p + "post_attention_layernorm.weight": 1 + w(H),
+            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, H),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, H),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, H),
+            p + "self_attn.o_proj.weight": w(H, HEADS * HEAD_DIM),
+            p + "self_attn.q_norm.weight": 1 + w(HEAD_DIM),
+            p + "self_attn.k_norm.weight": 1 + w(HEAD_DIM),
+            p + "mlp.gate.weight": w(E, H),
+        }
+        for e in range(E):
+            ckpt |= {
+                p + f"mlp.experts.{e}.gate_proj.weight": w(INTER, H),
+                p + f"mlp.experts.{e}.up_proj.weight": w(INTER, H),
+                p + f"mlp.experts.{e}.down_proj.weight": w(H, INTER),
+            }
+    return ckpt
+
+
+def prefill_records_equal_what_the_layers_saw() -> None:
+    install_sgl_kernel_stand_in()
+    init_cpu_parallel_state()
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from transformers import Qwen3MoeConfig
+
+    from sglang_trace import hooks
+    from trace_core.formats import KV_FP4
+    from trace_core.quant import quantize
+    from trace_core.records import Record
+    from trace_core.store_reader import RecordReader
+
+    store = tempfile.mkdtemp()
+    args = ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1", attention_backend="torch_native",
+                      trace_mode="emulate", trace_store=store)  # fmt: skip
+    set_global_server_args_for_scheduler(args)
+    initialize_dp_attention(args, SimpleNamespace(hidden_size=H, dtype=torch.bfloat16))
+    cfg = Qwen3MoeConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=E, num_experts_per_tok=TOPK,
+                         moe_intermediate_size=INTER, intermediate_size=2 * INTER, vocab_size=VOCAB,
+                         norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # SGLang's model loader builds the model under the checkpoint dtype
+    try:
+        model = Qwen3MoeForCausalLM(cfg, quant_config=None)
+    finally:
+        torch.set_default_dtype(default)
+    model.load_weights(checkpoint(torch.Generator().manual_seed(0)).items())
+    pool = MHATokenToKVPoolFP4(size=32, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=KV_HEADS,
+                               head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                               enable_alt_stream=False)  # fmt: skip
+    req_to_token = ReqToTokenPool(size=2, max_context_len=32, device="cpu", enable_memory_saver=False)
+    runner = SimpleNamespace(server_args=args, model_config=SimpleNamespace(hf_config=cfg, context_len=32),
+                             model=model, token_to_kv_pool=pool, max_running_requests=2, max_total_num_tokens=32,
+                             page_size=1, device="cpu")  # fmt: skip
+    assert hooks.install_capturer(runner)
+    capturer = get_global_experts_capturer()
+
+    seen: dict = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__((i, "moe_in"), a[0].clone()))
+        layer.mlp.topk.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__((i, "routes"), out.topk_ids))
+        layer.self_attn.attn.register_forward_pre_hook(
+            lambda m, a, i=i: seen.update({(i, "k"): a[1].clone(), (i, "v"): a[2].clone()})
+        )
+    slots = torch.tensor([9, 4, 17, 3, 12, 5, 30])
+    req_to_token.req_to_token[0, :T] = slots.int()
+    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(1))
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=ids,
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([T]),
+        seq_lens_cpu=torch.tensor([T]),
+        out_cache_loc=slots,
+        seq_lens_sum=T,
+        positions=torch.arange(T),
+        extend_prefix_lens=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([T]),
+        extend_prefix_lens_cpu=[0],
+        extend_seq_lens_cpu=[T],
+        extend_num_tokens=T,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool=pool,
+        attn_backend=TorchNativeAttnBackend(runner),
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+    )
+    with torch.no_grad():
+        out = model.forward(ids, batch.positions, batch)
+    capturer.on_forward_end(batch, False, None)  # as ModelRunner.forward does after the model's forward
+    assert bool(out.next_token_logits.isfinite().all())
+    # the request: prompt of T - 1 tokens plus one sampled token, so positions [0, T - 1) have records
+    handle = capturer.finish_request("req", 0, T, req_to_token, ids[: T - 1].tolist(), [int(ids[T - 1])])
+    capturer.flush()
+    assert capturer.stats.write_failures == 0 and handle["tokens"] == T - 1, (capturer.stats, handle)
+    got = RecordReader(store, 0).load([("req", 0, T - 1)])
+    n = T - 1
+    for i in range(LAYERS):
+        ref = Record.from_quantized(quantize(seen[(i, "moe_in")][:n], "nvfp4", per_token=True), 1)
+        rec = got.records[(i, "moe_in")]
+        assert torch.equal(rec.low_bits[0, :n], ref.low_bits) and torch.equal(rec.scales[0, :n], ref.scales), i
+        assert torch.equal(rec.global_scale[0, :n], ref.global_scale), i
+        assert torch.equal(got.routes[0, :n, i], seen[(i, "routes")][:n].int()), i
+        for kind in ("k", "v"):
+            x = seen[(i, kind)][:n].reshape(n, KV_HEADS, HEAD_DIM)
+            q = quantize(x, KV_FP4)
+            flat = type(q)(codes=q.codes.reshape(n, -1), scales=q.scales.reshape(n, -1), global_scale=None, fmt=KV_FP4)
+            ref_kv, rec = Record.from_quantized(flat, 1), got.records[(i, kind)]
+            assert torch.equal(rec.low_bits[0, :n], ref_kv.low_bits) and torch.equal(rec.scales[0, :n], ref_kv.scales)
+    capturer.close()
+
+
+if __name__ == "__main__":
+    run_cases({"qwen3-moe-prefill": prefill_records_equal_what_the_layers_saw})
