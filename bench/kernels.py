@@ -11,6 +11,7 @@ For T in {1, 64, 4096, 65536} x D in {2048, 4096, 7168} and the nvfp4 (per-token
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 
 Usage: python bench/kernels.py [--out results.json] [--quick] [--t 4096 65536] [--d 2048 4096 7168] [--no-compile]
+       python bench/kernels.py --guided-row-loops 1 4 [--t 65536] [--d 4096 7168]
 """
 
 from __future__ import annotations
@@ -213,6 +214,33 @@ def tune(
     return best
 
 
+def _fwd_bwd(op, x: torch.Tensor, grad: torch.Tensor, *args, **kwargs) -> None:
+    op(x, *args, **kwargs).backward(grad)
+
+
+def guided_row_loops(t: int, ds: list[int], loops: list[int]) -> list[dict]:
+    """Guided fwd + bwd (graph) over RTN's at nvfp4 per token, T = `t`, for each `LAUNCH["guided"]["row_loop"]` in
+    `loops` (row tiles per guided program, one redirected-count add per program), on the moved x of `run_case`."""
+    rows, saved = [], ops.LAUNCH["guided"]["row_loop"]
+    for d in ds:
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        low, scales, token = record_buffers(t, d, "nvfp4", BITS, "cuda", per_token=True)
+        quantize_record(x, "nvfp4", BITS, per_token=True, low_bits=low, scales=scales, token_scale=token)
+        rec = Record(quantize(x[:1], "nvfp4", per_token=True).fmt, BITS, d, low, scales, token)
+        noise = 0.02 * x.float().abs().amax(-1, keepdim=True) * torch.randn_like(x, dtype=torch.float32)
+        xg = (x.float() + noise).to(x.dtype).requires_grad_(True)
+        grad, stats = torch.randn_like(x), GuidanceStats()
+        rtn = graph_ms(partial(_fwd_bwd, rtn_fake_quant, xg, grad, "nvfp4", per_token=True))
+        for loop in loops:
+            ops.LAUNCH["guided"]["row_loop"] = loop
+            guided = graph_ms(partial(_fwd_bwd, guided_fake_quant, xg, grad, rec, BITS, stats=stats))
+            rows.append({"T": t, "D": d, "row_loop": loop, "guided_us": 1e3 * guided, "rtn_us": 1e3 * rtn,
+                         "guided_over_rtn_graph": guided / rtn})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    ops.LAUNCH["guided"]["row_loop"] = saved
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the rows as JSON here")
@@ -224,7 +252,14 @@ def main() -> None:
     parser.add_argument("--tune-out", help="with --tune: write the best tiles here (TRACE_FP4_LAUNCH JSON)")
     parser.add_argument("--tune-kernels", nargs="+", default=["quant", "guided"], choices=["quant", "guided"],
                         help="with --tune: the kernels to sweep")  # fmt: skip
+    parser.add_argument("--guided-row-loops", type=int, nargs="+", help="only compare guided row_loop values")
     args = parser.parse_args()
+    if args.guided_row_loops:
+        rows = guided_row_loops((args.t or [65536])[0], args.d or [4096, 7168], args.guided_row_loops)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        return
     if args.tune:
         tune(ds=tuple(args.d or (2048, 4096, 7168)), out=args.tune_out, kernels=tuple(args.tune_kernels))
         return
