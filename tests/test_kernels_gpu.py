@@ -71,9 +71,11 @@ def test_guided_is_bit_exact(fmt, dtype, shape):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-def test_guided_with_several_row_tiles_per_program(fmt, monkeypatch):
-    # LAUNCH["guided"]["row_loop"]: 4 tiles of rows per program, the last program's partly past the last row
-    monkeypatch.setitem(ops.LAUNCH["guided"], "row_loop", 4)
+@pytest.mark.parametrize("row_loop", [1, 3])
+def test_guided_with_other_row_tiles_per_program(fmt, row_loop, monkeypatch):
+    # LAUNCH["guided"]["row_loop"] (default 4): one tile of rows per program, and 3 (the last program's partly past
+    # the last row)
+    monkeypatch.setitem(ops.LAUNCH["guided"], "row_loop", row_loop)
     for mode in kernel_checks.SCALE_MODES[fmt]:
         for record_bits, bits in ((1, 1), (4, 2)):
             kernel_checks.check_guided(fmt, 37, 2048, torch.bfloat16, record_bits, bits, mode, "cuda", _guided_via_op)

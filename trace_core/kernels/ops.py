@@ -46,12 +46,13 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 LAUNCH: dict[str, dict[str, int]] = {
     "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 0},
-    "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 1},
+    "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
 Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
-16-element kernels take `row_loop` tiles of rows one after the other per program (guided: one count added per
-program), and the quantize kernel with `wide_record`
+16-element kernels take `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count
+add per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
+`wide_record`
 = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the
 H200, `bench/record_variants.py --wide`).
 `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
