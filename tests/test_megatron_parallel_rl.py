@@ -161,7 +161,16 @@ def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir
     gpu = RUN | dict(device="cuda")
     with Controller(RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "single"), **gpu), resume=False) as ctrl:
         single_history = ctrl.run()
-    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "group"), **gpu, dp=dp, train_micro_batch=2)
+    # FP32 parameters are the distributed optimizer's own masters: in-place off (bit-identical to in place on the
+    # single rank's separate masters, tests/test_megatron_grouped_trainer.py)
+    cfg = RLConfig(
+        model_dir=model_dir,
+        out_dir=str(tmp_path / "group"),
+        **gpu,
+        dp=dp,
+        train_micro_batch=2,
+        expert_weights_in_place=False,
+    )
     with Controller(cfg, resume=False) as ctrl:
         name = f"tp=1 ep=1 pp=1 vpp=None dp={dp} optimizer=distributed"
         assert ctrl.trainer.group.call("layout_name") == [name] * dp
@@ -180,6 +189,10 @@ def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k
+    with pytest.raises(Exception, match="expert_weights_in_place with Megatron's distributed optimizer"):
+        refused = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "refused"), **gpu, dp=dp)
+        with Controller(refused, resume=False) as ctrl:
+            ctrl.run()
 
 
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):

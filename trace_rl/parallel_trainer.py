@@ -124,6 +124,12 @@ class RankTrainer(MegatronTrainer):
         if not self.distributed_optimizer:
             return super()._init_optimizer(params, lr, max_version_diff, clip_grad)
         self.params = [p for p in params if p.requires_grad]
+        if self.cfg.expert_weights_in_place and any(p.dtype == torch.float32 for p in self.params):
+            raise ValueError(
+                "expert_weights_in_place with Megatron's distributed optimizer needs a BF16/FP16 trainer: with FP32 "
+                "parameters the optimizer's masters are views of the parameters, and the in-place fake-quant would "
+                "overwrite them (set expert_weights_in_place=false or trainer_dtype='bfloat16')"
+            )
         self.device = self.params[0].device
         self.master = []  # the distributed optimizer holds its own FP32 ranges of the masters
         self.opt = make_optimizer(self.chunks, lr=lr, clip_grad=clip_grad)
