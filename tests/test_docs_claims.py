@@ -1,4 +1,5 @@
-"""docs/rl.md's configuration table names every `RLConfig` field with its default, and nothing else."""
+"""Numbers and tables in docs/ that the code determines, checked against it: docs/rl.md's configuration table
+(every `RLConfig` field with its default, nothing else) and docs/records.md's capture-memory example."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import dataclasses
 import re
 from pathlib import Path
 
+from trace_core.capture import RecordCapturer
+from trace_core.records import ModelShape, RecordSpec
 from trace_rl.config import RLConfig
 
-RL_DOC = Path(__file__).resolve().parents[1] / "docs" / "rl.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+RL_DOC = DOCS / "rl.md"
 
 
 def documented_defaults() -> dict[str, str]:
@@ -49,3 +53,13 @@ def test_the_config_table_gives_every_field_and_its_default():
             assert float(written) == default, (name, written, default)
         else:
             assert written == as_written(default), (name, written, default)
+
+
+def test_the_capture_memory_example_of_the_records_page():
+    """24 captured MoE layers of width 2048 at b = 1 and routes of 48 layers x top-8: the row size docs/records.md
+    quotes (records, routes, the written byte, rounded up to 4)."""
+    spec = RecordSpec.default(moe_layers=tuple(range(24, 48)), attn_layers=())
+    shape = ModelShape(hidden=2048, num_kv_heads=4, head_dim=128)
+    row_bytes = RecordCapturer(spec, shape, max_tokens=1, num_slots=1, routes=(48, 8)).row.row_bytes
+    assert row_bytes == 10_852
+    assert f"is {row_bytes:,} bytes per token" in (DOCS / "records.md").read_text()
