@@ -1,5 +1,6 @@
-"""Numbers and tables in docs/ that the code determines, checked against it: docs/rl.md's configuration table
-(every `RLConfig` field with its default, nothing else) and docs/records.md's capture-memory example."""
+"""What README.md and docs/*.md say that the repository determines, checked against it: docs/rl.md's configuration
+table (every `RLConfig` field with its default, nothing else), docs/records.md's capture-memory example, and that
+every test, measurement file and repository file the pages name exists."""
 
 from __future__ import annotations
 
@@ -63,3 +64,47 @@ def test_the_capture_memory_example_of_the_records_page():
     row_bytes = RecordCapturer(spec, shape, max_tokens=1, num_slots=1, routes=(48, 8)).row.row_bytes
     assert row_bytes == 10_852
     assert f"is {row_bytes:,} bytes per token" in (DOCS / "records.md").read_text()
+
+
+def _expand(path: str) -> list[str]:
+    """`a.{txt,json}` -> `a.txt`, `a.json` (one brace group at most, as the docs write them)."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if m is None:
+        return [path]
+    return [path[: m.start()] + alt + path[m.end() :] for alt in m.group(1).split(",")]
+
+
+def _doc_pages() -> list[Path]:
+    return [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_every_test_the_docs_name_exists():
+    """`test_file.py::test_name` in README.md and docs/*.md names a test function of that file in tests/."""
+    missing = []
+    for page in _doc_pages():
+        for file, name in set(re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text())):
+            source = DOCS.parent / "tests" / file
+            if not source.exists() or not re.search(rf"def {name}\(", source.read_text()):
+                missing.append(f"{page.name}: {file}::{name}")
+    assert missing == []
+
+
+def test_every_measurement_and_result_file_the_docs_name_exists():
+    """Paths under docs/measurements/ and docs/results/ quoted in README.md and docs/*.md exist."""
+    missing = []
+    for page in _doc_pages():
+        for path in set(re.findall(r"docs/(?:measurements|results)/[\w./{},-]*[\w}/]", page.read_text())):
+            missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
+    assert missing == []
+
+
+def test_every_repository_file_the_docs_name_exists():
+    """Files of the repository (a path with a suffix under one of its top-level directories) named in README.md and
+    docs/*.md exist: scripts, benches, configs, tests, modules, patches."""
+    tops = "tests|bench|scripts|configs|trace_core|trace_rl|megatron_trace|sglang_trace|patches|docker"
+    suffixes = "py|sh|toml|yaml|json|jsonl|md|txt|patch|png|csv"
+    missing = []
+    for page in _doc_pages():
+        for path in set(re.findall(rf"(?<![\w/.])(?:{tops})/[\w./{{}},-]*\.(?:{suffixes})\b", page.read_text())):
+            missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
+    assert missing == []
