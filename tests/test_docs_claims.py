@@ -1,6 +1,7 @@
 """What README.md and docs/*.md say that the repository determines, checked against it: docs/rl.md's configuration
 table (every `RLConfig` field with its default, nothing else), docs/records.md's capture-memory example, and that
-every test, measurement file and repository file the pages name exists."""
+every test, measurement file and repository file the pages name exists, and the record-store sizing rule of
+docs/deploy.md."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import dataclasses
 import re
 from pathlib import Path
 
+import torch
+
 from trace_core.capture import RecordCapturer
-from trace_core.records import ModelShape, RecordSpec
+from trace_core.formats import get_format
+from trace_core.quant import quantize
+from trace_core.records import ModelShape, Record, RecordSpec, bytes_per_token
+from trace_core.store import StepWriter, TrajectoryRecords, read_header, site_layout
 from trace_rl.config import RLConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -108,3 +114,25 @@ def test_every_repository_file_the_docs_name_exists():
         for path in set(re.findall(rf"(?<![\w/.])(?:{tops})/[\w./{{}},-]*\.(?:{suffixes})\b", page.read_text())):
             missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
     assert missing == []
+
+
+def test_a_shard_holds_bytes_per_token_of_records_plus_the_routes(tmp_path):
+    """docs/deploy.md sizes the record volume as `bytes_per_token(shape, spec).total` plus 4 bytes per routed expert
+    per token: the raw (uncompressed) bytes of a shard written by the store are exactly that, for the default spec
+    and the latter half, NVFP4 per-token MoE inputs and kv_fp4 K / V."""
+    shape = ModelShape(hidden=64, num_kv_heads=2, head_dim=16)
+    layers, topk, tokens = 4, 2, 7
+    gen = torch.Generator().manual_seed(0)
+    for make in (RecordSpec.default, RecordSpec.latter_half):
+        spec = make(moe_layers=tuple(range(layers)), attn_layers=tuple(range(layers)), bits=1)
+        records = {}
+        for site, (fmt, bits, n) in site_layout(spec, shape).items():
+            per_token = {"per_token": True} if get_format(fmt).has_global_scale else {}
+            q = quantize(torch.randn(tokens, n, generator=gen), fmt, **per_token)
+            records[site] = Record.from_quantized(q, bits)
+        routes = torch.randint(0, 8, (tokens, layers, topk), generator=gen, dtype=torch.int32)
+        path = StepWriter(tmp_path / make.__name__, 0).write({"t": TrajectoryRecords(tokens, records, routes)})
+        entry = read_header(path)["trajectories"]["t"]
+        raw = sum(f["raw"] for site in entry["sites"].values() for f in site["fields"].values())
+        raw += entry["routes"]["raw"]
+        assert raw == tokens * (bytes_per_token(shape, spec).total + 4 * layers * topk)
