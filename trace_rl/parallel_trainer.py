@@ -67,9 +67,8 @@ def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
 
 class RankTrainer(MegatronTrainer):
     """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and
-    Megatron's distributed optimizer. A step's
-    trajectories of this DP rank run as micro-batches of `micro_batch` trajectories (0: one micro-batch), gradients
-    accumulated through Megatron's schedule. Construct it in every rank of a torch.distributed launch (torchrun or a
+    Megatron's distributed optimizer. A step's trajectories of this DP rank run as micro-batches of `micro_batch`
+    trajectories (0: one micro-batch), gradients accumulated through Megatron's schedule. Construct it in every rank of a torch.distributed launch (torchrun or a
     `TrainerGroup`); every method is collective."""
 
     def __init__(
