@@ -1,7 +1,7 @@
 """What README.md and docs/*.md say that the repository determines, checked against it: docs/rl.md's configuration
 table (every `RLConfig` field with its default, nothing else), docs/records.md's capture-memory example, and that
-every test, measurement file and repository file the pages name exists, and the record-store sizing rule of
-docs/deploy.md."""
+every test, measurement file and repository file the pages name exists, every link between the pages resolves,
+and the record-store sizing rule of docs/deploy.md."""
 
 from __future__ import annotations
 
@@ -136,3 +136,24 @@ def test_a_shard_holds_bytes_per_token_of_records_plus_the_routes(tmp_path):
         raw = sum(f["raw"] for site in entry["sites"].values() for f in site["fields"].values())
         raw += entry["routes"]["raw"]
         assert raw == tokens * (bytes_per_token(shape, spec).total + 4 * layers * topk)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves():
+    """`[text](page.md)` and `[text](page.md#anchor)` links in README.md and docs/*.md name an existing page and,
+    with an anchor, one of its headings (code blocks excluded)."""
+    headings = {}
+    for page in _doc_pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        headings[page.resolve()] = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    broken = []
+    for page in _doc_pages():
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?(?:#([\w-]+))?\)", page.read_text()):
+            resolved = (page.parent / target).resolve() if target else page.resolve()
+            if resolved not in headings or (anchor and anchor not in headings[resolved]):
+                broken.append(f"{page.name} -> {target}#{anchor}")
+    assert broken == []
