@@ -14,6 +14,7 @@ setup: $(STAMP)
 
 # The venv is rebuilt when the project metadata changes. SGLang is installed without its dependencies: its GPU
 # stack (sglang-kernel, flashinfer) does not install on CPU machines; tests import only its pure-torch modules.
+# megatron-core is patched so that its optimizers run on CPU parameters (patches/megatron; no change on CUDA).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,6 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 	$(PY) -m pip install -q -e '.[sglang-cpu]'
 	$(PY) scripts/sglang_patches.py apply
+	$(PY) scripts/megatron_patches.py apply
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -46,7 +48,7 @@ clean:
 
 # Container image (docker/Dockerfile, docs/deploy.md), tagged $(IMAGE):<project version>. `docker` needs a Docker
 # engine and runs the static checks first; `docker-check` needs none (CI): static checks, then the Dockerfile's patch
-# step on the pinned sglang wheel.
+# step on the pinned sglang and megatron-core wheels.
 IMAGE ?= trace-rl
 IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 .PHONY: docker docker-check

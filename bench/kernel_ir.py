@@ -2,8 +2,9 @@
 
 Per kernel configuration: layout conversions (`convert_layout`) and shared-memory ops (`local_alloc`,
 `local_load`, `local_store`) in the TTGIR, shared memory bytes, PTX instruction count (body lines that are
-instructions), and, when the triton install ships ptxas (and cuobjdump), registers, spill bytes and the static
-SASS instruction count. The local triton may be newer
+instructions), and, when the triton install ships ptxas (and cuobjdump), registers, spill bytes, the static
+SASS instruction count, and the instructions and global loads / stores of the widest loop's body (`outer_loop`),
+also per 16 elements a thread handles in it. The local triton may be newer
 than the GPU's, so the counts are indicative; compare kernel versions with the same triton.
 
 Usage: python bench/kernel_ir.py [--module path/to/triton_fp4.py] [--d 4096] [--rows R --chunk C --warps W]
@@ -61,7 +62,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None) -> tuple:
+    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None,
+              bpt: int = 1) -> tuple:  # fmt: skip
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
@@ -69,6 +71,9 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
+        if bpt > 1:  # k blocks per thread: rows per program as ops.triton_quantize_record sets them
+            kernel = getattr(mod, "_quantize_record_bpt_kernel", None)
+            args.update(BPT=bpt, RB=max(1, 32 * tile["num_warps"] * 16 * bpt // tile["C"]))
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
@@ -88,6 +93,12 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),
         ("quant nvfp4 per-token b=1 wide record stores", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True, rec_unit=16)),
         ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
+        *[
+            (f"quant {fmt} {what}, {k} blocks per thread", quant(fmt.split()[0], mode, bits, bpt=k))
+            for fmt, mode in (("kv_fp4", ops.SCALE_NONE), ("nvfp4 per-token", ops.SCALE_PER_TOKEN))
+            for what, bits in (("b=1", 1), ("no-record", 0))
+            for k in (4, 8)
+        ],
         ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
         ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),
         ("guided nvfp4 b=1", guided("nvfp4", ops.SCALE_ROW, 1)),
@@ -168,9 +179,25 @@ def ptxas_info(ptx: str) -> dict:
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     # SASS instructions (static, NOP padding excluded): what the scheduler issues, closer to the profile than PTX
-    n_sass = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line) and " NOP" not in line)
+    instr = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s+([^;]*);", sass, re.M)
+             if "NOP" not in m.group(2)]  # fmt: skip
     return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": int(spill.group(1)) if spill else None,
-            "sass_instr": n_sass or None}  # fmt: skip
+            "sass_instr": len(instr) or None, **outer_loop(instr)}  # fmt: skip
+
+
+def outer_loop(instr: list[tuple[int, str]]) -> dict:
+    """SASS instructions and global loads / stores in the body of the widest loop (a backward branch): the
+    chunk loop of the quantize kernels, run once per chunk of a program's rows, so per-element work without the
+    program's fixed cost."""
+    best: list[tuple[int, str]] = []
+    for addr, text in instr:
+        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body = [i for i in instr if int(target.group(1), 16) <= i[0] <= addr]
+            best = max(best, body, key=len)
+    if not best:
+        return {}
+    return {"loop_sass": len(best), "loop_ldg_stg": sum(1 for _, t in best if re.search(r"\b(LDG|STG)", t))}
 
 
 def main() -> None:
@@ -185,12 +212,16 @@ def main() -> None:
     mod = load_module(args.module)
     print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
     header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",
-              "ptx_bar_sync", "ptx_instr", "sass_instr", "n_regs", "n_spills"]  # fmt: skip
+              "ptx_bar_sync", "ptx_instr", "sass_instr", "n_regs", "n_spills", "loop_sass", "loop_ldg_stg",
+              "loop_sass_per_16"]  # fmt: skip
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, kernel, constexprs in configs(mod, args.d, args.rows, args.chunk, args.warps):
         tile = f"{constexprs['RB']}x{constexprs['C']}/{constexprs['num_warps']}w"
         compiled = compile_kernel(kernel, dict(constexprs))
         row = {"tile": tile, **stats(compiled)}
+        if "loop_sass" in row:  # elements per thread per chunk iteration: the loop body per 16 of them
+            per_thread = constexprs["RB"] * constexprs["C"] // (32 * constexprs["num_warps"])
+            row["loop_sass_per_16"] = round(row["loop_sass"] * 16 / per_thread, 1)
         print("| " + " | ".join([label] + [str(row.get(h, "-")) for h in header[1:]]) + " |")
         if args.dump:
             out = Path(args.dump)

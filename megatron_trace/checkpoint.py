@@ -15,7 +15,7 @@ A checkpoint saved at one layout (TP, EP, PP, virtual PP, DP) loads at any other
 rank reads the slices of the global tensors it holds (`load`). The masters and AdamW state come from either
 optimizer the trainers use, and either restores the other's checkpoint:
 
-- a plain `torch.optim.AdamW` over full FP32 masters of the rank's shards (CPU, and the single-rank trainer);
+- a plain `torch.optim.AdamW` over full FP32 masters of the rank's shards (the single-rank trainer);
 - Megatron's `DistributedOptimizer` (or its `ChainedOptimizer` of dense and expert parameters), where each DP rank
   holds a contiguous range of every parameter's flattened master and moments: saving and loading go through one
   full-shape FP32 tensor per parameter and field, assembled over the parameter's DP group (the expert DP group for

@@ -7,9 +7,10 @@ dispatcher copies its split sizes to the host on a CUDA side stream, and the pip
 counter with `device="cuda"`, p2p calls `torch.cuda.synchronize()` after batched send / receive and DDP orders its
 gradient reduction on `torch.cuda.current_stream()`. On a machine without CUDA these shims route them to the CPU
 (the split sizes become numpy arrays, as the CUDA path makes them; streams have nothing to wait for); they are never
-installed when CUDA is available. Megatron's optimizers are not shimmed: they accept only `torch.cuda.*Tensor`
-parameter types (`megatron_trace.parallel.make_optimizer` refuses CPU parameters, naming the checks); on a CPU the
-trainer's DDP and schedules run, and the trainers step torch's AdamW on FP32 masters instead.
+installed when CUDA is available. Megatron's optimizers need more than a shim (they sort parameters by CUDA tensor
+type and allocate on 'cuda'): `patches/megatron` makes them allocate on `torch.cuda.current_device()`, which these
+shims point at the CPU, and sort by dtype (`megatron_trace.parallel.make_optimizer` names the patch when it is
+missing).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ Shard rules (global name = the single-rank GPTModel's parameter name):
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -221,16 +222,19 @@ def make_optimizer(
     weight_decay: float = 0.0,
 ):
     """Megatron's optimizer over DDP-wrapped chunks: FP32 master weights (the model's BF16 parameters are copies),
-    sharded over DP with `distributed`. CUDA parameters only (a ValueError on others, naming why)."""
+    sharded over DP with `distributed`. On CPU parameters (gloo) megatron-core 0.19.2 needs TRACE's patch stack
+    (`patches/megatron/`, applied by `make setup`): its optimizers sort parameters by CUDA tensor type and allocate on
+    'cuda'; without the stack a ValueError says so."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
     devices = {p.device.type for c in chunks for p in c.parameters()}
-    if devices != {"cuda"}:
+    if devices != {"cuda"} and "device='cuda'" in inspect.getsource(MixedPrecisionOptimizer.__init__):
         raise ValueError(
-            f"Megatron's optimizers need CUDA parameters, these are on {sorted(devices)}: megatron-core 0.19.2 "
-            "accepts only 'torch.cuda.*Tensor' parameter types (DistributedOptimizer, distrib_optimizer.py:401) and "
-            "allocates its loss-scale tensors on 'cuda' (MixedPrecisionOptimizer, optimizer.py:690-702); on a CPU "
-            "use AdamW over FP32 masters of the rank's shards (trace_rl.parallel_trainer does)"
+            f"Megatron's optimizers got parameters on {sorted(devices)} and megatron-core is not patched for them "
+            "(they sort parameters by CUDA tensor type, distrib_optimizer.py:401, and allocate on 'cuda', "
+            "optimizer.py:690-702): apply patches/megatron (`make setup`, or "
+            "`python scripts/megatron_patches.py apply`)"
         )
     config = unwrap(chunks[0]).config
     opt_config = OptimizerConfig(

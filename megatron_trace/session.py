@@ -187,6 +187,10 @@ class TraceSession:
         for s in sites:
             s.mark_quantized()
 
+    def in_place_weights(self) -> list[torch.nn.Parameter]:
+        """The parameters `quantize_weights_in_place` writes: each TRACE grouped linear's `weight` (none in `bf16`)."""
+        return [lin.weight for h in self._handles if isinstance(h, GroupedSites) for lin in h.linears]
+
     # ----------------------------------------------------------------- per micro-batch driving
     def begin_microbatch(self, rows: TokenRows, source: RolloutSource | None = None) -> None:
         """Set the token identity (all rows of the micro-batch, `[s, b]` order) and the rollout source of the next

@@ -15,6 +15,9 @@ patch (and verified the same way). Patches are applied exactly (context and line
 
 A new patch starts as a file holding its description and the two header lines `--- a/<path>` / `+++ b/<path>`;
 `regenerate` fills in the hunks. After changing patches, reinstall the pristine wheel before `apply`.
+
+The machinery is generic over a `Stack` (the distribution, its pinned version, the patch directory):
+`scripts/megatron_patches.py` runs it for the megatron-core stack.
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ REPO = Path(__file__).resolve().parent.parent
 PATCH_DIR = REPO / "patches" / "sglang" / f"v{SGLANG_VERSION}"
 UPSTREAM_PREFIX = "python/"  # upstream keeps the package under python/sglang
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A patch stack: the pip distribution it patches, the pinned version and the directory of its patches."""
+
+    dist: str
+    version: str
+    patch_dir: Path
+
+
+SGLANG = Stack("sglang", SGLANG_VERSION, PATCH_DIR)
 
 
 class PatchError(RuntimeError):
@@ -121,18 +136,18 @@ def make_patch(description: str, path: str, old: str, new: str) -> str:
     return description + "".join(lines)
 
 
-def load_patches() -> list[FilePatch]:
-    files = sorted(PATCH_DIR.glob("*.patch"))
+def load_patches(stack: Stack = SGLANG) -> list[FilePatch]:
+    files = sorted(stack.patch_dir.glob("*.patch"))
     if not files:
-        raise PatchError(f"no patches under {PATCH_DIR}")
+        raise PatchError(f"no patches under {stack.patch_dir}")
     return [parse_patch(f.name, f.read_text()) for f in files]
 
 
-def installed_root() -> tuple[Path, dict[str, str]]:
-    """The installed sglang's site directory and its RECORD digests (path -> urlsafe-b64 sha256)."""
-    dist = importlib.metadata.distribution("sglang")
-    if dist.version != SGLANG_VERSION:
-        raise PatchError(f"installed sglang is {dist.version}; these patches are for {SGLANG_VERSION}")
+def installed_root(stack: Stack = SGLANG) -> tuple[Path, dict[str, str]]:
+    """The installed distribution's site directory and its RECORD digests (path -> urlsafe-b64 sha256)."""
+    dist = importlib.metadata.distribution(stack.dist)
+    if dist.version != stack.version:
+        raise PatchError(f"installed {stack.dist} is {dist.version}; these patches are for {stack.version}")
     digests = {}
     for line in (dist.read_text("RECORD") or "").splitlines():
         path, digest, _ = line.rsplit(",", 2)
@@ -145,11 +160,11 @@ def _digest(text: str) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
 
 
-def pristine(patch: FilePatch, root: Path, digests: dict[str, str]) -> tuple[str, str]:
+def pristine(patch: FilePatch, root: Path, digests: dict[str, str], stack: Stack = SGLANG) -> tuple[str, str]:
     """(pristine text, state of the installed file: 'pristine' or 'patched'), verified against RECORD."""
     want = digests.get(patch.package_path)
     if want is None:
-        raise PatchError(f"{patch.package_path} is not in the sglang {SGLANG_VERSION} wheel RECORD")
+        raise PatchError(f"{patch.package_path} is not in the {stack.dist} {stack.version} wheel RECORD")
     current = (root / patch.package_path).read_text()
     if _digest(current) == want:
         return current, "pristine"
@@ -159,27 +174,27 @@ def pristine(patch: FilePatch, root: Path, digests: dict[str, str]) -> tuple[str
         original = None
     if original is None or _digest(original) != want or apply_hunks(patch, original) != current:
         raise PatchError(
-            f"{patch.package_path} is neither the pristine {SGLANG_VERSION} file nor that file with {patch.name}; "
-            "reinstall sglang (pip install --force-reinstall --no-deps sglang==" + SGLANG_VERSION + ")"
+            f"{patch.package_path} is neither the pristine {stack.version} file nor that file with {patch.name}; "
+            f"reinstall {stack.dist} (pip install --force-reinstall --no-deps {stack.dist}=={stack.version})"
         )
     return original, "patched"
 
 
-def cmd_apply() -> int:
-    root, digests = installed_root()
-    for patch in load_patches():
-        original, state = pristine(patch, root, digests)
+def cmd_apply(stack: Stack = SGLANG) -> int:
+    root, digests = installed_root(stack)
+    for patch in load_patches(stack):
+        original, state = pristine(patch, root, digests, stack)
         if state == "pristine":
             (root / patch.package_path).write_text(apply_hunks(patch, original))
         print(f"{patch.name}: {'applied' if state == 'pristine' else 'already applied'} to {patch.package_path}")
     return 0
 
 
-def cmd_check() -> int:
-    root, digests = installed_root()
-    for patch in load_patches():
-        original, state = pristine(patch, root, digests)
-        text = (PATCH_DIR / patch.name).read_text()
+def cmd_check(stack: Stack = SGLANG) -> int:
+    root, digests = installed_root(stack)
+    for patch in load_patches(stack):
+        original, state = pristine(patch, root, digests, stack)
+        text = (stack.patch_dir / patch.name).read_text()
         again = make_patch(patch.description, patch.path, original, apply_hunks(patch, original))
         if again != text:
             raise PatchError(f"{patch.name}: regenerating from the pristine file does not give the same bytes")
@@ -187,10 +202,10 @@ def cmd_check() -> int:
     return 0
 
 
-def cmd_export(tree: Path) -> int:
-    root, digests = installed_root()
-    for patch in load_patches():
-        original, _ = pristine(patch, root, digests)
+def cmd_export(tree: Path, stack: Stack = SGLANG) -> int:
+    root, digests = installed_root(stack)
+    for patch in load_patches(stack):
+        original, _ = pristine(patch, root, digests, stack)
         out = tree / patch.path
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(apply_hunks(patch, original))
@@ -198,18 +213,18 @@ def cmd_export(tree: Path) -> int:
     return 0
 
 
-def cmd_regenerate(tree: Path) -> int:
-    root, digests = installed_root()
-    for patch in load_patches():
-        original, _ = pristine(patch, root, digests)
+def cmd_regenerate(tree: Path, stack: Stack = SGLANG) -> int:
+    root, digests = installed_root(stack)
+    for patch in load_patches(stack):
+        original, _ = pristine(patch, root, digests, stack)
         edited = (tree / patch.path).read_text()
-        (PATCH_DIR / patch.name).write_text(make_patch(patch.description, patch.path, original, edited))
+        (stack.patch_dir / patch.name).write_text(make_patch(patch.description, patch.path, original, edited))
         print(f"{patch.name}: regenerated")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, stack: Stack = SGLANG, doc: str | None = __doc__) -> int:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("apply")
     sub.add_parser("check")
@@ -218,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "apply":
-            return cmd_apply()
+            return cmd_apply(stack)
         if args.cmd == "check":
-            return cmd_check()
+            return cmd_check(stack)
         if args.cmd == "export":
-            return cmd_export(args.tree)
-        return cmd_regenerate(args.tree)
+            return cmd_export(args.tree, stack)
+        return cmd_regenerate(args.tree, stack)
     except PatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -62,22 +62,26 @@ def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int
     q = quantize(x, fmt, **kwargs)
     per_token = mode == "per_token"
     gs = kwargs.get("global_scale")
-    out = torch.full_like(x, float("nan"))
+    # the record alone, into views at odd addresses (byte-wise stores)
     low, scales, token = _strided_record_buffers(t, d, fmt, bits, device, per_token)
-    quantize_fn(x, fmt, bits, gs, per_token, out, low, scales, token)
-    assert torch.equal(out, dequantize(q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}: output differs"
+    quantize_fn(x, fmt, bits, gs, per_token, None, low, scales, token)
     assert torch.equal(low, pack_low_bits(q.codes, bits)), f"{fmt.name} {dtype} {mode} b={bits}: record bits differ"
     assert torch.equal(scales, q.scales), f"{fmt.name} {dtype} {mode}: scale bytes differ"
     if per_token:
         assert torch.equal(token, q.global_scale), f"{fmt.name} {dtype}: token scales differ"
     plain = torch.full_like(x, float("nan"))
     quantize_fn(x, fmt, 0, gs, per_token, plain, None, None, None)
-    assert torch.equal(plain, out), f"{fmt.name} {dtype} {mode}: no-record output differs"
-    # aligned record buffers: the 16-element kernels store a block's record bytes in 2- or 4-byte words there
+    assert torch.equal(plain, dequantize(q, dtype)), f"{fmt.name} {dtype} {mode}: no-record output differs"
+    # output and record into aligned buffers: the 16-element kernels store a block's record bytes in 2- or 4-byte
+    # words there (or wider, `ops.record_store_unit`, `ops.blocks_per_thread`)
+    out = torch.full_like(x, float("nan"))
     low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
-    quantize_fn(x, fmt, bits, gs, per_token, None, low, scales, token)
+    quantize_fn(x, fmt, bits, gs, per_token, out, low, scales, token)
+    assert torch.equal(out, plain), f"{fmt.name} {dtype} {mode} b={bits}: output differs"
     assert torch.equal(low, pack_low_bits(q.codes, bits)), f"{fmt.name} {dtype} {mode} b={bits}: aligned record differs"
     assert torch.equal(scales, q.scales), f"{fmt.name} {dtype} {mode}: aligned-buffer scale bytes differ"
+    if per_token:
+        assert torch.equal(token, q.global_scale), f"{fmt.name} {dtype}: aligned-buffer token scales differ"
 
 
 def check_guided(

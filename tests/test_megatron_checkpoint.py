@@ -7,9 +7,9 @@ one step. Each two-rank layout loads that checkpoint into its shards (under Mega
 of one buffer), gathers parameters, masters and both moments back to full tensors (every one must equal the saved
 one exactly: a checkpoint is a copy, there is no tolerance) and saves its own checkpoint; the single rank loads each
 of those and must get the same state again. A checkpoint of another model, and one whose file was changed, are
-refused. On a GPU machine the same test runs with NCCL and CUDA tensors, and with two more layouts that hold the
-masters and moments in Megatron's distributed optimizer (DP = 2, and EP = 2 with the grouped experts), which must
-load, give back and save the same state.
+refused. Two more layouts hold the masters and moments in Megatron's distributed optimizer (DP = 2, and EP = 2
+with the grouped experts; on the CPU with `patches/megatron`), which must load, give back and save the same state.
+On a GPU machine the same test runs with NCCL and CUDA tensors.
 """
 
 from __future__ import annotations
@@ -31,14 +31,10 @@ LAYOUTS = {
     "pp2": (dict(pp=2), False),
     "pp2_vpp2": (dict(pp=2, vpp=2), False),
 }
-# On GPUs: Megatron's distributed optimizer (each DP rank holds a range of every master and moment) in place of the
-# AdamW over full masters; the dense parameters are split over DP = 2 in both, the experts too in the first.
+# Megatron's distributed optimizer (each DP rank holds a range of every master and moment) in place of the AdamW over
+# full masters; the dense parameters are split over DP = 2 in both, the experts too in the first.
 DISTRIBUTED = {"dp2_distopt": (dict(), False), "ep2_grouped_distopt": (dict(ep=2), True)}
 FIELDS = ("param", "master", "exp_avg", "exp_avg_sq")
-
-
-def _layouts() -> dict:
-    return LAYOUTS | (DISTRIBUTED if torch.cuda.is_available() else {})
 
 
 def _trainer_state(chunks):
@@ -73,7 +69,7 @@ def _worker(work: Path) -> None:
     from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
     cfg = TinyMoEConfig(**CFG_KW)
-    for name, (kw, grouped) in _layouts().items():
+    for name, (kw, grouped) in (LAYOUTS | DISTRIBUTED).items():
         layout = Layout(**kw)
         layout.init()
         chunks = build_chunks(
@@ -142,7 +138,7 @@ def test_a_checkpoint_moves_between_layouts_bit_for_bit(tmp_path):
     proc = subprocess.run([*cmd, __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
-    for name in _layouts():
+    for name in LAYOUTS | DISTRIBUTED:
         _assert_equal(torch.load(tmp_path / f"{name}.pt"), ref)  # one rank -> the layout
         back, p2, _, opt2 = _single(seed=5)
         common = checkpoint.load(tmp_path / name, [back], p2, opt2)

@@ -15,27 +15,12 @@ from megatron_trace.emulate import emulate_rollout
 from megatron_trace.export import export_hf
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
+from tests.rl_small import SMALL_RUN
 from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller, record_spec
 from trace_rl.policy import load_policy
 from trace_rl.trainer import MegatronTrainer, TrainBatch
-
-RUN = dict(
-    mode="trace",
-    steps=2,
-    prompts_per_step=2,
-    group_size=4,
-    max_new_tokens=4,
-    rollout_workers=1,
-    loggers="none",
-    reward=f"{__name__}:varied_reward",
-)
-
-
-def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
-    """Rewards that differ within a group (equal rewards give zero advantages: no update to compare)."""
-    return float(sum(map(ord, response)) % 3)
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +114,35 @@ def test_in_place_trainer_exports_evaluates_and_checkpoints_the_masters(model_di
         assert torch.equal(p, quantized[n]), n
 
 
+def test_in_place_weights_are_verified_against_the_masters(model_dir):
+    """`verify_in_place_weights`: after updates every grouped expert weight is the fake-quantized copy of its master;
+    a parameter written without quantizing, and a master overwritten by the fake-quant (what an optimizer whose
+    masters are views of FP32 parameters would do), are named."""
+    trainer = _trainer(model_dir, "qat")
+    layers = trainer.model.config.num_layers
+    for _ in range(2):
+        _update(trainer)
+        assert trainer.verify_in_place_weights() == 2 * layers
+    trainer._masters_to_params()  # the masters' copy, not quantized
+    with pytest.raises(RuntimeError, match="fc1.weight: the parameter is not the fake-quantized copy of its master"):
+        trainer.verify_in_place_weights()
+    trainer._quantize_in_place()
+    i = next(i for i, p in enumerate(trainer.params) if p is trainer.session.in_place_weights()[0])
+    with torch.no_grad():
+        trainer.master[i].copy_(trainer.params[i])
+    with pytest.raises(RuntimeError, match="fake-quantized"):
+        trainer.verify_in_place_weights()
+    with pytest.raises(ValueError, match="needs expert_weights_in_place"):
+        _trainer(model_dir, "qat", expert_weights_in_place=False).verify_in_place_weights()
+
+
 def test_rl_steps_with_in_place_expert_weights_equal_the_weight_copy(model_dir, tmp_path):
     """Two `trace` RL steps (the embedded rollout, records, R3) with the default trainer (grouped experts, weights in
     place) and with the per-step weight copy: every metric, the policy sent to the rollout and the exported
     checkpoint are the same bit for bit."""
     runs = {}
     for name, in_place in (("in_place", True), ("copy", False)):
-        cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / name), expert_weights_in_place=in_place, **RUN)
+        cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / name), expert_weights_in_place=in_place, **SMALL_RUN)
         with Controller(cfg, resume=False) as ctrl:
             assert ctrl.trainer.cfg.expert_weights_in_place is in_place
             history = [{k: v for k, v in h.items() if not k.startswith("time/")} for h in ctrl.run()]

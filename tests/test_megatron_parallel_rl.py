@@ -4,7 +4,10 @@ stage's sites), the sessions slicing them by KV head and sequence-parallel chunk
 TP = 2 + SP with EP = 2 (alltoall, EP carved out of TP), DP = 2 and PP = 2 (the latter two with gradient
 accumulation over two micro-batches per rank, 1F1B under PP), against the same run on one rank, one micro-batch
 (`trace_rl.trainer.MegatronTrainer`). Summed over the ranks, every site's guided / fallback counters equal the single
-rank's: each row and KV head is guided exactly once.
+rank's: each row and KV head is guided exactly once. The group steps Megatron's distributed optimizer (on the CPU
+with `patches/megatron`), the single rank torch's AdamW; both trainers run the default experts (grouped, weights
+fake-quantized in place), and every rank's expert weights are checked to be the fake-quantized copies of masters the
+fake-quant never wrote (`verify_in_place_weights`), in FP32 (the group's own masters of those weights) and BF16.
 
 Tolerance: the trainer is FP32 (`trainer_dtype`), so the layouts differ from one rank only by the order of FP32 sums
 (TP all-reduces, the vocab-parallel log-softmax, the DP gradient reduction, the per-token loss normalised over the
@@ -30,6 +33,7 @@ from safetensors.torch import load_file
 
 from megatron_trace.parallel import Layout
 from megatron_trace.tiny import TinyMoEConfig
+from tests.rl_small import SMALL_RUN
 from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
@@ -37,29 +41,12 @@ from trace_rl.parallel_trainer import check_layout
 from trace_rl.rundir import remove_checkpoint
 from trace_rl.warmup import PRESETS
 
-RUN = dict(
-    mode="trace",
-    steps=2,
-    prompts_per_step=2,
-    group_size=4,
-    max_new_tokens=4,
-    rollout_workers=1,
-    checkpoint_every=1,
-    trainer_dtype="float32",
-    loggers="none",
-    reward=f"{__name__}:varied_reward",
-)
+RUN = SMALL_RUN | dict(checkpoint_every=1, trainer_dtype="float32")
 LAYOUTS = {
     "tp2_ep2": dict(tp=2, ep=2),
     "dp2_microbatch2": dict(dp=2, train_micro_batch=2),  # two micro-batches per rank
     "pp2_microbatch4": dict(pp=2, train_micro_batch=4),  # 1F1B over two micro-batches
 }
-
-
-def varied_reward(response: str, answer: str | None, metadata: dict) -> float:
-    """A reward that differs between the samples of a group (the barely trained model rarely gets an addition right,
-    and equal rewards give zero advantages: no update to compare)."""
-    return float(sum(map(ord, response)) % 3)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +103,7 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
     with Controller(cfg, resume=False) as ctrl:
         history = ctrl.run()
         weights = ctrl.trainer.hf_weights()
+        assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
     single_history, single_weights, _ = single
     assert len(history) == len(single_history) == RUN["steps"]
     _assert_same_steps(history, single_history)
@@ -149,33 +137,61 @@ def test_a_single_rank_checkpoint_resumes_at_a_layout(model_dir, single, ray_clu
     _assert_same_steps(history[1:], single_history[1:])
 
 
+def _bf16_group_keeps_its_masters(model_dir: str, tmp_path: Path, **layout) -> None:
+    """The production combination: BF16 parameters, Megatron's distributed optimizer with its own FP32 masters, the
+    grouped expert weights fake-quantized in place after every all-gather. After the steps, and after a resume from
+    the step-1 checkpoint, every rank's expert weights are the fake-quantized copies of untouched masters, and the
+    resumed step 2 is the uninterrupted one (BF16 steps are not compared with one rank: the DP reduction rounds
+    differently)."""
+    settings = RUN | dict(trainer_dtype="bfloat16") | layout
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "run"), **settings)
+    with Controller(cfg, resume=False) as ctrl:
+        history = ctrl.run()
+        assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
+    assert all(math.isfinite(h["actor/grad_norm"]) and h["actor/grad_norm"] > 0 for h in history)
+    run = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", run)
+    remove_checkpoint(run / "checkpoint-00000002.pt")
+    with Controller(cfg.replace(out_dir=str(run))) as ctrl:
+        assert ctrl.step == 1
+        resumed = ctrl.run()
+        assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
+    _assert_same_steps(resumed[1:], history[1:])
+
+
+@pytest.mark.slow
+def test_bf16_group_keeps_its_masters_with_in_place_expert_weights(model_dir, ray_cluster, tmp_path):
+    """`_bf16_group_keeps_its_masters` at DP = 2 on CPU ranks."""
+    _bf16_group_keeps_its_masters(model_dir, tmp_path, dp=2)
+
+
+@pytest.mark.gpu
+def test_bf16_group_on_gpus_keeps_its_masters_with_in_place_expert_weights(model_dir, ray_cluster, tmp_path):
+    """`_bf16_group_keeps_its_masters` with NCCL, one GPU per rank (DP = 2 on two GPUs, 1 on one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _bf16_group_keeps_its_masters(model_dir, tmp_path, dp=min(2, torch.cuda.device_count()), device="cuda")
+
+
 @pytest.mark.gpu
 def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir, ray_cluster, tmp_path):
-    """On GPUs the group trainer runs Megatron's distributed optimizer (NCCL, one Ray actor per GPU): DP = 2 on two
-    GPUs (DP = 1 on one: the optimizer's copy-back and all-gather paths without a peer), two micro-batches per
-    step, gives the single-rank trainer's steps (FP32 trainer, the tolerance above), and its distributed checkpoint
-    of step 1 (each rank's ranges of the masters and moments) resumes the group to the same step 2."""
+    """On GPUs (NCCL, one Ray actor per GPU) the group trainer with Megatron's distributed optimizer and the grouped
+    in-place expert weights: DP = 2 on two GPUs (DP = 1 on one: the optimizer's copy-back and all-gather paths
+    without a peer), two micro-batches per step, gives the single-rank trainer's steps (FP32 trainer, the tolerance
+    above; the in-place weights' own FP32 masters), and its distributed checkpoint of step 1 (each rank's ranges of
+    the masters and moments) resumes the group to the same step 2."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dp = min(2, torch.cuda.device_count())
     gpu = RUN | dict(device="cuda")
     with Controller(RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "single"), **gpu), resume=False) as ctrl:
         single_history = ctrl.run()
-    # FP32 parameters are the distributed optimizer's own masters: in-place off (bit-identical to in place on the
-    # single rank's separate masters, tests/test_megatron_grouped_trainer.py)
-    cfg = RLConfig(
-        model_dir=model_dir,
-        out_dir=str(tmp_path / "group"),
-        **gpu,
-        dp=dp,
-        train_micro_batch=2,
-        expert_weights_in_place=False,
-    )
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "group"), **gpu, dp=dp, train_micro_batch=2)
     with Controller(cfg, resume=False) as ctrl:
-        name = f"tp=1 ep=1 pp=1 vpp=None dp={dp} optimizer=distributed"
-        assert ctrl.trainer.group.call("layout_name") == [name] * dp
+        assert ctrl.trainer.group.call("layout_name") == [f"tp=1 ep=1 pp=1 vpp=None dp={dp}"] * dp
         history = ctrl.run()
         weights = ctrl.trainer.hf_weights()
+        assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
     _assert_same_steps(history, single_history)
     run = tmp_path / "resumed"
     shutil.copytree(tmp_path / "group", run)
@@ -189,10 +205,6 @@ def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k
-    with pytest.raises(Exception, match="expert_weights_in_place with Megatron's distributed optimizer"):
-        refused = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "refused"), **gpu, dp=dp)
-        with Controller(refused, resume=False) as ctrl:
-            ctrl.run()
 
 
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):

@@ -7,22 +7,20 @@ store, only the records of its pipeline stage's sites (`MegatronTrainer.prepare`
 slices the KV records to the rank's KV heads and the MoE-input records to the rows of its sequence-parallel chunk,
 checked against the activation at the site. The micro-batch runs through Megatron's schedule
 (`megatron_trace.parallel.forward_backward`: per-token loss over the step and DP, gradients reduced by Megatron's DDP
-and `finalize_model_grads`), then the optimizer step after clipping by the global gradient norm:
+and `finalize_model_grads`), then Megatron's distributed optimizer (`megatron_trace.parallel.make_optimizer`, on
+GPUs and, with `patches/megatron` applied, on CPUs): clipping by the global gradient norm, AdamW on FP32 masters
+(each DP rank keeping its range of every parameter's masters and moments, gradients reduce-scattered by DDP),
+parameters all-gathered after the step. It is the single-rank trainer's update (torch's AdamW, betas 0.9 / 0.999,
+eps 1e-8, no weight decay, clipping coefficient `clip / (norm + 1e-6)`). Checkpoints are Megatron distributed
+checkpoints (`megatron_trace.checkpoint`): any layout, and the single-rank trainer, restore any other's.
 
-- on GPUs Megatron's distributed optimizer (`megatron_trace.parallel.make_optimizer`: AdamW, FP32 masters, each DP
-  rank keeping its range of every parameter's masters and moments, gradients reduce-scattered by DDP, parameters
-  all-gathered after the step);
-- on CPUs (gloo) AdamW on full FP32 masters of the rank's shards, on every DP replica as the single-rank trainer
-  does: megatron-core 0.19.2's optimizers refuse non-CUDA parameters (`make_optimizer` says where).
-
-Both are the same AdamW update (torch's, betas 0.9 / 0.999, eps 1e-8, no weight decay, clipping coefficient
-`clip / (norm + 1e-6)`). Checkpoints are Megatron distributed checkpoints (`megatron_trace.checkpoint`): any layout
-and either optimizer restore any other's.
+With `expert_weights_in_place` the grouped expert weights are fake-quantized in place after every all-gather of
+the updated parameters. The masters must stay the unquantized weights: for BF16 parameters they are the
+optimizer's own FP32 copies; for FP32 parameters Megatron's masters are views of the parameters, so the in-place
+expert weights get FP32 masters of their own (`RankTrainer._separate_fp32_masters`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -68,10 +66,9 @@ def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
 
 
 class RankTrainer(MegatronTrainer):
-    """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and the
-    optimizer (Megatron's distributed optimizer on CUDA, AdamW on FP32 masters of its shards on a CPU). A step's
-    trajectories of this DP rank run as micro-batches of `micro_batch` trajectories (0: one micro-batch), gradients
-    accumulated through Megatron's schedule. Construct it in every rank of a torch.distributed launch (torchrun or a
+    """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and
+    Megatron's distributed optimizer. A step's trajectories of this DP rank run as micro-batches of `micro_batch`
+    trajectories (0: one micro-batch), gradients accumulated through Megatron's schedule. Construct it in every rank of a torch.distributed launch (torchrun or a
     `TrainerGroup`); every method is collective."""
 
     def __init__(
@@ -111,8 +108,7 @@ class RankTrainer(MegatronTrainer):
             load_full_state(c, state)
             self.sessions.append(TraceSession(c, self.cfg))
         self.sites = {site for s in self.sessions for site in s.numerics.stats}
-        self.distributed_optimizer = next(chunks[0].parameters()).is_cuda
-        self.chunks = wrap_ddp(chunks, distributed_optimizer=self.distributed_optimizer)
+        self.chunks = wrap_ddp(chunks)
         self._init_optimizer([p for c in self.chunks for p in c.parameters()], lr, max_version_diff, clip_grad)
         self.moe_layers = list(range(tiny.layers))  # the rollout records routes of every MoE layer
 
@@ -120,28 +116,38 @@ class RankTrainer(MegatronTrainer):
         return self.sessions
 
     def _init_optimizer(self, params: list, lr: float, max_version_diff: int, clip_grad: float) -> None:
-        """Megatron's distributed optimizer over the DDP chunks on CUDA; AdamW on FP32 masters otherwise."""
-        if not self.distributed_optimizer:
-            return super()._init_optimizer(params, lr, max_version_diff, clip_grad)
+        """Megatron's distributed optimizer over the DDP chunks (it holds its own FP32 ranges of the masters)."""
         self.params = [p for p in params if p.requires_grad]
-        if self.cfg.expert_weights_in_place and any(p.dtype == torch.float32 for p in self.params):
-            raise ValueError(
-                "expert_weights_in_place with Megatron's distributed optimizer needs a BF16/FP16 trainer: with FP32 "
-                "parameters the optimizer's masters are views of the parameters, and the in-place fake-quant would "
-                "overwrite them (set expert_weights_in_place=false or trainer_dtype='bfloat16')"
-            )
         self.device = self.params[0].device
-        self.master = []  # the distributed optimizer holds its own FP32 ranges of the masters
+        self.master = []
         self.opt = make_optimizer(self.chunks, lr=lr, clip_grad=clip_grad)
         self.max_version_diff, self.clip_grad = max_version_diff, clip_grad
         self.version = 0
+        self._separate_fp32_masters()
         self._quantize_in_place()  # after make_optimizer: its FP32 masters are made from the parameters
 
+    def _separate_fp32_masters(self) -> None:
+        """Megatron's distributed optimizer steps FP32 parameters in place: its masters of them
+        (`shard_fp32_groups`) are views of the parameters, which the in-place fake-quant would overwrite. Each
+        in-place expert weight's range gets an FP32 master of its own instead (with the view's attributes, which
+        clipping reads), in the optimizer's group and shard lists alike; the optimizer then copies it into the
+        parameters as it copies the masters of BF16 parameters (`_copy_main_params_to_model_params`)."""
+        weights = {id(w) for s in self.sessions for w in s.in_place_weights()}
+        for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+            for group, models, shards in zip(
+                o.optimizer.param_groups, o.model_fp32_groups, o.shard_fp32_groups, strict=True
+            ):
+                for i, (p, view) in enumerate(zip(models, shards, strict=True)):
+                    if id(p) not in weights:
+                        continue
+                    own = view.detach().clone().requires_grad_(view.requires_grad)
+                    own.__dict__.update(view.__dict__)
+                    shards[i] = own
+                    (k,) = [k for k, t in enumerate(group["params"]) if t is view]
+                    group["params"][k] = own
+
     def _masters_to_params(self) -> None:
-        """With the distributed optimizer: each rank copies its FP32 ranges into the parameters and the DP ranks
-        all-gather them (collective)."""
-        if not self.distributed_optimizer:
-            return super()._masters_to_params()
+        """Each rank copies its FP32 ranges into the parameters and the DP ranks all-gather them (collective)."""
         for o in getattr(self.opt, "chained_optimizers", [self.opt]):
             o._copy_main_params_to_model_params()
         for c in self.chunks:
@@ -154,35 +160,11 @@ class RankTrainer(MegatronTrainer):
     def layout_name(self) -> str:
         from megatron.core import parallel_state as ps
 
-        lay, opt = self.layout, "distributed" if self.distributed_optimizer else "adamw-replicated"
-        return (
-            f"tp={lay.tp} ep={lay.ep} pp={lay.pp} vpp={lay.vpp} dp={ps.get_data_parallel_world_size()} optimizer={opt}"
-        )
+        lay = self.layout
+        return f"tp={lay.tp} ep={lay.ep} pp={lay.pp} vpp={lay.vpp} dp={ps.get_data_parallel_world_size()}"
 
     def evaluate(self, *args, **kwargs):
         raise NotImplementedError("evaluate() runs on the single-rank trainer only (tp = ep = pp = dp = 1)")
-
-    def _copies(self, p: torch.nn.Parameter) -> int:
-        """Ranks that hold the same shard of `p` with the same gradient (it is counted once in the norm)."""
-        from megatron.core import parallel_state as ps
-
-        if not getattr(p, "allreduce", True):  # an expert (expert tensor parallelism is 1)
-            return ps.get_expert_data_parallel_world_size()
-        split = getattr(p, "tensor_model_parallel", False)
-        return ps.get_data_parallel_world_size() * (1 if split else ps.get_tensor_model_parallel_world_size())
-
-    def _clip_gradients(self) -> float:
-        """Set the masters' gradients from the reduced `main_grad`s, clipped as `clip_grad_norm_` clips on one
-        rank (coefficient `clip / (norm + 1e-6)`, at most 1) by the norm over the whole model. Returns the norm."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params:
-            sq += p.main_grad.double().square().sum() / self._copies(p)
-        torch.distributed.all_reduce(sq)
-        norm = math.sqrt(float(sq))
-        coef = min(1.0, self.clip_grad / (norm + 1e-6))
-        for p, m in zip(self.params, self.master, strict=True):
-            m.grad = p.main_grad.float() * coef
-        return norm
 
     def step(
         self, trajs: list[Trajectory], rewards: torch.Tensor, group_size: int, store: str, step: int, version: int
@@ -218,15 +200,11 @@ class RankTrainer(MegatronTrainer):
         reports = forward_backward(self.chunks, items, loss_terms)
         for s in self.sessions:
             s.check_routes()  # refuse the update if a bad route was replayed as placeholders
-        if self.distributed_optimizer:
-            ok, norm, _ = self.opt.step()  # clips by the global norm, steps its ranges, all-gathers the parameters
-            self.opt.zero_grad()
-            self._quantize_in_place()
-            if not ok:
-                raise RuntimeError(f"Megatron's optimizer skipped step {step} (non-finite gradients, norm {norm})")
-        else:
-            norm = self._clip_gradients()
-            self._update()
+        ok, norm, _ = self.opt.step()  # clips by the global norm, steps its ranges, all-gathers the parameters
+        self.opt.zero_grad()
+        self._quantize_in_place()
+        if not ok:
+            raise RuntimeError(f"Megatron's optimizer skipped step {step} (non-finite gradients, norm {norm})")
         sites: list[dict[str, float]] = []  # counters of each chunk's session (summed over all in `_combine`)
         for s in self.sessions:
             raw = {

@@ -29,6 +29,7 @@ from megatron_trace.loss import grpo_advantages, grpo_loss, mismatch_metrics, to
 from megatron_trace.parallel import gather_full_state, load_full_state
 from megatron_trace.rows import MicroBatch, pack_microbatch
 from megatron_trace.session import Tap, TraceSession
+from megatron_trace.sites import expert_weight_fake_quant
 from megatron_trace.source import TensorRolloutSource, source_from_store
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import Binding, RecordSpec, token_digest
@@ -121,6 +122,26 @@ class MegatronTrainer:
         if self.cfg.expert_weights_in_place:
             for s in self.training_sessions():
                 s.quantize_weights_in_place()
+
+    def verify_in_place_weights(self) -> int:
+        """With `expert_weights_in_place`: check that every grouped expert weight holds the fake-quantized copy of
+        its FP32 master (in the parameters' dtype) and that the master is not itself that copy (a master the
+        fake-quant overwrote, as an optimizer whose masters are views of FP32 parameters would let it). Collective:
+        the distributed optimizer's masters are assembled over DP. Returns the number of weights checked; a
+        RuntimeError names the first that fails."""
+        if not self.cfg.expert_weights_in_place:
+            raise ValueError("verify_in_place_weights needs expert_weights_in_place")
+        master, _, _ = checkpoint.adam_state(self.params, self.opt)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        names = {id(p): n for c in self.chunks for n, p in c.named_parameters()}
+        weights = [w for s in self.training_sessions() for w in s.in_place_weights()]
+        for w in weights:
+            copy = master[index[id(w)]].to(w.dtype)
+            if not torch.equal(expert_weight_fake_quant(copy, self.cfg.role("weights")), w.detach()):
+                raise RuntimeError(f"{names[id(w)]}: the parameter is not the fake-quantized copy of its master")
+            if torch.equal(copy, w.detach()):
+                raise RuntimeError(f"{names[id(w)]}: the FP32 master holds the fake-quantized weight (overwritten)")
+        return len(weights)
 
     @contextmanager
     def _master_weights(self) -> Iterator[None]:

@@ -1,0 +1,159 @@
+"""What README.md and docs/*.md say that the repository determines, checked against it: docs/rl.md's configuration
+table (every `RLConfig` field with its default, nothing else), docs/records.md's capture-memory example, and that
+every test, measurement file and repository file the pages name exists, every link between the pages resolves,
+and the record-store sizing rule of docs/deploy.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from trace_core.capture import RecordCapturer
+from trace_core.formats import get_format
+from trace_core.quant import quantize
+from trace_core.records import ModelShape, Record, RecordSpec, bytes_per_token
+from trace_core.store import StepWriter, TrajectoryRecords, read_header, site_layout
+from trace_rl.config import RLConfig
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+RL_DOC = DOCS / "rl.md"
+
+
+def documented_defaults() -> dict[str, str]:
+    """Field -> default as written in the table under "## Configuration" (a row may name several fields, with one
+    default for all or one each, separated by `,` or `/`)."""
+    section = RL_DOC.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        fields = re.findall(r"`(\w+)`", cells[0])
+        defaults = [d.strip() for d in re.split(r",|\s/\s", cells[1])]
+        if len(defaults) == 1:
+            defaults *= len(fields)
+        assert len(defaults) == len(fields), f"row {line!r}: {len(fields)} fields, {len(defaults)} defaults"
+        out.update(zip(fields, defaults, strict=True))
+    return out
+
+
+def as_written(value: object) -> str:
+    """A default as the table writes it: strings in backticks (`""` for empty), booleans lower case."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"`{value}`" if value else '`""`'
+    return str(value)
+
+
+def test_the_config_table_gives_every_field_and_its_default():
+    documented = documented_defaults()
+    fields = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+    assert sorted(set(fields) - set(documented)) == [], "fields missing from docs/rl.md"
+    assert sorted(set(documented) - set(fields)) == [], "docs/rl.md names fields RLConfig does not have"
+    for name, default in fields.items():
+        written = documented[name]
+        if isinstance(default, float) and not isinstance(default, bool):
+            assert float(written) == default, (name, written, default)
+        else:
+            assert written == as_written(default), (name, written, default)
+
+
+def test_the_capture_memory_example_of_the_records_page():
+    """24 captured MoE layers of width 2048 at b = 1 and routes of 48 layers x top-8: the row size docs/records.md
+    quotes (records, routes, the written byte, rounded up to 4)."""
+    spec = RecordSpec.default(moe_layers=tuple(range(24, 48)), attn_layers=())
+    shape = ModelShape(hidden=2048, num_kv_heads=4, head_dim=128)
+    row_bytes = RecordCapturer(spec, shape, max_tokens=1, num_slots=1, routes=(48, 8)).row.row_bytes
+    assert row_bytes == 10_852
+    assert f"is {row_bytes:,} bytes per token" in (DOCS / "records.md").read_text()
+
+
+def _expand(path: str) -> list[str]:
+    """`a.{txt,json}` -> `a.txt`, `a.json` (one brace group at most, as the docs write them)."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if m is None:
+        return [path]
+    return [path[: m.start()] + alt + path[m.end() :] for alt in m.group(1).split(",")]
+
+
+def _doc_pages() -> list[Path]:
+    return [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_every_test_the_docs_name_exists():
+    """`test_file.py::test_name` in README.md and docs/*.md names a test function of that file in tests/."""
+    missing = []
+    for page in _doc_pages():
+        for file, name in set(re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text())):
+            source = DOCS.parent / "tests" / file
+            if not source.exists() or not re.search(rf"def {name}\(", source.read_text()):
+                missing.append(f"{page.name}: {file}::{name}")
+    assert missing == []
+
+
+def test_every_measurement_and_result_file_the_docs_name_exists():
+    """Paths under docs/measurements/ and docs/results/ quoted in README.md and docs/*.md exist."""
+    missing = []
+    for page in _doc_pages():
+        for path in set(re.findall(r"docs/(?:measurements|results)/[\w./{},-]*[\w}/]", page.read_text())):
+            missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
+    assert missing == []
+
+
+def test_every_repository_file_the_docs_name_exists():
+    """Files of the repository (a path with a suffix under one of its top-level directories) named in README.md and
+    docs/*.md exist: scripts, benches, configs, tests, modules, patches."""
+    tops = "tests|bench|scripts|configs|trace_core|trace_rl|megatron_trace|sglang_trace|patches|docker"
+    suffixes = "py|sh|toml|yaml|json|jsonl|md|txt|patch|png|csv"
+    missing = []
+    for page in _doc_pages():
+        for path in set(re.findall(rf"(?<![\w/.])(?:{tops})/[\w./{{}},-]*\.(?:{suffixes})\b", page.read_text())):
+            missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
+    assert missing == []
+
+
+def test_a_shard_holds_bytes_per_token_of_records_plus_the_routes(tmp_path):
+    """docs/deploy.md sizes the record volume as `bytes_per_token(shape, spec).total` plus 4 bytes per routed expert
+    per token: the raw (uncompressed) bytes of a shard written by the store are exactly that, for the default spec
+    and the latter half, NVFP4 per-token MoE inputs and kv_fp4 K / V."""
+    shape = ModelShape(hidden=64, num_kv_heads=2, head_dim=16)
+    layers, topk, tokens = 4, 2, 7
+    gen = torch.Generator().manual_seed(0)
+    for make in (RecordSpec.default, RecordSpec.latter_half):
+        spec = make(moe_layers=tuple(range(layers)), attn_layers=tuple(range(layers)), bits=1)
+        records = {}
+        for site, (fmt, bits, n) in site_layout(spec, shape).items():
+            per_token = {"per_token": True} if get_format(fmt).has_global_scale else {}
+            q = quantize(torch.randn(tokens, n, generator=gen), fmt, **per_token)
+            records[site] = Record.from_quantized(q, bits)
+        routes = torch.randint(0, 8, (tokens, layers, topk), generator=gen, dtype=torch.int32)
+        path = StepWriter(tmp_path / make.__name__, 0).write({"t": TrajectoryRecords(tokens, records, routes)})
+        entry = read_header(path)["trajectories"]["t"]
+        raw = sum(f["raw"] for site in entry["sites"].values() for f in site["fields"].values())
+        raw += entry["routes"]["raw"]
+        assert raw == tokens * (bytes_per_token(shape, spec).total + 4 * layers * topk)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves():
+    """`[text](page.md)` and `[text](page.md#anchor)` links in README.md and docs/*.md name an existing page and,
+    with an anchor, one of its headings (code blocks excluded)."""
+    headings = {}
+    for page in _doc_pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        headings[page.resolve()] = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    broken = []
+    for page in _doc_pages():
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?(?:#([\w-]+))?\)", page.read_text()):
+            resolved = (page.parent / target).resolve() if target else page.resolve()
+            if resolved not in headings or (anchor and anchor not in headings[resolved]):
+                broken.append(f"{page.name} -> {target}#{anchor}")
+    assert broken == []
