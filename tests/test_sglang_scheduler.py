@@ -232,16 +232,21 @@ def check_finished(sched: CpuScheduler, rids: list[str]) -> dict[str, tuple]:
     return outputs
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_prefix_sharing_chunked_prefill_and_abort_through_sglangs_scheduler(rollout, tmp_path, overlap):  # noqa: F811
-    sched = scheduler(rollout, tmp_path, kv_slots=24, chunked_prefill_size=4, disable_overlap_schedule=not overlap)
-    assert sched.enable_overlap == overlap
-    assert type(sched.tree_cache).__name__ == "RadixCache" and sched.chunked_prefill_size == 4
+def run_four_requests(sched: CpuScheduler) -> None:
+    """A and B, then (A's prompt cached, A running) C, whose prompt starts with A's and needs two more chunks, and D."""
     sched.process_input_requests([request("A", [11, 12, 13, 14], 3), request("B", [21, 22, 23], 1)])
     sched.step(), sched.step()  # A's prompt fills the first chunk; B's next (overlap: A's result processed)
     long_prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # A's prompt, then 6 more tokens: 2 chunks
     sched.process_input_requests([request("C", long_prompt, 2), request("D", [31, 32], 5)])
     sched.run_until_idle()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_prefix_sharing_chunked_prefill_and_abort_through_sglangs_scheduler(rollout, tmp_path, overlap):  # noqa: F811
+    sched = scheduler(rollout, tmp_path, kv_slots=24, chunked_prefill_size=4, disable_overlap_schedule=not overlap)
+    assert sched.enable_overlap == overlap
+    assert type(sched.tree_cache).__name__ == "RadixCache" and sched.chunked_prefill_size == 4
+    run_four_requests(sched)
     sched.process_input_requests([AbortReq(rid="D")])  # D finished already: nothing to abort
     sched.process_input_requests([request("E", [41, 42, 43], 6)])
     sched.step(), sched.step()  # E's prefill, one decode step
@@ -269,3 +274,26 @@ def test_retraction_under_kv_pressure_through_sglangs_scheduler(rollout, tmp_pat
     outputs = check_finished(sched, ["P", "Q", "R"])
     assert max(retracted for _, _, retracted in outputs.values()) >= 1
     assert rollout.capturer.stats.write_failures == 0
+
+
+@pytest.mark.parametrize(
+    ("overlap", "settings"),
+    [
+        (False, dict(disable_radix_cache=True)),
+        (False, dict(enable_mixed_chunk=True)),
+        (True, dict(enable_mixed_chunk=True)),
+    ],
+    ids=["chunk-cache", "mixed-chunk", "mixed-chunk-overlap"],
+)
+def test_cache_and_batch_modes_through_sglangs_scheduler(rollout, tmp_path, overlap, settings):  # noqa: F811
+    """`--disable-radix-cache` (SGLang's ChunkCache: no prefix sharing) and `--enable-mixed-chunk` (decode rows of
+    running requests in a prefill chunk's forward), with the normal and the overlap loop."""
+    settings = dict(chunked_prefill_size=4, disable_overlap_schedule=not overlap, **settings)
+    sched = scheduler(rollout, tmp_path, kv_slots=24, **settings)
+    run_four_requests(sched)
+    check_finished(sched, ["A", "B", "C", "D"])
+    if settings.get("disable_radix_cache"):
+        assert type(sched.tree_cache).__name__ == "ChunkCache"
+    else:
+        assert any(mode.is_mixed() for mode, _ in sched.launched)
+    assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.shards_written == 4
