@@ -13,9 +13,11 @@ same run.
      replay, as SGLang calls it after the forward). On CUDA each variant is also profiled once: kernels per
      forward and, per kernel name, the calls and device time capture adds (`added_by_capture`). `--tp-size N`:
      what TP rank 0 of N runs (its share of the MoE layers' records, markers and routes; the expert GEMM 1 / N);
-  2. the finish transfer: bytes/s of one gather of a finished request's rows out of the device record store (its
-     slots scattered over the store) copied into a span of the pinned host ring, against a plain pinned `copy_`
-     of the same number of contiguous bytes;
+  2. part `copy`: the store's per-forward `index_copy_` and the finish `index_select` of a prefill's rows through
+     a byte view against the 8-byte word view the capturer uses;
+     part `transfer`, the finish transfer: bytes/s of one gather of a finished request's rows out of the device
+     record store (its slots scattered over the store) copied into a span of the pinned host ring, against a plain
+     pinned `copy_` of the same number of contiguous bytes;
   3. record store write / read MB/s against writing / reading the same raw bytes as plain files (both fsynced;
      reads hit the page cache); zstandard compression ratio per field (b = 1 bits, scale bytes, token scales,
      routes) on synthetic activations with outlier channels.
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from trace_core.capture import RecordCapturer, shard_layers
+from trace_core.capture import WORD, RecordCapturer, shard_layers
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.host_ring import HostRing
 from trace_core.quant import quantize
@@ -270,6 +272,35 @@ def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
     return {"tokens": tokens, "forward_ms": b * 1e3, "fc2_qdq_ms": q * 1e3, "fc2_qdq_pct": 100 * q / b}
 
 
+def bench_copy(args, device: torch.device, tokens: int) -> dict:
+    """The store's per-forward copy (`index_copy_` of the staging rows into the slot-keyed store) and the finish
+    gather (`index_select`) of `tokens` record rows, through a byte view (what the capturer copied before it moved
+    words) against the 8-byte word view `RecordCapturer` uses, in one run."""
+    spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
+    shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
+    cap = RecordCapturer(
+        spec, shape, max_tokens=tokens, num_slots=4 * tokens + 1, routes=(args.layers, args.topk), device=device
+    )
+    slots = (torch.randperm(4 * tokens)[:tokens] + 1).to(device)
+    views = {"bytes": (cap.staging, cap.store), "words": (cap.staging.view(WORD), cap.store.view(WORD))}
+    out: dict = {"tokens": tokens, "bytes": tokens * cap.row.row_bytes}
+    for name, (staging, store) in views.items():
+
+        def copy(staging=staging, store=store) -> None:
+            store.index_copy_(0, slots, staging)
+
+        def gather(store=store) -> None:
+            store.index_select(0, slots)
+
+        out[f"index_copy_ms_{name}"] = 1e3 * statistics.median(
+            mean_time(copy, args.iters, device) for _ in range(args.repeats)
+        )
+        out[f"index_select_ms_{name}"] = 1e3 * statistics.median(
+            mean_time(gather, args.iters, device) for _ in range(args.repeats)
+        )
+    return out
+
+
 def bench_transfer(args, device: torch.device, tokens: int) -> dict:
     spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
@@ -381,6 +412,13 @@ def table(result: dict) -> str:
             f"| FC2-input fake-quant, {name} ({r['tokens']} tokens, every MoE layer) | {r['fc2_qdq_ms']:.3f} ms | "
             f"{r['forward_ms']:.3f} ms forward | {r['fc2_qdq_pct']:.2f} % |"
         )
+    if c := result.get("copy"):
+        for op in ("index_copy", "index_select"):
+            words, raw = c[f"{op}_ms_words"], c[f"{op}_ms_bytes"]
+            rows.append(
+                f"| store {op} of {c['tokens']} rows ({c['bytes'] / 1e6:.1f} MB), 8-byte words | {words:.3f} ms | "
+                f"{raw:.3f} ms as bytes | {words / raw:.2f} |"
+            )
     if d := result.get("transfer"):
         rows.append(
             f"| finish transfer of a {d['tokens']}-token request ({d['bytes'] / 1e6:.1f} MB: store gather + copy "
@@ -424,14 +462,14 @@ def main() -> None:
     p.add_argument(
         "--parts",
         default="overhead,fc2,transfer,store",
-        help="comma-separated subset of overhead,graph (decode under a CUDA graph; GPU),fc2,transfer,store",
+        help="comma-separated subset of overhead,graph (decode under a CUDA graph; GPU),copy,fc2,transfer,store",
     )
     p.add_argument("--trajectories", type=int, help="store part: trajectories written (default 16; small: 4)")
     p.add_argument("--traj-tokens", type=int, help="store part: tokens per trajectory (default 4096; small: 256)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"overhead", "graph", "fc2", "transfer", "store"}:
-        raise ValueError(f"--parts must name overhead, graph, fc2, transfer and/or store, got {args.parts!r}")
+    if not parts <= {"overhead", "graph", "copy", "fc2", "transfer", "store"}:
+        raise ValueError(f"--parts must name overhead, graph, copy, fc2, transfer and/or store, got {args.parts!r}")
     if "graph" in parts and args.device == "cpu":
         raise ValueError("--parts graph captures CUDA graphs: it needs --device cuda")
     big = dict(hidden=2048, layers=48, experts=128, topk=8, moe_inter=768, decode=64, prefill=8192)
@@ -463,6 +501,9 @@ def main() -> None:
             "decode": bench_overhead(args, device, args.decode, decode=True),
             "prefill": bench_overhead(args, device, args.prefill, decode=False),
         }
+        done()
+    if "copy" in parts:
+        result["copy"] = bench_copy(args, device, args.prefill)
         done()
     if "fc2" in parts:
         result["fc2"] = {

@@ -199,3 +199,19 @@ def test_model_load_refuses_a_built_layer_whose_expert_path_is_not_hooked(emulat
     setattr(model.mlp if where == "layer" else model.mlp.quant_method, flag, True)
     with pytest.raises(ValueError, match=f"MoE layer mlp runs .*{message}"):
         hooks.check_moe_layers(model, "emulate")
+
+
+def test_model_load_refuses_native_routing_inside_flashinfer_trtllm(emulate_args):
+    """native: a built layer whose runner is flashinfer_trtllm routes inside the kernel (routes never reach the
+    capturer), so the model-load check refuses it; flashinfer_cutlass (standard top-k) passes."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    model = torch.nn.Module()
+    model.mlp = make_layer()
+    model.mlp.quant_method.runner = SimpleNamespace(runner_backend=MoeRunnerBackend.FLASHINFER_CUTLASS)
+    assert hooks.check_moe_layers(model, "native") == 1
+    model.mlp.quant_method.runner = SimpleNamespace(runner_backend=MoeRunnerBackend.FLASHINFER_TRTLLM)
+    with pytest.raises(ValueError, match="MoE layer mlp routes inside flashinfer_trtllm"):
+        hooks.check_moe_layers(model, "native")
