@@ -48,7 +48,7 @@ clean:
 
 # Container image (docker/Dockerfile, docs/deploy.md), tagged $(IMAGE):<project version>. `docker` needs a Docker
 # engine and runs the static checks first; `docker-check` needs none (CI): static checks, then the Dockerfile's patch
-# step on the pinned sglang wheel.
+# step on the pinned sglang and megatron-core wheels.
 IMAGE ?= trace-rl
 IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 .PHONY: docker docker-check

@@ -10,7 +10,9 @@ same run.
      upper bound): no fake-quant in either forward, the record copied into staging by `stage` (three copies).
      Part `graph`: the decode forward captured once in a CUDA graph per variant and replayed, as SGLang's
      cuda-graph runner does (the hooks' writes run inside the graph; `on_forward_end` runs eagerly after the
-     replay, as SGLang calls it after the forward);
+     replay, as SGLang calls it after the forward). On CUDA each variant is also profiled once: kernels per
+     forward and, per kernel name, the calls and device time capture adds (`added_by_capture`). `--tp-size N`:
+     what TP rank 0 of N runs (its share of the MoE layers' records, markers and routes; the expert GEMM 1 / N);
   2. the finish transfer: bytes/s of one gather of a finished request's rows out of the device record store (its
      slots scattered over the store) copied into a span of the pinned host ring, against a plain pinned `copy_`
      of the same number of contiguous bytes;
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from trace_core.capture import RecordCapturer
+from trace_core.capture import RecordCapturer, shard_layers
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.host_ring import HostRing
 from trace_core.quant import quantize
@@ -79,10 +81,11 @@ def records_for(spec: RecordSpec, hidden: int, rows: int, seed: int, device: tor
 
 class SimulatedForward:
     """Per layer `x += (x @ W)[:, :hidden]`, W sized so a layer moves the bytes (decode) or does the FLOPs
-    (prefill) of a routed-expert layer: experts * 3 * moe_inter columns at decode, topk * 3 * moe_inter at prefill."""
+    (prefill) of a routed-expert layer on one MoE-TP rank: experts * 3 * moe_inter / tp columns at decode,
+    topk * 3 * moe_inter / tp at prefill."""
 
     def __init__(self, args, tokens: int, decode: bool, device: torch.device, dtype: torch.dtype) -> None:
-        cols = (args.experts if decode else args.topk) * 3 * args.moe_inter
+        cols = (args.experts if decode else args.topk) * 3 * args.moe_inter // args.tp_size  # this TP rank's share
         self.w = torch.randn(args.hidden, cols, device=device, dtype=dtype) * 0.01
         self.x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
         self.layers, self.hidden = args.layers, args.hidden
@@ -101,8 +104,14 @@ def recorded_layers(args) -> tuple[int, ...]:
     return tuple(range(0 if args.record_layers == "all" else args.layers // 2, args.layers))
 
 
-def kernels_per_forward(fn, device: torch.device) -> int | str | None:
-    """GPU kernels (and memsets / copies) one call of `fn` runs, counted with the profiler; None off CUDA."""
+def rank_layers(args) -> tuple[int, ...]:
+    """The MoE layers TP rank 0 keeps in its record store (records, hook markers, routes; `--tp-size`)."""
+    return shard_layers(range(args.layers), recorded_layers(args), args.tp_size)[0]
+
+
+def kernel_profile(fn, device: torch.device) -> dict | str | None:
+    """GPU kernels (and memsets / copies) one call of `fn` runs, by name: `{name: [calls, device µs]}`, counted with
+    the profiler; None off CUDA."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -112,9 +121,33 @@ def kernels_per_forward(fn, device: torch.device) -> int | str | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             sync(device)
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception as e:  # the count is a side figure: report why it is missing, keep the timings
-        return f"not counted ({type(e).__name__}: {e})"
+        out: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                entry = out.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.time_range.elapsed_us()
+        return out
+    except Exception as e:  # the profile is a side figure: report why it is missing, keep the timings
+        return f"not profiled ({type(e).__name__}: {e})"
+
+
+def profile_diff(plain: dict | str | None, captured: dict | str | None) -> dict:
+    """Kernel count of each variant and what capture adds per kernel name (calls, device µs), largest first."""
+    if not isinstance(plain, dict) or not isinstance(captured, dict):
+        return {"kernels_forward": plain, "kernels_captured": captured}
+    added = {}
+    for name, (calls, us) in captured.items():
+        base_calls, base_us = plain.get(name, (0, 0.0))
+        if calls != base_calls or abs(us - base_us) > 1.0:
+            added[name] = [calls - base_calls, round(us - base_us, 1)]
+    return {
+        "kernels_forward": sum(c for c, _ in plain.values()),
+        "kernels_captured": sum(c for c, _ in captured.values()),
+        "kernel_us_forward": round(sum(us for _, us in plain.values()), 1),
+        "kernel_us_captured": round(sum(us for _, us in captured.values()), 1),
+        "added_by_capture": dict(sorted(added.items(), key=lambda kv: -abs(kv[1][1]))),
+    }
 
 
 def graphed(body, after, device: torch.device):
@@ -135,16 +168,18 @@ def graphed(body, after, device: torch.device):
 
 def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    spec = RecordSpec.of_recipe(None, recorded_layers(args), (), args.bits)
+    mine = rank_layers(args)  # every layer at --tp-size 1
+    spec = RecordSpec.of_recipe(None, tuple(layer for layer in recorded_layers(args) if layer in mine), (), args.bits)
     shape = ModelShape(hidden=args.hidden, num_kv_heads=1, head_dim=16)
+    index = {layer: i for i, layer in enumerate(mine)}
     cap = RecordCapturer(
         spec,
         shape,
         max_tokens=max(tokens, args.prefill),  # SGLang sizes staging for the largest prefill chunk
         num_slots=4 * tokens + 1,
-        routes=(args.layers, args.topk),
+        routes=(len(mine), args.topk),
         device=device,
-        marks=args.layers,  # sglang_trace: one FusedMoE-hook marker per MoE layer (routes are their own)
+        marks=len(mine),  # sglang_trace: one FusedMoE-hook marker per MoE layer (routes are their own)
         versioned=True,
     )
     ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
@@ -160,12 +195,14 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         site = (layer, "moe_in")
         return rollout_rtn(role, x, args.bits, cap.staging_rows(site, tokens) if site in cap.layouts else None)
 
-    def on_layer(layer: int) -> None:
-        cap.stage_routes(layer, ids)
+    def on_layer(layer: int) -> None:  # the route capture and the FusedMoE hook marker, on the rank keeping them
+        if layer not in index:
+            return
+        cap.stage_routes(index[layer], ids)
         rec = recs.get((layer, "moe_in"))
         if rec is not None:
             cap.stage((layer, "moe_in"), rec.low_bits, rec.scales, rec.global_scale)
-        cap.mark(layer, tokens)
+        cap.mark(index[layer], tokens)
 
     kernel = args.record == "kernel"
 
@@ -203,13 +240,13 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         "tokens": tokens,
         "record": args.record,
         "cuda_graph": graph,
+        "tp_size": args.tp_size,
         "recorded_layers": len(spec.moe_layers),
         "forward_ms": b * 1e3,
         "captured_ms": c * 1e3,
         "overhead_pct": 100 * (c - b) / b,
         "bytes_per_forward": tokens * cap.row.row_bytes,
-        "kernels_forward": kernels_per_forward(plain, device),
-        "kernels_captured": kernels_per_forward(captured, device),
+        **profile_diff(kernel_profile(plain, device), kernel_profile(captured, device)),
     }
 
 
@@ -332,6 +369,7 @@ def table(result: dict) -> str:
     rows = ["| measurement | value | baseline (same run) | ratio |", "|---|---|---|---|"]
     for name, r in [*result.get("overhead", {}).items(), *result.get("graph", {}).items()]:
         name += ", CUDA graph" if r["cuda_graph"] else ""
+        name += f", TP rank 0 of {r['tp_size']}" if r["tp_size"] > 1 else ""
         rows.append(
             f"| capture, {name}, record by {r['record']}, {r['recorded_layers']} recorded layers ({r['tokens']} "
             f"tokens, {r['bytes_per_forward'] / 1e6:.2f} MB; GPU kernels {r['kernels_captured']} vs "
@@ -373,6 +411,13 @@ def main() -> None:
         help="overhead part: records written by the fake-quant kernel (SGLang's emulate path) or staged by copies",
     )
     p.add_argument("--record-layers", choices=("latter-half", "all"), default="all", help="MoE layers with records")
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="overhead / graph parts: TP rank 0 of this many ranks (its share of the MoE layers' records, markers and "
+        "routes, as sglang_trace shards them; the expert GEMM 1 / tp wide)",
+    )
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
@@ -402,7 +447,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "config": {
             k: getattr(args, k)
-            for k in (*big, "bits", "record", "record_layers", "level", "trajectories", "traj_tokens")
+            for k in (*big, "bits", "record", "record_layers", "tp_size", "level", "trajectories", "traj_tokens")
         },
     }
 

@@ -14,7 +14,8 @@
 #                                        updates and record writing) unless TRACE_ALLOW_OPEN_SERVER=1.
 #   ray-head   [RAY START ARGS ...]      ray start --head --block (the node the controller's driver connects to)
 #   ray-worker [RAY START ARGS ...]      ray start --address=$RAY_ADDRESS --block (hosts rollout worker actors)
-#   check                                scripts/sglang_patches.py check: the installed SGLang carries the patch stack
+#   check                                scripts/sglang_patches.py check, scripts/megatron_patches.py check: the
+#                                        installed SGLang and megatron-core carry their patch stacks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,7 +67,7 @@ ray-worker)
     exec ray start --address="$RAY_ADDRESS" --block "$@"
     ;;
 check)
-    exec python3 scripts/sglang_patches.py check
+    python3 scripts/sglang_patches.py check && exec python3 scripts/megatron_patches.py check
     ;;
 -h | --help | help)
     usage

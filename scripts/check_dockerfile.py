@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Check docker/Dockerfile without a Docker engine (what `make docker-check` runs in CI).
 
-    python scripts/check_dockerfile.py                  # static checks, then the patch step on the sglang wheel
+    python scripts/check_dockerfile.py                  # static checks, then the patch step on the pinned wheels
     python scripts/check_dockerfile.py --static-only    # static checks only (what `make docker` runs first)
 
 Static checks: the base image is the official SGLang release image pinned to the version the patch stack is for
 (`scripts/sglang_patches.py`); every pip package is pinned (`name==version`) and agrees with pyproject.toml's exact
-pins; the sglang wheel is reinstalled before the patch step; the patch step runs `scripts/sglang_patches.py apply`
-and `check` (the script `make setup` / `make test` use) with nothing that could mask a failure; the final USER is not
+pins; the sglang wheel is reinstalled (and megatron-core installed) before the patch step; the patch step runs
+`apply` and then `check` of both patch stacks, `scripts/sglang_patches.py` and `scripts/megatron_patches.py` (the
+scripts `make setup` uses), with nothing that could mask a failure; the final USER is not
 root; the ENTRYPOINT is docker/entrypoint.sh and it has the rollout, trainer and controller roles; no ADD of a URL;
 no secret-looking ENV / ARG; a .dockerignore keeps .git and .venv out of the context.
 
-Patch step: the Dockerfile's patch RUN command, verbatim, in the repository root, against the sglang wheel the
-Dockerfile pins, installed without dependencies into a temporary directory (the same files and RECORD the image's
-site-packages holds). Its interpreter runs with `-S`, so the only sglang it sees is that one.
+Patch step: the Dockerfile's patch RUN command, verbatim, in the repository root, against the sglang and megatron-core
+wheels the Dockerfile pins, installed without dependencies into a temporary directory (the same files and RECORD the
+image's site-packages holds). Its interpreter runs with `-S`, so the only sglang and megatron it sees are those.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BASE_REPOSITORY = "lmsysorg/sglang"
 PATCH_SCRIPT = "scripts/sglang_patches.py"
+PATCH_SCRIPTS = (PATCH_SCRIPT, "scripts/megatron_patches.py")  # each stack: `apply`, then `check`, in the patch step
 ENTRYPOINT = "docker/entrypoint.sh"
 REQUIRED_ROLES = ("rollout", "trainer", "controller")
 REQUIRED_PACKAGES = ("megatron-core", "ray", "zstandard")
@@ -242,13 +244,14 @@ def patch_step(instructions: list[Instruction]) -> Instruction:
             f"line {ins.line}: the patch step joins commands with {masking}; "
             "use only && so that a failing hunk fails the build"
         )
-    calls = [words[words.index(w) + 1 :] for words, _ in commands for w in words if w.endswith(PATCH_SCRIPT)]
-    subcommands = [c[0] if c else "" for c in calls]
-    if subcommands[:1] != ["apply"] or "check" not in subcommands:
-        raise CheckError(
-            f"line {ins.line}: the patch step must run `{PATCH_SCRIPT} apply` and then `{PATCH_SCRIPT} check`; "
-            f"it runs {subcommands or 'a script other than ' + PATCH_SCRIPT}"
-        )
+    for script in PATCH_SCRIPTS:
+        calls = [words[words.index(w) + 1 :] for words, _ in commands for w in words if w.endswith(script)]
+        subcommands = [c[0] if c else "" for c in calls]
+        if subcommands[:1] != ["apply"] or "check" not in subcommands:
+            raise CheckError(
+                f"line {ins.line}: the patch step must run `{script} apply` and then `{script} check`; "
+                f"it runs {subcommands or 'no ' + script}"
+            )
     return ins
 
 
@@ -260,16 +263,19 @@ def check_patch_step(instructions: list[Instruction], repo: Path) -> list[str]:
     errors = []
     before = [i for i in instructions if i.line < step.line]
     copied = " ".join(i.args for i in before if i.keyword == "COPY")
-    if PATCH_SCRIPT not in copied and not re.search(r"(^|\s)scripts/?(\s|$)", copied):
-        errors.append(f"line {step.line}: {PATCH_SCRIPT} is not copied into the image before the patch step")
+    sources = {w for i in before if i.keyword == "COPY" for w in shlex.split(i.args)[:-1] if not w.startswith("--")}
+    for script in PATCH_SCRIPTS:
+        if not sources & {script, "scripts", "scripts/", "."}:
+            errors.append(f"line {step.line}: {script} is not copied into the image before the patch step")
     if "patches/" not in copied:
         errors.append(f"line {step.line}: patches/ is not copied into the image before the patch step")
-    reinstall = [p for p in pip_installs(before) if any(_norm(x.split("==")[0]) == "sglang" for x in p.packages)]
-    if not reinstall:
-        errors.append(f"line {step.line}: the sglang wheel reinstall must come before the patch step")
+    for package, what in (("sglang", "the sglang wheel reinstall"), ("megatron-core", "the megatron-core install")):
+        if not [p for p in pip_installs(before) if any(_norm(x.split("==")[0]) == package for x in p.packages)]:
+            errors.append(f"line {step.line}: {what} must come before the patch step")
     makefile = (repo / "Makefile").read_text()
-    if f"{PATCH_SCRIPT} apply" not in makefile:
-        errors.append(f"Makefile does not run `{PATCH_SCRIPT} apply`: the image must patch with the script tests use")
+    for script in PATCH_SCRIPTS:
+        if f"{script} apply" not in makefile:
+            errors.append(f"Makefile does not run `{script} apply`: the image must patch with the script tests use")
     return errors
 
 
@@ -351,18 +357,21 @@ def check(dockerfile: Path, repo: Path = REPO) -> list[str]:
 
 
 def run_patch_step(dockerfile: Path, repo: Path = REPO, work: Path | None = None) -> str:
-    """Run the Dockerfile's patch step, verbatim, in `repo` on the sglang wheel it pins; its output, or CheckError."""
+    """Run the Dockerfile's patch step, verbatim, in `repo` on the sglang and megatron-core wheels it pins; its
+    output, or CheckError."""
     instructions = parse_dockerfile(dockerfile.read_text())
     step = patch_step(instructions)
-    sglang, _ = read_pins(repo)
+    sglang, pins = read_pins(repo)
     with tempfile.TemporaryDirectory(prefix="trace-docker-check-") as tmp:
         work = work or Path(tmp)
         site, bin_dir = work / "site", work / "bin"
-        if not (site / f"sglang-{sglang}.dist-info").exists():
-            pip = ["-m", "pip", "install", "-q", "--no-deps", "--target", str(site), f"sglang=={sglang}"]
+        for name, version in (("sglang", sglang), ("megatron-core", pins["megatron-core"])):
+            if (site / f"{name.replace('-', '_')}-{version}.dist-info").exists():
+                continue
+            pip = ["-m", "pip", "install", "-q", "--no-deps", "--target", str(site), f"{name}=={version}"]
             done = subprocess.run([sys.executable, *pip], capture_output=True, text=True)
             if done.returncode:
-                raise CheckError(f"could not install the sglang {sglang} wheel: {done.stderr.strip()[-2000:]}")
+                raise CheckError(f"could not install the {name} {version} wheel: {done.stderr.strip()[-2000:]}")
         bin_dir.mkdir(parents=True, exist_ok=True)
         for name in ("python3", "python"):
             shim = bin_dir / name
@@ -372,7 +381,7 @@ def run_patch_step(dockerfile: Path, repo: Path = REPO, work: Path | None = None
         done = subprocess.run(["/bin/sh", "-c", step.args], cwd=repo, env=env, capture_output=True, text=True)
         output = (done.stdout + done.stderr).strip()
         if done.returncode:
-            raise CheckError(f"the patch step (Dockerfile line {step.line}) failed on sglang {sglang}:\n{output}")
+            raise CheckError(f"the patch step (Dockerfile line {step.line}) failed:\n{output}")
         return output
 
 
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.dockerfile}: static checks passed")
         if not args.static_only:
             print(run_patch_step(args.dockerfile))
-            print(f"{args.dockerfile}: patch step passed on the pinned sglang wheel")
+            print(f"{args.dockerfile}: patch step passed on the pinned sglang and megatron-core wheels")
     except CheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

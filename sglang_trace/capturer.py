@@ -33,7 +33,7 @@ from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
 from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
-from trace_core.capture import RecordCapturer, RowReader, record_row_layout
+from trace_core.capture import RecordCapturer, RowReader, record_row_layout, shard_layers
 from trace_core.host_ring import HostRing
 from trace_core.records import Binding, ModelShape, token_digest
 from trace_core.store import Site, StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
@@ -94,21 +94,15 @@ class RecordShard:
 def record_shards(
     args: TraceArgs, layout: ModelLayout, tp_size: int = 1, routes_on_first: bool = False
 ) -> list[RecordShard]:
-    """The record shards of `tp_size` attention-TP ranks (rank order). MoE layers go round-robin over the ranks,
-    recorded layers first and then the others (markers and routes only), so every rank keeps about 1 / tp_size of
-    the bytes. `routes_on_first`: rank 0 keeps every layer's routes (R3's answer is read on rank 0 at finish)."""
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    """The record shards of `tp_size` attention-TP ranks (rank order; MoE layers assigned by
+    `trace_core.capture.shard_layers`). `routes_on_first`: rank 0 keeps every layer's routes (R3's answer is read
+    on rank 0 at finish)."""
     spec = model_spec(args, layout)
     sites = [s for s in spec.sites() if s[1] == "moe_in"]
-    recorded = [layer for layer, _ in sites]
-    order = recorded + [layer for layer in layout.moe_layers if layer not in recorded]
-    owner = {layer: k % tp_size for k, layer in enumerate(order)}
     shards = []
-    for rank in range(tp_size):
-        mine = tuple(layer for layer in layout.moe_layers if owner[layer] == rank)
+    for rank, mine in enumerate(shard_layers(layout.moe_layers, [layer for layer, _ in sites], tp_size)):
         routes = (tuple(layout.moe_layers) if rank == 0 else ()) if routes_on_first else mine
-        shards.append(RecordShard(tuple(s for s in sites if owner[s[0]] == rank), mine, routes))
+        shards.append(RecordShard(tuple(s for s in sites if s[0] in mine), mine, routes))
     return shards
 
 
@@ -213,7 +207,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.readers = [shard_reader(args, layout, s) for s in self.shards] if tp_rank == 0 else []
         self.site_order = [s for s in self.spec.sites() if s[1] == "moe_in"]  # one rank's record order
         # host bytes per token of a transfer, the same on every rank (so all ranks run the same transfers and
-        # gathers): this rank's raw K/V, then its record row, padded to the largest rank's row
+        # gathers): this rank's record row, then its raw K/V, padded to the largest rank's record row + K/V
         self.kv_bytes = self._kv_bytes()
         self.kv_gather = KVGather(kv_pool, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
         self.row_bytes = self.records.row.row_bytes
@@ -387,18 +381,19 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._transfer(chunk)
 
     def _transfer(self, chunk: list[_Finished]) -> None:
-        """One transfer: the chunk's K/V bytes and record rows gathered into one device buffer (this rank's raw
-        K/V, then its record rows) and copied into a host ring span `[n * token_bytes]` (the rest of the span pads to
-        the largest rank's rows) in one copy (async on CUDA), then queued for the writer thread."""
+        """One transfer: the chunk's record rows and K/V bytes gathered into one device buffer (this rank's record
+        rows first, 8-byte aligned for the store's word gather, then its raw K/V) and copied into a host ring span
+        `[n * token_bytes]` (the rest of the span pads to the largest rank's rows) in one copy (async on CUDA), then
+        queued for the writer thread."""
         slots = chunk[0].slots if len(chunk) == 1 else torch.cat([f.slots for f in chunk])
         n = slots.shape[0]
         ticket, span, copied = None, None, None
         if n:
-            kv_end, used = n * self.kv_bytes, n * (self.kv_bytes + self.row_bytes)
+            rows_end, used = n * self.row_bytes, n * (self.row_bytes + self.kv_bytes)
             staged = torch.empty(used, dtype=torch.uint8, device=self.records.device)
+            self.records.gather_rows(slots, out=staged[:rows_end].view(n, self.row_bytes))
             if self.kv_gather is not None:
-                self.kv_gather(slots, out=staged[:kv_end].view(n, self.kv_bytes))
-            self.records.gather_rows(slots, out=staged[kv_end:].view(n, self.row_bytes))
+                self.kv_gather(slots, out=staged[rows_end:].view(n, self.kv_bytes))
             ticket, span = self.ring.reserve(n * self.token_bytes)
             span[:used].copy_(staged, non_blocking=True)
             if slots.device.type == "cuda":
@@ -417,7 +412,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         ticket: int | None,
     ) -> None:
         """Writer thread: wait for the transfer's copy, gather every rank's span to rank 0 (one gather under TP),
-        then on rank 0 split each rank's span into its K/V bytes and record rows, and check, merge, unpack and write
+        then on rank 0 split each rank's span into its record rows and K/V bytes, and check, merge, unpack and write
         each request's shard. A refusal or write error is counted, logged and marked in the store, never raised;
         the host ring span is released in every case."""
         try:
@@ -430,16 +425,15 @@ class TraceCapturer(RoutedExpertsCapturer):
                     self.stats.collectives += 1
             if self._writer is None:
                 return
-            kv_end = n * self.kv_bytes
             raws, rows = [], []
             if span is None:
                 spans = [None] * len(self.readers)
             for reader, part in zip(self.readers, spans, strict=True):
-                row_bytes = reader.row.row_bytes
+                rows_end = n * reader.row.row_bytes
                 if part is None:  # a transfer of requests with no positions (seqlen 1)
                     part = torch.empty(0, dtype=torch.uint8)
-                raws.append(part[:kv_end].view(n, self.kv_bytes))
-                rows.append(part[kv_end : kv_end + n * row_bytes].view(n, row_bytes))
+                rows.append(part[:rows_end].view(n, reader.row.row_bytes))
+                raws.append(part[rows_end : rows_end + n * self.kv_bytes].view(n, self.kv_bytes))
             offset = 0
             for f in chunk:
                 at = slice(offset, offset + f.slots.shape[0])

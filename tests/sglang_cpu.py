@@ -97,3 +97,31 @@ def init_cpu_parallel_state(world_size: int = 1, rank: int = 0, port: int | None
         ps.initialize_model_parallel(world_size)
     finally:
         ps.init_model_parallel_group = build
+
+
+def trace_server_args(store: str, **overrides):
+    """SGLang's `ServerArgs` of a CPU test with TRACE emulate on: the one setup block the SGLang tests share
+    (`overrides` replace or add fields: sites, layers, recipe, KV dtype, R3)."""
+    from sglang.srt.server_args import ServerArgs
+
+    base = dict(model_path="dummy", device="cpu", trace_mode="emulate", trace_store=store)
+    return ServerArgs(**(base | overrides))
+
+
+def cpu_capturer(server_args, layout, **overrides):
+    """A `TraceCapturer` on CPU for `server_args` (checked) and `layout`, with small staging and store sizes;
+    `overrides` replace `TraceCapturer`'s arguments (KV pool, sizes, R3, TP rank and group, weights)."""
+    from sglang_trace.capturer import TraceCapturer
+    from sglang_trace.config import check_server_args
+    from sglang_trace.moe import ExpertWeights
+
+    kwargs = dict(
+        kv_pool=None,
+        max_tokens=16,
+        num_slots=32,
+        max_request_tokens=16,
+        device="cpu",
+        return_routes=False,
+        weights=ExpertWeights(),
+    )
+    return TraceCapturer(check_server_args(server_args), layout, **(kwargs | overrides))

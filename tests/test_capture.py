@@ -109,8 +109,15 @@ def test_round_trip_chunked_prefill_then_decode(fmt, bits):
 
 def test_row_bytes_match_the_record_spec_accounting():
     cap = make("nvfp4", 1, routes=None)
-    # moe_in: 64 * 1.5 / 8 + 4 (token scale) = 16; k, v: 64 * 1.5 / 8 = 12 each; the written byte; 4-aligned.
-    assert cap.row.row_bytes == 2 * 16 + 2 * 12 + 4
+    # moe_in: 64 * 1.5 / 8 + 4 (token scale) = 16; k, v: 64 * 1.5 / 8 = 12 each; the written byte: 57, padded to
+    # whole 8-byte words (the store copies words)
+    assert cap.row.row_bytes == 64
+    # routes and hook markers: one 4-aligned sentinel range (3 marker bytes padded to 4), reset by one int32 fill
+    cap = make("nvfp4", 1, marks=3)
+    routes, marks = cap.row.fields[("routes", "routes")], cap.row.fields[("meta", "marks")]
+    assert marks == (sum(routes), 3) and cap.row.sentinels == slice(routes[0], sum(routes) + 4)
+    assert routes[0] % 4 == 0 and cap.row.row_bytes % 8 == 0
+    assert bool((cap.staging[:, cap.row.sentinels] == 0xFF).all())
 
 
 def test_prefix_sharing_requests_read_the_shared_slots():
@@ -250,6 +257,8 @@ def test_rows_gathered_in_one_batch_and_read_elsewhere_equal_per_request_gathers
     assert torch.equal(into, host) and into.data_ptr() == buffer.data_ptr() + 8 and bool((buffer[:8] == 0xAB).all())
     with pytest.raises(ValueError, match="out must be contiguous"):
         cap.gather_rows(torch.tensor([6, 5]), out=buffer[8:].view(4, -1))
+    with pytest.raises(ValueError, match=r"8-byte aligned address, got torch.uint8 \(4, \d+\) at address offset 4"):
+        cap.gather_rows(torch.tensor([6, 5, 9, 7]), out=buffer[4:-4].view(4, -1))
     assert_same(cap.read(host[:2], version=3), drv.expected([2, 5]))
     assert_same(cap.read(host[:2], version=3), cap.gather(torch.tensor([6, 5]), 2, version=3))
     with pytest.raises(ValueError, match=r"1 of 2 positions have no captured record \(first positions \[1\]"):

@@ -1,5 +1,6 @@
 """`scripts/check_dockerfile.py` (what `make docker-check` runs): the real Dockerfile passes; broken copies fail with
-a message naming the problem; the Dockerfile's patch step runs on the pinned sglang wheel and fails on a bad hunk.
+a message naming the problem; the Dockerfile's patch step runs on the pinned sglang and megatron-core wheels and fails
+on a bad hunk.
 """
 
 import importlib.util
@@ -20,6 +21,7 @@ _spec.loader.exec_module(cd)
 
 BASE = "FROM lmsysorg/sglang:v0.5.10.post1-cu129"
 PATCH_RUN = "RUN python3 scripts/sglang_patches.py apply && python3 scripts/sglang_patches.py check"
+MEGATRON_RUN = "    && python3 scripts/megatron_patches.py apply && python3 scripts/megatron_patches.py check"
 REINSTALL = "    && python3 -m pip install --no-deps --force-reinstall sglang==0.5.10.post1 \\\n"
 
 
@@ -48,6 +50,13 @@ def test_real_dockerfile_passes():
         (PATCH_RUN, PATCH_RUN + " || true", "use only &&"),
         (PATCH_RUN, PATCH_RUN.replace(" && python3 scripts/sglang_patches.py check", ""), "and then"),
         (PATCH_RUN, "RUN python3 scripts/sglang_patches.py check", "and then"),
+        (MEGATRON_RUN, "    && true", "must run `scripts/megatron_patches.py apply` and then"),
+        (MEGATRON_RUN, "    && python3 scripts/megatron_patches.py apply", "then `scripts/megatron_patches.py check`"),
+        (
+            "scripts/sglang_patches.py scripts/megatron_patches.py scripts/",
+            "scripts/sglang_patches.py scripts/",
+            "scripts/megatron_patches.py is not copied",
+        ),
         (REINSTALL, "", "wheel is not reinstalled before the patch step"),
         ("ray==2.60.0", "ray", "pip package 'ray' is not pinned"),
         ("ray==2.60.0", "ray>=2.40", "pip package 'ray>=2.40' is not pinned"),
@@ -81,7 +90,8 @@ def test_cli_reports_the_problem_and_fails(tmp_path, capsys):
 def copy_repo(tmp_path: Path) -> Path:
     """The files the checker and the patch step read, in a scratch repository."""
     repo = tmp_path / "repo"
-    for rel in ("Makefile", "pyproject.toml", ".dockerignore", "scripts/sglang_patches.py", "docker/entrypoint.sh"):
+    scripts = ("scripts/sglang_patches.py", "scripts/megatron_patches.py")
+    for rel in ("Makefile", "pyproject.toml", ".dockerignore", *scripts, "docker/entrypoint.sh"):
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, repo / rel)
     shutil.copytree(REPO / "patches", repo / "patches")
@@ -105,8 +115,10 @@ def test_missing_dockerignore_fails(tmp_path):
 @pytest.mark.slow
 def test_patch_step_runs_on_the_pinned_wheel():
     out = cd.run_patch_step(DOCKERFILE)
-    patches = sorted(p.name for p in (REPO / "patches" / "sglang" / "v0.5.10.post1").glob("*.patch"))
-    for name in patches:  # "applied": the scratch wheel was pristine, not the venv's patched sglang
+    stacks = (REPO / "patches" / "sglang" / "v0.5.10.post1", REPO / "patches" / "megatron" / "v0.19.2")
+    patches = sorted(p.name for stack in stacks for p in stack.glob("*.patch"))
+    assert any(n.startswith("0004-local-l2-norm") for n in patches)
+    for name in patches:  # "applied": the scratch wheels were pristine, not the venv's patched packages
         assert f"{name}: applied to" in out and f"{name}: applies and regenerates byte-identically" in out
 
 
@@ -149,3 +161,4 @@ def test_entrypoint_check_role_runs_the_patch_check():
     done = run_entrypoint("check")
     assert done.returncode == 0, done.stderr
     assert "0001-server-args.patch: applies and regenerates byte-identically (installed file: patched)" in done.stdout
+    assert "0001-distrib-optimizer-dtype-groups.patch: applies and regenerates byte-identically" in done.stdout

@@ -137,14 +137,14 @@ def test_a_single_rank_checkpoint_resumes_at_a_layout(model_dir, single, ray_clu
     _assert_same_steps(history[1:], single_history[1:])
 
 
-@pytest.mark.slow
-def test_bf16_group_keeps_its_masters_with_in_place_expert_weights(model_dir, ray_cluster, tmp_path):
+def _bf16_group_keeps_its_masters(model_dir: str, tmp_path: Path, **layout) -> None:
     """The production combination: BF16 parameters, Megatron's distributed optimizer with its own FP32 masters, the
-    grouped expert weights fake-quantized in place after every all-gather, at DP = 2. After the steps, and after a
-    resume from the step-1 checkpoint, every rank's expert weights are the fake-quantized copies of untouched
-    masters, and the resumed step 2 is the uninterrupted one (BF16 steps are not compared with one rank: the DP
-    reduction rounds differently)."""
-    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "run"), **(RUN | dict(trainer_dtype="bfloat16")), dp=2)
+    grouped expert weights fake-quantized in place after every all-gather. After the steps, and after a resume from
+    the step-1 checkpoint, every rank's expert weights are the fake-quantized copies of untouched masters, and the
+    resumed step 2 is the uninterrupted one (BF16 steps are not compared with one rank: the DP reduction rounds
+    differently)."""
+    settings = RUN | dict(trainer_dtype="bfloat16") | layout
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "run"), **settings)
     with Controller(cfg, resume=False) as ctrl:
         history = ctrl.run()
         assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
@@ -157,6 +157,20 @@ def test_bf16_group_keeps_its_masters_with_in_place_expert_weights(model_dir, ra
         resumed = ctrl.run()
         assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
     _assert_same_steps(resumed[1:], history[1:])
+
+
+@pytest.mark.slow
+def test_bf16_group_keeps_its_masters_with_in_place_expert_weights(model_dir, ray_cluster, tmp_path):
+    """`_bf16_group_keeps_its_masters` at DP = 2 on CPU ranks."""
+    _bf16_group_keeps_its_masters(model_dir, tmp_path, dp=2)
+
+
+@pytest.mark.gpu
+def test_bf16_group_on_gpus_keeps_its_masters_with_in_place_expert_weights(model_dir, ray_cluster, tmp_path):
+    """`_bf16_group_keeps_its_masters` with NCCL, one GPU per rank (DP = 2 on two GPUs, 1 on one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _bf16_group_keeps_its_masters(model_dir, tmp_path, dp=min(2, torch.cuda.device_count()), device="cuda")
 
 
 @pytest.mark.gpu

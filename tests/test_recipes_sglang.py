@@ -19,39 +19,25 @@ from tests.sglang_cpu import install_sgl_kernel_stand_in
 install_sgl_kernel_stand_in()
 pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
 
+from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer  # noqa: E402
+
 from megatron_trace.config import TraceConfig  # noqa: E402
 from megatron_trace.sites import SiteNumerics  # noqa: E402
-from tests.test_sglang_fc2 import LAYER, E, checkpoint, routed_input, run_sglang, sglang_layer  # noqa: E402
+from tests.sglang_cpu import trace_server_args  # noqa: E402
+from tests.test_sglang_fc2 import LAYER, E, checkpoint, installed_layer, routed_input, run_sglang  # noqa: E402
 from trace_core.recipe import get_recipe, recipe_names  # noqa: E402
 from trace_core.records import RecordSpec, pack_low_bits  # noqa: E402
 from trace_core.role_quant import quantize_role  # noqa: E402
 
 
-def sglang_run(name: str, store: str) -> tuple[dict, object, torch.Tensor]:
-    """FC1 / FC2 GEMM inputs of the patched FusedMoE under recipe `name`, its capturer and its w13 weights."""
-    from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
-
-    # a recipe that does not record the MoE input records K and V only (the FP4 KV pool itself is not built here)
-    sites = "moe_in" if get_recipe(name).recorded("moe_in") else "k,v"
-    layer = sglang_layer(store, attention_layers=(), trace_recipe=name, kv_cache_dtype="fp4_e2m1", trace_sites=sites)
-    rows, _ = run_sglang(layer)
-    return rows, get_global_experts_capturer(), layer.w13_weight.detach().clone()
-
-
 @pytest.mark.parametrize("name", recipe_names())
 def test_sglang_emulate_and_trainer_agree_per_recipe(name, tmp_path):
-    from sglang.srt.layers.moe.routed_experts_capturer import (
-        _RoutedExpertsCapturerNoop,
-        set_global_experts_capturer,
-    )
-
-    from tests.sglang_cpu import init_cpu_parallel_state
-
-    init_cpu_parallel_state()
-    try:
-        sglang, cap, w13 = sglang_run(name, str(tmp_path))
-    finally:
-        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+    # a recipe that does not record the MoE input records K and V only (the FP4 KV pool itself is not built here)
+    sites = "moe_in" if get_recipe(name).recorded("moe_in") else "k,v"
+    server_args = dict(attention_layers=(), trace_recipe=name, kv_cache_dtype="fp4_e2m1", trace_sites=sites)
+    with installed_layer(str(tmp_path), **server_args) as layer:
+        sglang, _ = run_sglang(layer)
+        cap, w13 = get_global_experts_capturer(), layer.w13_weight.detach().clone()
     recipe = get_recipe(name)
     spec = RecordSpec.of_recipe(name, (LAYER,), (), 4)
     trainer = SiteNumerics(TraceConfig(mode="qat", spec=spec, recipe=name, replay_routes=False))
@@ -83,27 +69,22 @@ def test_sglang_emulate_and_trainer_agree_per_recipe(name, tmp_path):
 
 
 def test_sglang_refuses_what_a_recipe_cannot_trace():
-    from sglang.srt.server_args import ServerArgs
-
     with pytest.raises(ValueError, match="--trace-recipe mxfp4-w4a8-kv4 does not record moe_in"):
-        ServerArgs(model_path="dummy", trace_mode="emulate", trace_recipe="mxfp4-w4a8-kv4", trace_store="/r")
+        trace_server_args("/r", trace_recipe="mxfp4-w4a8-kv4")
     with pytest.raises(ValueError, match="--trace-mode native with --trace-recipe mxfp4-w4a4-kv4: SGLang 0.5.10.post1"):
-        ServerArgs(
-            model_path="dummy",
+        trace_server_args(
+            "/r",
             trace_mode="native",
             trace_recipe="mxfp4-w4a4-kv4",
-            trace_store="/r",
             trace_sites="moe_in",
             quantization="modelopt_fp4",
             moe_runner_backend="flashinfer_cutlass",
         )
     with pytest.raises(ValueError, match="unknown precision recipe 'mxfp4'"):
-        ServerArgs(model_path="dummy", trace_mode="emulate", trace_recipe="mxfp4", trace_store="/r")
+        trace_server_args("/r", trace_recipe="mxfp4")
 
 
 def test_sglang_refuses_a_recipe_whose_kv_format_its_pool_does_not_store():
-    from sglang.srt.server_args import ServerArgs
-
     from sglang_trace.config import check_server_args
     from trace_core.formats import MXFP4
     from trace_core.recipe import MXFP4_W4A4_KV4, PrecisionRecipe, Role, Scale
@@ -111,7 +92,7 @@ def test_sglang_refuses_a_recipe_whose_kv_format_its_pool_does_not_store():
     mx_kv = Role(MXFP4, Scale.PER_BLOCK, recorded=True)
     fields = {f: getattr(MXFP4_W4A4_KV4, f) for f in ("weights", "moe_in", "fc2_in")}
     recipe = PrecisionRecipe(name="mxfp4-w4a4-mxkv4", summary="32-element MXFP4 KV", k=mx_kv, v=mx_kv, **fields)
-    sa = ServerArgs(model_path="dummy", trace_mode="emulate", trace_store="/r", kv_cache_dtype="fp4_e2m1")
+    sa = trace_server_args("/r", kv_cache_dtype="fp4_e2m1")
     sa.trace_recipe = recipe
     with pytest.raises(ValueError, match="quantizes K / V as mxfp4; SGLang's fp4_e2m1 KV pool stores kv_fp4"):
         check_server_args(sa)

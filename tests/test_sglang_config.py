@@ -15,14 +15,18 @@ from sglang.srt.configs.qwen3_next import Qwen3NextConfig  # noqa: E402
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig  # noqa: E402
 
 from sglang_trace.config import SERVER_ARGS_FIELDS, TraceArgs, check_server_args, model_layout, model_spec  # noqa: E402
+from tests.sglang_cpu import trace_server_args  # noqa: E402
 
 ServerArgs = server_args.ServerArgs
 
 
 def make(**kw):
-    base = dict(model_path="dummy", trace_mode="emulate", trace_store="/records", kv_cache_dtype="fp4_e2m1")
-    base.update(kw)
-    return ServerArgs(**base)
+    return trace_server_args("/records", **({"kv_cache_dtype": "fp4_e2m1"} | kw))
+
+
+def trace_args(**kw) -> TraceArgs:
+    """The checked TRACE settings of `make(**kw)`."""
+    return check_server_args(make(**kw))
 
 
 def qwen3_moe(layers=8, **kw):
@@ -128,15 +132,15 @@ def test_model_spec_latter_half_and_explicit_layers():
     layout = model_layout(qwen3_moe(layers=8, mlp_only_layers=[0]))
     assert layout.moe_layers == (1, 2, 3, 4, 5, 6, 7) and layout.attn_layers == tuple(range(8))
     assert (layout.hidden, layout.num_kv_heads, layout.head_dim, layout.topk) == (64, 2, 32, 2)
-    spec = model_spec(check_server_args(make()), layout)  # the default: every layer (RecordSpec.default's policy)
+    spec = model_spec(trace_args(), layout)  # the default: every layer (RecordSpec.default's policy)
     assert spec.bits == 1 and spec.moe_layers == layout.moe_layers and spec.attn_layers == layout.attn_layers
-    spec = model_spec(check_server_args(make(trace_layers="latter-half")), layout)
+    spec = model_spec(trace_args(trace_layers="latter-half"), layout)
     assert spec.bits == 1 and spec.moe_layers == (4, 5, 6, 7) and spec.attn_layers == (4, 5, 6, 7)
-    spec = model_spec(check_server_args(make(trace_layers="0,6-7", trace_record_bits=4)), layout)
+    spec = model_spec(trace_args(trace_layers="0,6-7", trace_record_bits=4), layout)
     assert spec.bits == 4 and spec.moe_layers == (6, 7) and spec.attn_layers == (0, 6, 7)
     with pytest.raises(ValueError, match=r"layers \[8\]"):
-        model_spec(check_server_args(make(trace_layers="6-8")), layout)
-    spec = model_spec(check_server_args(make(trace_sites="moe_in")), layout)
+        model_spec(trace_args(trace_layers="6-8"), layout)
+    spec = model_spec(trace_args(trace_sites="moe_in"), layout)
     assert spec.attn_layers == ()
 
 
@@ -146,10 +150,10 @@ def test_unsupported_model_is_refused_and_hybrid_records_full_attention_kv():
     hybrid = Qwen3NextConfig(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3NextForCausalLM"])
     layout = model_layout(hybrid)
     assert layout.attn_layers == (3, 7) and layout.moe_layers == tuple(range(8))
-    spec = model_spec(check_server_args(make(trace_layers="latter-half")), layout)
+    spec = model_spec(trace_args(trace_layers="latter-half"), layout)
     assert spec.attn_layers == (7,) and spec.moe_layers == (4, 5, 6, 7)
     with pytest.raises(ValueError, match=r"layers \[9\]"):
-        model_spec(check_server_args(make(trace_layers="7,9")), layout)
+        model_spec(trace_args(trace_layers="7,9"), layout)
 
 
 def test_qwen2_moe_layout_follows_sparse_step_and_mlp_only_layers():
@@ -182,10 +186,10 @@ def test_final_settings_are_validated_after_sglang_defaults(tmp_path):
     handlers = [i for i, c in enumerate(calls) if c.startswith("self._handle_")]
     assert calls[-1] == "check_trace_args" and handlers and handlers[-1] < len(calls) - 1
     qwen3_moe(layers=2).save_pretrained(tmp_path / "qwen3-moe-tiny")
-    kw = dict(model_path=str(tmp_path / "qwen3-moe-tiny"), device="cpu", trace_mode="emulate", trace_store="/r")
-    assert ServerArgs(**kw, trace_sites="moe_in").load_format == "auto"
+    model = dict(model_path=str(tmp_path / "qwen3-moe-tiny"), trace_sites="moe_in")
+    assert trace_server_args("/r", **model).load_format == "auto"
     with pytest.raises(ValueError, match="--enable-pdmux"):
-        ServerArgs(**kw, trace_sites="moe_in", enable_pdmux=True)
+        trace_server_args("/r", **model, enable_pdmux=True)
 
 
 def qwen3_30b_a3b() -> Qwen3MoeConfig:
@@ -206,9 +210,9 @@ def qwen3_30b_a3b() -> Qwen3MoeConfig:
 def shard_row_bytes(sites: int, marks: int, routes: int, hidden: int = 2048, topk: int = 8, bits: int = 1) -> int:
     """A record-store row by its definition (docs/sglang.md "Memory"): per MoE-input site the packed low bits, one
     E4M3 scale per 16 elements and the FP32 token scale; 4 * topk bytes of routes per route layer; one hook-marker
-    byte per marked layer; the weight version (4) and the written byte; rounded up to 4 bytes."""
-    row = sites * (hidden * bits // 8 + hidden // 16 + 4) + routes * 4 * topk + marks + 4 + 1
-    return -(-row // 4) * 4
+    byte per marked layer, padded to 4 bytes; the weight version (4) and the written byte; rounded up to 8 bytes."""
+    row = sites * (hidden * bits // 8 + hidden // 16 + 4) + routes * 4 * topk + -(-marks // 4) * 4 + 4 + 1
+    return -(-row // 8) * 8
 
 
 @pytest.mark.parametrize("layers", ["all", "latter-half"])
@@ -220,7 +224,7 @@ def test_record_store_shards_split_the_moe_layers_over_tp_ranks(layers, tp, r3):
     share, and what every rank adds to its KV cell (the largest shard) is about 1 / tp of one rank's."""
     from sglang_trace.capturer import record_bytes_per_slot, record_shards, shard_reader
 
-    args = check_server_args(make(trace_layers=layers))
+    args = trace_args(trace_layers=layers)
     layout = model_layout(qwen3_30b_a3b())
     spec = model_spec(args, layout)
     shards = record_shards(args, layout, tp, routes_on_first=r3)
@@ -247,12 +251,12 @@ def test_docs_record_store_sizes():
     layout = model_layout(qwen3_30b_a3b())
     kv_tp4 = 48 * 2 * 1 * (128 // 2 + 128 // 16)  # one KV head per rank at TP 4: 6,912 bytes per token
     sizes = {
-        (layers, tp, r3): record_bytes_per_slot(check_server_args(make(trace_layers=layers)), layout, tp, r3)
+        (layers, tp, r3): record_bytes_per_slot(trace_args(trace_layers=layers), layout, tp, r3)
         for layers in ("all", "latter-half")
         for tp in (1, 4)
         for r3 in (False, True)
     }
     assert (kv_tp4, sizes["all", 1, False], sizes["latter-half", 1, False]) == (6912, 20216, 10904)
-    assert (sizes["all", 4, False], sizes["all", 4, True], sizes["latter-half", 4, False]) == (5060, 6212, 2732)
+    assert (sizes["all", 4, False], sizes["all", 4, True], sizes["latter-half", 4, False]) == (5064, 6216, 2736)
     share = {k: round(100 * kv_tp4 / (kv_tp4 + v)) for k, v in sizes.items() if k[1] == 4}
     assert (share["all", 4, False], share["all", 4, True], share["latter-half", 4, False]) == (58, 53, 72)

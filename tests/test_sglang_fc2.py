@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 from collections import defaultdict
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -99,42 +100,24 @@ def sglang_native_tokens(ids: torch.Tensor) -> dict[int, list[int]]:
 def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = (0, 1), **server_args):
     """A patched FusedMoE (layer LAYER) loaded from `checkpoint()` through its weight loader, TRACE emulate on;
     its capturer is SGLang's global one. `server_args` override the `ServerArgs` below (a recipe, other sites)."""
+    from sglang.srt.distributed.parallel_state import get_moe_tp_group, get_tp_group
     from sglang.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     from sglang_trace import hooks
-    from sglang_trace.capturer import TraceCapturer
-    from sglang_trace.config import ModelLayout, check_server_args
+    from sglang_trace.config import ModelLayout
+    from tests.sglang_cpu import cpu_capturer, trace_server_args
 
-    args = ServerArgs(
-        **{
-            "model_path": "dummy",
-            "device": "cpu",
-            "trace_mode": "emulate",
-            "trace_store": store,
-            "trace_sites": "moe_in",
-            "tp_size": tp_group_world,
-        }
-        | server_args
-    )
+    args = trace_server_args(store, **({"trace_sites": "moe_in", "tp_size": tp_group_world} | server_args))
     set_global_server_args_for_scheduler(args)
     layer = layer_mod.FusedMoE(
         num_experts=E, hidden_size=H, intermediate_size=INTER, layer_id=LAYER, top_k=TOPK, params_dtype=torch.bfloat16
     )
-    ckpt = checkpoint()
-    load(layer, ckpt, range(E))
-    from sglang.srt.distributed.parallel_state import get_moe_tp_group, get_tp_group
-
+    load(layer, checkpoint(), range(E))
     moe_tp, tp = get_moe_tp_group(), get_tp_group()
-    cap = TraceCapturer(
-        check_server_args(args),
+    cap = cpu_capturer(
+        args,
         ModelLayout("Qwen3MoeForCausalLM", 2, (0, LAYER), attention_layers, H, 1, 16, TOPK),
-        kv_pool=None,
-        max_tokens=16,
-        num_slots=32,
-        max_request_tokens=16,
-        device="cpu",
-        return_routes=False,
         weights=hooks.EXPERT_WEIGHTS,
         tp_rank=tp.rank_in_group,
         tp_size=tp.world_size,
@@ -143,6 +126,20 @@ def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = 
     )
     set_global_experts_capturer(cap)
     return layer
+
+
+@contextmanager
+def installed_layer(store: str, **server_args):
+    """`sglang_layer` on a one-process SGLang TP group, its capturer SGLang's global one until the block ends."""
+    from sglang.srt.layers.moe.routed_experts_capturer import _RoutedExpertsCapturerNoop, set_global_experts_capturer
+
+    from tests.sglang_cpu import init_cpu_parallel_state
+
+    init_cpu_parallel_state()
+    try:
+        yield sglang_layer(store, **server_args)
+    finally:
+        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
 
 
 def run_sglang(layer) -> tuple[dict, torch.Tensor]:
@@ -229,18 +226,8 @@ def engine_rows(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def sglang_tp1(tmp_path_factory):
-    from sglang.srt.layers.moe.routed_experts_capturer import (
-        _RoutedExpertsCapturerNoop,
-        set_global_experts_capturer,
-    )
-
-    from tests.sglang_cpu import init_cpu_parallel_state
-
-    init_cpu_parallel_state()
-    try:
-        yield run_sglang(sglang_layer(str(tmp_path_factory.mktemp("store"))))
-    finally:
-        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+    with installed_layer(str(tmp_path_factory.mktemp("store"))) as layer:
+        yield run_sglang(layer)
 
 
 def test_fc1_and_fc2_inputs_are_identical_on_rollout_trainer_and_engine(sglang_tp1, engine_rows):

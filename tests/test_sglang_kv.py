@@ -199,34 +199,21 @@ def run_rank(rank: int, world: int, group, store: str, return_routes: bool) -> d
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.server_args import ServerArgs
 
-    from sglang_trace.capturer import TraceCapturer
-    from sglang_trace.config import ModelLayout, check_server_args
-    from sglang_trace.moe import ExpertWeights
+    from sglang_trace.config import ModelLayout
+    from tests.sglang_cpu import cpu_capturer, trace_server_args
 
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        kv_cache_dtype="fp4_e2m1",
-        trace_mode="emulate",
-        trace_layers="all",
-        trace_sites="moe_in,k,v",
-        trace_store=store,
-    )
+    server_args = trace_server_args(store, kv_cache_dtype="fp4_e2m1", trace_layers="all", trace_sites="moe_in,k,v")
     layout = ModelLayout("Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), 64, HEADS, 32, 2)
     local = HEADS // world
     pool = fp4_pool(heads=local)
-    cap = TraceCapturer(
-        check_server_args(server_args),
+    cap = cpu_capturer(
+        server_args,
         layout,
         kv_pool=pool,
-        max_tokens=16,
         num_slots=SLOTS,
         max_request_tokens=32,
-        device="cpu",
         return_routes=return_routes,
-        weights=ExpertWeights(),
         tp_rank=rank,
         tp_size=world,
         trace_group=group,

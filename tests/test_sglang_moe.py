@@ -21,11 +21,11 @@ from sglang.srt.layers.moe.routed_experts_capturer import (  # noqa: E402
     set_global_experts_capturer,
 )
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
-from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+from sglang.srt.server_args import set_global_server_args_for_scheduler  # noqa: E402
 
 from sglang_trace import hooks  # noqa: E402
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input  # noqa: E402
-from tests.sglang_cpu import init_cpu_parallel_state  # noqa: E402
+from tests.sglang_cpu import cpu_capturer, init_cpu_parallel_state, trace_server_args  # noqa: E402
 from trace_core.capture import RecordCapturer  # noqa: E402
 from trace_core.quant import dequantize, nvfp4_global_scale, quantize  # noqa: E402
 from trace_core.records import ModelShape, Record, RecordSpec  # noqa: E402
@@ -36,9 +36,7 @@ E, H, INTER, TOPK = 4, 64, 32, 2
 @pytest.fixture(scope="module")
 def emulate_args():
     init_cpu_parallel_state()
-    args = ServerArgs(
-        model_path="dummy", device="cpu", trace_mode="emulate", trace_store="/unused", trace_sites="moe_in"
-    )
+    args = trace_server_args("/unused", trace_sites="moe_in")
     set_global_server_args_for_scheduler(args)
     yield args
     set_global_experts_capturer(_RoutedExpertsCapturerNoop())
@@ -127,8 +125,7 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     """FusedMoE.forward_impl with TRACE on equals the reference: NVFP4 MoE input, NVFP4 FC2 input per (token,
     expert) row (`trace_core.fc2`), the top-k weight applied to each expert's BF16 FC2 output in FP32 and summed
     in FP32 (SGLang's CPU expert path, `moe_forward_native`)."""
-    from sglang_trace.capturer import TraceCapturer
-    from sglang_trace.config import ModelLayout, check_server_args
+    from sglang_trace.config import ModelLayout
 
     layer = make_layer(layer_id=1)
     load(layer, checkpoint(4))
@@ -148,26 +145,8 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     reference = torch.stack(rows).view(6, TOPK, H).sum(dim=1).to(x.dtype)
     unquantized = layer.forward_impl(x, topk)
     layout = ModelLayout("Qwen3MoeForCausalLM", 2, (0, 1), (0, 1), H, 1, 16, TOPK)
-    args = check_server_args(
-        ServerArgs(
-            model_path="dummy",
-            trace_mode="emulate",
-            trace_store=str(tmp_path),
-            trace_sites="moe_in",
-            trace_record_bits=4,
-        )
-    )
-    cap = TraceCapturer(
-        args,
-        layout,
-        kv_pool=None,
-        max_tokens=8,
-        num_slots=16,
-        max_request_tokens=8,
-        device="cpu",
-        return_routes=False,
-        weights=hooks.EXPERT_WEIGHTS,
-    )
+    args = trace_server_args(str(tmp_path), trace_sites="moe_in", trace_record_bits=4)
+    cap = cpu_capturer(args, layout, max_tokens=8, num_slots=16, max_request_tokens=8, weights=hooks.EXPERT_WEIGHTS)
     set_global_experts_capturer(cap)
     try:
         traced = layer.forward_impl(x, topk)

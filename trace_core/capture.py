@@ -28,8 +28,11 @@ from trace_core.quant import Quantized
 from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits, packed_len
 from trace_core.store import Site, SiteLayout, TrajectoryRecords, site_layout
 
-ALIGN = 4  # fp32 / int32 fields are read through dtype views of the byte rows
-MARK_SET, SENTINEL = 1, 0xFF  # a hook marker's byte once its hook ran / every sentinel byte after a reset
+# Rows are padded to whole 8-byte words: the store and staging are copied and gathered through int64 views (one
+# element per 8 bytes; PyTorch's index kernels run one thread-element per element of the dtype, so a byte view
+# costs 8x the elements). Fields: fp32 / int32 ones first (4-aligned, read through dtype views), then the bytes.
+ALIGN, WORD = 8, torch.int64
+MARK_SET = 1  # a hook marker's byte once its hook ran; a reset sets every sentinel byte to 0xFF
 
 
 @dataclass
@@ -54,12 +57,16 @@ class SiteBuffers:
     global_scale: torch.Tensor | None
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 @dataclass(frozen=True)
 class RowLayout:
     """Byte offsets of every field inside a token row; fp32/int32 fields first, so all of them are aligned. Every
     row carries a `written` byte (1 in staging, so a stored row is marked written; `release` clears it). The routes
-    (last wide field) and the hook markers (first narrow field) are adjacent: `sentinels` is their byte range, which
-    one fill resets after every forward (`RecordCapturer.on_forward_end`)."""
+    (last wide field) and the hook markers (first narrow field, padded to 4 bytes) are adjacent: `sentinels` is
+    their 4-aligned byte range, which one int32 fill resets after every forward (`RecordCapturer.on_forward_end`)."""
 
     fields: dict[tuple[str, str], tuple[int, int]]  # (owner, field) -> (offset, bytes)
     row_bytes: int
@@ -87,7 +94,9 @@ class RowLayout:
         for key, size in wide + narrow:
             fields[key] = (offset, size)
             offset += size
-        return cls(fields=fields, row_bytes=-(-offset // ALIGN) * ALIGN)
+            if key == ("meta", "marks"):
+                offset = _round_up(offset, 4)  # the sentinel range ends on a 4-byte boundary
+        return cls(fields=fields, row_bytes=_round_up(offset, ALIGN))
 
     @property
     def sentinels(self) -> slice:
@@ -96,7 +105,7 @@ class RowLayout:
         if not owners:
             return slice(0, 0)
         start = self.fields[owners[0]][0]
-        end = sum(self.fields[owners[-1]])
+        end = _round_up(sum(self.fields[owners[-1]]), 4)
         return slice(start, end)
 
     def view(self, rows: torch.Tensor, owner: str, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -125,6 +134,17 @@ def record_row_layout(
         raise ValueError(f"marks must be >= 0, got {marks}")
     layouts = {s: full[s] for s in chosen}
     return layouts, RowLayout.build(layouts, routes, marks, versioned)
+
+
+def shard_layers(layers: Sequence[int], recorded: Sequence[int], tp_size: int) -> list[tuple[int, ...]]:
+    """The MoE layers each of `tp_size` TP ranks keeps in its record store (rank order, each in layer order):
+    round-robin over the ranks, the `recorded` layers first and then the others (hook markers and routes only), so
+    every rank keeps about 1 / tp_size of the record bytes."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    order = list(recorded) + [layer for layer in layers if layer not in recorded]
+    owner = {layer: k % tp_size for k, layer in enumerate(order)}
+    return [tuple(layer for layer in layers if owner[layer] == rank) for rank in range(tp_size)]
 
 
 @dataclass(frozen=True)
@@ -240,8 +260,12 @@ class RecordCapturer:
         self.staging = torch.zeros(max_tokens, self.row.row_bytes, dtype=torch.uint8, device=device)
         self.device = self.staging.device  # resolved: "cuda" becomes "cuda:<current>", as the forward's tensors are
         self.row.view(self.staging, "meta", "written").fill_(1)
-        self.staging[:, self.row.sentinels].fill_(SENTINEL)
         self.store = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8, device=self.device)
+        # word views: the forward's copy into the store and the finish gather move 8-byte words, not bytes
+        self._staging_words, self._store_words = self.staging.view(WORD), self.store.view(WORD)
+        sentinels = self.row.sentinels
+        self._sentinel_words = self.staging.view(torch.int32)[:, sentinels.start // 4 : sentinels.stop // 4]
+        self._reset_sentinels()
         self.stats = CaptureStats()
         self._version: int | None = None  # the weight version the staging rows carry
         self._staged: dict[Site | int, int] = {}  # site or route layer -> rows staged in this forward
@@ -366,12 +390,16 @@ class RecordCapturer:
         if version is not None and version != self._version:
             self.row.view(self.staging, "meta", "version", torch.int32).fill_(version)
             self._version = version
-        self.store.index_copy_(0, slots, self.staging[span])
-        self.staging[:, self.row.sentinels].fill_(SENTINEL)  # after the rows were stored, on the same stream
+        self._store_words.index_copy_(0, slots, self._staging_words[span])
+        self._reset_sentinels()  # after the rows were stored, on the same stream
         self.stats.forwards += 1
         self.stats.rows += rows
         self.stats.bytes += rows * self.row.row_bytes
         return self.stats.forwards - 1
+
+    def _reset_sentinels(self) -> None:
+        """Every staging row's routes to -1 and hook markers to unset: one int32 fill (each sentinel byte 0xFF)."""
+        self._sentinel_words.fill_(-1)
 
     def _check_range(self, slots: torch.Tensor) -> None:
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
@@ -388,19 +416,24 @@ class RecordCapturer:
         self.row.view(self.store, "meta", "written")[slots] = 0
 
     def gather_rows(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Store rows at `slots` (1-D int32 or int64, on the capturer's device) as one `[len, row_bytes]` tensor
-        (written into `out`, contiguous, when given): one `index_select` on the current stream, no host sync.
-        `read` checks and splits them."""
+        """Store rows at `slots` (1-D int32 or int64, on the capturer's device) as one uint8 `[len, row_bytes]`
+        tensor (written into `out`, contiguous and 8-byte aligned, when given): one `index_select` of 8-byte words on
+        the current stream, no host sync. `read` checks and splits them."""
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be a 1-D int tensor, got {slots.dtype} {tuple(slots.shape)}")
         slots = slots.to(self.device)
         if self.device.type == "cpu":
             self._check_range(slots)
         if out is None:
-            return self.store.index_select(0, slots)
-        if out.shape != (slots.shape[0], self.row.row_bytes) or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous [{slots.shape[0]}, {self.row.row_bytes}], got {tuple(out.shape)}")
-        return torch.index_select(self.store, 0, slots, out=out)
+            return self._store_words.index_select(0, slots).view(torch.uint8)
+        shape = (slots.shape[0], self.row.row_bytes)
+        if out.dtype != torch.uint8 or out.shape != shape or not out.is_contiguous() or out.data_ptr() % ALIGN:
+            raise ValueError(
+                f"out must be contiguous uint8 {list(shape)} at an {ALIGN}-byte aligned address, got {out.dtype} "
+                f"{tuple(out.shape)} at address offset {out.data_ptr() % ALIGN} (mod {ALIGN})"
+            )
+        torch.index_select(self._store_words, 0, slots, out=out.view(WORD))
+        return out
 
     def gather(self, slots: torch.Tensor, length: int, *, version: int | None = None) -> TrajectoryRecords:
         """Records of positions [0, length) of a request whose position i lives in KV slot `slots[i]`, on the

@@ -68,8 +68,8 @@ def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
 class RankTrainer(MegatronTrainer):
     """One rank of the parallel trainer: this rank's model chunks (Megatron DDP, one `TraceSession` each) and
     Megatron's distributed optimizer. A step's trajectories of this DP rank run as micro-batches of `micro_batch`
-    trajectories (0: one micro-batch), gradients accumulated through Megatron's schedule. Construct it in every rank of a torch.distributed launch (torchrun or a
-    `TrainerGroup`); every method is collective."""
+    trajectories (0: one micro-batch), gradients accumulated through Megatron's schedule. Construct it in every rank
+    of a torch.distributed launch (torchrun or a `TrainerGroup`); every method is collective."""
 
     def __init__(
         self,
@@ -134,6 +134,8 @@ class RankTrainer(MegatronTrainer):
         parameters as it copies the masters of BF16 parameters (`_copy_main_params_to_model_params`)."""
         weights = {id(w) for s in self.sessions for w in s.in_place_weights()}
         for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+            if o.is_stub_optimizer:  # no parameters of this kind (dense / expert) on this rank
+                continue
             for group, models, shards in zip(
                 o.optimizer.param_groups, o.model_fp32_groups, o.shard_fp32_groups, strict=True
             ):

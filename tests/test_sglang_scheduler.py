@@ -1,0 +1,271 @@
+"""TRACE under SGLang's own scheduler on CPU: the `Scheduler` of sglang 0.5.10.post1 (patched), built by its own
+constructor, takes requests, schedules batches and processes their results; only the model worker and the sockets
+are replaced.
+
+What runs for real:
+  * `Scheduler.__init__`: server-args parsing, the model config read from a model directory, the radix cache and
+    the KV allocator built by `init_cache_with_memory_pool` on the worker's pools, chunked prefill, the schedule
+    policy, the request dispatcher, the grammar manager;
+  * one iteration of `event_loop_normal` at a time (`step`): `get_next_batch_to_run` (the prefill adder with prefix
+    matching and chunked prefill, `update_running_batch` with its decode memory check and retraction), `run_batch`
+    and `process_batch_result` (finish checks, `release_kv_cache`, the patched `maybe_collect_routed_experts` and
+    `stream_output`), which sends `BatchTokenIDOutput` with the TRACE handles (patch 0006);
+  * `process_input_requests` with `TokenizedGenerateReqInput` and `AbortReq`, as the tokenizer manager sends them.
+Replaced: the model worker (`CpuWorker`, SGLang's `BaseTpWorker` whose forward is `test_sglang_rollout.Rollout`'s:
+SGLang's patched FusedMoE layers, its FP4 KV pool and the TRACE capturer; sampled ids from a seeded generator) and
+the ZMQ sockets (a list). SGLang's `ServerArgs` refuses `--kv-cache-dtype fp4_e2m1` on a machine without CUDA
+(`_handle_kv4_compatibility`), so the scheduler's settings record `moe_in` only; the worker's capturer, installed by
+`hooks.install_capturer` from the rollout's settings, also records K and V of its FP4 pool.
+
+Every request's stored records must equal the reference quantization of what the forward that last wrote each of
+its KV slots computed, read when the request finished (later requests may overwrite the slots).
+"""
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+install_sgl_kernel_stand_in()
+pytest.importorskip("sglang.srt.managers.scheduler", reason="sglang and its CPU deps (setproctitle): make setup")
+
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
+from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.managers.tp_worker import BaseTpWorker  # noqa: E402
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+
+from tests.test_sglang_rollout import LAYERS, expected, qwen3_moe, rollout  # noqa: E402, F401 (the fixture)
+from trace_core.store_reader import RecordReader  # noqa: E402
+
+MAX_RUNNING, CONTEXT = 4, 32  # the rollout's ReqToTokenPool: 4 rows of 32 slots
+
+
+class CpuWorker(BaseTpWorker):
+    """SGLang's model-worker interface over the rollout: its pools, and a forward that runs the rollout's layers on
+    the batch's KV slots and samples the next ids from a seeded generator."""
+
+    def __init__(self, engine, kv_slots: int, model_config) -> None:
+        self.engine, self.model_config, self.kv_slots = engine, model_config, kv_slots
+        self.runner = SimpleNamespace(
+            req_to_token_pool=engine.req_to_token_pool,
+            token_to_kv_pool=engine.pool,
+            token_to_kv_pool_allocator=TokenToKVPoolAllocator(
+                kv_slots, torch.bfloat16, "cpu", engine.pool, need_sort=False
+            ),
+            is_hybrid_swa=False,
+            hybrid_gdn_config=None,
+            mamba2_config=None,
+            model=None,
+            forward_stream=torch.cpu.Stream(),  # what the overlap scheduler launches forwards on
+        )
+        self.sampler = torch.Generator().manual_seed(7)
+
+    @property
+    def model_runner(self):
+        return self.runner
+
+    def get_worker_info(self):
+        """`TpModelWorker.get_worker_info`'s tuple: token budget, prefill budget, running and queued requests,
+        request lengths, seed, device, stream, pool sizes."""
+        stream = self.runner.forward_stream
+        return (self.kv_slots, 16384, MAX_RUNNING, None, CONTEXT, CONTEXT - 1, 0, "cpu", stream, 4, CONTEXT, 64)
+
+    def forward_batch_generation(self, model_worker_batch, *args, **kwargs) -> GenerationBatchResult:
+        batch = model_worker_batch
+        self.engine.forward(batch.out_cache_loc.tolist(), batch.forward_mode)
+        ids = torch.randint(0, 100, (len(batch.seq_lens),), generator=self.sampler)
+        return GenerationBatchResult(logits_output=LogitsProcessorOutput(next_token_logits=None), next_token_ids=ids)
+
+
+class CpuScheduler(Scheduler):
+    """SGLang's `Scheduler` with the CPU worker and a list for its sockets. It also notes, for each finished
+    request, its KV slots and what the forwards that last wrote them saw (to check the store later)."""
+
+    def __init__(self, engine, kv_slots: int, server_args: ServerArgs) -> None:
+        self.engine, self.kv_slots = engine, kv_slots
+        self.sent: list = []
+        self.launched: list = []  # (forward mode, rids) of every batch launched
+        self.finished_slots: dict[str, tuple[list[int], dict]] = {}
+        port_args = PortArgs.init_new(server_args)
+        super().__init__(server_args, port_args, 0, 0, 0, 0, 0, 0, None)
+        self.result_queue: deque = deque()  # event_loop_overlap's
+        self.schedule_stream = self.device_module.Stream(priority=0)  # as run_event_loop sets it up on CPU
+        self.schedule_stream.synchronize = lambda: None
+
+    def init_ipc_channels(self, port_args) -> None:
+        self.idle_sleeper = self.recv_from_tokenizer = self.recv_from_rpc = None
+        self.send_to_tokenizer = self.send_to_detokenizer = SimpleNamespace(
+            send_output=lambda out, *args, **kwargs: self.sent.append(out)
+        )
+
+    def init_tp_model_worker(self) -> None:
+        self.tp_worker = CpuWorker(self.engine, self.kv_slots, self.model_config)
+
+    def maybe_collect_routed_experts(self, req) -> None:
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1].tolist()
+        self.finished_slots[req.rid] = (slots, {s: self.engine.seen[s] for s in slots})
+        super().maybe_collect_routed_experts(req)
+
+    def step(self):
+        """One iteration of the event loop SGLang runs (`event_loop_overlap` or `event_loop_normal`) after
+        receiving requests, on the schedule stream; returns the batch it launched."""
+        with self.device_module.StreamContext(self.schedule_stream):
+            batch = self._step_overlap() if self.enable_overlap else self._step_normal()
+        if batch is not None:
+            self.launched.append((batch.forward_mode, [r.rid for r in batch.reqs]))
+        return batch
+
+    def _step_normal(self):
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch:
+            self.process_batch_result(batch, self.run_batch(batch))
+        self.last_batch = batch
+        return batch
+
+    def _step_overlap(self):
+        """Schedule and launch a batch, then process the previous batch's results (while the launched one would
+        run on the GPU)."""
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        disable_overlap_for_batch = self.is_disable_overlap_for_batch(batch)
+        if disable_overlap_for_batch:
+            self.process_batch_result(*self.result_queue.popleft())
+        batch_result = None
+        if batch:
+            batch_result = self.run_batch(batch)
+            self.result_queue.append((batch.copy(), batch_result))
+        if self.last_batch and not disable_overlap_for_batch:
+            self.process_batch_result(*self.result_queue.popleft())
+        self.launch_batch_sample_if_needed(batch_result)
+        self.last_batch = batch
+        return batch
+
+    def run_until_idle(self, steps: int = 60) -> None:
+        """Steps until no batch ran and no request waits."""
+        try:
+            for _ in range(steps):
+                if self.step() is None and not self.waiting_queue and self.chunked_req is None:
+                    return
+        finally:
+            self.cur_batch = None  # idle for SGLang's watchdog thread
+        raise AssertionError(f"not idle after {steps} steps: {self.launched[-3:]}")
+
+    def outputs(self) -> dict[str, tuple]:
+        """rid -> (TRACE handle, finish reason, retraction count) of every finished request streamed so far."""
+        done = {}
+        for out in self.sent:
+            if isinstance(out, BatchTokenIDOutput):
+                for i, rid in enumerate(out.rids):
+                    if out.finished_reasons[i] is not None:
+                        done[rid] = (out.trace_handles[i], out.finished_reasons[i], out.retraction_counts[i])
+        return done
+
+
+def request(rid: str, prompt: list[int], new_tokens: int) -> TokenizedGenerateReqInput:
+    """What the tokenizer manager sends for a prompt of token ids (sampling parameters normalized as it does)."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    params.normalize(None)
+    return TokenizedGenerateReqInput(
+        rid=rid,
+        input_text="",
+        input_ids=list(prompt),
+        mm_inputs=None,
+        sampling_params=params,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+    )
+
+
+def scheduler(engine, tmp_path, kv_slots: int, **settings) -> CpuScheduler:
+    model = tmp_path / "qwen3-moe-tiny"
+    qwen3_moe().save_pretrained(model)
+    base = dict(
+        model_path=str(model),
+        device="cpu",
+        attention_backend="torch_native",
+        disable_overlap_schedule=True,
+        skip_tokenizer_init=True,
+        max_running_requests=MAX_RUNNING,
+        watchdog_timeout=3600,
+        trace_mode="emulate",
+        trace_sites="moe_in",  # fp4_e2m1 KV is refused by SGLang without CUDA: the worker's pool records K/V
+        trace_store=engine.args.trace_store,
+    )
+    server_args = ServerArgs(**(base | settings))
+    set_global_server_args_for_scheduler(server_args)
+    return CpuScheduler(engine, kv_slots, server_args)
+
+
+def check_finished(sched: CpuScheduler, rids: list[str]) -> dict[str, tuple]:
+    """Every request in `rids` finished with an error-free handle naming it, and its stored records equal the
+    reference quantization of what the forwards that last wrote its slots saw when it finished."""
+    engine = sched.engine
+    engine.capturer.flush()
+    outputs = sched.outputs()
+    reader = RecordReader(engine.args.trace_store, 0)
+    for rid in rids:
+        handle, _, _ = outputs[rid]
+        slots, seen = sched.finished_slots[rid]
+        assert handle["trajectory"] == rid and handle["tokens"] == len(slots) and "error" not in handle, handle
+        got = reader.load([(rid, 0, len(slots))])
+        now, engine.seen = engine.seen, seen
+        try:
+            for site in [(layer, kind) for layer in range(LAYERS) for kind in ("moe_in", "k", "v")]:
+                ref = expected(engine, slots, site)
+                assert torch.equal(got.records[site].low_bits[0], ref.low_bits), (rid, site)
+                assert torch.equal(got.records[site].scales[0], ref.scales), (rid, site)
+        finally:
+            engine.seen = now
+        routes = torch.stack([torch.stack([seen[s][("routes", la)] for la in range(LAYERS)]) for s in slots])
+        assert torch.equal(got.routes[0], routes), rid
+    return outputs
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_prefix_sharing_chunked_prefill_and_abort_through_sglangs_scheduler(rollout, tmp_path, overlap):  # noqa: F811
+    sched = scheduler(rollout, tmp_path, kv_slots=24, chunked_prefill_size=4, disable_overlap_schedule=not overlap)
+    assert sched.enable_overlap == overlap
+    assert type(sched.tree_cache).__name__ == "RadixCache" and sched.chunked_prefill_size == 4
+    sched.process_input_requests([request("A", [11, 12, 13, 14], 3), request("B", [21, 22, 23], 1)])
+    sched.step(), sched.step()  # A's prompt fills the first chunk; B's next (overlap: A's result processed)
+    long_prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # A's prompt, then 6 more tokens: 2 chunks
+    sched.process_input_requests([request("C", long_prompt, 2), request("D", [31, 32], 5)])
+    sched.run_until_idle()
+    sched.process_input_requests([AbortReq(rid="D")])  # D finished already: nothing to abort
+    sched.process_input_requests([request("E", [41, 42, 43], 6)])
+    sched.step(), sched.step()  # E's prefill, one decode step
+    sched.process_input_requests([AbortReq(rid="E")])  # E is running: it finishes aborted at its next step
+    sched.run_until_idle()
+    prefills = [rids for mode, rids in sched.launched if mode.is_extend()]
+    assert sum("C" in rids for rids in prefills) >= 2, prefills  # C's uncached prompt part went in chunks
+    outputs = check_finished(sched, ["A", "B", "C", "D", "E"])
+    assert sched.finished_slots["C"][0][:4] == sched.finished_slots["A"][0][:4]  # C hit A's cached prompt
+    assert outputs["B"][1]["type"] == "length" and outputs["E"][1]["type"] == "abort"
+    assert len(sched.finished_slots["E"][0]) < 3 + 6 - 1  # aborted before its last token
+    stats = rollout.capturer.stats
+    assert stats.write_failures == 0 and stats.shards_written == 5
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_retraction_under_kv_pressure_through_sglangs_scheduler(rollout, tmp_path, overlap):  # noqa: F811
+    """A KV pool too small for three requests' outputs: SGLang's decode memory check retracts a request, frees its
+    slots, and prefills it again later (prompt and output so far)."""
+    # schedule_conservativeness: admit all three at once
+    settings = dict(schedule_conservativeness=0.05, disable_overlap_schedule=not overlap)
+    sched = scheduler(rollout, tmp_path, kv_slots=20, **settings)
+    sched.process_input_requests([request(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3], 9) for i, rid in enumerate("PQR")])
+    sched.run_until_idle()
+    outputs = check_finished(sched, ["P", "Q", "R"])
+    assert max(retracted for _, _, retracted in outputs.values()) >= 1
+    assert rollout.capturer.stats.write_failures == 0
