@@ -297,3 +297,41 @@ def test_cache_and_batch_modes_through_sglangs_scheduler(rollout, tmp_path, over
     else:
         assert any(mode.is_mixed() for mode, _ in sched.launched)
     assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.shards_written == 4
+
+
+def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_path):  # noqa: F811
+    """With `--skip-tokenizer-init` the scheduler sends its `BatchTokenIDOutput` straight to the tokenizer manager,
+    whose real `_handle_batch_output` (patch 0009) puts each finished request's handle into
+    `meta_info["trace"]`. The manager is built without its constructor (no sockets, no tokenizer): only the state
+    its output handler reads, one `ReqState` per request as `generate_request` registers it. The multi-tokenizer
+    split of the same output (patch 0008's token-id branch) cannot run: SGLang's own `_handle_output_by_index`
+    leaves out two required fields there, with or without TRACE."""
+    pytest.importorskip("sglang.srt.managers.tokenizer_manager", reason="fastapi, uvloop: the sglang-cpu extra")
+    import asyncio
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.multi_tokenizer_mixin import _handle_output_by_index
+    from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
+    from sglang.srt.observability.req_time_stats import APIServerReqTimeStats
+
+    sched = scheduler(rollout, tmp_path, kv_slots=24, chunked_prefill_size=4)
+    run_four_requests(sched)
+    handles = {rid: handle for rid, (handle, _, _) in sched.outputs().items()}
+    manager = TokenizerManager.__new__(TokenizerManager)
+    manager.server_args, manager.enable_metrics = sched.server_args, False
+    manager.dump_requests_folder = manager.crash_dump_folder = None
+    states = {
+        rid: ReqState([], False, asyncio.Event(), GenerateReqInput(input_ids=[1], rid=rid), APIServerReqTimeStats())
+        for rid in "ABCD"
+    }
+    manager.rid_to_state = dict(states)
+    for out in sched.sent:
+        if isinstance(out, BatchTokenIDOutput) and out.rids:
+            manager._handle_batch_output(out)
+    for rid, state in states.items():
+        meta = state.out_list[-1]["meta_info"]
+        assert state.finished and meta["trace"] == handles[rid] and meta["trace"]["trajectory"] == rid
+    assert not manager.rid_to_state  # every request finished and was released
+    last = next(out for out in reversed(sched.sent) if isinstance(out, BatchTokenIDOutput) and out.rids)
+    with pytest.raises(TypeError, match="routed_experts"):
+        _handle_output_by_index(last, 0)
