@@ -64,12 +64,18 @@ class CpuWorker(BaseTpWorker):
             mamba2_config=None,
             model=None,
             forward_stream=torch.cpu.Stream(),  # what the overlap scheduler launches forwards on
+            update_weights_from_disk=self.reload_weights,
         )
         self.sampler = torch.Generator().manual_seed(7)
 
     @property
     def model_runner(self):
         return self.runner
+
+    def reload_weights(self, model_path: str, load_format, recapture_cuda_graph: bool = False) -> tuple[bool, str]:
+        """The model runner's `update_weights_from_disk`: new expert weights through the FusedMoE weight loader."""
+        self.engine.load_weights()
+        return True, "Succeeded to update model weights."
 
     def get_worker_info(self):
         """`TpModelWorker.get_worker_info`'s tuple: token budget, prefill budget, running and queued requests,
@@ -207,17 +213,18 @@ def scheduler(engine, tmp_path, kv_slots: int, **settings) -> CpuScheduler:
     return CpuScheduler(engine, kv_slots, server_args)
 
 
-def check_finished(sched: CpuScheduler, rids: list[str]) -> dict[str, tuple]:
-    """Every request in `rids` finished with an error-free handle naming it, and its stored records equal the
-    reference quantization of what the forwards that last wrote its slots saw when it finished."""
+def check_finished(sched: CpuScheduler, rids: list[str], step: int = 0) -> dict[str, tuple]:
+    """Every request in `rids` finished with an error-free handle naming it and RL step `step`, and its stored
+    records equal the reference quantization of what the forwards that last wrote its slots saw when it finished."""
     engine = sched.engine
     engine.capturer.flush()
     outputs = sched.outputs()
-    reader = RecordReader(engine.args.trace_store, 0)
+    reader = RecordReader(engine.args.trace_store, step)
     for rid in rids:
         handle, _, _ = outputs[rid]
         slots, seen = sched.finished_slots[rid]
         assert handle["trajectory"] == rid and handle["tokens"] == len(slots) and "error" not in handle, handle
+        assert handle["step"] == step, handle
         got = reader.load([(rid, 0, len(slots))])
         now, engine.seen = engine.seen, seen
         try:
@@ -335,3 +342,35 @@ def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_
     last = next(out for out in reversed(sched.sent) if isinstance(out, BatchTokenIDOutput) and out.rids)
     with pytest.raises(TypeError, match="routed_experts"):
         _handle_output_by_index(last, 0)
+
+
+def test_weight_updates_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F811
+    """`UpdateWeightFromDiskReqInput` through the scheduler's dispatcher and its real `update_weights_from_disk`
+    (patch 0005): with `flush_cache=False` a request reusing a prompt cached under the old weights is refused
+    (error in its handle, marked failed in the store), never filed under the new step; with a flush (SGLang's real
+    `flush_cache` empties the radix tree) the next request's records are stored under the new step."""
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    from trace_core.store_reader import FailedRecordError
+
+    sched = scheduler(rollout, tmp_path, kv_slots=24)
+    prompt = [11, 12, 13, 14]
+    sched.process_input_requests([request("A", prompt, 2)])
+    sched.run_until_idle()
+    check_finished(sched, ["A"], step=0)
+    update = UpdateWeightFromDiskReqInput(model_path="new-weights", weight_version="1", flush_cache=False)
+    sched.process_input_requests([update])
+    assert rollout.capturer.step == 1 and sched.tree_cache.total_size() > 0  # the cache kept A's prompt
+    sched.process_input_requests([request("B", prompt + [15], 2)])
+    sched.run_until_idle()
+    handle = sched.outputs()["B"][0]
+    assert sched.finished_slots["B"][0][:4] == sched.finished_slots["A"][0][:4]  # B reused A's old-weight prompt
+    assert handle["step"] == 1 and "computed under weight versions [0, 1]" in handle["error"]
+    rollout.capturer.flush()
+    with pytest.raises(FailedRecordError, match="weight versions"):
+        RecordReader(rollout.args.trace_store, 1).load([("B", 0, 5)])
+    sched.process_input_requests([UpdateWeightFromDiskReqInput(model_path="new-weights", weight_version="2")])
+    assert rollout.capturer.step == 2 and sched.tree_cache.total_size() == 0  # flushed
+    sched.process_input_requests([request("C", prompt + [15], 2)])
+    sched.run_until_idle()
+    check_finished(sched, ["C"], step=2)
