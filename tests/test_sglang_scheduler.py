@@ -121,7 +121,10 @@ class CpuScheduler(Scheduler):
 
     def step(self):
         """One iteration of the event loop SGLang runs (`event_loop_overlap` or `event_loop_normal`) after
-        receiving requests, on the schedule stream; returns the batch it launched."""
+        receiving requests, on the schedule stream; returns the batch it launched (None while paused, as the loops
+        skip scheduling then)."""
+        if self._engine_paused:
+            return None
         with self.device_module.StreamContext(self.schedule_stream):
             batch = self._step_overlap() if self.enable_overlap else self._step_normal()
         if batch is not None:
@@ -374,3 +377,27 @@ def test_weight_updates_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F
     sched.process_input_requests([request("C", prompt + [15], 2)])
     sched.run_until_idle()
     check_finished(sched, ["C"], step=2)
+
+
+def test_an_in_place_pause_across_a_weight_update_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F811
+    """`PauseGenerationReqInput(mode="in_place")`, an update without a flush, `ContinueGenerationReqInput`, all
+    through the scheduler's dispatcher: the running request keeps its old-weight KV and finishes under the new
+    weights, so its records are refused (error in its handle), never filed under the new step."""
+    from sglang.srt.managers.io_struct import (
+        ContinueGenerationReqInput,
+        PauseGenerationReqInput,
+        UpdateWeightFromDiskReqInput,
+    )
+
+    sched = scheduler(rollout, tmp_path, kv_slots=24)
+    sched.process_input_requests([request("R", [51, 52, 53], 6)])
+    sched.step(), sched.step()  # prefill, one decode step
+    sched.process_input_requests([PauseGenerationReqInput(mode="in_place")])
+    assert sched.step() is None and sched.running_batch.reqs  # paused with R running
+    update = UpdateWeightFromDiskReqInput(model_path="new-weights", weight_version="1", flush_cache=False)
+    sched.process_input_requests([update, ContinueGenerationReqInput()])
+    sched.run_until_idle()
+    handle = sched.outputs()["R"][0]
+    assert handle["step"] == 1 and "computed under weight versions [0, 1]" in handle["error"]
+    rollout.capturer.flush()
+    assert rollout.capturer.stats.shards_written == 0 and rollout.capturer.stats.failed == ["R"]
