@@ -64,12 +64,18 @@ class CpuWorker(BaseTpWorker):
             mamba2_config=None,
             model=None,
             forward_stream=torch.cpu.Stream(),  # what the overlap scheduler launches forwards on
+            update_weights_from_disk=self.reload_weights,
         )
         self.sampler = torch.Generator().manual_seed(7)
 
     @property
     def model_runner(self):
         return self.runner
+
+    def reload_weights(self, model_path: str, load_format, recapture_cuda_graph: bool = False) -> tuple[bool, str]:
+        """The model runner's `update_weights_from_disk`: new expert weights through the FusedMoE weight loader."""
+        self.engine.load_weights()
+        return True, "Succeeded to update model weights."
 
     def get_worker_info(self):
         """`TpModelWorker.get_worker_info`'s tuple: token budget, prefill budget, running and queued requests,
@@ -115,7 +121,10 @@ class CpuScheduler(Scheduler):
 
     def step(self):
         """One iteration of the event loop SGLang runs (`event_loop_overlap` or `event_loop_normal`) after
-        receiving requests, on the schedule stream; returns the batch it launched."""
+        receiving requests, on the schedule stream; returns the batch it launched (None while paused, as the loops
+        skip scheduling then)."""
+        if self._engine_paused:
+            return None
         with self.device_module.StreamContext(self.schedule_stream):
             batch = self._step_overlap() if self.enable_overlap else self._step_normal()
         if batch is not None:
@@ -207,17 +216,18 @@ def scheduler(engine, tmp_path, kv_slots: int, **settings) -> CpuScheduler:
     return CpuScheduler(engine, kv_slots, server_args)
 
 
-def check_finished(sched: CpuScheduler, rids: list[str]) -> dict[str, tuple]:
-    """Every request in `rids` finished with an error-free handle naming it, and its stored records equal the
-    reference quantization of what the forwards that last wrote its slots saw when it finished."""
+def check_finished(sched: CpuScheduler, rids: list[str], step: int = 0) -> dict[str, tuple]:
+    """Every request in `rids` finished with an error-free handle naming it and RL step `step`, and its stored
+    records equal the reference quantization of what the forwards that last wrote its slots saw when it finished."""
     engine = sched.engine
     engine.capturer.flush()
     outputs = sched.outputs()
-    reader = RecordReader(engine.args.trace_store, 0)
+    reader = RecordReader(engine.args.trace_store, step)
     for rid in rids:
         handle, _, _ = outputs[rid]
         slots, seen = sched.finished_slots[rid]
         assert handle["trajectory"] == rid and handle["tokens"] == len(slots) and "error" not in handle, handle
+        assert handle["step"] == step, handle
         got = reader.load([(rid, 0, len(slots))])
         now, engine.seen = engine.seen, seen
         try:
@@ -297,3 +307,97 @@ def test_cache_and_batch_modes_through_sglangs_scheduler(rollout, tmp_path, over
     else:
         assert any(mode.is_mixed() for mode, _ in sched.launched)
     assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.shards_written == 4
+
+
+def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_path):  # noqa: F811
+    """With `--skip-tokenizer-init` the scheduler sends its `BatchTokenIDOutput` straight to the tokenizer manager,
+    whose real `_handle_batch_output` (patch 0009) puts each finished request's handle into
+    `meta_info["trace"]`. The manager is built without its constructor (no sockets, no tokenizer): only the state
+    its output handler reads, one `ReqState` per request as `generate_request` registers it. The multi-tokenizer
+    split of the same output (patch 0008's token-id branch) cannot run: SGLang's own `_handle_output_by_index`
+    leaves out two required fields there, with or without TRACE."""
+    pytest.importorskip("sglang.srt.managers.tokenizer_manager", reason="fastapi, uvloop: the sglang-cpu extra")
+    import asyncio
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.multi_tokenizer_mixin import _handle_output_by_index
+    from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
+    from sglang.srt.observability.req_time_stats import APIServerReqTimeStats
+
+    sched = scheduler(rollout, tmp_path, kv_slots=24, chunked_prefill_size=4)
+    run_four_requests(sched)
+    handles = {rid: handle for rid, (handle, _, _) in sched.outputs().items()}
+    manager = TokenizerManager.__new__(TokenizerManager)
+    manager.server_args, manager.enable_metrics = sched.server_args, False
+    manager.dump_requests_folder = manager.crash_dump_folder = None
+    states = {
+        rid: ReqState([], False, asyncio.Event(), GenerateReqInput(input_ids=[1], rid=rid), APIServerReqTimeStats())
+        for rid in "ABCD"
+    }
+    manager.rid_to_state = dict(states)
+    for out in sched.sent:
+        if isinstance(out, BatchTokenIDOutput) and out.rids:
+            manager._handle_batch_output(out)
+    for rid, state in states.items():
+        meta = state.out_list[-1]["meta_info"]
+        assert state.finished and meta["trace"] == handles[rid] and meta["trace"]["trajectory"] == rid
+    assert not manager.rid_to_state  # every request finished and was released
+    last = next(out for out in reversed(sched.sent) if isinstance(out, BatchTokenIDOutput) and out.rids)
+    with pytest.raises(TypeError, match="routed_experts"):
+        _handle_output_by_index(last, 0)
+
+
+def test_weight_updates_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F811
+    """`UpdateWeightFromDiskReqInput` through the scheduler's dispatcher and its real `update_weights_from_disk`
+    (patch 0005): with `flush_cache=False` a request reusing a prompt cached under the old weights is refused
+    (error in its handle, marked failed in the store), never filed under the new step; with a flush (SGLang's real
+    `flush_cache` empties the radix tree) the next request's records are stored under the new step."""
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    from trace_core.store_reader import FailedRecordError
+
+    sched = scheduler(rollout, tmp_path, kv_slots=24)
+    prompt = [11, 12, 13, 14]
+    sched.process_input_requests([request("A", prompt, 2)])
+    sched.run_until_idle()
+    check_finished(sched, ["A"], step=0)
+    update = UpdateWeightFromDiskReqInput(model_path="new-weights", weight_version="1", flush_cache=False)
+    sched.process_input_requests([update])
+    assert rollout.capturer.step == 1 and sched.tree_cache.total_size() > 0  # the cache kept A's prompt
+    sched.process_input_requests([request("B", prompt + [15], 2)])
+    sched.run_until_idle()
+    handle = sched.outputs()["B"][0]
+    assert sched.finished_slots["B"][0][:4] == sched.finished_slots["A"][0][:4]  # B reused A's old-weight prompt
+    assert handle["step"] == 1 and "computed under weight versions [0, 1]" in handle["error"]
+    rollout.capturer.flush()
+    with pytest.raises(FailedRecordError, match="weight versions"):
+        RecordReader(rollout.args.trace_store, 1).load([("B", 0, 5)])
+    sched.process_input_requests([UpdateWeightFromDiskReqInput(model_path="new-weights", weight_version="2")])
+    assert rollout.capturer.step == 2 and sched.tree_cache.total_size() == 0  # flushed
+    sched.process_input_requests([request("C", prompt + [15], 2)])
+    sched.run_until_idle()
+    check_finished(sched, ["C"], step=2)
+
+
+def test_an_in_place_pause_across_a_weight_update_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F811
+    """`PauseGenerationReqInput(mode="in_place")`, an update without a flush, `ContinueGenerationReqInput`, all
+    through the scheduler's dispatcher: the running request keeps its old-weight KV and finishes under the new
+    weights, so its records are refused (error in its handle), never filed under the new step."""
+    from sglang.srt.managers.io_struct import (
+        ContinueGenerationReqInput,
+        PauseGenerationReqInput,
+        UpdateWeightFromDiskReqInput,
+    )
+
+    sched = scheduler(rollout, tmp_path, kv_slots=24)
+    sched.process_input_requests([request("R", [51, 52, 53], 6)])
+    sched.step(), sched.step()  # prefill, one decode step
+    sched.process_input_requests([PauseGenerationReqInput(mode="in_place")])
+    assert sched.step() is None and sched.running_batch.reqs  # paused with R running
+    update = UpdateWeightFromDiskReqInput(model_path="new-weights", weight_version="1", flush_cache=False)
+    sched.process_input_requests([update, ContinueGenerationReqInput()])
+    sched.run_until_idle()
+    handle = sched.outputs()["R"][0]
+    assert handle["step"] == 1 and "computed under weight versions [0, 1]" in handle["error"]
+    rollout.capturer.flush()
+    assert rollout.capturer.stats.shards_written == 0 and rollout.capturer.stats.failed == ["R"]
