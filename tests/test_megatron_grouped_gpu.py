@@ -29,10 +29,11 @@ def test_in_place_expert_weights_match_the_weight_copy_on_cuda(mode):
     check_in_place_matches_copy(mode)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("recipe", ["nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4"])
-def test_expert_weight_fake_quant_into_its_own_storage_on_cuda(recipe):
+def test_expert_weight_fake_quant_into_its_own_storage_on_cuda(recipe, dtype):
     """The Triton kernel writing over the weights it reads (`out=w`)."""
-    check_fake_quant_into_own_storage(recipe, "cuda")
+    check_fake_quant_into_own_storage(recipe, "cuda", dtype)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])

@@ -154,17 +154,19 @@ def test_requantizing_nvfp4_weights_is_not_the_identity_for_subnormal_block_scal
     assert not torch.equal(expert_weight_fake_quant(q), q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("recipe", ["nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4"])
-def test_expert_weight_fake_quant_into_its_own_storage(recipe):
-    check_fake_quant_into_own_storage(recipe, "cpu")
+def test_expert_weight_fake_quant_into_its_own_storage(recipe, dtype):
+    check_fake_quant_into_own_storage(recipe, "cpu", dtype)
 
 
-def check_fake_quant_into_own_storage(recipe: str, device: str) -> None:
+def check_fake_quant_into_own_storage(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
     """The fake-quant written over the weights it reads (`out=w`, the in-place path) equals a fresh output bit for
-    bit, including a matrix whose amax comes from a negative element and an all-zero matrix."""
+    bit, including a matrix whose amax comes from a negative element and an all-zero matrix; BF16 parameters and
+    FP32 ones (the FP32 trainer's, which `verify_in_place_weights` checks against the fresh output)."""
     role = get_recipe(recipe).weights
     g = torch.Generator().manual_seed(3)
-    w = (torch.randn(5, 48, 256, generator=g) * 0.02).bfloat16().to(device)
+    w = (torch.randn(5, 48, 256, generator=g) * 0.02).to(dtype).to(device)
     w[1, 7, 9] = -1.5
     w[4] = 0
     ref = expert_weight_fake_quant(w, role)
