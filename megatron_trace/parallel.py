@@ -26,6 +26,7 @@ Shard rules (global name = the single-rank GPTModel's parameter name):
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -250,6 +251,24 @@ def make_optimizer(
         adam_eps=1e-8,
     )
     return get_megatron_optimizer(opt_config, list(chunks))
+
+
+def step_optimizer(optimizer) -> float:
+    """One step of `make_optimizer`'s optimizer (clipping by the global gradient norm, the update, the parameters
+    all-gathered), refused before the update when that norm is not finite. Without a loss scaler (BF16, FP32)
+    megatron-core 0.19.2 checks no gradient for inf / NaN (`MixedPrecisionOptimizer.prepare_grads`) and steps anyway:
+    a NaN gradient element becomes a NaN master. Collective (the norm is reduced over every rank, so every rank
+    refuses together); returns the norm. The norm is computed once more inside Megatron's step."""
+    if any(getattr(o, "grad_scaler", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])):
+        raise ValueError("step_optimizer: a loss scaler would unscale the gradients twice (make_optimizer sets none)")
+    optimizer.prepare_grads()  # the main gradients (views of the reduced gradient buffers) that the norm reads
+    norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"gradient norm {norm}: the optimizer step is refused (masters and moments unchanged)")
+    ok, stepped, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError(f"Megatron's optimizer skipped the step (gradient norm {stepped})")
+    return float(stepped)
 
 
 # ----------------------------------------------------------------------------------------- one step

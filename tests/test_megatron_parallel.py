@@ -239,6 +239,38 @@ def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, mo
     _check_against_reference(reference, results, tmp_path)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_gradient_is_refused_before_the_update(dtype):
+    """Without a loss scaler Megatron's optimizer steps a NaN gradient element into a NaN master and reports success;
+    `step_optimizer` refuses the step on the global norm (dense and expert optimizers, one rank) and leaves
+    parameters, masters and moments as they were; with the gradient made finite it steps."""
+    from megatron_trace import checkpoint
+    from megatron_trace.cpu import init_single_rank
+    from megatron_trace.parallel import make_optimizer, step_optimizer, unwrap, wrap_ddp
+    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+
+    init_single_rank()
+    (chunk,) = wrap_ddp([build_tiny_moe(TinyMoEConfig(**CFG_KW), dtype=dtype, routing_replay=False, grouped=True)])
+    optimizer = make_optimizer([chunk], lr=LR, clip_grad=1.0)
+    params = list(unwrap(chunk).parameters())
+    before = [p.detach().clone() for p in params]
+    chunk.zero_grad_buffer()
+    g = torch.Generator().manual_seed(0)
+    for p in params:
+        p.main_grad.copy_(torch.randn(p.shape, generator=g))
+    params[-1].main_grad.view(-1)[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="gradient norm nan: the optimizer step is refused"):
+        step_optimizer(optimizer)
+    master, moments, step = checkpoint.adam_state(params, optimizer)
+    assert step == 0
+    for p, b, m, *ms in zip(params, before, master, *moments.values(), strict=True):
+        assert torch.equal(p, b) and torch.equal(m, b.float()) and not any(x.any() for x in ms)
+    params[-1].main_grad.view(-1)[0] = 0.0
+    assert step_optimizer(optimizer) > 0
+    assert checkpoint.adam_state(params, optimizer)[2] == 1
+    assert all(p.isfinite().all() for p in params) and not all(map(torch.equal, params, before))
+
+
 if __name__ == "__main__":
     layout_name, work_dir = sys.argv[1], Path(sys.argv[2])
     _worker(layout_name, (LAYOUTS | LAYOUTS_4 | LAYOUTS_8).get(layout_name, {}), work_dir)

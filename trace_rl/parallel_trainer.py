@@ -33,6 +33,7 @@ from megatron_trace.parallel import (
     forward_backward,
     load_full_state,
     make_optimizer,
+    step_optimizer,
     wrap_ddp,
 )
 from megatron_trace.session import TraceSession
@@ -202,11 +203,9 @@ class RankTrainer(MegatronTrainer):
         reports = forward_backward(self.chunks, items, loss_terms)
         for s in self.sessions:
             s.check_routes()  # refuse the update if a bad route was replayed as placeholders
-        ok, norm, _ = self.opt.step()  # clips by the global norm, steps its ranges, all-gathers the parameters
+        norm = step_optimizer(self.opt)  # clips by the global norm, steps its ranges, all-gathers the parameters
         self.opt.zero_grad()
         self._quantize_in_place()
-        if not ok:
-            raise RuntimeError(f"Megatron's optimizer skipped step {step} (non-finite gradients, norm {norm})")
         sites: list[dict[str, float]] = []  # counters of each chunk's session (summed over all in `_combine`)
         for s in self.sessions:
             raw = {

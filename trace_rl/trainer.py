@@ -287,7 +287,9 @@ class MegatronTrainer:
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
-        metrics["actor/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad))
+        # A non-finite norm raises before any gradient or master changes (as the group trainer's `step_optimizer`).
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad, error_if_nonfinite=True)
+        metrics["actor/grad_norm"] = float(norm)
         self.session.check_routes()  # refuse the update if a bad route was replayed as placeholders
         self._update()
         metrics |= self.session.end_step()
