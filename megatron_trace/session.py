@@ -188,7 +188,10 @@ class TraceSession:
             s.mark_quantized()
 
     def in_place_weights(self) -> list[torch.nn.Parameter]:
-        """The parameters `quantize_weights_in_place` writes: each TRACE grouped linear's `weight` (none in `bf16`)."""
+        """The parameters `quantize_weights_in_place` writes: each TRACE grouped linear's `weight` (none in `bf16` or
+        without `expert_weights_in_place`: the group trainer gives these, and only these, FP32 masters of their own)."""
+        if not self.cfg.expert_weights_in_place:
+            return []
         return [lin.weight for h in self._handles if isinstance(h, GroupedSites) for lin in h.linears]
 
     # ----------------------------------------------------------------- per micro-batch driving
