@@ -160,6 +160,47 @@ def test_rl_steps_with_in_place_expert_weights_equal_the_weight_copy(model_dir, 
         assert torch.equal(exported[k], w), k
 
 
+def _snapshot(trainer: MegatronTrainer) -> list[torch.Tensor]:
+    """Copies of the trainer's parameters, FP32 masters and AdamW state (step, moments), in a fixed order."""
+    state = [trainer.opt.state[m] for m in trainer.master]
+    return [t.detach().clone() for t in (*trainer.params, *trainer.master, *(v for s in state for v in s.values()))]
+
+
+def _overflow(p: torch.Tensor) -> None:
+    """A gradient hook that turns the first element of `p`'s accumulated gradient into inf."""
+    p.grad.view(-1)[0] = torch.inf
+
+
+def test_a_non_finite_gradient_is_refused_before_the_update(model_dir, tmp_path):
+    """A `trace` RL step whose backward leaves an inf in one parameter's gradient (set by a torch hook after the
+    gradient is accumulated, as an overflow would) is refused by name: parameters, masters, AdamW state and policy
+    version are as before. The next step on the same batch without the inf then gives the same metrics and policy
+    as a trainer that never saw the refusal."""
+    cfg = RLConfig(model_dir=model_dir, **SMALL_RUN)
+    results = []
+    for name, refuse in (("refused", True), ("reference", False)):
+        with Controller(cfg.replace(out_dir=str(tmp_path / name)), resume=False) as ctrl:
+            ctrl.train_step()  # AdamW has moments to keep
+            trainer, batch = ctrl.trainer, ctrl.rollout(1)
+            rewards = torch.tensor([f.result() for f in batch.rewards])
+            args = (batch.trajectories, rewards, cfg.group_size, str(ctrl.store), batch.step, batch.version)
+            if refuse:
+                before, version = _snapshot(trainer), trainer.policy_version()
+                hook = trainer.params[0].register_post_accumulate_grad_hook(_overflow)
+                with pytest.raises(FloatingPointError, match="step 1: non-finite gradient norm inf"):
+                    trainer.step(*args)
+                hook.remove()
+                assert trainer.policy_version() == version
+                for a, b in zip(_snapshot(trainer), before, strict=True):
+                    assert torch.equal(a, b)
+            metrics = trainer.step(*args)
+            results.append((metrics, _snapshot(trainer)))
+    (metrics, state), (ref_metrics, ref_state) = results
+    assert metrics == ref_metrics and metrics["actor/grad_norm"] > 0
+    for a, b in zip(state, ref_state, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_trainer_expert_settings_are_checked_by_name(monkeypatch):
     assert RLConfig().trainer_experts == "grouped" and RLConfig().expert_weights_in_place
     with pytest.raises(ConfigError, match="trainer_experts='dense' is not one of"):

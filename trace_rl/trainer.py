@@ -287,9 +287,7 @@ class MegatronTrainer:
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
-        # A non-finite norm raises before any gradient or master changes (as the group trainer's `step_optimizer`).
-        norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad, error_if_nonfinite=True)
-        metrics["actor/grad_norm"] = float(norm)
+        metrics["actor/grad_norm"] = self._clip_gradients(step)
         self.session.check_routes()  # refuse the update if a bad route was replayed as placeholders
         self._update()
         metrics |= self.session.end_step()
@@ -298,6 +296,24 @@ class MegatronTrainer:
         metrics["rollout/records_missing"] = float(batch.records_missing)
         self.version += 1
         return metrics
+
+    def _clip_gradients(self, step: int) -> float:
+        """Clip the masters' gradients by their global norm, returned. A non-finite norm refuses rollout step `step`
+        by name before any gradient or master changes (as the group trainer's `step_optimizer`); the gradients are
+        dropped and the session's step is ended, so that its counters and routes do not leak into the next step."""
+        try:
+            norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad, error_if_nonfinite=True)
+        except RuntimeError as e:
+            norm = torch.nn.utils.get_total_norm([m.grad for m in self.master if m.grad is not None])
+            if bool(norm.isfinite()):
+                raise
+            self.opt.zero_grad()
+            self.session.end_step()
+            raise FloatingPointError(
+                f"step {step}: non-finite gradient norm {float(norm)}: the optimizer step is refused (parameters, "
+                "masters and AdamW state unchanged)"
+            ) from e
+        return float(norm)
 
     def _update(self) -> None:
         """AdamW on the masters (gradients set), then the model's parameters follow them (expert weights quantized
