@@ -301,18 +301,15 @@ class MegatronTrainer:
         """Clip the masters' gradients by their global norm, returned. A non-finite norm refuses rollout step `step`
         by name before any gradient or master changes (as the group trainer's `step_optimizer`); the gradients are
         dropped and the session's step is ended, so that its counters and routes do not leak into the next step."""
-        try:
-            norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad, error_if_nonfinite=True)
-        except RuntimeError as e:
-            norm = torch.nn.utils.get_total_norm([m.grad for m in self.master if m.grad is not None])
-            if bool(norm.isfinite()):
-                raise
+        norm = torch.nn.utils.get_total_norm([m.grad for m in self.master if m.grad is not None])
+        if not bool(norm.isfinite()):
             self.opt.zero_grad()
             self.session.end_step()
             raise FloatingPointError(
                 f"step {step}: non-finite gradient norm {float(norm)}: the optimizer step is refused (parameters, "
                 "masters and AdamW state unchanged)"
-            ) from e
+            )
+        torch.nn.utils.clip_grads_with_norm_(self.master, self.clip_grad, norm)  # clip_grad_norm_'s two steps
         return float(norm)
 
     def _update(self) -> None:
