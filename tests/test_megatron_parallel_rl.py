@@ -167,10 +167,12 @@ def test_bf16_group_keeps_its_masters_with_in_place_expert_weights(model_dir, ra
 
 @pytest.mark.gpu
 def test_bf16_group_on_gpus_keeps_its_masters_with_in_place_expert_weights(model_dir, ray_cluster, tmp_path):
-    """`_bf16_group_keeps_its_masters` with NCCL, one GPU per rank (DP = 2 on two GPUs, 1 on one)."""
+    """`_bf16_group_keeps_its_masters` with NCCL, one GPU per rank (DP = 2 on two GPUs, 1 on one), two
+    micro-batches per step (so that one GPU runs the group trainer too, not the single-rank one)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _bf16_group_keeps_its_masters(model_dir, tmp_path, dp=min(2, torch.cuda.device_count()), device="cuda")
+    dp = min(2, torch.cuda.device_count())
+    _bf16_group_keeps_its_masters(model_dir, tmp_path, dp=dp, device="cuda", train_micro_batch=2)
 
 
 @pytest.mark.gpu
