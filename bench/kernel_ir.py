@@ -66,7 +66,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
-        use16 = block == 16 and not (bits and fmt_obj.has_global_scale) if block_kernel is None else block_kernel
+        use16 = block == 16 if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
@@ -83,7 +83,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
 
     rows = [
         ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
-        ("quant nvfp4 per-token b=1 block kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True)),
+        ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, False)),
         ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
         ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
         ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),

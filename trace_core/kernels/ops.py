@@ -124,11 +124,11 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     record = low_bits is not None
-    # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block, where the
-    # group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
+    # 16-element blocks take the block-per-thread kernel (with or without the record, measured faster on the H200
+    # once both store the record before the output: bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
-    if fmt.block == 16 and (unit == 16 or not (record and fmt.has_global_scale)):
+    if fmt.block == 16:
         loop = LAUNCH["quant"]["row_loop"]
         kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}
     else:
