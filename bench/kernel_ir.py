@@ -4,8 +4,9 @@ Per kernel configuration: layout conversions (`convert_layout`) and shared-memor
 `local_load`, `local_store`) in the TTGIR, shared memory bytes, PTX instruction count (body lines that are
 instructions), and, when the triton install ships ptxas (and cuobjdump), registers, spill bytes, the static
 SASS instruction count, and the instructions and global loads / stores of the widest loop's body (`outer_loop`),
-also per 16 elements a thread handles in it. The local triton may be newer
-than the GPU's, so the counts are indicative; compare kernel versions with the same triton.
+also per 16 elements a thread handles in it, and each global store as width@position in the SASS (`stg_at`).
+The local triton may be newer than the GPU's, so the counts are indicative; compare kernel versions with the same
+triton.
 
 Usage: python bench/kernel_ir.py [--module path/to/triton_fp4.py] [--d 4096] [--rows R --chunk C --warps W]
        [--dump DIR]
@@ -66,10 +67,13 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
-        use16 = block == 16 if block_kernel is None else block_kernel
+        first = ops.record_first(tile["RB"], tile["C"], tile["num_warps"])
+        use16 = block == 16 and (first or not (bits and fmt_obj.has_global_scale))
+        use16 = use16 if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
-                "REC_UNIT": rec_unit or unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
+                "REC_UNIT": rec_unit or unit(bits), "RECORD_FIRST": first,
+                "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
@@ -171,8 +175,12 @@ def ptxas_info(ptx: str) -> dict:
     # SASS instructions (static, NOP padding excluded): what the scheduler issues, closer to the profile than PTX
     instr = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s+([^;]*);", sass, re.M)
              if "NOP" not in m.group(2)]  # fmt: skip
+    # each global store's width and position in the SASS: a thread's two 16-byte output stores merge into whole
+    # sectors in the L1 only when issued back to back (docs/performance.md, "the record before the output")
+    stores = " ".join(f"{m.group(1) or '32'}@{i}" for i, (_, t) in enumerate(instr)
+                      if (m := re.search(r"\bSTG\.E(?:\.(\w+))?", t)))  # fmt: skip
     return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": int(spill.group(1)) if spill else None,
-            "sass_instr": len(instr) or None, **outer_loop(instr)}  # fmt: skip
+            "sass_instr": len(instr) or None, **outer_loop(instr), "stg_at": stores or None}  # fmt: skip
 
 
 def outer_loop(instr: list[tuple[int, str]]) -> dict:
@@ -203,7 +211,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
     header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",
               "ptx_bar_sync", "ptx_instr", "sass_instr", "n_regs", "n_spills", "loop_sass", "loop_ldg_stg",
-              "loop_sass_per_16"]  # fmt: skip
+              "loop_sass_per_16", "stg_at"]  # fmt: skip
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, kernel, constexprs in configs(mod, args.d, args.rows, args.chunk, args.warps):
         tile = f"{constexprs['RB']}x{constexprs['C']}/{constexprs['num_warps']}w"

@@ -54,7 +54,8 @@ def launch(kernel16: bool, x, fmt, out, low, scales, token, unit: int, tile=None
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if per_token else 1
     record = low is not None
-    kernel, extra = (k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}) if kernel16 else (
+    extra16 = {"REC_UNIT": unit, "RECORD_FIRST": ops.record_first(rb, chunk, warps), "ROW_LOOP": loop}
+    kernel, extra = (k._quantize_record16_kernel, extra16) if kernel16 else (
         k._quantize_record_kernel, {"BLOCK": f.block})  # fmt: skip
     dummy8 = torch.empty(1, dtype=torch.uint8, device=x.device)
     dummy32 = torch.empty(1, dtype=torch.float32, device=x.device)

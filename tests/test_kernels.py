@@ -138,3 +138,22 @@ def test_launch_override_refuses_unknown_keys_by_name():
     with pytest.raises(ValueError, match="non-positive"):
         ops._launch_overrides('{"guided": {"row_loop": 0}}')
     assert "blocks_per_thread" not in ops.LAUNCH["quant"]
+
+
+@pytest.mark.slow
+def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
+    # RECORD_FIRST (ops.record_first): a thread's two 16-byte output stores fill the halves of the same sectors, and
+    # the L1 merges them only when they issue back to back (docs/performance.md, "the record before the output").
+    # Compiled for sm_90 on the CPU with the ptxas triton ships.
+    from bench import kernel_ir
+
+    configs = {label: (kernel, args) for label, kernel, args in kernel_ir.configs(kernel_ir.load_module(None), 4096,
+                                                                                   None, None, None)}  # fmt: skip
+    for label in ("quant kv_fp4 b=1", "quant nvfp4 per-token b=1"):
+        kernel, args = configs[label]
+        assert args["RECORD_FIRST"] and kernel.fn.__name__ == "_quantize_record16_kernel", label
+        compiled = kernel_ir.compile_kernel(kernel, dict(args))
+        stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
+        (w1, p1), (w2, p2) = stores[-2:]
+        assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{label}: output stores at {stores}"
+        assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{label}: the record's stores come first: {stores}"

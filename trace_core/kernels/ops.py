@@ -104,6 +104,12 @@ def record_store_unit(low_bits: torch.Tensor, scales: torch.Tensor, bits: int, d
     return record_unit(low_bits, bits)
 
 
+def record_first(rows: int, chunk: int, warps: int) -> bool:
+    """Whether the block-per-thread quantize kernel stores the record before the output (`RECORD_FIRST`): where
+    its tile of rows x chunk columns gives each of its 32 x warps threads whole 16-element blocks."""
+    return rows * chunk // 16 >= 32 * warps
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -124,13 +130,15 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     record = low_bits is not None
-    # 16-element blocks take the block-per-thread kernel (with or without the record, measured faster on the H200
-    # once both store the record before the output: bench/record_variants.py, docs/performance.md)
+    # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
+    # does not give each thread whole blocks (rows narrower than the tile, e.g. D = 2048), where the group-per-thread
+    # kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
-    if fmt.block == 16:
+    first = record_first(rb, chunk, warps)
+    if fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale)):
         loop = LAUNCH["quant"]["row_loop"]
-        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}
+        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop}
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
     grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)

@@ -313,7 +313,11 @@ def _quantize_record_kernel(
         decode, encode, byte = _block_scales(amax_blk, s_enc, FMT)
         z = _code_sign(x * encode[:, :, None, None], FMT)
         q, _, t = _e2m1_round(tl.minimum(tl.abs(z), 6.0), FMT == KV_FP4)
-        if BITS > 0:  # the record before the output: see `_quantize_record16_kernel`
+        if WRITE_OUT:
+            val = _with_sign(q, z) * decode[:, :, None, None]
+            tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
+                     mask=m)  # fmt: skip
+        if BITS > 0:
             sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
             tl.store(sptr, byte.to(tl.uint8)[:, :, None] + tl.zeros((1, 1, G), tl.uint8), mask=gmask & first)
             if BITS == 1:
@@ -327,10 +331,6 @@ def _quantize_record_kernel(
             rec = rec_ptr + rows64[:, None, None] * rec_stride + gidx * BITS
             for j in tl.static_range(BITS):
                 tl.store(rec + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=gmask)
-        if WRITE_OUT:
-            val = _with_sign(q, z) * decode[:, :, None, None]
-            tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
-                     mask=m)  # fmt: skip
 
 
 @triton.jit
@@ -590,21 +590,32 @@ def _store_record_wide(rec_row, scale_row, blk, word, byte, bmask, BITS: tl.cons
 
 
 @triton.jit
+def _store_halves(o, qa, za, qb, zb, decode, m):
+    """Store a block's fake-quantized halves [RB, NB, 8] (magnitudes q, signs of z) at pointers o and o + 8."""
+    ty = o.dtype.element_ty
+    tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
+    tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
+
+
+@triton.jit
 def _quantize_record16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
-    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
+    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
+    ROW_LOOP: tl.constexpr = 1,
 ):  # fmt: skip
     """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
     ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain).
 
-    The record is stored before the output, on purpose. A thread's two 16-byte output stores fill the two halves
-    of the same 32-byte sectors (lanes are 32 bytes apart). Issued back to back, the L1 merges them into whole
-    sectors before they reach the L2; with the record after them, ptxas issues the first half's store as soon as
-    it is computed, about 100 instructions before the second, the halves reach the L2 apart and it takes 1.5 x the
-    write sectors, on a unit already near its limit (H200: the record's cost went from +30 % to +1 %, kv_fp4,
-    T = 65536, D = 4096; docs/performance.md). Stores keep their order, and the record needs both halves."""
+    RECORD_FIRST (`ops.record_first`: the tile gives each thread whole blocks) stores the record before the
+    output. Such a thread's two 16-byte output stores fill the two halves of the same 32-byte sectors (lanes are
+    32 bytes apart); issued back to back, the L1 merges them into whole sectors. With the record after them,
+    ptxas issues the first half's store as soon as it is computed, about 100 instructions before the second: the
+    halves reach the L2 apart, as 1.5 x the write sectors, on a unit already near its limit (H200, kv_fp4,
+    T = 65536, D = 4096: the record's cost fell from +30 % to +0.5 %; docs/performance.md). Stores keep their
+    order and the record needs both halves, so the output's stores follow it together. Where a block spans two
+    threads (rows narrower than the tile), their stores are adjacent either way and the output goes first."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     NB: tl.constexpr = C // 16
@@ -636,7 +647,9 @@ def _quantize_record16_kernel(
             zb = _code_sign(xb * encode[:, :, None], FMT)
             qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
             qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
-            if BITS > 0:  # the record first: it depends on both halves, so the output's stores follow it together
+            if WRITE_OUT and not RECORD_FIRST:
+                _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
+            if BITS > 0:
                 wa = _half_word(qa, ta, za, BITS, FMT)
                 wb = _half_word(qb, tb, zb, BITS, FMT)
                 if REC_UNIT == 16:
@@ -647,11 +660,8 @@ def _quantize_record16_kernel(
                     tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
                     _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
                                     REC_UNIT)  # fmt: skip
-            if WRITE_OUT:  # both halves back to back: the L1 merges them into whole 32-byte sectors
-                o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
-                ty = out_ptr.dtype.element_ty
-                tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
-                tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
+            if WRITE_OUT and RECORD_FIRST:
+                _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
 
 
 @triton.jit
