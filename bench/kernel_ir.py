@@ -62,8 +62,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None,
-              bpt: int = 1) -> tuple:  # fmt: skip
+    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None) -> tuple:
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
@@ -71,9 +70,6 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
-        if bpt > 1:  # k blocks per thread: rows per program as ops.triton_quantize_record sets them
-            kernel = getattr(mod, "_quantize_record_bpt_kernel", None)
-            args.update(BPT=bpt, RB=max(1, 32 * tile["num_warps"] * 16 * bpt // tile["C"]))
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
@@ -93,12 +89,6 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),
         ("quant nvfp4 per-token b=1 wide record stores", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True, rec_unit=16)),
         ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
-        *[
-            (f"quant {fmt} {what}, {k} blocks per thread", quant(fmt.split()[0], mode, bits, bpt=k))
-            for fmt, mode in (("kv_fp4", ops.SCALE_NONE), ("nvfp4 per-token", ops.SCALE_PER_TOKEN))
-            for what, bits in (("b=1", 1), ("no-record", 0))
-            for k in (4, 8)
-        ],
         ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
         ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),
         ("guided nvfp4 b=1", guided("nvfp4", ops.SCALE_ROW, 1)),

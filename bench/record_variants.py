@@ -16,13 +16,7 @@ bytes, `REC_UNIT` 2) against the record stored in 16-byte vectors and 8-byte sca
 `ops` launches where `record_store_unit` allows it), both against the block kernel without a record, and for
 nvfp4 the group-per-thread kernel with the record; it checks that every variant writes the same bytes.
 
-`--blocks-per-thread D [D ...]` instead times, at each row width D, quantize with and without the record as
-`ops` launches it for each `LAUNCH["quant"]["blocks_per_thread"]` in `BLOCKS_PER_THREAD` (1: one block per
-thread, what `ops` launches by default; 4 and 8: `_quantize_record_bpt_kernel`), the record's overhead at each,
-and checks that every setting writes the same bytes.
-
-Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--tiles] [--wide 2048 4096 7168]
-       [--blocks-per-thread 2048 4096 7168] [--out variants.json]
+Usage: python bench/record_variants.py [--t 65536] [--d 4096] [--tiles] [--wide 2048 4096 7168] [--out variants.json]
 """
 
 from __future__ import annotations
@@ -109,56 +103,16 @@ def wide(t: int, ds: list[int]) -> list[dict]:
     return rows
 
 
-def blocks_per_thread(t: int, ds: list[int]) -> list[dict]:
-    """The `--blocks-per-thread` comparison (module docstring): one row per format, width and setting."""
-    rows, saved = [], ops.LAUNCH["quant"]["blocks_per_thread"]
-    try:
-        for d, fmt in itertools.product(ds, ("nvfp4", "kv_fp4")):
-            per_token = fmt == "nvfp4"
-            f = ops.get_format(fmt)
-            x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty_like(x)
-            low, scales, token = ops.record_buffers(t, d, fmt, 1, "cuda", per_token=per_token)
-            first = None
-            for k in ops.BLOCKS_PER_THREAD:
-                ops.LAUNCH["quant"]["blocks_per_thread"] = k
-                chunk = ops._launch_shape(f, d, per_token=per_token)[1]
-                plain = graph_ms(partial(ops.triton_quantize_record, x, f, 0, None, per_token, out, None, None, None))
-                for buf in (low, scales, out):  # every setting must write all of its bytes
-                    buf.zero_()
-                ms = graph_ms(partial(ops.triton_quantize_record, x, f, 1, None, per_token, out, low, scales, token))
-                written = [b.clone() for b in (out, low, scales)]
-                first = first or written
-                row = {"format": fmt, "T": t, "D": d, "blocks_per_thread": k,
-                       "kernel_blocks_per_thread": ops.blocks_per_thread(f, d, chunk, 1, low, scales),
-                       "no_record_us": 1e3 * plain, "record_us": 1e3 * ms, "overhead_pct": 100 * (ms / plain - 1),
-                       "same_bytes": all(torch.equal(a, b) for a, b in zip(written, first, strict=True))}  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            del x, out
-    finally:
-        ops.LAUNCH["quant"]["blocks_per_thread"] = saved
-    print(f"\nGPU: {torch.cuda.get_device_name()}  T={t} bf16 b=1\n")
-    print("| format | D | blocks per thread | no record (us) | record (us) | overhead | same bytes |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['format']} | {r['D']} | {r['kernel_blocks_per_thread']} | {r['no_record_us']:.1f} | "
-              f"{r['record_us']:.1f} | {r['overhead_pct']:+.1f} % | {r['same_bytes']} |")  # fmt: skip
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--t", type=int, default=65536)
     parser.add_argument("--d", type=int, default=4096)
     parser.add_argument("--tiles", action="store_true", help="also sweep the kv_fp4 block kernel's tile")
     parser.add_argument("--wide", type=int, nargs="+", metavar="D", help="only the record store comparison")
-    parser.add_argument("--blocks-per-thread", type=int, nargs="+", metavar="D", help="only the blocks-per-thread "
-                        "comparison")  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
-    if args.wide or args.blocks_per_thread:
-        rows = wide(args.t, args.wide) if args.wide else blocks_per_thread(args.t, args.blocks_per_thread)
+    if args.wide:
+        rows = wide(args.t, args.wide)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "T": args.t, "rows": rows}, f, indent=1)

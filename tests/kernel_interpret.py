@@ -77,28 +77,7 @@ def cases() -> dict[str, Callable[[], None]]:
                 out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(
                     _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
                 )
-    # k consecutive blocks per thread (record stores of the thread's own bytes): 8 blocks (b = 1: 16-byte, b = 2:
-    # two 16-byte code stores; 8-byte scale words), per-token rows in one chunk (one pass), two row tiles per
-    # program, the last past T; 4 blocks (8-byte code and 4-byte scale stores), three chunks of 128 columns per row
-    # (per token: a first pass for the row amax)
-    for fmt, mode in (("nvfp4", "per_token"), ("nvfp4", "row"), ("kv_fp4", "none")):
-        for k, bits, t, d, tile in ((8, 1, 5, 256, {"chunk": 256, "row_loop": 2}), (8, 2, 5, 256, {"chunk": 256}),
-                                    (4, 1, 3, 384, {"chunk": 128})):  # fmt: skip
-            if mode == "row" and k == 4:  # the static scale's path is the same at 4 and 8
-                continue
-            out[f"quant-{fmt}-{mode}-b{bits}-{k}-blocks-per-thread"] = partial(
-                _blocks, partial(quant, fmt, t, d, torch.float32, bits, mode, "cpu"), fmt, d, bits, k, tile
-            )
     return out
-
-
-def _blocks(fn: Callable[[], None], fmt: str, d: int, bits: int, k: int, tile: dict[str, int]) -> None:
-    """fn with k blocks per thread and `tile` (one warp), checking first that the aligned record buffers of a
-    [T, d] input take that kernel."""
-    with launch({"blocks_per_thread": k, "row_chunk": tile["chunk"], "warps": 1, **tile}):
-        low, scales, _ = ops.record_buffers(1, d, fmt, bits, "cpu")
-        assert ops.blocks_per_thread(ops.get_format(fmt), d, tile["chunk"], bits, low, scales) == k
-        fn()
 
 
 def _wide(fn: Callable[[], None], **tile: int) -> None:

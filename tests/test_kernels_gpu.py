@@ -51,19 +51,6 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
                 kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-@pytest.mark.parametrize("blocks", [4, 8])
-def test_record_with_blocks_per_thread_is_bit_exact(fmt, blocks, monkeypatch):
-    # LAUNCH["quant"]["blocks_per_thread"] (default 1): k consecutive blocks per thread, its record in stores of
-    # its own bytes, at the engines' widths (7168: two chunks per row, per token a first pass for the amax), and
-    # T not a multiple of the program's rows
-    monkeypatch.setitem(ops.LAUNCH["quant"], "blocks_per_thread", blocks)
-    for mode in kernel_checks.SCALE_MODES[fmt]:
-        for bits in (1, 2):
-            for t, d in ((37, 2048), (130, 7168)):
-                kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_token_rows_wider_than_one_tile(dtype):
     # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last partly masked)

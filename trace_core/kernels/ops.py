@@ -45,29 +45,16 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {
-        "rows": 1,
-        "chunk": 4096,
-        "warps": 8,
-        "row_chunk": 4096,
-        "row_loop": 1,
-        "wide_record": 0,
-        "blocks_per_thread": 1,
-    },
+    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 0},
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
 Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
 16-element kernels take `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count
 add per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
-`wide_record`
-= 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the
-H200, `bench/record_variants.py --wide`). `blocks_per_thread` 4 or 8 gives each thread that many consecutive
-16-element blocks where `blocks_per_thread` allows it (its rows per program then follow from warps and chunk);
-1 (the default) keeps one block per thread: the wider tile is bit-exact but not yet timed on a GPU.
+`wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
+faster on the H200, `bench/record_variants.py --wide`).
 `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
-
-BLOCKS_PER_THREAD = (1, 4, 8)  # the values `LAUNCH["quant"]["blocks_per_thread"]` takes
 
 
 def _launch_overrides(text: str) -> None:
@@ -77,8 +64,6 @@ def _launch_overrides(text: str) -> None:
             unknown = set(values) - set(LAUNCH[kernel])
             if unknown or not all(isinstance(v, int) and (v > 0 or k == "wide_record") for k, v in values.items()):
                 raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
-            if values.get("blocks_per_thread", 1) not in BLOCKS_PER_THREAD:
-                raise ValueError(f"quant blocks_per_thread must be one of {BLOCKS_PER_THREAD}")
             LAUNCH[kernel].update(values)
     except (ValueError, KeyError, AttributeError) as e:
         raise ValueError(f"TRACE_FP4_LAUNCH={text!r} is not a valid launch override ({e})") from None
@@ -119,21 +104,6 @@ def record_store_unit(low_bits: torch.Tensor, scales: torch.Tensor, bits: int, d
     return record_unit(low_bits, bits)
 
 
-def blocks_per_thread(fmt: FP4Format, d: int, chunk: int, bits: int, low_bits, scales) -> int:
-    """Consecutive 16-element blocks per thread of the quantize kernel: `LAUNCH["quant"]["blocks_per_thread"]`
-    (4 or 8) where the block is 16, b is 0 (no record), 1 or 2, D a multiple of 16 blocks per thread (a thread's
-    blocks are all in the row or all past it), the chunk holds at least one thread's blocks, and the record rows
-    are aligned to the thread's stores (min(16, 2 * b * k) code bytes, k scale bytes); else 1."""
-    k = LAUNCH["quant"]["blocks_per_thread"]
-    if k == 1 or fmt.block != 16 or bits not in (0, 1, 2) or d % (16 * k) or chunk < 16 * k:
-        return 1
-    if bits and not all(
-        b.data_ptr() % u == 0 and b.stride(0) % u == 0 for b, u in ((low_bits, min(16, 2 * bits * k)), (scales, k))
-    ):
-        return 1
-    return k
-
-
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -158,12 +128,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     # group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
-    bpt = blocks_per_thread(fmt, d, chunk, bits if record else 0, low_bits, scales)
-    if bpt > 1:
-        loop = LAUNCH["quant"]["row_loop"]
-        rb = max(1, 32 * warps * 16 * bpt // chunk)  # one thread per bpt blocks of the [rb, chunk] tile
-        kernel, extra = k._quantize_record_bpt_kernel, {"BPT": bpt, "ROW_LOOP": loop}
-    elif fmt.block == 16 and (unit == 16 or not (record and fmt.has_global_scale)):
+    if fmt.block == 16 and (unit == 16 or not (record and fmt.has_global_scale)):
         loop = LAUNCH["quant"]["row_loop"]
         kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "ROW_LOOP": loop}
     else:

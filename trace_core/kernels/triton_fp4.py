@@ -532,19 +532,16 @@ def _lane_pack(w, N: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _store_wide(ptr, lo, hi, mask, NBYTES: tl.constexpr):
-    """Store the low 32 bits of int64 lo (NBYTES = 4), lo (8), or lo then hi (16, one vector) at byte pointers ptr
-    (NBYTES-aligned) where mask is set. By inline PTX: the compiler's own store would first move the packed words
+def _store_wide(ptr, lo, hi, mask, WORDS: tl.constexpr):
+    """Store int64 lo (WORDS = 1), or lo then hi (WORDS = 2, one 16-byte vector), at byte pointers ptr (8- or
+    16-byte aligned) where mask is set. By inline PTX: the compiler's own store would first move the packed words
     into a layout of its choosing, through shared memory."""
     if INTERPRET:
-        if NBYTES == 4:
-            tl.store(ptr.to(tl.pointer_type(tl.int32)), lo.to(tl.int32), mask=mask)
-        else:
-            p = ptr.to(tl.pointer_type(tl.int64))
-            tl.store(p, lo, mask=mask)
-            if NBYTES == 16:
-                tl.store(p + 1, hi, mask=mask)
-    elif NBYTES == 16:
+        p = ptr.to(tl.pointer_type(tl.int64))
+        tl.store(p, lo, mask=mask)
+        if WORDS == 2:
+            tl.store(p + 1, hi, mask=mask)
+    elif WORDS == 2:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.v2.b64 [$1], {$3, $4}; mov.b32 $0, 0; }",
             "=r,l,r,l,l",
@@ -553,20 +550,11 @@ def _store_wide(ptr, lo, hi, mask, NBYTES: tl.constexpr):
             is_pure=False,
             pack=1,
         )
-    elif NBYTES == 8:
+    else:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.b64 [$1], $3; mov.b32 $0, 0; }",
             "=r,l,r,l",
             [ptr.to(tl.int64), mask.to(tl.int32), lo],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.b32 [$1], $3; mov.b32 $0, 0; }",
-            "=r,l,r,r",
-            [ptr.to(tl.int64), mask.to(tl.int32), lo.to(tl.int32)],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -596,9 +584,9 @@ def _store_record_wide(rec_row, scale_row, blk, word, byte, bmask, BITS: tl.cons
     half = tl.arange(0, 2)[None, None, :]
     lo = _spread(tl.sum(tl.where(half == 0, pairs, 0), axis=2), BPV)
     hi = _spread(tl.sum(tl.where(half == 1, pairs, 0), axis=2), BPV)
-    _store_wide(rec_row + blk * (2 * BITS), lo, hi, bmask & (blk % BPV == 0), 16)
+    _store_wide(rec_row + blk * (2 * BITS), lo, hi, bmask & (blk % BPV == 0), 2)
     scales = _spread(_lane_pack(_lane_pack(byte, 4, 8), 2, 32), 8)
-    _store_wide(scale_row + blk, scales, scales, bmask & (blk % 8 == 0), 8)
+    _store_wide(scale_row + blk, scales, scales, bmask & (blk % 8 == 0), 1)
 
 
 @triton.jit
@@ -657,135 +645,6 @@ def _quantize_record16_kernel(
                     tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
                     _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
                                     REC_UNIT)  # fmt: skip
-
-
-@triton.jit
-def _shift_in(w, x):
-    """w (uint32) shifted right by 8, bit 0 of each of the 8 elements of x [RB, N, 8] (uint32) entering at the top
-    in order: element i of x lands at bit 24 + i. One funnel shift (`shf.r`) per element instead of a shift and an
-    or; the elements are taken apart by splits of the thread's own registers (no data movement)."""
-    RB: tl.constexpr = x.shape[0]
-    N: tl.constexpr = x.shape[1]
-    even, odd = tl.split(tl.reshape(x, (RB, N, 4, 2)))  # elements 0 2 4 6, 1 3 5 7
-    e04, e26 = tl.split(tl.reshape(even, (RB, N, 2, 2)))
-    e15, e37 = tl.split(tl.reshape(odd, (RB, N, 2, 2)))
-    e0, e4 = tl.split(e04)
-    e2, e6 = tl.split(e26)
-    e1, e5 = tl.split(e15)
-    e3, e7 = tl.split(e37)
-    w = (w >> 1) | (e0 << 31)
-    w = (w >> 1) | (e1 << 31)
-    w = (w >> 1) | (e2 << 31)
-    w = (w >> 1) | (e3 << 31)
-    w = (w >> 1) | (e4 << 31)
-    w = (w >> 1) | (e5 << 31)
-    w = (w >> 1) | (e6 << 31)
-    return (w >> 1) | (e7 << 31)
-
-
-@triton.jit
-def _thread_tile(x_rows, c0, i, row_mask, D, BPT: tl.constexpr, NT: tl.constexpr):
-    """Block i of each thread's BPT consecutive blocks in the chunk at column c0, as two halves [RB, NT, 8]
-    (FP32)."""
-    offs = (tl.arange(0, NT)[None, :, None] * BPT + i) * 16 + tl.arange(0, 8)[None, None, :]
-    m = row_mask[:, None, None] & (c0 + offs < D)
-    xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-    xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-    return xa, xb
-
-
-@triton.jit
-def _quantize_record_bpt_kernel(
-    x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
-    T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
-    FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
-    RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, BPT: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
-):  # fmt: skip
-    """`_quantize_record16_kernel` with BPT consecutive 16-element blocks per thread (NT threads per row of the
-    chunk), walked in a loop that loads block i + 1 before it quantizes block i. The thread's record accumulates in
-    registers and goes out after its last block, in stores of its own 2 * BITS * BPT code bytes and BPT scale bytes
-    (4 to 16 bytes each, `_store_wide`), no shuffles: per block 2 loads, 2 output stores and 2 * (1 + BITS) / BPT
-    record stores (BPT = 8: 0.5 or 0.75) against 2 in the block kernel; b = 1 packs its code bits by one funnel
-    shift per element (`_shift_in`). Per-token nvfp4 takes the row amax in a first loop over the same blocks (its
-    second reads hit the caches). BITS in (0, 1, 2); needs D a multiple of 16 * BPT and record rows aligned to
-    their stores (`ops.blocks_per_thread`)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    NT: tl.constexpr = C // (16 * BPT)
-    WIDTH: tl.constexpr = 16 * BITS  # record bits of a block
-    PER: tl.constexpr = 64 // WIDTH if BITS > 0 else 1  # blocks per 64-bit record word
-    first = tl.arange(0, NT)[None, :] * BPT  # [1, NT]: each thread's first block in the chunk
-    for ri in tl.static_range(ROW_LOOP):
-        rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
-        row_mask = rows < T
-        rows64 = rows.to(tl.int64)
-        x_rows = x_ptr + rows64[:, None, None] * x_stride
-
-        if SCALE_MODE != SCALE_PER_TOKEN:
-            s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
-        elif not ONE_PASS:
-            s_enc = _per_token_scale(_row_amax(x_ptr, rows64, row_mask, x_stride, D, RB, C), tok_ptr, rows64,
-                                     tok_stride, row_mask, BITS)  # fmt: skip
-
-        for ci in range(chunks_per_prog):
-            c0 = (pid_c * chunks_per_prog + ci) * C
-            if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
-                amax = tl.zeros((RB, NT), tl.float32)
-                for i in tl.static_range(BPT):
-                    xa, xb = _thread_tile(x_rows, c0, i, row_mask, D, BPT, NT)
-                    amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2)))
-                s_enc = _per_token_scale(tl.max(amax, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
-            rec0 = tl.zeros((RB, NT), tl.int64)  # the thread's record: code bits in up to four 64-bit words
-            rec1 = tl.zeros((RB, NT), tl.int64)
-            rec2 = tl.zeros((RB, NT), tl.int64)
-            rec3 = tl.zeros((RB, NT), tl.int64)
-            sc = tl.zeros((RB, NT), tl.int64)  # and its scale bytes
-            xa_next, xb_next = _thread_tile(x_rows, c0, 0, row_mask, D, BPT, NT)
-            for i in tl.static_range(BPT):  # unrolled: block i's record bits go to a word fixed at compile time
-                xa, xb = xa_next, xb_next
-                if i + 1 < BPT:  # the next block's loads are in flight while this one is quantized and stored
-                    xa_next, xb_next = _thread_tile(x_rows, c0, i + 1, row_mask, D, BPT, NT)
-                offs = (first[:, :, None] + i) * 16 + tl.arange(0, 8)[None, None, :]
-                m = row_mask[:, None, None] & (c0 + offs < D)
-                amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
-                decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
-                za = _code_sign(xa * encode[:, :, None], FMT)
-                zb = _code_sign(xb * encode[:, :, None], FMT)
-                qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
-                qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
-                if WRITE_OUT:
-                    o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
-                    ty = out_ptr.dtype.element_ty
-                    tl.store(o, (_with_sign(qa, za) * decode[:, :, None]).to(ty), mask=m)
-                    tl.store(o + 8, (_with_sign(qb, zb) * decode[:, :, None]).to(ty), mask=m)
-                if BITS == 1:  # the parity bits of t (`_odd`), by 16 funnel shifts
-                    word = _shift_in(tl.zeros((RB, NT), tl.uint32), ta.to(tl.uint32, bitcast=True))
-                    word = _shift_in(word, tb.to(tl.uint32, bitcast=True)) >> 16
-                elif BITS > 0:
-                    word = _half_word(qa, ta, za, BITS, FMT) | (_half_word(qb, tb, zb, BITS, FMT) << (8 * BITS))
-                if BITS > 0:
-                    bits = word.to(tl.uint32, bitcast=True).to(tl.int64) << ((i % PER) * WIDTH)
-                    if i // PER == 0:
-                        rec0 |= bits
-                    elif i // PER == 1:
-                        rec1 |= bits
-                    elif i // PER == 2:
-                        rec2 |= bits
-                    else:
-                        rec3 |= bits
-                    sc |= byte.to(tl.int64) << (8 * i)
-            if BITS > 0:
-                blk = c0 // 16 + first
-                tmask = row_mask[:, None] & (blk < D // 16)
-                rec = rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS)
-                CODE_BYTES: tl.constexpr = 2 * BITS * BPT
-                if CODE_BYTES < 16:
-                    _store_wide(rec, rec0, rec0, tmask, CODE_BYTES)
-                else:
-                    _store_wide(rec, rec0, rec1, tmask, 16)
-                    if CODE_BYTES == 32:
-                        _store_wide(rec + 16, rec2, rec3, tmask, 16)
-                _store_wide(scale_ptr + rows64[:, None] * scale_stride + blk, sc, sc, tmask, BPT)
 
 
 @triton.jit
