@@ -253,6 +253,17 @@ def make_optimizer(
     return get_megatron_optimizer(opt_config, list(chunks))
 
 
+def refuse_non_finite(norm: float) -> None:
+    """Refuse an optimizer step whose global gradient norm is not finite (FloatingPointError naming it), before
+    anything changes: the one check of both trainers (the single rank's norm of its masters' gradients,
+    `step_optimizer`'s of the distributed optimizer's)."""
+    if not math.isfinite(norm):
+        raise FloatingPointError(
+            f"non-finite gradient norm {norm}: the optimizer step is refused (parameters, masters and optimizer state "
+            "unchanged)"
+        )
+
+
 def step_optimizer(optimizer) -> float:
     """One step of `make_optimizer`'s optimizer (clipping by the global gradient norm, the update, the parameters
     all-gathered), refused before the update when that norm is not finite. Without a loss scaler (BF16, FP32)
@@ -262,9 +273,7 @@ def step_optimizer(optimizer) -> float:
     if any(getattr(o, "grad_scaler", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])):
         raise ValueError("step_optimizer: a loss scaler would unscale the gradients twice (make_optimizer sets none)")
     optimizer.prepare_grads()  # the main gradients (views of the reduced gradient buffers) that the norm reads
-    norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(norm):
-        raise FloatingPointError(f"gradient norm {norm}: the optimizer step is refused (masters and moments unchanged)")
+    refuse_non_finite(float(optimizer.get_grad_norm()))
     ok, stepped, _ = optimizer.step()
     if not ok:
         raise RuntimeError(f"Megatron's optimizer skipped the step (gradient norm {stepped})")

@@ -17,7 +17,7 @@ a BF16 rounding boundary can round the other way, moving the next step's rollout
 tokens that use it. Counters (guided rows, fallbacks, placeholders), rewards and sampled lengths must match exactly.
 Checkpoints are Megatron distributed checkpoints: each layout's last one exports on one rank to the group's policy
 bit for bit, and the single rank's checkpoint of step 1 resumes at TP = 2 + SP with EP = 2 to the single rank's
-step 2.
+step 2. A step refused on one DP rank (a non-finite gradient) is refused on every rank and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from megatron_trace.parallel import Layout
 from megatron_trace.tiny import TinyMoEConfig
-from tests.rl_small import SMALL_RUN
+from tests.rl_small import SMALL_RUN, overflow_gradient, trainer_state
 from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
@@ -120,6 +120,51 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k
+
+
+def _rank_state(rank) -> list[torch.Tensor]:
+    """`trainer_state` of a `TrainerGroup` rank's trainer (run in the rank's actor; collective)."""
+    return trainer_state(rank.obj)
+
+
+def _overflow_on(rank) -> None:
+    rank.overflow = rank.obj.params[0].register_post_accumulate_grad_hook(overflow_gradient)
+
+
+def _overflow_off(rank) -> None:
+    rank.overflow.remove()
+
+
+@pytest.mark.slow
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank(model_dir, single, ray_cluster, tmp_path):
+    """DP = 2: rank 1's backward leaves an inf in one gradient (a torch hook after the gradient is accumulated, as an
+    overflow would). The distributed optimizer's global norm carries it to every rank, and every rank refuses the
+    step by name: parameters, masters, moments and policy version as before. The same batch then trains to the
+    single rank's step 1: nothing of the refused step (gradients, site counters, routes) reaches it, and the counters
+    are exactly the single rank's (they came out doubled when the sessions' step was not ended)."""
+    import ray
+
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN | dict(checkpoint_every=2), dp=2)
+    with Controller(cfg, resume=False) as ctrl:
+        ctrl.train_step()  # the optimizer has moments to keep
+        batch = ctrl.rollout(1)
+        rewards = torch.tensor([f.result() for f in batch.rewards])
+        args = (batch.trajectories, rewards, cfg.group_size, str(ctrl.store), batch.step, batch.version)
+        ranks = ctrl.trainer.group.ranks
+        before = ray.get([r.__ray_call__.remote(_rank_state) for r in ranks])
+        ray.get(ranks[1].__ray_call__.remote(_overflow_on))
+        refused = [r.call.remote("step", *args) for r in ranks]
+        for rank in refused:
+            with pytest.raises(FloatingPointError, match="(?s)gradient norm inf: .*rollout step 1 refused"):
+                ray.get(rank)
+        ray.get(ranks[1].__ray_call__.remote(_overflow_off))
+        assert ctrl.trainer.policy_version() == 1
+        for after, was in zip(ray.get([r.__ray_call__.remote(_rank_state) for r in ranks]), before, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(after, was, strict=True))
+        ctrl.pending.append(batch)  # the rolled-out batch goes back into the pipeline: the controller trains on it
+        ctrl.train_step()
+        history = ctrl.history
+    _assert_same_steps(history, single[0])
 
 
 @pytest.mark.slow

@@ -201,9 +201,10 @@ class RankTrainer(MegatronTrainer):
         for c in self.chunks:
             c.zero_grad_buffer()
         reports = forward_backward(self.chunks, items, loss_terms)
-        for s in self.sessions:
-            s.check_routes()  # refuse the update if a bad route was replayed as placeholders
-        norm = step_optimizer(self.opt)  # clips by the global norm, steps its ranges, all-gathers the parameters
+        with self._refusable(step):
+            for s in self.sessions:
+                s.check_routes()  # refuse the update if a bad route was replayed as placeholders
+            norm = step_optimizer(self.opt)  # clips by the global norm, steps its ranges, all-gathers the parameters
         self.opt.zero_grad()
         self._quantize_in_place()
         sites: list[dict[str, float]] = []  # counters of each chunk's session (summed over all in `_combine`)
