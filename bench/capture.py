@@ -5,8 +5,9 @@ same run.
      expert traffic: all experts' weights read at decode, top-k experts' FLOPs at prefill) with and without record
      capture, and the GPU kernels each runs per forward. `--record kernel` (SGLang's emulate path): both forwards
      quantize-dequantize every layer's MoE input (emulate's numerics, `rollout_rtn`); with capture, the recorded
-     layers' kernel also writes the record into the staging rows, every layer stages its routes and sets its
-     FusedMoE hook marker, and the forward ends with `on_forward_end`. `--record stage` (the earlier rounds'
+     layers' kernel also writes the record into the staging rows, every layer stages its routes (one copy, which
+     is also the layer's FusedMoE hook marker, as in `sglang_trace` where a rank keeps the layer's routes), and
+     the forward ends with `on_forward_end`. `--record stage` (the earlier rounds'
      upper bound): no fake-quant in either forward, the record copied into staging by `stage` (three copies).
      Part `graph`: the decode forward captured once in a CUDA graph per variant and replayed, as SGLang's
      cuda-graph runner does (the hooks' writes run inside the graph; `on_forward_end` runs eagerly after the
@@ -15,7 +16,7 @@ same run.
      also profiled over `--profile-forwards` forwards: kernels per forward and, per kernel name over both variants'
      names, the calls and device time capture changes (`added_by_capture`), with the net device time of the kernels
      whose calls differ (`capture_kernel_us`: capture's own kernels, not the GEMM's run-to-run noise). `--tp-size N`:
-     what TP rank 0 of N runs (its share of the MoE layers' records, markers and routes; the expert GEMM 1 / N);
+     what TP rank 0 of N runs (its share of the MoE layers' records and routes; the expert GEMM 1 / N);
   2. part `copy`: the store's per-forward `index_copy_` and the finish `index_select` of a prefill's rows through
      a byte view against the 8-byte word view the capturer uses;
      part `transfer`, the finish transfer: bytes/s of one gather of a finished request's rows out of the device
@@ -110,7 +111,7 @@ def recorded_layers(args) -> tuple[int, ...]:
 
 
 def rank_layers(args) -> tuple[int, ...]:
-    """The MoE layers TP rank 0 keeps in its record store (records, hook markers, routes; `--tp-size`)."""
+    """The MoE layers TP rank 0 keeps in its record store (records and routes; `--tp-size`)."""
     return shard_layers(range(args.layers), recorded_layers(args), args.tp_size)[0]
 
 
@@ -224,7 +225,6 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         num_slots=4 * tokens + 1,
         routes=(len(mine), args.topk),
         device=device,
-        marks=len(mine),  # sglang_trace: one FusedMoE-hook marker per MoE layer (routes are their own)
         versioned=True,
     )
     ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
@@ -240,14 +240,13 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         site = (layer, "moe_in")
         return rollout_rtn(role, x, args.bits, cap.staging_rows(site, tokens) if site in cap.layouts else None)
 
-    def on_layer(layer: int) -> None:  # the route capture and the FusedMoE hook marker, on the rank keeping them
+    def on_layer(layer: int) -> None:  # the FusedMoE hook staging the routes (its marker), on the rank keeping them
         if layer not in index:
             return
         cap.stage_routes(index[layer], ids)
         rec = recs.get((layer, "moe_in"))
         if rec is not None:
             cap.stage((layer, "moe_in"), rec.low_bits, rec.scales, rec.global_scale)
-        cap.mark(index[layer], tokens)
 
     kernel = args.record == "kernel"
 
@@ -498,8 +497,8 @@ def main() -> None:
         "--tp-size",
         type=int,
         default=1,
-        help="overhead / graph parts: TP rank 0 of this many ranks (its share of the MoE layers' records, markers and "
-        "routes, as sglang_trace shards them; the expert GEMM 1 / tp wide)",
+        help="overhead / graph parts: TP rank 0 of this many ranks (its share of the MoE layers' records and routes, "
+        "as sglang_trace shards them; the expert GEMM 1 / tp wide)",
     )
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
