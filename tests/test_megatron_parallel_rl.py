@@ -17,7 +17,8 @@ a BF16 rounding boundary can round the other way, moving the next step's rollout
 tokens that use it. Counters (guided rows, fallbacks, placeholders), rewards and sampled lengths must match exactly.
 Checkpoints are Megatron distributed checkpoints: each layout's last one exports on one rank to the group's policy
 bit for bit, and the single rank's checkpoint of step 1 resumes at TP = 2 + SP with EP = 2 to the single rank's
-step 2. A step refused on one DP rank (a non-finite gradient) is refused on every rank and leaves nothing behind.
+step 2. A step refused for a fault on one rank (a non-finite gradient, a bad route) is refused on every rank and
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -96,11 +97,75 @@ def _assert_same_steps(history: list[dict], reference: list[dict]) -> None:
                 assert _close(got[k], ref[k]), (step, k, got[k], ref[k])
 
 
+def _rank_state(rank) -> list[torch.Tensor]:
+    """`trainer_state` of a `TrainerGroup` rank's trainer (run in the rank's actor; collective)."""
+    return trainer_state(rank.obj)
+
+
+def _overflow(rank, on: bool) -> None:
+    """On one rank: an inf in the first parameter's accumulated gradient (`overflow_gradient`), or no more."""
+    if on:
+        rank.fault = rank.obj.params[0].register_post_accumulate_grad_hook(overflow_gradient)
+    else:
+        rank.fault.remove()
+
+
+def _duplicate_routes(rank, on: bool) -> None:
+    """On one rank: every replayed route of the batches it reads names its first expert twice, or no more."""
+    trainer = rank.obj
+    if not on:
+        del trainer.prepare  # the class's method again
+        return
+    prepare = trainer.prepare
+
+    def faulty(*args, **kwargs):
+        batch = prepare(*args, **kwargs)
+        for ids, _ in batch.source._routes.values():
+            ids[..., 1] = ids[..., 0]
+        return batch
+
+    trainer.prepare = faulty
+
+
+def _refuse_step_1_on_one_rank(ctrl: Controller) -> None:
+    """Rollout step 1 refused twice, each time for a fault on rank 1 alone: an inf in one gradient after accumulation
+    (as an overflow would; the global norm carries it to every rank), then duplicate expert ids in its replayed routes
+    (the ranks share the route check's verdict: the others would otherwise wait in the optimizer's reductions). Every
+    rank refuses by name; parameters, masters, moments and policy version stay as they were. The batch then goes back
+    into the rollout pipeline, for the next `train_step`."""
+    import ray
+
+    batch = ctrl.rollout(1)
+    rewards = torch.tensor([f.result() for f in batch.rewards])
+    args = (batch.trajectories, rewards, ctrl.cfg.group_size, str(ctrl.store), batch.step, batch.version)
+    ranks = ctrl.trainer.group.ranks
+    before = ray.get([r.__ray_call__.remote(_rank_state) for r in ranks])
+    overflow = [(FloatingPointError, "gradient norm inf: ")] * 2
+    routes = [(ValueError, "a bad rollout route on another rank"), (ValueError, "duplicate expert ids")]
+    for fault, errors in ((_overflow, overflow), (_duplicate_routes, routes)):
+        ray.get(ranks[1].__ray_call__.remote(fault, True))
+        refused = [r.call.remote("step", *args) for r in ranks]
+        for ref, (error, message) in zip(refused, errors, strict=True):
+            with pytest.raises(error, match=f"(?s){message}.*rollout step 1 refused"):
+                ray.get(ref)
+        ray.get(ranks[1].__ray_call__.remote(fault, False))
+    assert ctrl.trainer.policy_version() == 1
+    for after, was in zip(ray.get([r.__ray_call__.remote(_rank_state) for r in ranks]), before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(after, was, strict=True))
+    ctrl.pending.append(batch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, ray_cluster, tmp_path):
+    """Two RL steps of the layout equal the single rank's, with step 1 refused on every rank for a fault on one rank
+    first (`_refuse_step_1_on_one_rank`): nothing of the refused steps (gradients, site counters, routes) reaches
+    step 1, whose counters are exactly the single rank's (they came out doubled when a refused step's sessions were
+    not ended)."""
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN, **LAYOUTS[name])
     with Controller(cfg, resume=False) as ctrl:
+        ctrl.train_step()
+        _refuse_step_1_on_one_rank(ctrl)
         history = ctrl.run()
         weights = ctrl.trainer.hf_weights()
         assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
@@ -120,51 +185,6 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k
-
-
-def _rank_state(rank) -> list[torch.Tensor]:
-    """`trainer_state` of a `TrainerGroup` rank's trainer (run in the rank's actor; collective)."""
-    return trainer_state(rank.obj)
-
-
-def _overflow_on(rank) -> None:
-    rank.overflow = rank.obj.params[0].register_post_accumulate_grad_hook(overflow_gradient)
-
-
-def _overflow_off(rank) -> None:
-    rank.overflow.remove()
-
-
-@pytest.mark.slow
-def test_a_step_refused_on_one_rank_is_refused_on_every_rank(model_dir, single, ray_cluster, tmp_path):
-    """DP = 2: rank 1's backward leaves an inf in one gradient (a torch hook after the gradient is accumulated, as an
-    overflow would). The distributed optimizer's global norm carries it to every rank, and every rank refuses the
-    step by name: parameters, masters, moments and policy version as before. The same batch then trains to the
-    single rank's step 1: nothing of the refused step (gradients, site counters, routes) reaches it, and the counters
-    are exactly the single rank's (they came out doubled when the sessions' step was not ended)."""
-    import ray
-
-    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN | dict(checkpoint_every=2), dp=2)
-    with Controller(cfg, resume=False) as ctrl:
-        ctrl.train_step()  # the optimizer has moments to keep
-        batch = ctrl.rollout(1)
-        rewards = torch.tensor([f.result() for f in batch.rewards])
-        args = (batch.trajectories, rewards, cfg.group_size, str(ctrl.store), batch.step, batch.version)
-        ranks = ctrl.trainer.group.ranks
-        before = ray.get([r.__ray_call__.remote(_rank_state) for r in ranks])
-        ray.get(ranks[1].__ray_call__.remote(_overflow_on))
-        refused = [r.call.remote("step", *args) for r in ranks]
-        for rank in refused:
-            with pytest.raises(FloatingPointError, match="(?s)gradient norm inf: .*rollout step 1 refused"):
-                ray.get(rank)
-        ray.get(ranks[1].__ray_call__.remote(_overflow_off))
-        assert ctrl.trainer.policy_version() == 1
-        for after, was in zip(ray.get([r.__ray_call__.remote(_rank_state) for r in ranks]), before, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(after, was, strict=True))
-        ctrl.pending.append(batch)  # the rolled-out batch goes back into the pipeline: the controller trains on it
-        ctrl.train_step()
-        history = ctrl.history
-    _assert_same_steps(history, single[0])
 
 
 @pytest.mark.slow
