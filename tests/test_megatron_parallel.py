@@ -220,25 +220,6 @@ def test_eight_rank_layout_matches_single_rank(name, reference, tmp_path):
     _check_against_reference(reference, _launch(name, 8, tmp_path), tmp_path)
 
 
-def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, monkeypatch):
-    """The same TP = 2 + SP step with the two ranks as Ray actors of one placement group (gloo across them)."""
-    ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
-    from trace_rl.trainer_group import TrainerGroup
-
-    (tmp_path / "inputs.pt").symlink_to(reference[0] / "inputs.pt")
-    root = str(Path(__file__).resolve().parents[1])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        group = TrainerGroup(2, cpus_per_rank=1)
-        group.run(_worker, "tp2_sp", LAYOUTS["tp2_sp"], tmp_path)
-        group.shutdown()
-    finally:
-        ray.shutdown()
-    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
-    _check_against_reference(reference, results, tmp_path)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_optimizer_is_megatrons_step(dtype):
     """`step_optimizer` takes Megatron's `ChainedOptimizer.step` in its pieces, each once: on the same gradients

@@ -274,6 +274,30 @@ def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir
         assert torch.equal(exported[k], w), k
 
 
+def _rendezvous() -> tuple[int, int, list[int]]:
+    """torch.distributed (gloo) from the torchrun environment the group sets in each actor, and one collective."""
+    torch.distributed.init_process_group("gloo")
+    try:
+        ranks: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, torch.distributed.get_rank())
+        return torch.distributed.get_rank(), torch.distributed.get_world_size(), ranks
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_trainer_group_runs_torchrun_code_across_its_actors(ray_cluster):
+    """`TrainerGroup.run(fn)` calls `fn` on every rank at once with the torchrun environment set (rank, world size,
+    rendezvous on rank 0's node): torch.distributed initialised from it joins the actors, as Megatron's process groups
+    do in the layout tests above."""
+    from trace_rl.trainer_group import TrainerGroup
+
+    group = TrainerGroup(2, cpus_per_rank=1)
+    try:
+        assert group.run(_rendezvous) == [(0, 2, [0, 1]), (1, 2, [0, 1])]
+    finally:
+        group.shutdown()
+
+
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):
     from trace_rl.trainer_group import TrainerGroup
 
