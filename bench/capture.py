@@ -5,14 +5,18 @@ same run.
      expert traffic: all experts' weights read at decode, top-k experts' FLOPs at prefill) with and without record
      capture, and the GPU kernels each runs per forward. `--record kernel` (SGLang's emulate path): both forwards
      quantize-dequantize every layer's MoE input (emulate's numerics, `rollout_rtn`); with capture, the recorded
-     layers' kernel also writes the record into the staging rows, every layer stages its routes and sets its
-     FusedMoE hook marker, and the forward ends with `on_forward_end`. `--record stage` (the earlier rounds'
+     layers' kernel also writes the record into the staging rows, every layer stages its routes (one copy, which
+     is also the layer's FusedMoE hook marker, as in `sglang_trace` where a rank keeps the layer's routes), and
+     the forward ends with `on_forward_end`. `--record stage` (the earlier rounds'
      upper bound): no fake-quant in either forward, the record copied into staging by `stage` (three copies).
      Part `graph`: the decode forward captured once in a CUDA graph per variant and replayed, as SGLang's
      cuda-graph runner does (the hooks' writes run inside the graph; `on_forward_end` runs eagerly after the
-     replay, as SGLang calls it after the forward). On CUDA each variant is also profiled once: kernels per
-     forward and, per kernel name, the calls and device time capture adds (`added_by_capture`). `--tp-size N`:
-     what TP rank 0 of N runs (its share of the MoE layers' records, markers and routes; the expert GEMM 1 / N);
+     replay, as SGLang calls it after the forward). Wall time: `--repeats` plain / captured pairs in ABBA
+     order, each `--iters` forwards; the median overhead over the pairs and its quartiles. On CUDA each variant is
+     also profiled over `--profile-forwards` forwards: kernels per forward and, per kernel name over both variants'
+     names, the calls and device time capture changes (`added_by_capture`), with the net device time of the kernels
+     whose calls differ (`capture_kernel_us`: capture's own kernels, not the GEMM's run-to-run noise). `--tp-size N`:
+     what TP rank 0 of N runs (its share of the MoE layers' records and routes; the expert GEMM 1 / N);
   2. part `copy`: the store's per-forward `index_copy_` and the finish `index_select` of a prefill's rows through
      a byte view against the 8-byte word view the capturer uses;
      part `transfer`, the finish transfer: bytes/s of one gather of a finished request's rows out of the device
@@ -107,13 +111,13 @@ def recorded_layers(args) -> tuple[int, ...]:
 
 
 def rank_layers(args) -> tuple[int, ...]:
-    """The MoE layers TP rank 0 keeps in its record store (records, hook markers, routes; `--tp-size`)."""
+    """The MoE layers TP rank 0 keeps in its record store (records and routes; `--tp-size`)."""
     return shard_layers(range(args.layers), recorded_layers(args), args.tp_size)[0]
 
 
-def kernel_profile(fn, device: torch.device) -> dict | str | None:
-    """GPU kernels (and memsets / copies) one call of `fn` runs, by name: `{name: [calls, device µs]}`, counted with
-    the profiler; None off CUDA."""
+def kernel_profile(fn, device: torch.device, forwards: int) -> dict | str | None:
+    """GPU kernels (and memsets / copies) per call of `fn`, by name: `{name: [calls, device µs]}`, the means over
+    `forwards` calls profiled in one session; None off CUDA."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -121,7 +125,8 @@ def kernel_profile(fn, device: torch.device) -> dict | str | None:
     sync(device)
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
+            for _ in range(forwards):
+                fn()
             sync(device)
         out: dict[str, list] = {}
         for e in prof.events():
@@ -129,26 +134,65 @@ def kernel_profile(fn, device: torch.device) -> dict | str | None:
                 entry = out.setdefault(e.name, [0, 0.0])
                 entry[0] += 1
                 entry[1] += e.time_range.elapsed_us()
-        return out
+        return {name: [calls / forwards, us / forwards] for name, (calls, us) in out.items()}
     except Exception as e:  # the profile is a side figure: report why it is missing, keep the timings
         return f"not profiled ({type(e).__name__}: {e})"
 
 
 def profile_diff(plain: dict | str | None, captured: dict | str | None) -> dict:
-    """Kernel count of each variant and what capture adds per kernel name (calls, device µs), largest first."""
+    """Per-forward kernel accounting of capture: what it changes per kernel name (calls, device µs), over the union of
+    both variants' names (a kernel only the plain forward runs, e.g. the no-record quantize kernel the record kernel
+    replaces, counts negative), largest first.
+
+    `capture_kernel_us`: the net device time of the kernels whose calls per forward differ between the variants
+    (the launches capture adds, minus those it replaces); `shared_kernel_delta_us`: the difference over kernels both
+    run equally often (the forward's own GEMMs and adds, the same work: run-to-run noise, not capture);
+    `capture_kernel_pct`: `capture_kernel_us` over the plain forward's kernel time."""
     if not isinstance(plain, dict) or not isinstance(captured, dict):
         return {"kernels_forward": plain, "kernels_captured": captured}
-    added = {}
-    for name, (calls, us) in captured.items():
+    added, own, shared = {}, 0.0, 0.0
+    for name in plain.keys() | captured.keys():
         base_calls, base_us = plain.get(name, (0, 0.0))
+        calls, us = captured.get(name, (0, 0.0))
+        if calls != base_calls:
+            own += us - base_us
+        else:
+            shared += us - base_us
         if calls != base_calls or abs(us - base_us) > 1.0:
-            added[name] = [calls - base_calls, round(us - base_us, 1)]
+            added[name] = [round(calls - base_calls, 2), round(us - base_us, 1)]
+    plain_us = sum(us for _, us in plain.values())
     return {
-        "kernels_forward": sum(c for c, _ in plain.values()),
-        "kernels_captured": sum(c for c, _ in captured.values()),
-        "kernel_us_forward": round(sum(us for _, us in plain.values()), 1),
+        "kernels_forward": round(sum(c for c, _ in plain.values()), 2),
+        "kernels_captured": round(sum(c for c, _ in captured.values()), 2),
+        "kernel_us_forward": round(plain_us, 1),
         "kernel_us_captured": round(sum(us for _, us in captured.values()), 1),
+        "capture_kernel_us": round(own, 1),
+        "shared_kernel_delta_us": round(shared, 1),
+        "capture_kernel_pct": 100 * own / plain_us if plain_us else None,
         "added_by_capture": dict(sorted(added.items(), key=lambda kv: -abs(kv[1][1]))),
+    }
+
+
+def paired_overhead(plain, captured, pairs: int, timed) -> dict:
+    """Wall time of `plain` and `captured` measured in `pairs` adjacent pairs, the order alternating (ABBA) so a
+    drift in clocks or load falls on both; the overhead of each pair, its median and spread (quartiles, min, max)."""
+    base_t, cap_t, pct = [], [], []
+    for i in range(pairs):
+        if i % 2:
+            c, b = timed(captured), timed(plain)
+        else:
+            b, c = timed(plain), timed(captured)
+        base_t.append(b)
+        cap_t.append(c)
+        pct.append(100 * (c - b) / b)
+    q = statistics.quantiles(pct, n=4) if pairs > 1 else [pct[0]] * 3
+    return {
+        "forward_ms": statistics.median(base_t) * 1e3,
+        "captured_ms": statistics.median(cap_t) * 1e3,
+        "overhead_pct": statistics.median(pct),
+        "overhead_pct_quartiles": [q[0], q[2]],
+        "overhead_pct_range": [min(pct), max(pct)],
+        "pairs": pairs,
     }
 
 
@@ -181,7 +225,6 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         num_slots=4 * tokens + 1,
         routes=(len(mine), args.topk),
         device=device,
-        marks=len(mine),  # sglang_trace: one FusedMoE-hook marker per MoE layer (routes are their own)
         versioned=True,
     )
     ids = torch.randint(0, args.experts, (tokens, args.topk), device=device, dtype=torch.int32)
@@ -197,14 +240,13 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         site = (layer, "moe_in")
         return rollout_rtn(role, x, args.bits, cap.staging_rows(site, tokens) if site in cap.layouts else None)
 
-    def on_layer(layer: int) -> None:  # the route capture and the FusedMoE hook marker, on the rank keeping them
+    def on_layer(layer: int) -> None:  # the FusedMoE hook staging the routes (its marker), on the rank keeping them
         if layer not in index:
             return
         cap.stage_routes(index[layer], ids)
         rec = recs.get((layer, "moe_in"))
         if rec is not None:
             cap.stage((layer, "moe_in"), rec.low_bits, rec.scales, rec.global_scale)
-        cap.mark(index[layer], tokens)
 
     kernel = args.record == "kernel"
 
@@ -233,22 +275,17 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
 
     for fn in (plain, captured):  # warm-up
         timed(fn)
-    base_t, cap_t = [], []
-    for _ in range(args.repeats):
-        base_t.append(timed(plain))
-        cap_t.append(timed(captured))
-    b, c = statistics.median(base_t), statistics.median(cap_t)
+    wall = paired_overhead(plain, captured, args.repeats, timed)
     return {
         "tokens": tokens,
         "record": args.record,
         "cuda_graph": graph,
         "tp_size": args.tp_size,
         "recorded_layers": len(spec.moe_layers),
-        "forward_ms": b * 1e3,
-        "captured_ms": c * 1e3,
-        "overhead_pct": 100 * (c - b) / b,
+        "iters": args.iters,
+        **wall,
         "bytes_per_forward": tokens * cap.row.row_bytes,
-        **profile_diff(kernel_profile(plain, device), kernel_profile(captured, device)),
+        **profile_diff(*(kernel_profile(fn, device, args.profile_forwards) for fn in (plain, captured))),
     }
 
 
@@ -401,11 +438,18 @@ def table(result: dict) -> str:
     for name, r in [*result.get("overhead", {}).items(), *result.get("graph", {}).items()]:
         name += ", CUDA graph" if r["cuda_graph"] else ""
         name += f", TP rank 0 of {r['tp_size']}" if r["tp_size"] > 1 else ""
+        lo, hi = r["overhead_pct_quartiles"]
+        kernels = ""
+        if r.get("capture_kernel_pct") is not None:
+            kernels = (
+                f"; capture's kernels {r['capture_kernel_us']:.1f} µs = {r['capture_kernel_pct']:+.2f} % of the "
+                f"forward's {r['kernel_us_forward']:.0f} µs (shared kernels {r['shared_kernel_delta_us']:+.1f} µs)"
+            )
         rows.append(
             f"| capture, {name}, record by {r['record']}, {r['recorded_layers']} recorded layers ({r['tokens']} "
             f"tokens, {r['bytes_per_forward'] / 1e6:.2f} MB; GPU kernels {r['kernels_captured']} vs "
             f"{r['kernels_forward']}) | {r['captured_ms']:.3f} ms | {r['forward_ms']:.3f} ms forward | "
-            f"+{r['overhead_pct']:.2f} % |"
+            f"{r['overhead_pct']:+.2f} % (median of {r['pairs']} pairs, quartiles {lo:+.2f} .. {hi:+.2f} %){kernels} |"
         )
     for name, r in result.get("fc2", {}).items():
         rows.append(
@@ -453,12 +497,17 @@ def main() -> None:
         "--tp-size",
         type=int,
         default=1,
-        help="overhead / graph parts: TP rank 0 of this many ranks (its share of the MoE layers' records, markers and "
-        "routes, as sglang_trace shards them; the expert GEMM 1 / tp wide)",
+        help="overhead / graph parts: TP rank 0 of this many ranks (its share of the MoE layers' records and routes, "
+        "as sglang_trace shards them; the expert GEMM 1 / tp wide)",
     )
     p.add_argument("--level", type=int, default=1, help="zstandard level of the store")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed repeats (overhead / graph: plain-captured pairs, ABBA order)"
+    )
+    p.add_argument(
+        "--profile-forwards", type=int, default=3, help="overhead / graph parts: forwards profiled per variant"
+    )
     p.add_argument(
         "--parts",
         default="overhead,fc2,transfer,store",

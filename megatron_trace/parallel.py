@@ -253,22 +253,51 @@ def make_optimizer(
     return get_megatron_optimizer(opt_config, list(chunks))
 
 
+def refuse_non_finite(norm: float) -> None:
+    """Refuse an optimizer step whose global gradient norm is not finite (FloatingPointError naming it), before
+    anything changes: the one check of both trainers (the single rank's norm of its masters' gradients,
+    `step_optimizer`'s of the distributed optimizer's)."""
+    if not math.isfinite(norm):
+        raise FloatingPointError(
+            f"non-finite gradient norm {norm}: the optimizer step is refused (parameters, masters and optimizer state "
+            "unchanged)"
+        )
+
+
 def step_optimizer(optimizer) -> float:
-    """One step of `make_optimizer`'s optimizer (clipping by the global gradient norm, the update, the parameters
-    all-gathered), refused before the update when that norm is not finite. Without a loss scaler (BF16, FP32)
-    megatron-core 0.19.2 checks no gradient for inf / NaN (`MixedPrecisionOptimizer.prepare_grads`) and steps anyway:
-    a NaN gradient element becomes a NaN master. Collective (the norm is reduced over every rank, so every rank
-    refuses together); returns the norm. The norm is computed once more inside Megatron's step."""
-    if any(getattr(o, "grad_scaler", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])):
-        raise ValueError("step_optimizer: a loss scaler would unscale the gradients twice (make_optimizer sets none)")
+    """One step of `make_optimizer`'s optimizer, refused before the update when the global gradient norm is not
+    finite (`refuse_non_finite`): without a loss scaler (BF16, FP32) megatron-core 0.19.2 checks no gradient for
+    inf / NaN (`MixedPrecisionOptimizer.prepare_grads`) and steps anyway, so a NaN gradient element would become a
+    NaN master. The step is Megatron's own (`ChainedOptimizer.step`) taken in its public pieces, with the check
+    between them and each done once: the main gradients (`prepare_grads`), the global norm (`get_grad_norm`),
+    clipping by it (`clip_grad_by_total_norm_fp32`), the update and the parameters' all-gather
+    (`step_with_ready_grads`). For the settings `make_optimizer` gives, that is all `ChainedOptimizer.step` does; the
+    settings that add to it are refused by name. Collective (the norm is reduced over every rank, so every rank
+    refuses together); returns the norm."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron.core.optimizer.optimizer import MTP_GRAD_NORM_GROUP
+
+    config, parts = optimizer.config, getattr(optimizer, "chained_optimizers", [optimizer])
+    unsupported = {
+        "a loss scaler": any(getattr(o, "grad_scaler", None) for o in parts),
+        "grad_norm_skip_threshold": math.isfinite(config.grad_norm_skip_threshold),
+        "log_num_zeros_in_grad": config.log_num_zeros_in_grad,
+        "use_precision_aware_optimizer": config.use_precision_aware_optimizer,
+        "a separate MTP gradient norm": optimizer.has_grad_norm_group(MTP_GRAD_NORM_GROUP),
+    }
+    if any(unsupported.values()):
+        named = ", ".join(k for k, on in unsupported.items() if on)
+        raise ValueError(f"step_optimizer takes the step of make_optimizer's settings; this optimizer has {named}")
     optimizer.prepare_grads()  # the main gradients (views of the reduced gradient buffers) that the norm reads
     norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(norm):
-        raise FloatingPointError(f"gradient norm {norm}: the optimizer step is refused (masters and moments unchanged)")
-    ok, stepped, _ = optimizer.step()
-    if not ok:
-        raise RuntimeError(f"Megatron's optimizer skipped the step (gradient norm {stepped})")
-    return float(stepped)
+    refuse_non_finite(norm)
+    for o in parts:
+        params = [] if getattr(o, "is_stub_optimizer", False) else o.get_parameters()
+        if params and o.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=o.config.clip_grad, total_norm=norm)
+    if not optimizer.step_with_ready_grads():
+        raise RuntimeError(f"Megatron's optimizer did not step (gradient norm {norm})")
+    return norm
 
 
 # ----------------------------------------------------------------------------------------- one step

@@ -82,9 +82,11 @@ class _Finished:
 
 @dataclass(frozen=True)
 class RecordShard:
-    """What one attention-TP rank keeps in its device record store: the MoE-input sites, hook markers and routes
-    of the MoE layers it owns (each in MoE-layer order). MoE inputs and routes are the same on every TP rank, so
-    each is kept by one rank only; the store-writing rank merges the shards (`TraceCapturer._write`)."""
+    """What one attention-TP rank keeps in its device record store: the MoE-input sites and routes of the MoE
+    layers it owns, and a hook marker for each of those whose routes it does not keep (where it keeps a layer's
+    routes, the FusedMoE hook stages them, and they are that layer's marker); each in MoE-layer order. MoE inputs
+    and routes are the same on every TP rank, so each is kept by one rank only; the store-writing rank merges the
+    shards (`TraceCapturer._write`)."""
 
     sites: tuple[Site, ...]
     marks: tuple[int, ...]
@@ -102,7 +104,8 @@ def record_shards(
     shards = []
     for rank, mine in enumerate(shard_layers(layout.moe_layers, [layer for layer, _ in sites], tp_size)):
         routes = (tuple(layout.moe_layers) if rank == 0 else ()) if routes_on_first else mine
-        shards.append(RecordShard(tuple(s for s in sites if s[0] in mine), mine, routes))
+        marks = tuple(layer for layer in mine if layer not in routes)
+        shards.append(RecordShard(tuple(s for s in sites if s[0] in mine), marks, routes))
     return shards
 
 
@@ -154,10 +157,13 @@ class TraceCapturer(RoutedExpertsCapturer):
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
         host_ring_bytes: host ring size on each rank; default `RING_REQUESTS` requests of `max_request_tokens`.
 
-    Hook markers (`RecordCapturer(marks=...)`): per MoE layer, the FusedMoE hooks (marked by the FC2-input site in
-    emulate mode, the MoE-input site in native mode) mark the forward's rows, in CUDA graphs too; the route capture
-    needs no marker (the capturer resets staged routes to -1 after every forward, so a route not captured in this
-    forward is seen). A request with a row a hook did not mark or route is refused, never stored. Every row also
+    Hook markers: per MoE layer, the last FusedMoE hook of the layer (the FC2-input site in emulate mode, the
+    MoE-input site in native mode) writes into the forward's staging rows, in CUDA graphs too. On a rank that
+    keeps the layer's routes, that write is the routes' copy: the top-k hook (`capture`) only hands its `topk_ids`
+    on, and the FusedMoE hook stages them (one launch per layer for both); elsewhere it sets the layer's marker
+    byte (`RecordCapturer(marks=...)`). The capturer resets staged routes to -1 and markers to unset after every
+    forward, so a forward in which the top-k hook or the FusedMoE hooks of a layer did not run leaves -1 routes or
+    an unset marker; a request with such a row is refused, never stored. Every row also
     carries the weight version (RL step) of the forward that wrote it; a request whose rows were computed under
     another version than the step it finishes in is refused.
     """
@@ -200,7 +206,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.route_index = {layer: i for i, layer in enumerate(shard.routes)}
         self.moe_index = {layer: i for i, layer in enumerate(layout.moe_layers)}
         # the FusedMoE hooks of a layer run in one call chain (dispatch -> MoE-input site -> runner -> FC2-input
-        # site), so its last hook marks the layer; routes (from the top-k module) are their own marker
+        # site), so its last hook marks the layer (by staging its routes where this rank keeps them)
         self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
         rec = record_args(args, layout, shard)
         self.records = RecordCapturer(max_tokens=max_tokens, num_slots=num_slots, device=device, **rec)
@@ -233,6 +239,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._pending: list[_Finished] = []  # finished in the result batch being processed
         self._lock = threading.Lock()
         self._moe_rows: dict[int, int] = {}  # MoE layer -> token rows of its current forward
+        self._topk: tuple[int, torch.Tensor] | None = None  # (MoE layer, top-k ids) handed on by the last top-k hook
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
 
     def _kv_bytes(self) -> int:
@@ -273,21 +280,31 @@ class TraceCapturer(RoutedExpertsCapturer):
         return fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        """R3 hook in every MoE layer's top-k: stage the routes `[T, topk (+ fused shared)]` of `layer_id` (on the
-        rank that keeps them)."""
-        index = self.route_index.get(layer_id)
-        if index is not None:
-            self.records.stage_routes(index, topk_ids[:, : self.layout.topk])
+        """R3 hook in every MoE layer's top-k: hand the routes `[T, topk (+ fused shared)]` of `layer_id` on to the
+        layer's FusedMoE hook (`_mark`), which stages them, on the rank that keeps them. No launch here: SGLang's
+        top-k writes padded rows' ids to -1 in place after this hook (rows past the forward's tokens, never
+        stored), and its logical-to-physical expert map returns a new tensor, so the ids staged are the logical
+        ids this hook saw."""
+        self._topk = (layer_id, topk_ids) if layer_id in self.route_index else None
 
     def _mark(self, layer_id: int, rows: int) -> None:
-        """Set the FusedMoE hook marker of MoE layer `layer_id` on the forward's token rows [0, rows) (on the rank
-        that keeps it)."""
+        """The last FusedMoE hook of MoE layer `layer_id` ran on the forward's token rows [0, rows): on the rank
+        that keeps the layer's routes, stage the routes the layer's top-k hook handed on (when it ran in this layer,
+        on as many rows; else they stay -1 and the rows are refused); on a rank that keeps only its marker, set
+        it."""
+        index = self.route_index.get(layer_id)
+        if index is not None:
+            handed, self._topk = self._topk, None
+            if handed is not None and handed[0] == layer_id and handed[1].shape[0] == rows:
+                self.records.stage_routes(index, handed[1][:, : self.layout.topk])
+            return
         index = self.mark_index.get(layer_id)
         if index is not None:
             self.records.mark(index, rows)
 
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
         """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU)."""
+        self._topk = None  # routes a FusedMoE hook did not stage stay -1: never carried into the next forward
         if self._pending:  # finished requests whose batch was never closed: their slots may have been reused
             self._refuse_pending("its result batch was not closed before the next forward (slots may be reused)")
         self.weights.check_complete()

@@ -67,6 +67,7 @@ def _worker(name: str, layout_kw: dict, work: Path) -> None:
         gather_full_state,
         load_full_state,
         make_optimizer,
+        step_optimizer,
         wrap_ddp,
     )
     from megatron_trace.rows import PAD, pack_microbatch
@@ -131,8 +132,7 @@ def _worker(name: str, layout_kw: dict, work: Path) -> None:
     # shard only), so the gradients can be compared.
     reports = forward_backward(chunks, mine, loss_terms, force_all_reduce=True)
     grads = gather_full_state(chunks, lambda p: p.main_grad)
-    ok, _, _ = optimizer.step()
-    assert ok
+    step_optimizer(optimizer)
     for c in chunks:
         c.module._trace_session.end_step()
     after = gather_full_state(chunks)
@@ -220,23 +220,38 @@ def test_eight_rank_layout_matches_single_rank(name, reference, tmp_path):
     _check_against_reference(reference, _launch(name, 8, tmp_path), tmp_path)
 
 
-def test_ray_trainer_group_runs_the_layout_across_actors(reference, tmp_path, monkeypatch):
-    """The same TP = 2 + SP step with the two ranks as Ray actors of one placement group (gloo across them)."""
-    ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
-    from trace_rl.trainer_group import TrainerGroup
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_optimizer_is_megatrons_step(dtype):
+    """`step_optimizer` takes Megatron's `ChainedOptimizer.step` in its pieces, each once: on the same gradients
+    (clipped: their norm is above `clip_grad`), two steps of it and of Megatron's own step give the same norms,
+    parameters, masters and moments bit for bit (dense and expert optimizers, one rank)."""
+    from megatron_trace import checkpoint
+    from megatron_trace.cpu import init_single_rank
+    from megatron_trace.parallel import make_optimizer, step_optimizer, unwrap, wrap_ddp
+    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
-    (tmp_path / "inputs.pt").symlink_to(reference[0] / "inputs.pt")
-    root = str(Path(__file__).resolve().parents[1])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        group = TrainerGroup(2, cpus_per_rank=1)
-        group.run(_worker, "tp2_sp", LAYOUTS["tp2_sp"], tmp_path)
-        group.shutdown()
-    finally:
-        ray.shutdown()
-    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
-    _check_against_reference(reference, results, tmp_path)
+    init_single_rank()
+    models = [build_tiny_moe(TinyMoEConfig(**CFG_KW), dtype=dtype, routing_replay=False, grouped=True) for _ in "ab"]
+    models[1].load_state_dict(models[0].state_dict())
+    chunks = [wrap_ddp([m])[0] for m in models]
+    optimizers = [make_optimizer([c], lr=LR, clip_grad=1.0) for c in chunks]
+    params = [list(unwrap(c).parameters()) for c in chunks]
+    for seed in (0, 1):
+        norms = []
+        for chunk, ps, optimizer, step in zip(chunks, params, optimizers, ("ours", "megatron"), strict=True):
+            chunk.zero_grad_buffer()
+            g = torch.Generator().manual_seed(seed)
+            for p in ps:
+                p.main_grad.copy_(torch.randn(p.shape, generator=g))
+            norms.append(step_optimizer(optimizer) if step == "ours" else optimizer.step()[1])
+        assert norms[0] == norms[1] > 1.0
+        (master, moments, count), (ref_master, ref_moments, ref_count) = (
+            checkpoint.adam_state(ps, o) for ps, o in zip(params, optimizers, strict=True)
+        )
+        assert count == ref_count == seed + 1
+        ours = [*params[0], *master, *moments["exp_avg"], *moments["exp_avg_sq"]]
+        ref = [*params[1], *ref_master, *ref_moments["exp_avg"], *ref_moments["exp_avg_sq"]]
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

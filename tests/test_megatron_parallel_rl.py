@@ -17,7 +17,8 @@ a BF16 rounding boundary can round the other way, moving the next step's rollout
 tokens that use it. Counters (guided rows, fallbacks, placeholders), rewards and sampled lengths must match exactly.
 Checkpoints are Megatron distributed checkpoints: each layout's last one exports on one rank to the group's policy
 bit for bit, and the single rank's checkpoint of step 1 resumes at TP = 2 + SP with EP = 2 to the single rank's
-step 2.
+step 2. A step refused for a fault on one rank (a non-finite gradient, a bad route) is refused on every rank and
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from safetensors.torch import load_file
 
 from megatron_trace.parallel import Layout
 from megatron_trace.tiny import TinyMoEConfig
-from tests.rl_small import SMALL_RUN
+from tests.rl_small import SMALL_RUN, overflow_gradient, trainer_state
 from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
@@ -96,11 +97,75 @@ def _assert_same_steps(history: list[dict], reference: list[dict]) -> None:
                 assert _close(got[k], ref[k]), (step, k, got[k], ref[k])
 
 
+def _rank_state(rank) -> list[torch.Tensor]:
+    """`trainer_state` of a `TrainerGroup` rank's trainer (run in the rank's actor; collective)."""
+    return trainer_state(rank.obj)
+
+
+def _overflow(rank, on: bool) -> None:
+    """On one rank: an inf in the first parameter's accumulated gradient (`overflow_gradient`), or no more."""
+    if on:
+        rank.fault = rank.obj.params[0].register_post_accumulate_grad_hook(overflow_gradient)
+    else:
+        rank.fault.remove()
+
+
+def _duplicate_routes(rank, on: bool) -> None:
+    """On one rank: every replayed route of the batches it reads names its first expert twice, or no more."""
+    trainer = rank.obj
+    if not on:
+        del trainer.prepare  # the class's method again
+        return
+    prepare = trainer.prepare
+
+    def faulty(*args, **kwargs):
+        batch = prepare(*args, **kwargs)
+        for ids, _ in batch.source._routes.values():
+            ids[..., 1] = ids[..., 0]
+        return batch
+
+    trainer.prepare = faulty
+
+
+def _refuse_step_1_on_one_rank(ctrl: Controller) -> None:
+    """Rollout step 1 refused twice, each time for a fault on rank 1 alone: an inf in one gradient after accumulation
+    (as an overflow would; the global norm carries it to every rank), then duplicate expert ids in its replayed routes
+    (the ranks share the route check's verdict: the others would otherwise wait in the optimizer's reductions). Every
+    rank refuses by name; parameters, masters, moments and policy version stay as they were. The batch then goes back
+    into the rollout pipeline, for the next `train_step`."""
+    import ray
+
+    batch = ctrl.rollout(1)
+    rewards = torch.tensor([f.result() for f in batch.rewards])
+    args = (batch.trajectories, rewards, ctrl.cfg.group_size, str(ctrl.store), batch.step, batch.version)
+    ranks = ctrl.trainer.group.ranks
+    before = ray.get([r.__ray_call__.remote(_rank_state) for r in ranks])
+    overflow = [(FloatingPointError, "gradient norm inf: ")] * 2
+    routes = [(ValueError, "a bad rollout route on another rank"), (ValueError, "duplicate expert ids")]
+    for fault, errors in ((_overflow, overflow), (_duplicate_routes, routes)):
+        ray.get(ranks[1].__ray_call__.remote(fault, True))
+        refused = [r.call.remote("step", *args) for r in ranks]
+        for ref, (error, message) in zip(refused, errors, strict=True):
+            with pytest.raises(error, match=f"(?s){message}.*rollout step 1 refused"):
+                ray.get(ref)
+        ray.get(ranks[1].__ray_call__.remote(fault, False))
+    assert ctrl.trainer.policy_version() == 1
+    for after, was in zip(ray.get([r.__ray_call__.remote(_rank_state) for r in ranks]), before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(after, was, strict=True))
+    ctrl.pending.append(batch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, ray_cluster, tmp_path):
+    """Two RL steps of the layout equal the single rank's, with step 1 refused on every rank for a fault on one rank
+    first (`_refuse_step_1_on_one_rank`): nothing of the refused steps (gradients, site counters, routes) reaches
+    step 1, whose counters are exactly the single rank's (they came out doubled when a refused step's sessions were
+    not ended)."""
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **RUN, **LAYOUTS[name])
     with Controller(cfg, resume=False) as ctrl:
+        ctrl.train_step()
+        _refuse_step_1_on_one_rank(ctrl)
         history = ctrl.run()
         weights = ctrl.trainer.hf_weights()
         assert min(ctrl.trainer.group.call("verify_in_place_weights")) > 0
@@ -207,6 +272,30 @@ def test_rl_steps_with_the_distributed_optimizer_on_gpus_match_one_gpu(model_dir
     assert exported.keys() == weights.keys()
     for k, w in weights.items():
         assert torch.equal(exported[k], w), k
+
+
+def _rendezvous() -> tuple[int, int, list[int]]:
+    """torch.distributed (gloo) from the torchrun environment the group sets in each actor, and one collective."""
+    torch.distributed.init_process_group("gloo")
+    try:
+        ranks: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, torch.distributed.get_rank())
+        return torch.distributed.get_rank(), torch.distributed.get_world_size(), ranks
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_trainer_group_runs_torchrun_code_across_its_actors(ray_cluster):
+    """`TrainerGroup.run(fn)` calls `fn` on every rank at once with the torchrun environment set (rank, world size,
+    rendezvous on rank 0's node): torch.distributed initialised from it joins the actors, as Megatron's process groups
+    do in the layout tests above."""
+    from trace_rl.trainer_group import TrainerGroup
+
+    group = TrainerGroup(2, cpus_per_rank=1)
+    try:
+        assert group.run(_rendezvous) == [(0, 2, [0, 1]), (1, 2, [0, 1])]
+    finally:
+        group.shutdown()
 
 
 def test_a_layout_the_cluster_cannot_place_is_refused(ray_cluster):

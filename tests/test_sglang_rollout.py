@@ -15,6 +15,7 @@ from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.sglang_cpu import init_cpu_parallel_state, install_sgl_kernel_stand_in
 
@@ -348,15 +349,49 @@ def test_a_graph_replay_in_which_a_hook_did_not_run_is_refused_not_stored(rollou
 
 
 def test_a_graph_replay_in_which_a_route_capture_did_not_run_is_refused_not_stored(rollout):
-    """The route capture has no marker of its own: the staged routes are reset to -1 after every forward, so a
+    """The routes are the FusedMoE hooks' marker: the staged routes are reset to -1 after every forward, so a
     replay whose top-k hook did not run for one layer leaves -1 routes, even where the previous (larger) forward
     staged valid ids in the same staging rows."""
     rollout.forward([1, 2, 3], ForwardMode.EXTEND, graph_replay=True)
     rollout.forward([4, 5], ForwardMode.EXTEND, graph_replay=True, skip_routes=(1,))
     ok, stale = rollout.finish("ok", 0, [1, 2, 3]), rollout.finish("stale", 1, [4, 5])
-    assert "error" not in ok.trace_handle and "route capture of a layer did not run" in stale.trace_handle["error"]
+    assert "error" not in ok.trace_handle and "routes of a layer were not staged" in stale.trace_handle["error"]
     check_store(rollout, 0, "ok", [1, 2, 3])
     assert rollout.capturer.stats.failed == ["stale"]
+
+
+class SentinelWrites(TorchDispatchMode):
+    """Counts the aten ops that write into the sentinel bytes (routes and hook markers) of a capturer's staging
+    rows: every op with a mutated tensor argument on the staging storage whose first byte lies in that range."""
+
+    def __init__(self, records) -> None:
+        super().__init__()
+        self.storage = records.staging.untyped_storage().data_ptr()
+        self.row_bytes, self.sentinels = records.row.row_bytes, records.row.sentinels
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            t = args[i] if i < len(args) else kwargs.get(arg.name)
+            written = arg.alias_info is not None and arg.alias_info.is_write and isinstance(t, torch.Tensor)
+            if written and t.untyped_storage().data_ptr() == self.storage:
+                column = t.storage_offset() * t.element_size() % self.row_bytes
+                self.count += self.sentinels.start <= column < self.sentinels.stop
+        return func(*args, **kwargs)
+
+
+def test_each_moe_layer_writes_its_routes_and_hook_marker_in_one_launch(rollout):
+    """Through SGLang's real FusedMoE forward (CPU expert path, both TRACE hooks): per MoE layer one write into
+    the staging rows' routes and markers (the FusedMoE hook stages the routes the top-k hook handed on; that copy
+    is the layer's marker), plus the reset after the forward; the routes stored are the ones the top-k chose."""
+    rollout.forward([1, 2], ForwardMode.EXTEND)  # warm-up: the weight version is written once, outside the range
+    with SentinelWrites(rollout.capturer.records) as writes:
+        rollout.forward([3, 4, 5], ForwardMode.EXTEND)
+    assert writes.count == LAYERS + 1
+    assert rollout.capturer.records.marks == 0  # this rank keeps every layer's routes: no marker bytes
+    assert "error" not in rollout.finish("a", 0, [3, 4, 5]).trace_handle
+    check_store(rollout, 0, "a", [3, 4, 5])
 
 
 def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):

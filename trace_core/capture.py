@@ -198,8 +198,8 @@ class RowReader:
             if unrouted.numel():
                 raise ValueError(
                     f"{unrouted[:, 0].unique().numel()} of {length} positions were written by a forward in which "
-                    f"the route capture of a layer did not run (first (position, route layer) "
-                    f"{unrouted[:4].tolist()}); a hook did not run, records refused"
+                    f"the routes of a layer were not staged (first (position, route layer) {unrouted[:4].tolist()}): "
+                    "its route capture or the hook that stages them did not run; a hook did not run, records refused"
                 )
         if version is not None:
             if not self.versioned:

@@ -201,9 +201,9 @@ class RankTrainer(MegatronTrainer):
         for c in self.chunks:
             c.zero_grad_buffer()
         reports = forward_backward(self.chunks, items, loss_terms)
-        for s in self.sessions:
-            s.check_routes()  # refuse the update if a bad route was replayed as placeholders
-        norm = step_optimizer(self.opt)  # clips by the global norm, steps its ranges, all-gathers the parameters
+        with self._refusable(step):
+            self._check_routes()  # refuse the update if a bad route was replayed as placeholders, on every rank
+            norm = step_optimizer(self.opt)  # clips by the global norm, steps its ranges, all-gathers the parameters
         self.opt.zero_grad()
         self._quantize_in_place()
         sites: list[dict[str, float]] = []  # counters of each chunk's session (summed over all in `_combine`)
@@ -233,6 +233,23 @@ class RankTrainer(MegatronTrainer):
         metrics["actor/grad_norm"] = float(norm)
         metrics["rollout/staleness"] = float(staleness)
         return metrics
+
+    def _check_routes(self) -> None:
+        """Every session's replayed routes checked (`TraceSession.check_routes`) and the verdict shared: a bad route
+        on any rank refuses the step on every rank (collective). Ranks hold other trajectories and layers, so only
+        some may see it, and the others would wait in the optimizer's reductions for ranks that had left."""
+        error = None
+        try:
+            for s in self.sessions:
+                s.check_routes()
+        except ValueError as e:
+            error = e
+        bad = torch.tensor([float(error is not None)], device=self.device)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if bad.item():
+            raise ValueError("a bad rollout route on another rank: the step is refused on every rank")
 
 
 def _combine(ranks: list[dict]) -> dict[str, float]:

@@ -26,7 +26,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf
 from megatron_trace.loss import grpo_advantages, grpo_loss, mismatch_metrics, token_logprobs
-from megatron_trace.parallel import gather_full_state, load_full_state
+from megatron_trace.parallel import gather_full_state, load_full_state, refuse_non_finite
 from megatron_trace.rows import MicroBatch, pack_microbatch
 from megatron_trace.session import Tap, TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
@@ -287,8 +287,9 @@ class MegatronTrainer:
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
-        metrics["actor/grad_norm"] = self._clip_gradients(step)
-        self.session.check_routes()  # refuse the update if a bad route was replayed as placeholders
+        with self._refusable(step):
+            metrics["actor/grad_norm"] = self._clip_gradients()
+            self.session.check_routes()  # refuse the update if a bad route was replayed as placeholders
         self._update()
         metrics |= self.session.end_step()
         metrics |= batch.fallback_on_real_tokens(metrics, self.session.numerics.captured)
@@ -297,18 +298,26 @@ class MegatronTrainer:
         self.version += 1
         return metrics
 
-    def _clip_gradients(self, step: int) -> float:
-        """Clip the masters' gradients by their global norm, returned. A non-finite norm refuses rollout step `step`
-        by name before any gradient or master changes (as the group trainer's `step_optimizer`); the gradients are
-        dropped and the session's step is ended, so that its counters and routes do not leak into the next step."""
-        norm = torch.nn.utils.get_total_norm([m.grad for m in self.master if m.grad is not None])
-        if not bool(norm.isfinite()):
+    @contextmanager
+    def _refusable(self, step: int) -> Iterator[None]:
+        """The checks that may refuse rollout step `step` before its update (a bad replayed route, a non-finite
+        gradient norm: `megatron_trace.parallel.refuse_non_finite`), in either trainer. A refused step drops its
+        gradients and ends every session's step, so that none of its gradients, site counters or routes reach the
+        next step; parameters, masters and optimizer state are not touched yet. The error names the step."""
+        try:
+            yield
+        except Exception as e:
             self.opt.zero_grad()
-            self.session.end_step()
-            raise FloatingPointError(
-                f"step {step}: non-finite gradient norm {float(norm)}: the optimizer step is refused (parameters, "
-                "masters and AdamW state unchanged)"
-            )
+            for s in self.training_sessions():
+                s.end_step()
+            e.add_note(f"rollout step {step} refused: its gradients are dropped and its sessions' step is ended")
+            raise
+
+    def _clip_gradients(self) -> float:
+        """Clip the masters' gradients by their global norm, returned; a non-finite norm refuses the step before
+        any gradient changes."""
+        norm = torch.nn.utils.get_total_norm([m.grad for m in self.master if m.grad is not None])
+        refuse_non_finite(float(norm))
         torch.nn.utils.clip_grads_with_norm_(self.master, self.clip_grad, norm)  # clip_grad_norm_'s two steps
         return float(norm)
 

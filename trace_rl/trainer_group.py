@@ -107,14 +107,6 @@ class TrainerGroup:
 
         return ray.get([r.call.remote(name, *args, **kwargs) for r in self.ranks])
 
-    def call_each(self, name: str, calls: list[tuple[tuple, dict]]) -> list:
-        """Method `name` of each rank's object with that rank's `(args, kwargs)`, at once."""
-        import ray
-
-        if len(calls) != len(self.ranks):
-            raise ValueError(f"{len(calls)} calls for {len(self.ranks)} ranks")
-        return ray.get([r.call.remote(name, *a, **kw) for r, (a, kw) in zip(self.ranks, calls, strict=True)])
-
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
