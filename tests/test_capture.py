@@ -293,7 +293,9 @@ def test_a_replay_whose_hook_or_route_capture_did_not_run_is_refused_by_the_rese
     replay([(7, 7), (8, 8)])
     assert_same(cap.gather(torch.tensor([1, 2, 3]), 3, version=0), drv.expected([1, 2, 3]))
     assert_same(cap.gather(torch.tensor([7, 8]), 2, version=0), drv.expected([7, 8]))
-    with pytest.raises(ValueError, match=r"route layer\) \[\[0, 1\], \[1, 1\]\]\): its route capture .* a hook did not run"):
+    with pytest.raises(
+        ValueError, match=r"route layer\) \[\[0, 1\], \[1, 1\]\]\): its route capture .* a hook did not run"
+    ):
         cap.gather(torch.tensor([4, 5]), 2)
     with pytest.raises(ValueError, match=r"hook did not run \(first \(position, marker\) \[\[0, 0\]\]"):
         cap.gather(torch.tensor([6]), 1)
