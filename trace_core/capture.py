@@ -263,6 +263,11 @@ class RecordCapturer:
         self.store = torch.zeros(num_slots, self.row.row_bytes, dtype=torch.uint8, device=self.device)
         # word views: the forward's copy into the store and the finish gather move 8-byte words, not bytes
         self._staging_words, self._store_words = self.staging.view(WORD), self.store.view(WORD)
+        # the hooks' staging views, built once (fixed addresses): a hook call only slices its rows
+        self._site_views = {site: self.reader.buffers(self.staging, site) for site in self.layouts}
+        self._route_view = None
+        if routes is not None:
+            self._route_view = self.row.view(self.staging, "routes", "routes", torch.int32).view(-1, *routes)
         sentinels = self.row.sentinels
         self._sentinel_words = self.staging.view(torch.int32)[:, sentinels.start // 4 : sentinels.stop // 4]
         self._reset_sentinels()
@@ -277,7 +282,9 @@ class RecordCapturer:
 
     def site_buffers(self, site: Site) -> SiteBuffers:
         """Staging views of `site` (`[max_tokens, ...]`, fixed addresses) for a kernel to write rows into."""
-        return self.reader.buffers(self.staging, site)
+        if site not in self._site_views:
+            raise ValueError(f"site {site} is not captured; captured sites: {list(self.layouts)}")
+        return self._site_views[site]
 
     def staging_rows(self, site: Site, rows: int) -> SiteBuffers:
         """Staging views of rows [0, rows) of `site` for a kernel to write into (e.g. the `out`-style buffers of
@@ -291,9 +298,9 @@ class RecordCapturer:
 
     def route_buffer(self) -> torch.Tensor:
         """Staging view of the routes, int32 `[max_tokens, route_layers, topk]`."""
-        if self.routes_shape is None:
+        if self._route_view is None:
             raise ValueError("this capturer was built without routes")
-        return self.row.view(self.staging, "routes", "routes", torch.int32).view(-1, *self.routes_shape)
+        return self._route_view
 
     def stage(
         self, site: Site, low_bits: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None = None
