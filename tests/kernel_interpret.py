@@ -67,6 +67,11 @@ def cases() -> dict[str, Callable[[], None]]:
                 g = partial(guided, fmt, 5, 160, torch.float32, 4, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, q)
                 out[f"guided-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, g)
+    for fmt in ("nvfp4", "kv_fp4"):  # chunks that divide the row (96 = 3 x 32), two rows per tile, the last partly
+        for mode in kernel_checks.SCALE_MODES[fmt]:  # past the last row; per-token nvfp4 in two passes
+            for bits in (1, 4):
+                q = partial(quant, fmt, 5, 96, torch.float32, bits, mode, "cpu")
+                out[f"quant-{fmt}-{mode}-b{bits}-dividing-chunks"] = partial(_dividing_chunks, q)
     for fmt in ("nvfp4", "kv_fp4"):  # D a multiple of 128, aligned buffers: the record in 16-byte vectors
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 2):
@@ -78,6 +83,14 @@ def cases() -> dict[str, Callable[[], None]]:
                     _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
                 )
     return out
+
+
+def _dividing_chunks(fn: Callable[[], None]) -> None:
+    """`ops._launch_shape`'s chunk that divides the row: a 64-column tile's chunk on 96-column rows becomes 32
+    columns, rows doubling to keep the tile's elements."""
+    with launch({"rows": 1, "chunk": 64, "min_chunk": 32, "row_chunk": 32}):
+        assert ops._launch_shape(ops.get_format("kv_fp4"), 96) == (2, 32, ops.LAUNCH["quant"]["warps"])
+        fn()
 
 
 def _wide(fn: Callable[[], None], **tile: int) -> None:
