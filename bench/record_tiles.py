@@ -4,9 +4,9 @@ For each row width D and T, nvfp4 (per token) and kv_fp4, BF16, b = 1, graph-tim
 quantize kernel that `ops` launches under each candidate setting (`CANDIDATES`, applied for that width only), with
 and without the record, its record overhead and its ratio to a device-to-device copy of as many bytes. Every
 candidate's output, record and token scales are checked against the pure-torch reference (bit for bit). The first
-candidate of each width is the tile launched before the tile rule of `ops._launch_shape` fitted it to the width.
-The best candidate of a width has the least sum, over formats and T, of its record and no-record times relative
-to the first candidate's; `--best` writes them as {D: TRACE_FP4_LAUNCH JSON}.
+candidate of each width is the default tile. The best candidate of a width has the least sum, over formats and T, of
+its record and no-record times relative to the first candidate's; `--best` writes them as {D: TRACE_FP4_LAUNCH
+JSON}.
 
 Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--out tiles.json] [--best best.json]
 """
@@ -32,19 +32,22 @@ from trace_core.quant import dequantize, quantize
 from trace_core.records import pack_low_bits
 
 CANDIDATES: dict[int, list[dict[str, int]]] = {
-    2048: [{"chunk": 2048}, {}, {"chunk": 2048, "warps": 4}],
-    4096: [{}],
+    2048: [{}, {"row_loop": 2}, {"chunk": 2048, "warps": 8}],
+    4096: [{}, {"chunk": 2048, "warps": 4}],
     7168: [
-        {"min_chunk": 8192},
         {},
+        {"row_loop": 2},
         {"chunk": 2048, "warps": 4},
+        {"chunk": 1024, "warps": 2},
+        {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
-        {"chunk": 8192, "warps": 16, "min_chunk": 8192},
     ],
 }
-"""Row width -> `LAUNCH["quant"]` overrides to time there ({} is the default); the first is the tile launched
-before (2048: 1 row x 2048 columns, 8 warps, a block per two threads; 7168: 1 x 4096, 8 warps, the second chunk a
-quarter masked, per-token nvfp4 in two passes)."""
+"""Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
+2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps; 7168: 1 x 4096, 8 warps, the row in two chunks, the
+second a quarter masked, per-token nvfp4 in two passes. The last at 2048 is the tile launched there before (8
+warps: each block split between two threads); the others split rows into more or fewer chunks, take two row tiles
+per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass."""
 
 
 @contextlib.contextmanager

@@ -67,11 +67,11 @@ def cases() -> dict[str, Callable[[], None]]:
                 g = partial(guided, fmt, 5, 160, torch.float32, 4, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, q)
                 out[f"guided-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, g)
-    for fmt in ("nvfp4", "kv_fp4"):  # chunks that divide the row (96 = 3 x 32), two rows per tile, the last partly
-        for mode in kernel_checks.SCALE_MODES[fmt]:  # past the last row; per-token nvfp4 in two passes
+    for fmt in ("nvfp4", "kv_fp4"):  # the record stored before the output (RECORD_FIRST), as on the GPU
+        for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 4):
-                q = partial(quant, fmt, 5, 96, torch.float32, bits, mode, "cpu")
-                out[f"quant-{fmt}-{mode}-b{bits}-dividing-chunks"] = partial(_dividing_chunks, q)
+                q = partial(quant, fmt, 5, 512, torch.float32, bits, mode, "cpu")
+                out[f"quant-{fmt}-{mode}-b{bits}-record-first"] = partial(_record_first, q)
     for fmt in ("nvfp4", "kv_fp4"):  # D a multiple of 128, aligned buffers: the record in 16-byte vectors
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 2):
@@ -85,11 +85,11 @@ def cases() -> dict[str, Callable[[], None]]:
     return out
 
 
-def _dividing_chunks(fn: Callable[[], None]) -> None:
-    """`ops._launch_shape`'s chunk that divides the row: a 64-column tile's chunk on 96-column rows becomes 32
-    columns, rows doubling to keep the tile's elements."""
-    with launch({"rows": 1, "chunk": 64, "min_chunk": 32, "row_chunk": 32}):
-        assert ops._launch_shape(ops.get_format("kv_fp4"), 96) == (2, 32, ops.LAUNCH["quant"]["warps"])
+def _record_first(fn: Callable[[], None]) -> None:
+    """Two rows of 512 columns per tile on one warp: a block per thread, so `RECORD_FIRST` holds (the tiles of the
+    other cases give a block to two threads or more); the last tile partly past the last row."""
+    with launch({"rows": 2, "chunk": 512, "warps": 1}):
+        assert ops.record_first(*ops._launch_shape(ops.get_format("kv_fp4"), 512))
         fn()
 
 

@@ -113,16 +113,16 @@ def test_launch_shape_respects_blocks():
 
 
 def test_quantize_tile_gives_each_thread_whole_blocks_at_the_target_widths():
-    # the default tile fitted to each width (ops._launch_shape): 4096 elements per program, one block per thread
-    # of 8 warps, no partly masked chunk; per-token nvfp4 the same tile (7168: two passes over x)
+    # ops._launch_shape: warps scale with the chunk (4096 columns on 8 warps), one 16-element block per thread
     kv, nv = ops.get_format("kv_fp4"), ops.get_format("nvfp4")
-    expected = {2048: (2, 2048, 8), 4096: (1, 4096, 8), 7168: (4, 1024, 8)}
-    for d, tile in expected.items():
+    for d, tile in {2048: (1, 2048, 4), 4096: (1, 4096, 8), 7168: (1, 4096, 8)}.items():
         assert ops._launch_shape(kv, d) == tile and ops._launch_shape(nv, d, per_token=True) == tile, d
-        assert ops.record_first(*tile) and d % tile[1] == 0
-    assert ops._launch_shape(kv, 3072) == (1, 4096, 8)  # one chunk per row: left as it is (partly masked)
-    assert ops._launch_shape(kv, 4112) == (1, 4096, 8)  # no power of two >= min_chunk divides 4112
-    assert ops._launch_shape(kv, 64) == (64, 64, 8)
+        assert ops.record_first(*tile), d
+    assert ops._launch_shape(kv, 64) == (1, 64, 1)  # at least one warp
+    with kernel_interpret.launch({"row_chunk": 8192}):  # a per-token row of 8192 columns in one chunk: 16 warps
+        assert ops._launch_shape(nv, 7168, per_token=True) == (1, 8192, 16)
+        assert ops._launch_shape(kv, 7168) == (1, 4096, 8)
+    assert ops._launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled
 
 
 def test_record_store_unit_takes_16_byte_vectors_only_where_they_fit():
@@ -159,7 +159,7 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
     # the L1 merges them only when they issue back to back (docs/performance.md, "the record before the output").
     # Compiled for sm_90 on the CPU with the ptxas triton ships.
     # On every width of the targets, with the tile ops launches there (ops._launch_shape gives each thread whole
-    # blocks: 2 x 2048, 1 x 4096 and 4 x 1024 columns, 8 warps).
+    # blocks: 2048 columns on 4 warps, 4096 on 8; 7168 in two chunks of 4096 on 8).
     from bench import kernel_ir
 
     for d in (2048, 4096, 7168):

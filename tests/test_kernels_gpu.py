@@ -52,8 +52,8 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-@pytest.mark.parametrize("candidate", range(5))
-@pytest.mark.parametrize("d", [2048, 7168])
+@pytest.mark.parametrize("candidate", range(6))
+@pytest.mark.parametrize("d", [2048, 4096, 7168])
 def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
     # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
     # that leaves the last row tile partly past the end (imported here: collection must not need triton)

@@ -45,17 +45,16 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "min_chunk": 1024, "row_chunk": 4096, "row_loop": 1,
-              "wide_record": 0},
+    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 0},
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
-}  # fmt: skip
-"""Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`; the
-quantize tile per row width by `bench/record_tiles.py`). `_launch_shape` fits the quantize tile to each width
-(`min_chunk`, `row_chunk`: see there). The 16-element kernels take `row_loop` tiles of rows one after the other
-per program (guided: 4, one redirected-count add per program instead of one per tile: `bench/kernels.py
---guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the record in 16-byte vectors
-where `record_store_unit` allows it (off by default: no faster on the H200, `bench/record_variants.py --wide`).
-`TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
+}
+"""Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`; the quantize
+tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). The 16-element kernels take
+`row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add per program instead of
+one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the
+record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the H200,
+`bench/record_variants.py --wide`). `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`)
+overrides entries for other GPUs."""
 
 
 def _launch_overrides(text: str) -> None:
@@ -77,24 +76,19 @@ if os.environ.get("TRACE_FP4_LAUNCH"):
 def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool = False) -> tuple[int, int, int]:
     """(rows per program, chunk columns, warps) of `kernel` ("quant" or "guided") on rows of width d.
 
-    The quantize tile keeps `LAUNCH["quant"]`'s rows x chunk elements (4096: one 16-element block per thread of
-    its 8 warps, so `record_first` holds) on every width. Its chunk is the tile's, or the row's width rounded up to
-    a power of two where that is narrower (2048: two rows per program); where a row takes several chunks and the
-    last would be partly masked, it is the largest power of two that divides the width, if at least `min_chunk`
-    (7168 = 7 x 1024: four rows per program). Per-token nvfp4 takes a row of up to `row_chunk` columns (rounded
-    up to a power of two) in one tile instead, warps growing with it: x read once."""
+    The chunk is the tile's, or the row's width rounded up to a power of two where that is narrower. Per-token
+    nvfp4 takes a row of up to `row_chunk` columns (rounded up likewise) in one chunk: x read once. The quantize
+    kernel's warps scale with its chunk against the tile's, so that each thread keeps the tile's share of a row
+    (4096 columns on 8 warps: one 16-element block per thread, where `record_first` holds): 4 warps on rows of
+    2048 columns, 16 on per-token rows of 8192, at least 1."""
     tile = LAUNCH[kernel]
     chunk = max(fmt.block, min(tile["chunk"], triton_next_pow2(d)))
-    warps = tile["warps"]
     whole = max(fmt.block, triton_next_pow2(d))
     if per_token and chunk < whole <= tile["row_chunk"]:
-        return tile["rows"], whole, min(16, warps * whole // chunk)
+        chunk = whole
     if kernel != "quant":
-        return tile["rows"], chunk, warps
-    divides = d & -d  # the largest power of two dividing d
-    if d > chunk and d % chunk and divides >= tile["min_chunk"]:
-        chunk = divides
-    return max(1, tile["rows"] * tile["chunk"] // chunk), chunk, warps
+        return tile["rows"], chunk, tile["warps"]
+    return tile["rows"], chunk, min(16, max(1, tile["warps"] * chunk // tile["chunk"]))
 
 
 def record_unit(buf: torch.Tensor, bits: int) -> int:
@@ -143,8 +137,8 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     record = low_bits is not None
     # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
-    # does not give each thread whole blocks (none of the default tiles, see `_launch_shape`; a TRACE_FP4_LAUNCH
-    # override may make one), where the group-per-thread kernel measured faster on the H200
+    # does not give each thread whole blocks (rows narrower than 512 columns with the default tile, or a
+    # TRACE_FP4_LAUNCH override), where the group-per-thread kernel measured faster on the H200
     # (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
