@@ -12,9 +12,9 @@ The CUDA case runs the `small` preset (head dim 64, 3 query heads per KV head); 
 head dim 16 is checked against SGLang's in tests/test_fp4_attention.py.
 
 In the RL loop (`fp4_attention = "decode"`): a controller step's rollout workers are this engine, its pools hold
-codes, the step's reported decode reads are one per layer and decode forward of each batch it sampled, and a resume
-with the option changed is refused; the launcher (`trace-rl demo`) runs the FP4 modes with it. The config's refusals
-are in tests/test_rl_config.py.
+codes, the step's reported decode reads are one per layer and decode forward of each batch it sampled (the
+evaluation's are reported apart), and a resume with the option changed is refused; the launcher (`trace-rl demo`)
+runs the FP4 modes with it. The config's refusals are in tests/test_rl_config.py.
 """
 
 from __future__ import annotations
@@ -131,7 +131,10 @@ RL = dict(prompts_per_step=2, group_size=2, max_new_tokens=3, steps=1, loggers="
 
 
 def test_rl_step_with_fp4_attention_reads_the_pool(tiny_model, tmp_path):
-    cfg = RLConfig(model_dir=str(tiny_model(10)), out_dir=str(tmp_path), mode="trace", rollout_workers=1, **RL)
+    evaluation = dict(eval_data="addition", eval_every=1, eval_prompts=2, eval_k=2)
+    cfg = RLConfig(
+        model_dir=str(tiny_model(10)), out_dir=str(tmp_path), mode="trace", rollout_workers=1, **RL, **evaluation
+    )
     with Controller(cfg) as ctrl:
         (worker,) = ctrl.pool.workers
         engine = worker.engine
@@ -147,6 +150,7 @@ def test_rl_step_with_fp4_attention_reads_the_pool(tiny_model, tmp_path):
         ctrl.pending.append(batch)
         metrics = ctrl.train_step()
     assert metrics["rollout/fp4_decode_reads"] == batch.decode_reads
+    assert metrics["eval/fp4_decode_reads"] > 0  # the held-out evaluation's rollouts, counted apart
     assert metrics["trace/rtn_fallback_real_tokens"] == 0  # the trainer is guided by this rollout's records
     assert math.isfinite(metrics["train_rollout_logprob_abs_diff"])
     with pytest.raises(ValueError, match="written with fp4_attention='decode', the config has 'off'"):
