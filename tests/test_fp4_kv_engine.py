@@ -163,6 +163,8 @@ def test_launcher_runs_the_fp4_modes_with_fp4_attention(tiny_model, tmp_path):
         + [f"{k}={v}" for k, v in RL.items()]
     )
     assert list(table) == ["qat", "trace"]
+    title = "TRACE embedded default: FP4 + QAT vs FP4 + TRACE, decode attention from the FP4 KV pool"
+    assert title in " ".join((tmp_path / "summary.txt").read_text().split())
     for mode in table:
         (line,) = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
         assert json.loads(line)["rollout/fp4_decode_reads"] > 0

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     write_csv(runs, out / "metrics.csv")
     table = summary(runs)
     (out / "summary.json").write_text(json.dumps(table, indent=1))
-    (out / "summary.txt").write_text(print_table(table))
+    note = ", decode attention from the FP4 KV pool" if fp4_attention else ""
+    (out / "summary.txt").write_text(print_table(table, note=note))
     for path in plot(runs, out):
         print(f"wrote {path}")
     return table
