@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of the FP4 Triton kernels on a CUDA GPU (T = 65536, D = 4096, BF16, b = 1).
-# Usage: bash bench/profile_kernels.sh OUT_DIR [PYTHON]
+# Nsight Compute profile of the FP4 Triton kernels on a CUDA GPU (T = 65536, D = 4096 or $D, BF16, b = 1).
+# Usage: [D=7168] bash bench/profile_kernels.sh OUT_DIR [PYTHON]
 # Writes OUT_DIR/kernels.ncu-rep, OUT_DIR/details.csv (every metric of the lean section set) and OUT_DIR/summary.txt
 # (per kernel: duration, DRAM throughput and bytes, SM / issue activity, occupancy, registers, stall reasons).
 # Cases, profiled in this order (report IDs 0..5) after one warm-up launch each (--launch-skip 6): quantize-and-record
@@ -17,6 +17,8 @@ if ! command -v ncu >/dev/null; then
 fi
 DRIVER="$OUT/driver.py"
 cat >"$DRIVER" <<'PY'
+import os
+
 import torch
 
 from trace_core.formats import get_format
@@ -24,7 +26,7 @@ from trace_core.guided import GuidanceStats
 from trace_core.kernels import guided_fake_quant, quantize_record, record_buffers, rtn_fake_quant
 from trace_core.records import Record
 
-t, d = 65536, 4096
+t, d = 65536, int(os.environ.get("D", "4096"))
 x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
 out = torch.empty_like(x)
 low, scales, token = record_buffers(t, d, "nvfp4", 1, "cuda", per_token=True)

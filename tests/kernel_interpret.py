@@ -67,6 +67,11 @@ def cases() -> dict[str, Callable[[], None]]:
                 g = partial(guided, fmt, 5, 160, torch.float32, 4, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, q)
                 out[f"guided-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, g)
+    for fmt in ("nvfp4", "kv_fp4"):  # the record stored before the output (RECORD_FIRST), as on the GPU
+        for mode in kernel_checks.SCALE_MODES[fmt]:
+            for bits in (1, 4):
+                q = partial(quant, fmt, 5, 512, torch.float32, bits, mode, "cpu")
+                out[f"quant-{fmt}-{mode}-b{bits}-record-first"] = partial(_record_first, q)
     for fmt in ("nvfp4", "kv_fp4"):  # D a multiple of 128, aligned buffers: the record in 16-byte vectors
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 2):
@@ -78,6 +83,14 @@ def cases() -> dict[str, Callable[[], None]]:
                     _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
                 )
     return out
+
+
+def _record_first(fn: Callable[[], None]) -> None:
+    """Two rows of 512 columns per tile on one warp: a block per thread, so `RECORD_FIRST` holds (the tiles of the
+    other cases give a block to two threads or more); the last tile partly past the last row."""
+    with launch({"rows": 2, "chunk": 512, "warps": 1}):
+        assert ops.record_first(*ops._launch_shape(ops.get_format("kv_fp4"), 512))
+        fn()
 
 
 def _wide(fn: Callable[[], None], **tile: int) -> None:

@@ -10,10 +10,16 @@ differences of BF16 logits: with every logit within two of its BF16 steps, a log
 of the largest |logit| (`_logprob_atol`), the tolerance used.
 The CUDA case runs the `small` preset (head dim 64, 3 query heads per KV head); the kernel at the tiny model's
 head dim 16 is checked against SGLang's in tests/test_fp4_attention.py.
+
+In the RL loop (`fp4_attention = "decode"`): a controller step's rollout workers are this engine, its pools hold
+codes, the step's reported decode reads are one per layer and decode forward of each batch it sampled (the
+evaluation's are reported apart), and a resume with the option changed is refused; the launcher (`trace-rl demo`)
+runs the FP4 modes with it. The config's refusals are in tests/test_rl_config.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -21,8 +27,11 @@ import torch
 
 from trace_core.kv_attention import decode_attention_reference, dequantize_kv
 from trace_core.records import RecordSpec
+from trace_rl.config import RLConfig
+from trace_rl.controller import Controller
 from trace_rl.engine import EmbeddedEngine, _SiteCache
 from trace_rl.fp4_kv_engine import FP4AttentionEngine
+from trace_rl.launch import main
 from trace_rl.task import EOS, AdditionTask
 from trace_rl.warmup import HF_DIR, make_tiny_model
 
@@ -116,3 +125,46 @@ def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
     theirs, top = _forced(ref, prompts, tokens)
     for i, t in enumerate(ours):
         torch.testing.assert_close(t.logprobs, theirs[i, : len(t.logprobs)], rtol=0, atol=_logprob_atol(top))
+
+
+RL = dict(prompts_per_step=2, group_size=2, max_new_tokens=3, steps=1, loggers="none", fp4_attention="decode")
+
+
+def test_rl_step_with_fp4_attention_reads_the_pool(tiny_model, tmp_path):
+    evaluation = dict(eval_data="addition", eval_every=1, eval_prompts=2, eval_k=2)
+    cfg = RLConfig(
+        model_dir=str(tiny_model(10)), out_dir=str(tmp_path), mode="trace", rollout_workers=1, **RL, **evaluation
+    )
+    with Controller(cfg) as ctrl:
+        (worker,) = ctrl.pool.workers
+        engine = worker.engine
+        assert isinstance(engine, FP4AttentionEngine)
+        batch = ctrl.rollout(0)
+        # one batch per prompt length; each decode forward (one per token sampled by its longest row) reads the pool
+        # once per layer
+        longest: dict[int, int] = {}
+        for t in batch.trajectories:
+            longest[t.prompt_len] = max(longest.get(t.prompt_len, 0), len(t.response))
+        assert batch.decode_reads == engine.model.config.num_hidden_layers * sum(longest.values()) > 0
+        assert all(codes.any() and scales.any() for codes, scales in engine.kv_pool.values())
+        ctrl.pending.append(batch)
+        metrics = ctrl.train_step()
+    assert metrics["rollout/fp4_decode_reads"] == batch.decode_reads
+    assert metrics["eval/fp4_decode_reads"] > 0  # the held-out evaluation's rollouts, counted apart
+    assert metrics["trace/rtn_fallback_real_tokens"] == 0  # the trainer is guided by this rollout's records
+    assert math.isfinite(metrics["train_rollout_logprob_abs_diff"])
+    with pytest.raises(ValueError, match="written with fp4_attention='decode', the config has 'off'"):
+        Controller(cfg.replace(fp4_attention="off"))  # the step's checkpoint: a resume keeps the rollout numerics
+
+
+def test_launcher_runs_the_fp4_modes_with_fp4_attention(tiny_model, tmp_path):
+    table = main(
+        [f"model_dir={tiny_model(10)}", f"out_dir={tmp_path}", "rollout_workers=1"]
+        + [f"{k}={v}" for k, v in RL.items()]
+    )
+    assert list(table) == ["qat", "trace"]
+    title = "TRACE embedded default: FP4 + QAT vs FP4 + TRACE, decode attention from the FP4 KV pool"
+    assert title in " ".join((tmp_path / "summary.txt").read_text().split())
+    for mode in table:
+        (line,) = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(line)["rollout/fp4_decode_reads"] > 0

@@ -112,6 +112,19 @@ def test_launch_shape_respects_blocks():
         assert chunk % ops.get_format(fmt).block == 0 and chunk % 8 == 0 and rb >= 1
 
 
+def test_quantize_tile_gives_each_thread_whole_blocks_at_the_target_widths():
+    # ops._launch_shape: warps scale with the chunk (4096 columns on 8 warps), one 16-element block per thread
+    kv, nv = ops.get_format("kv_fp4"), ops.get_format("nvfp4")
+    for d, tile in {2048: (1, 2048, 4), 4096: (1, 4096, 8), 7168: (1, 4096, 8)}.items():
+        assert ops._launch_shape(kv, d) == tile and ops._launch_shape(nv, d, per_token=True) == tile, d
+        assert ops.record_first(*tile), d
+    assert ops._launch_shape(kv, 64) == (1, 64, 1)  # at least one warp
+    with kernel_interpret.launch({"row_chunk": 8192}):  # a per-token row of 8192 columns in one chunk: 16 warps
+        assert ops._launch_shape(nv, 7168, per_token=True) == (1, 8192, 16)
+        assert ops._launch_shape(kv, 7168) == (1, 4096, 8)
+    assert ops._launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled
+
+
 def test_record_store_unit_takes_16_byte_vectors_only_where_they_fit():
     low, scales, _ = record_buffers(4, 256, "kv_fp4", 1, "cpu")
     assert ops.record_store_unit(low, scales, 1, 256) == 2  # off by default: per-block 2-byte words
@@ -145,15 +158,18 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
     # RECORD_FIRST (ops.record_first): a thread's two 16-byte output stores fill the halves of the same sectors, and
     # the L1 merges them only when they issue back to back (docs/performance.md, "the record before the output").
     # Compiled for sm_90 on the CPU with the ptxas triton ships.
+    # On every width of the targets, with the tile ops launches there (ops._launch_shape gives each thread whole
+    # blocks: 2048 columns on 4 warps, 4096 on 8; 7168 in two chunks of 4096 on 8).
     from bench import kernel_ir
 
-    configs = {label: (kernel, args) for label, kernel, args in kernel_ir.configs(kernel_ir.load_module(None), 4096,
-                                                                                   None, None, None)}  # fmt: skip
-    for label in ("quant kv_fp4 b=1", "quant nvfp4 per-token b=1"):
-        kernel, args = configs[label]
-        assert args["RECORD_FIRST"] and kernel.fn.__name__ == "_quantize_record16_kernel", label
-        compiled = kernel_ir.compile_kernel(kernel, dict(args))
-        stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
-        (w1, p1), (w2, p2) = stores[-2:]
-        assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{label}: output stores at {stores}"
-        assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{label}: the record's stores come first: {stores}"
+    for d in (2048, 4096, 7168):
+        configs = {label: (kernel, args) for label, kernel, args in kernel_ir.configs(kernel_ir.load_module(None), d,
+                                                                                       None, None, None)}  # fmt: skip
+        for label in ("quant kv_fp4 b=1", "quant nvfp4 per-token b=1"):
+            kernel, args = configs[label]
+            assert args["RECORD_FIRST"] and kernel.fn.__name__ == "_quantize_record16_kernel", (d, label)
+            compiled = kernel_ir.compile_kernel(kernel, dict(args))
+            stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
+            (w1, p1), (w2, p2) = stores[-2:]
+            assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{d} {label}: output stores at {stores}"
+            assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{d} {label}: the record's stores first: {stores}"

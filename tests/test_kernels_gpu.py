@@ -51,6 +51,22 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
                 kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
+@pytest.mark.parametrize("candidate", range(6))
+@pytest.mark.parametrize("d", [2048, 4096, 7168])
+def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
+    # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
+    # that leaves the last row tile partly past the end (imported here: collection must not need triton)
+    from bench.record_tiles import CANDIDATES, launch
+
+    if candidate >= len(CANDIDATES[d]):
+        pytest.skip(f"{len(CANDIDATES[d])} tiles timed at D = {d}")
+    with launch(CANDIDATES[d][candidate]):
+        for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
+            for bits in (1, 4):
+                kernel_checks.check_quantize_record(fmt, 37, d, torch.bfloat16, bits, mode, "cuda", _via_op)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_token_rows_wider_than_one_tile(dtype):
     # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last partly masked)

@@ -9,6 +9,7 @@ import pytest
 from megatron_trace.config import TraceConfig
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
+from trace_rl.launch import main
 
 
 def test_file_then_overrides(tmp_path):
@@ -31,6 +32,13 @@ def test_file_then_overrides(tmp_path):
         (["record_bits=5"], r"record_bits=5: record bits must be an integer in 1\.\.4"),
         (["async_lag=4"], "async_lag=4 exceeds max_version_diff=3"),
         (["steps"], "must be key=value"),
+        (["fp4_attention=on"], r"fp4_attention='on' is not one of \('off', 'decode'\)$"),
+        (["fp4_attention=extend"], "there is no cached prefix for an extend kernel to read"),
+        (["fp4_attention=decode", "mode=bf16"], "needs an FP4 rollout .mode qat or trace.: mode='bf16' is the BF16"),
+        (
+            ["fp4_attention=decode", "rollout_backend=sglang", "sglang_urls=http://a:1,http://b:2", "mode=qat"],
+            "needs rollout_backend='embedded'; an SGLang server selects .*TRACE_FP4_ATTENTION=decode",
+        ),
     ],
 )
 def test_bad_values_are_named(overrides, message):
@@ -56,3 +64,9 @@ def test_missing_config_file_and_model(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(FileNotFoundError, match="no tiny model"):
         Controller(RLConfig(model_dir=str(tmp_path), out_dir=str(tmp_path / "out")))
+
+
+def test_launcher_refuses_fp4_attention_with_the_bf16_arm(tmp_path):
+    with pytest.raises(ConfigError, match=r"--modes 'bf16,trace': fp4_attention='decode' is for the FP4 modes"):
+        main(["--modes", "bf16,trace", f"model_dir={tmp_path}", "fp4_attention=decode"])
+    assert not any(tmp_path.iterdir())  # refused before building a model

@@ -1,6 +1,6 @@
 """The Ray layer: rollout workers and the trainer as Ray actor processes behind the same interfaces. A worker
-process that exits mid-request is restarted and the step completes with every record in the store; trajectories
-equal the in-process pool's."""
+process that exits mid-request is restarted and the step completes with every record in the store (workers with
+`fp4_attention = "decode"`, which report their FP4 pool reads); trajectories equal the in-process pool's."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def model_dir(tiny_model):
 
 def test_ray_worker_process_killed_mid_request_is_restarted(model_dir, tmp_path):
     small = dict(model_dir=model_dir, prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace")
-    ctrl = Controller(RLConfig(out_dir=str(tmp_path / "ray"), use_ray=True, **small))
+    # decode attention from the FP4 KV pool in these actors (fp4_attention), the default engine in the ones below
+    ctrl = Controller(RLConfig(out_dir=str(tmp_path / "ray"), use_ray=True, fp4_attention="decode", **small))
     victim = ctrl.pool.workers[1]
     ray.get(victim.exit_after.remote(3))  # the actor process exits during its third forward
     first = ctrl.train_step()
@@ -35,6 +36,7 @@ def test_ray_worker_process_killed_mid_request_is_restarted(model_dir, tmp_path)
     assert len(RecordReader(ctrl.store, 0).trajectories()) == 16
     second = ctrl.train_step()
     assert second["rollout/restarts"] == 0 and ctrl.pool.versions() == [2, 2]
+    assert first["rollout/fp4_decode_reads"] > 0 and second["rollout/fp4_decode_reads"] > 0
     assert isinstance(ctrl.trainer, RayTrainer) and ctrl.trainer.policy_version() == 2
 
     want = Controller(RLConfig(out_dir=str(tmp_path / "local0"), **small)).rollout(0)

@@ -49,6 +49,8 @@ FIELD_HELP = {
     "device": "cpu or cuda",
     "rollout_backend": "embedded (EmbeddedEngine workers) or sglang (patched SGLang servers)",
     "sglang_urls": "comma-separated http://host:port of the SGLang servers",
+    "fp4_attention": "off, or decode: the embedded engine's decode attention reads SGLang's FP4 KV pool (Triton "
+    "kernel on CUDA, its torch twin on CPU) instead of SDPA over the dequantized cache; FP4 modes only",
     "sglang_timeout_s": "seconds per SGLang HTTP call and per wait for records",
     "sglang_api_key": "where the servers' --api-key is: env:VARIABLE or file:PATH (never the key itself)",
     "sglang_admin_api_key": "where the servers' --admin-api-key is: env:VARIABLE or file:PATH",

@@ -13,11 +13,13 @@ from typing import Any
 import torch
 import yaml
 
+from trace_core.formats import KV_FP4
 from trace_core.modes import MODES
-from trace_core.recipe import DEFAULT_RECIPE, recipe_names
+from trace_core.recipe import DEFAULT_RECIPE, get_recipe, recipe_names
 from trace_core.records import check_bits
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
+FP4_ATTENTION = ("off", "decode")
 SECRET_REFS = ("env:", "file:")
 CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
 TRAINER_EXPERTS = ("grouped", "sequential")
@@ -66,8 +68,12 @@ class RLConfig:
     whole codes everywhere (the analyses of docs/results.md); the trainer still guides with the spec above.
     rollout_backend: embedded (`EmbeddedEngine` workers, in-process or Ray actors) or sglang (running patched SGLang
     servers at the comma-separated `sglang_urls`, one rollout worker each; docs/deploy.md); with sglang, `use_ray`
-    moves only the trainer into a Ray actor. sglang_api_key / sglang_admin_api_key: where the servers' --api-key /
-    --admin-api-key are, `env:VARIABLE` or `file:PATH` (a key itself is refused: configs land in checkpoints).
+    moves only the trainer into a Ray actor. fp4_attention: `decode` makes the embedded engine's decode attention
+    read SGLang's FP4 paged KV pool (`trace_rl.fp4_kv_engine.FP4AttentionEngine`: the Triton kernel on CUDA, its
+    pure-torch twin on CPU) instead of SDPA over the dequantized cache; `off` (default) keeps SDPA. It needs an FP4
+    mode, a recipe with kv_fp4 K/V and the embedded backend (an SGLang server selects it with TRACE_FP4_ATTENTION).
+    sglang_api_key / sglang_admin_api_key: where the servers' --api-key / --admin-api-key are, `env:VARIABLE` or
+    `file:PATH` (a key itself is refused: configs land in checkpoints).
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
     and of a whole rollout step (the run then fails). force_resume: resume a checkpoint although settings that
     change the numerics differ (docs/reliability.md).
@@ -112,6 +118,7 @@ class RLConfig:
     rollout_backend: str = "embedded"
     sglang_urls: str = ""
     sglang_timeout_s: float = 600.0
+    fp4_attention: str = "off"
     data: str = "addition"
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -176,6 +183,7 @@ class RLConfig:
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} must be cpu or cuda")
         errors += self._sglang_errors()
+        errors += self._fp4_attention_errors()
         errors += self._layout_errors()
         errors += self._data_errors()
         if errors:
@@ -218,6 +226,37 @@ class RLConfig:
                 errors.append(
                     f"{key} must name where the key is ('env:VARIABLE' or 'file:PATH'), never the key itself "
                     "(configs are written to checkpoints and logs)"
+                )
+        return errors
+
+    def _fp4_attention_errors(self) -> list[str]:
+        if self.fp4_attention not in FP4_ATTENTION:
+            hint = (
+                " (the embedded engine prefills every prompt from position 0: there is no cached prefix for an "
+                "extend kernel to read)"
+                if "extend" in self.fp4_attention
+                else ""
+            )
+            return [f"fp4_attention={self.fp4_attention!r} is not one of {FP4_ATTENTION}{hint}"]
+        if self.fp4_attention == "off":
+            return []
+        errors = []
+        if self.rollout_backend != "embedded":
+            errors.append(
+                f"fp4_attention={self.fp4_attention!r} needs rollout_backend='embedded'; an SGLang server selects its "
+                "FP4-KV attention itself (TRACE_FP4_ATTENTION=decode in the server's environment, docs/sglang.md)"
+            )
+        if self.mode == "bf16":
+            errors.append(
+                f"fp4_attention={self.fp4_attention!r} needs an FP4 rollout (mode qat or trace): mode='bf16' is the "
+                "BF16 baseline, whose KV cache is not FP4"
+            )
+        if self.recipe in recipe_names():
+            recipe = get_recipe(self.recipe)
+            if recipe.k.fmt.name != KV_FP4.name:
+                errors.append(
+                    f"fp4_attention={self.fp4_attention!r} needs kv_fp4 K/V (SGLang's FP4 pool); recipe "
+                    f"{recipe.name} quantizes K/V as {recipe.k.fmt.name}"
                 )
         return errors
 

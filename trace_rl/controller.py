@@ -71,6 +71,7 @@ RESUME_KEYS = (
     "rollout_backend",
     "async_lag",
     "data",
+    "fp4_attention",
 )
 
 
@@ -87,6 +88,7 @@ class RolloutBatch:
     restarts: int
     rewards: list[Future]  # one per trajectory, scored in the reward pool
     stale_shards: int = 0  # shards of earlier rollout attempts set aside when the step was finalized
+    decode_reads: int | None = None  # decode reads of the workers' FP4 KV pools (fp4_attention = "decode")
 
 
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
@@ -143,12 +145,16 @@ class Controller:
         capture = capture_spec(tiny.layers, cfg)
         task = RolloutTask(str(policy.hf_dir), max_prompt + cfg.max_new_tokens, policy.eos)
         self.pool: RolloutPool
+        self.fp4_pool: LocalPool | RayPool | None = None  # the pool whose decode attention reads FP4 KV pools
         if cfg.rollout_backend == "sglang":
             from trace_rl.sglang_worker import SGLangPool
 
             self.pool = SGLangPool(pool_cfg, capture, task)
         else:
-            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
+            embedded = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
+            self.pool = embedded
+            if cfg.fp4_attention == "decode":
+                self.fp4_pool = embedded
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
         self.step = 0
@@ -210,6 +216,7 @@ class Controller:
                 seed = (cfg.seed * 1_000_003 + step) * 64 + w
                 requests.append(Request(w, step, [ids[r] for r in rows], rows, seed, str(self.store)))
         results, restarts = self.pool.run(requests)
+        reads = self.fp4_pool.take_decode_reads() if self.fp4_pool is not None else None
         trajs = [t for out in results for t in out]
         index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
         stored = len(RecordReader(self.store, step).trajectories())
@@ -221,7 +228,8 @@ class Controller:
         stale = json.loads(index.read_bytes())["stale"]
         if stale:
             print(f"step {step}: set aside {len(stale)} shards of earlier rollout attempts: {stale}", file=sys.stderr)
-        return RolloutBatch(step, versions.pop(), prompts, trajs, restarts, self._score(prompts, trajs), len(stale))
+        scores = self._score(prompts, trajs)
+        return RolloutBatch(step, versions.pop(), prompts, trajs, restarts, scores, len(stale), reads)
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Future]:
         """Submit every trajectory's response text (EOS stripped) with its prompt's answer to the reward pool."""
@@ -256,12 +264,15 @@ class Controller:
         results, _ = self.pool.run(requests)
         trajs = [t for out in results for t in out]
         rewards = torch.tensor([f.result() for f in self._score(prompts, trajs)]).view(len(prompts), k)
-        return {
+        metrics = {
             f"eval/mean@{k}": float(rewards.mean()),
             "eval/pass@1": float((rewards > 0).float().mean()),
             f"eval/pass@{k}": float((rewards > 0).any(dim=1).float().mean()),
             "eval/response_len": sum(len(t.response) for t in trajs) / len(trajs),
         }
+        if self.fp4_pool is not None:
+            metrics["eval/fp4_decode_reads"] = float(self.fp4_pool.take_decode_reads())
+        return metrics
 
     # ----------------------------------------------------------------- the loop
     def train_step(self) -> dict:
@@ -295,6 +306,8 @@ class Controller:
             "time/train_s": trained - rolled,
             "time/sync_s": synced - trained,
         }
+        if batch.decode_reads is not None:
+            metrics["rollout/fp4_decode_reads"] = float(batch.decode_reads)
         self.step += 1
         if self.eval_data is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.steps):
             evaluated = time.perf_counter()
@@ -328,6 +341,7 @@ class Controller:
                 "step": b.step,
                 "version": b.version,
                 "restarts": b.restarts,
+                "decode_reads": b.decode_reads,
                 "trajectories": [{k: getattr(t, k) for k in TRAJECTORY_STATE} for t in b.trajectories],
             }
             for b in self.pending
@@ -363,7 +377,7 @@ class Controller:
             raise ConfigError(
                 f"{path} holds the trainer in an earlier format (no distributed checkpoint); use a new out_dir"
             )
-        saved = state["config"]
+        saved = {f.name: f.default for f in fields(RLConfig)} | state["config"]  # keys added since: their defaults
         changed = {k: (saved[k], getattr(self.cfg, k)) for k in RESUME_KEYS if saved[k] != getattr(self.cfg, k)}
         if changed and not self.cfg.force_resume:
             raise ValueError(
@@ -379,9 +393,9 @@ class Controller:
         for p in state["pending"]:  # prompts are a function of the step; rewards are scored again
             prompts = self.data.batch(p["step"], self.cfg.prompts_per_step)
             trajs = [Trajectory(**t, records=None) for t in p["trajectories"]]
-            self.pending.append(
-                RolloutBatch(p["step"], p["version"], prompts, trajs, p["restarts"], self._score(prompts, trajs))
-            )
+            scores = self._score(prompts, trajs)
+            reads = p.get("decode_reads")  # absent in checkpoints written before fp4_attention
+            self.pending.append(RolloutBatch(p["step"], p["version"], prompts, trajs, p["restarts"], scores, 0, reads))
         for b in self.pending:
             if not (step_dir(self.store, b.step) / INDEX_NAME).exists():
                 raise StoreError(f"checkpoint {path} needs record step {b.step}, which {self.store} does not hold")

@@ -6,6 +6,8 @@ FP4 pool in SGLang's `MHATokenToKVPoolFP4` layout (per layer: codes `[slots, kv_
 steps attend by reading that pool: `trace_core.kernels.fp4_attention.fp4_decode_attention` on CUDA (SGLang's triton
 decode math), its pure-torch twin `trace_core.kv_attention.decode_attention_reference` elsewhere. The prefill
 attends over the dequantized values with SDPA, as before (SGLang's extend path also reads dequantized values).
+The engine counts its decode reads of the pool (`decode_reads`, one per layer and decode forward). The RL config
+selects it with `fp4_attention = "decode"` (`trace_rl.workers.RolloutWorker`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class FP4AttentionEngine(EmbeddedEngine):
         }
         self._start = 0
         self._slots: torch.Tensor | None = None
+        self.decode_reads = 0  # decode attention calls that read the pool (one per layer and decode forward)
         self.model.set_attn_implementation(ATTENTION)
         for layer in self.model.model.layers:
             layer.self_attn.trace_fp4_kv_engine = self
@@ -93,6 +96,7 @@ class FP4AttentionEngine(EmbeddedEngine):
     def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention `[b, heads, D]` of one new position per row over positions [0, start] of the row's slots."""
         b, heads, d = q.shape
+        self.decode_reads += 1
         indptr, indices, splits = self.decode_pages(b)
         (kc, ks), (vc, vs) = self.kv_pool[(layer, "k")], self.kv_pool[(layer, "v")]
         q = q.contiguous()
@@ -103,3 +107,8 @@ class FP4AttentionEngine(EmbeddedEngine):
         lse = torch.empty(b, heads, KV_SPLITS, dtype=torch.float32, device=q.device)
         fp4_decode_attention(q, kc, ks, vc, vs, o, indptr, indices, logits, lse, splits, KV_SPLITS, scaling)
         return o
+
+    def take_decode_reads(self) -> int:
+        """`decode_reads` since the last call (then reset to 0)."""
+        reads, self.decode_reads = self.decode_reads, 0
+        return reads

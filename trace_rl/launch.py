@@ -5,7 +5,8 @@
 Builds the tiny model first if `model_dir` holds none. Writes, under `out_dir`: one run directory per mode
 (metrics.jsonl, checkpoint, record store), metrics.csv, PNG plots and summary.txt / summary.json. With
 `rollout_backend = "sglang"` one mode runs (the config's, or `--modes`) on the servers of `sglang_urls`, whose
-`--trace-store` must be `<out_dir>/<mode>/records` (docs/deploy.md).
+`--trace-store` must be `<out_dir>/<mode>/records` (docs/deploy.md). With `fp4_attention = "decode"` the FP4
+modes run (qat, trace): the BF16 baseline has no FP4 KV cache.
 """
 
 from __future__ import annotations
@@ -19,19 +20,24 @@ from trace_rl.controller import Controller
 from trace_rl.experiments.report import plot, print_table, summary, write_csv
 from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 
+FP4_MODES = tuple(m for m in MODES if m != "bf16")  # the modes whose rollout is FP4 (fp4_attention)
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="JSON, TOML or YAML file of trace_rl.config.RLConfig fields")
     ap.add_argument(
         "--modes",
-        help=f"comma-separated modes to run side by side (default {','.join(MODES)}; the config's mode with sglang)",
+        help=f"comma-separated modes to run side by side (default {','.join(MODES)}; the config's mode with sglang; "
+        f"{','.join(FP4_MODES)} with fp4_attention)",
     )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     base = load_config(args.config, args.overrides)
     sglang = base.rollout_backend == "sglang"
-    spec = args.modes if args.modes is not None else base.mode if sglang else ",".join(MODES)
+    fp4_attention = base.fp4_attention != "off"
+    default = base.mode if sglang else ",".join(FP4_MODES if fp4_attention else MODES)
+    spec = args.modes if args.modes is not None else default
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -40,6 +46,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(
             f"--modes {spec!r}: rollout_backend='sglang' runs one mode (the servers' --trace-store is that run's "
             "record store); run the modes one after another"
+        )
+    if fp4_attention and "bf16" in modes:
+        raise ConfigError(
+            f"--modes {spec!r}: fp4_attention={base.fp4_attention!r} is for the FP4 modes, and bf16 is the BF16 "
+            f"baseline (its KV cache is not FP4); run --modes {','.join(FP4_MODES)}"
         )
     if not any((Path(base.model_dir) / name).exists() for name in (MEGATRON_STATE, "config.json")):
         print(f"building the tiny model in {base.model_dir}")
@@ -53,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     write_csv(runs, out / "metrics.csv")
     table = summary(runs)
     (out / "summary.json").write_text(json.dumps(table, indent=1))
-    (out / "summary.txt").write_text(print_table(table))
+    note = ", decode attention from the FP4 KV pool" if fp4_attention else ""
+    (out / "summary.txt").write_text(print_table(table, note=note))
     for path in plot(runs, out):
         print(f"wrote {path}")
     return table

@@ -1,6 +1,7 @@
 """Rollout workers and the pools that run them: in-process (`LocalPool`) or as Ray actors (`RayPool`).
 
-A worker owns an `EmbeddedEngine`. One request = some GRPO groups of one step, run as one attempt (a fresh
+A worker owns an `EmbeddedEngine` (with `fp4_attention = "decode"` the `FP4AttentionEngine`, whose decode
+attention reads SGLang's FP4 KV pool). One request = some GRPO groups of one step, run as one attempt (a fresh
 attempt id per try); the worker writes the request's records into the step's record store as one shard under a
 writer id of its own, each trajectory bound to (step, policy version, trajectory, attempt, token digest), and
 returns the trajectories without records: the trainer reads records from the store, never inline. A pool restarts
@@ -27,6 +28,7 @@ from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWriter
 from trace_rl.config import RLConfig
 from trace_rl.engine import EmbeddedEngine, Trajectory, WorkerDied
+from trace_rl.fp4_kv_engine import FP4AttentionEngine
 from trace_rl.policy import RolloutTask
 
 
@@ -55,14 +57,12 @@ class Request:
 class RolloutWorker:
     def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg, self.task = cfg, task
-        self.engine = EmbeddedEngine(
-            task.hf_dir,
-            fp4=cfg.mode != "bf16",
-            spec=spec,
-            max_batch=cfg.prompts_per_step * cfg.group_size,
-            max_len=task.max_len,
-            device=cfg.device,
-        )
+        size = dict(max_batch=cfg.prompts_per_step * cfg.group_size, max_len=task.max_len, device=cfg.device)
+        self.engine: EmbeddedEngine
+        if cfg.fp4_attention == "decode":
+            self.engine = FP4AttentionEngine(task.hf_dir, spec=spec, **size)
+        else:
+            self.engine = EmbeddedEngine(task.hf_dir, fp4=cfg.mode != "bf16", spec=spec, **size)
 
     def generate(self, req: Request) -> list[Trajectory]:
         """The engine samples prompts of one length as one batch: one batch per prompt length, the k-th seeded
@@ -97,6 +97,12 @@ class RolloutWorker:
 
     def version(self) -> int:
         return self.engine.version
+
+    def take_decode_reads(self) -> int:
+        """The engine's decode reads of its FP4 KV pool since the last call (`fp4_attention = "decode"` only)."""
+        if not isinstance(self.engine, FP4AttentionEngine):
+            raise RuntimeError("decode reads of an FP4 KV pool need fp4_attention='decode'")
+        return self.engine.take_decode_reads()
 
     def kill(self) -> None:
         """In-process: the next forward raises `WorkerDied`."""
@@ -229,6 +235,11 @@ class LocalPool(_Pool):
     def versions(self) -> list[int]:
         return [w.version() for w in self.workers]
 
+    def take_decode_reads(self) -> int:
+        """Decode reads of the workers' FP4 KV pools since the last call, summed (`fp4_attention = "decode"`); the
+        reads of a worker replaced since (its attempt was run again) are not counted."""
+        return sum(w.take_decode_reads() for w in self.workers)
+
 
 class RayPool(_Pool):
     """Workers as Ray actors (one process each), requests in flight concurrently."""
@@ -303,3 +314,10 @@ class RayPool(_Pool):
         import ray
 
         return ray.get([w.version.remote() for w in self.workers], timeout=self.cfg.rollout_call_timeout_s)
+
+    def take_decode_reads(self) -> int:
+        """As `LocalPool.take_decode_reads`."""
+        import ray
+
+        refs = [w.take_decode_reads.remote() for w in self.workers]
+        return sum(ray.get(refs, timeout=self.cfg.rollout_call_timeout_s))

@@ -48,13 +48,13 @@ LAUNCH: dict[str, dict[str, int]] = {
     "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 0},
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
-"""Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`).
-Per-token nvfp4 takes rows of up to `row_chunk` columns in one tile (x read once; warps grow with the tile). The
-16-element kernels take `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count
-add per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
-`wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
-faster on the H200, `bench/record_variants.py --wide`).
-`TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
+"""Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`; the quantize
+tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). The 16-element kernels take
+`row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add per program instead of
+one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the
+record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the H200,
+`bench/record_variants.py --wide`). `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`)
+overrides entries for other GPUs."""
 
 
 def _launch_overrides(text: str) -> None:
@@ -74,15 +74,21 @@ if os.environ.get("TRACE_FP4_LAUNCH"):
 
 
 def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool = False) -> tuple[int, int, int]:
-    """(rows per program, chunk columns, warps) of `kernel` ("quant" or "guided")."""
+    """(rows per program, chunk columns, warps) of `kernel` ("quant" or "guided") on rows of width d.
+
+    The chunk is the tile's, or the row's width rounded up to a power of two where that is narrower. Per-token
+    nvfp4 takes a row of up to `row_chunk` columns (rounded up likewise) in one chunk: x read once. The quantize
+    kernel's warps scale with its chunk against the tile's, so that each thread keeps the tile's share of a row
+    (4096 columns on 8 warps: one 16-element block per thread, where `record_first` holds): 4 warps on rows of
+    2048 columns, 16 on per-token rows of 8192, at least 1."""
     tile = LAUNCH[kernel]
     chunk = max(fmt.block, min(tile["chunk"], triton_next_pow2(d)))
-    warps = tile["warps"]
     whole = max(fmt.block, triton_next_pow2(d))
     if per_token and chunk < whole <= tile["row_chunk"]:
-        warps = min(16, warps * whole // chunk)
         chunk = whole
-    return tile["rows"], chunk, warps
+    if kernel != "quant":
+        return tile["rows"], chunk, tile["warps"]
+    return tile["rows"], chunk, min(16, max(1, tile["warps"] * chunk // tile["chunk"]))
 
 
 def record_unit(buf: torch.Tensor, bits: int) -> int:
@@ -131,8 +137,9 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     record = low_bits is not None
     # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
-    # does not give each thread whole blocks (rows narrower than the tile, e.g. D = 2048), where the group-per-thread
-    # kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)
+    # does not give each thread whole blocks (rows narrower than 512 columns with the default tile, or a
+    # TRACE_FP4_LAUNCH override), where the group-per-thread kernel measured faster on the H200
+    # (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
     first = record_first(rb, chunk, warps)

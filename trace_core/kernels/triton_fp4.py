@@ -615,7 +615,8 @@ def _quantize_record16_kernel(
     halves reach the L2 apart, as 1.5 x the write sectors, on a unit already near its limit (H200, kv_fp4,
     T = 65536, D = 4096: the record's cost fell from +30 % to +0.5 %; docs/performance.md). Stores keep their
     order and the record needs both halves, so the output's stores follow it together. Where a block spans two
-    threads (rows narrower than the tile), their stores are adjacent either way and the output goes first."""
+    threads (a tile of fewer blocks than threads: rows narrower than 512 columns by default), their stores are
+    adjacent either way and the output goes first."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     NB: tl.constexpr = C // 16

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 FLIP = re.compile(r"trace/L(\d+)\.(moe_in|k|v)/code_flip_rate")
+MODE_LABELS = {"bf16": "BF16", "qat": "FP4 + QAT", "trace": "FP4 + TRACE"}
 
 
 def mean_or_nan(values: list[float]) -> float:
@@ -70,10 +71,10 @@ def summary(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def print_table(table: dict[str, dict[str, float]], console: Console | None = None) -> str:
-    """Print the summary (modes as columns) and return it as plain text."""
-    t = Table(title="TRACE embedded default: BF16 vs FP4 + QAT vs FP4 + TRACE")
+def print_table(table: dict[str, dict[str, float]], console: Console | None = None, note: str = "") -> str:
+    """Print the summary (modes as columns, titled by them and `note`) and return it as plain text."""
     modes = list(table)
+    t = Table(title="TRACE embedded default: " + " vs ".join(MODE_LABELS[m] for m in modes) + note)
     t.add_column("metric")
     for mode in modes:
         t.add_column(mode, justify="right")
