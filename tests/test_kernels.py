@@ -173,22 +173,3 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
             (w1, p1), (w2, p2) = stores[-2:]
             assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{d} {label}: output stores at {stores}"
             assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{d} {label}: the record's stores first: {stores}"
-
-
-@pytest.mark.slow
-def test_mxfp4_output_stores_follow_the_record_in_the_sm90_sass():
-    # the group-per-thread kernel (32-element blocks) stores the record first: each thread's output stores (one per
-    # 8-element group it holds) come after every record store, not one of them ~90 instructions before the rest
-    from bench import kernel_ir
-
-    for d in (2048, 4096, 7168):
-        configs = {label: (kernel, args) for label, kernel, args in kernel_ir.configs(kernel_ir.load_module(None), d,
-                                                                                       None, None, None)}  # fmt: skip
-        kernel, args = configs["quant mxfp4 b=2"]
-        assert kernel.fn.__name__ == "_quantize_record_kernel", d
-        compiled = kernel_ir.compile_kernel(kernel, dict(args))
-        stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
-        widths = [w for w, _ in stores]
-        n_out = widths.count("128")
-        assert n_out >= 2 and widths[-n_out:] == ["128"] * n_out, f"{d}: output stores not last: {stores}"
-        assert "U8" in widths[:-n_out], f"{d}: the record's stores first: {stores}"

@@ -283,11 +283,6 @@ def _quantize_record_kernel(
     x is loaded as [RB, C / BLOCK, BLOCK / 8, 8] and stays in that register layout: block amax and per-token amax
     are reductions of it, scales broadcast back into it, and the record's bit groups are sums over its last axis.
     Per-token nvfp4 with ONE_PASS (the row fits in one chunk) reads x once; otherwise a first pass takes the amax.
-
-    The record is stored before the output. Each thread holds several 8-element groups of a chunk (two on the
-    default tiles); with the record after the output, ptxas issues the first group's output store as soon as it is
-    computed, about 90 instructions before the second. The record needs every group, so the output's stores follow
-    it together (`bench/kernel_ir.py`, `stg_at`; the H200 timing of both orders for mxfp4: docs/performance.md).
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -318,7 +313,11 @@ def _quantize_record_kernel(
         decode, encode, byte = _block_scales(amax_blk, s_enc, FMT)
         z = _code_sign(x * encode[:, :, None, None], FMT)
         q, _, t = _e2m1_round(tl.minimum(tl.abs(z), 6.0), FMT == KV_FP4)
-        if BITS > 0:  # the record before the output (docstring)
+        if WRITE_OUT:
+            val = _with_sign(q, z) * decode[:, :, None, None]
+            tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
+                     mask=m)  # fmt: skip
+        if BITS > 0:
             sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
             tl.store(sptr, byte.to(tl.uint8)[:, :, None] + tl.zeros((1, 1, G), tl.uint8), mask=gmask & first)
             if BITS == 1:
@@ -332,10 +331,6 @@ def _quantize_record_kernel(
             rec = rec_ptr + rows64[:, None, None] * rec_stride + gidx * BITS
             for j in tl.static_range(BITS):
                 tl.store(rec + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=gmask)
-        if WRITE_OUT:
-            val = _with_sign(q, z) * decode[:, :, None, None]
-            tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty),
-                     mask=m)  # fmt: skip
 
 
 @triton.jit
