@@ -334,6 +334,93 @@ def _quantize_record_kernel(
 
 
 @triton.jit
+def _store_record32(rec, w0, w1, w2, w3, mask, BITS: tl.constexpr, REC_UNIT: tl.constexpr):
+    """Store a 32-element block's 4 * BITS record bytes (its quarters' words w0..w3 from `_half_word`, in order)
+    at byte pointers rec [RB, NB]: as BITS 4-byte words (REC_UNIT = 4), else byte by byte."""
+    if REC_UNIT == 4:
+        p = rec.to(tl.pointer_type(tl.int32))
+        if BITS == 1:
+            tl.store(p, w0 | (w1 << 8) | (w2 << 16) | (w3 << 24), mask=mask)
+        elif BITS == 2:
+            tl.store(p, w0 | (w1 << 16), mask=mask)
+            tl.store(p + 1, w2 | (w3 << 16), mask=mask)
+        elif BITS == 3:  # 24-bit quarter words (non-negative): the second and third straddle the 4-byte words
+            tl.store(p, w0 | (w1 << 24), mask=mask)
+            tl.store(p + 1, (w1 >> 8) | (w2 << 16), mask=mask)
+            tl.store(p + 2, (w2 >> 16) | (w3 << 8), mask=mask)
+        else:
+            tl.store(p, w0, mask=mask)
+            tl.store(p + 1, w1, mask=mask)
+            tl.store(p + 2, w2, mask=mask)
+            tl.store(p + 3, w3, mask=mask)
+    else:
+        for j in tl.static_range(BITS):
+            tl.store(rec + j, ((w0 >> (8 * j)) & 0xFF).to(tl.uint8), mask=mask)
+            tl.store(rec + BITS + j, ((w1 >> (8 * j)) & 0xFF).to(tl.uint8), mask=mask)
+            tl.store(rec + 2 * BITS + j, ((w2 >> (8 * j)) & 0xFF).to(tl.uint8), mask=mask)
+            tl.store(rec + 3 * BITS + j, ((w3 >> (8 * j)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _round_quarter(x, encode, FMT: tl.constexpr):
+    """(q, t, z) of a quarter [RB, NB, 8] of 32-element blocks under their encode scales [RB, NB] (RNE)."""
+    z = _code_sign(x * encode[:, :, None], FMT)
+    q, _, t = _e2m1_round(tl.minimum(tl.abs(z), 6.0), False)
+    return q, t, z
+
+
+@triton.jit
+def _quantize_record32_kernel(
+    x_ptr, out_ptr, rec_ptr, scale_ptr,
+    T, D, x_stride, out_stride, rec_stride, scale_stride,
+    FMT: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
+    REC_UNIT: tl.constexpr,
+):  # fmt: skip
+    """`_quantize_record_kernel` for 32-element blocks with E8M0 scales (mxfp4, mxfp4_ocp), one chunk of C columns
+    of RB rows per program, each thread holding whole blocks (`ops` launches RB * C / 1024 warps): a block is
+    loaded as four 8-element quarters (one 16-byte vector each for 16-bit inputs), so its amax, scale and scale
+    byte are computed once by the thread that holds it, without cross-lane reductions. The record is stored before
+    the output: it needs all four quarters, so the output's four stores follow it together and the two that fill
+    each 32-byte sector issue back to back (see `_quantize_record16_kernel`)."""
+    pid_r = tl.program_id(0)
+    c0 = tl.program_id(1) * C
+    NB: tl.constexpr = C // 32
+    offs = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 8)[None, None, :]
+    rows = pid_r * RB + tl.arange(0, RB)
+    row_mask = rows < T
+    rows64 = rows.to(tl.int64)
+    m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 32: the four quarters share the mask
+    blk = tl.max_contiguous(c0 // 32 + tl.arange(0, NB)[None, :], [1, 1])  # one byte per thread, as `_block_index`
+    bmask = row_mask[:, None] & (blk < D // 32)
+    x_rows = x_ptr + rows64[:, None, None] * x_stride + c0 + offs
+    x0 = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + 16, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(x_rows + 24, mask=m, other=0.0).to(tl.float32)
+    amax_blk = tl.maximum(
+        tl.maximum(tl.max(tl.abs(x0), axis=2), tl.max(tl.abs(x1), axis=2)),
+        tl.maximum(tl.max(tl.abs(x2), axis=2), tl.max(tl.abs(x3), axis=2)),
+    )
+    decode, encode, byte = _block_scales(amax_blk, 1.0, FMT)
+    q0, t0, z0 = _round_quarter(x0, encode, FMT)
+    q1, t1, z1 = _round_quarter(x1, encode, FMT)
+    q2, t2, z2 = _round_quarter(x2, encode, FMT)
+    q3, t3, z3 = _round_quarter(x3, encode, FMT)
+    if BITS > 0:
+        tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+        _store_record32(rec_ptr + rows64[:, None] * rec_stride + blk * (4 * BITS), _half_word(q0, t0, z0, BITS, FMT),
+                        _half_word(q1, t1, z1, BITS, FMT), _half_word(q2, t2, z2, BITS, FMT),
+                        _half_word(q3, t3, z3, BITS, FMT), bmask, BITS, REC_UNIT)  # fmt: skip
+    if WRITE_OUT:
+        o = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+        ty = out_ptr.dtype.element_ty
+        tl.store(o, (_with_sign(q0, z0) * decode[:, :, None]).to(ty), mask=m)
+        tl.store(o + 8, (_with_sign(q1, z1) * decode[:, :, None]).to(ty), mask=m)
+        tl.store(o + 16, (_with_sign(q2, z2) * decode[:, :, None]).to(ty), mask=m)
+        tl.store(o + 24, (_with_sign(q3, z3) * decode[:, :, None]).to(ty), mask=m)
+
+
+@triton.jit
 def _count(counter_ptr, n):
     """Add a program's count n into the int64 counter (relaxed: only the sum is read, after the kernel), skipping
     zeros; integer addition makes the total independent of the order."""
