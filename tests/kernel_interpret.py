@@ -82,24 +82,7 @@ def cases() -> dict[str, Callable[[], None]]:
                 out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(
                     _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
                 )
-    for fmt in ("mxfp4", "mxfp4_ocp"):  # 32-element blocks, one per thread (`_quantize_record32_kernel`)
-        for bits in (1, 2, 3, 4):
-            for name, dtype in DTYPES.items():  # one chunk of 1024 columns on one warp, masked past D = 544
-                q = partial(quant, fmt, 3, 544, dtype, bits, "none", "cpu")
-                out[f"quant-{fmt}-{name}-b{bits}-block-per-thread"] = partial(_block32, q)
-            q = partial(quant, fmt, 5, 1056, torch.float32, bits, "none", "cpu")
-            # three chunks of 512 columns per row (the last partly masked), two rows per tile (the last tile partly
-            # past the last row)
-            out[f"quant-{fmt}-b{bits}-block-per-thread-small-tiles"] = partial(_block32, q, rows=2, chunk=512)
     return out
-
-
-def _block32(fn: Callable[[], None], **tile: int) -> None:
-    """Tiles of at least 32 blocks of 32 elements: `ops` launches the 32-element block-per-thread kernel."""
-    with launch(tile):
-        rb, chunk, _ = ops._launch_shape(ops.get_format("mxfp4"), 1056 if tile else 544)
-        assert rb * chunk >= 32 * 32
-        fn()
 
 
 def _record_first(fn: Callable[[], None]) -> None:

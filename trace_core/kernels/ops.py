@@ -133,9 +133,6 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         return
     mode = _scale_mode(fmt, global_scale, per_token)
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
-    if fmt.block == 32 and rb * chunk >= 32 * 32:  # mxfp4 / mxfp4_ocp tiles of a warp's worth of blocks or more
-        _quantize_record32(x, fmt, bits, out, low_bits, scales, rb, chunk)
-        return
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     record = low_bits is not None
@@ -176,36 +173,6 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         ONE_PASS=n_chunks == 1,
         num_warps=warps,
         **extra,
-    )
-
-
-def _quantize_record32(x, fmt, bits, out, low_bits, scales, rb, chunk) -> None:
-    """Launch the 32-element block-per-thread kernel on a tile of rb rows x chunk columns, with rb * chunk / 1024
-    warps (at most 16): each thread holds whole blocks. The record goes out in 4-byte words where the buffer's
-    address and row stride allow it, else byte by byte."""
-    from trace_core.kernels import triton_fp4 as k
-
-    t, d = x.shape
-    record = low_bits is not None
-    aligned = record and low_bits.data_ptr() % 4 == 0 and low_bits.stride(0) % 4 == 0
-    k._quantize_record32_kernel[(triton.cdiv(t, rb), triton.cdiv(d, chunk))](
-        x,
-        out if out is not None else _dummy(x, x.dtype),
-        low_bits if record else _dummy(x, torch.uint8),
-        scales if record else _dummy(x, torch.uint8),
-        t,
-        d,
-        x.stride(0),
-        out.stride(0) if out is not None else 0,
-        low_bits.stride(0) if record else 0,
-        scales.stride(0) if record else 0,
-        FMT=fmt.kernel_id,
-        BITS=bits if record else 0,
-        WRITE_OUT=out is not None,
-        RB=rb,
-        C=chunk,
-        REC_UNIT=4 if aligned else 1,
-        num_warps=min(16, rb * chunk // (32 * 32)),
     )
 
 
