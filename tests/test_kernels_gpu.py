@@ -52,7 +52,7 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-@pytest.mark.parametrize("candidate", range(6))
+@pytest.mark.parametrize("candidate", range(7))
 @pytest.mark.parametrize("d", [2048, 4096, 7168])
 def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
     # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
@@ -65,6 +65,16 @@ def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
         for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
             for bits in (1, 4):
                 kernel_checks.check_quantize_record(fmt, 37, d, torch.bfloat16, bits, mode, "cuda", _via_op)
+
+
+@pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
+def test_rows_taken_as_whole_chunks_are_bit_exact(fmt):
+    # row counts whose t * d elements fill whole chunks: with a record into aligned buffers, rows are taken as rows of
+    # one chunk where the scales are the blocks' own (ops.whole_chunk_rows); the other calls and modes as they are
+    for t, d in ((64, 7168), (32, 544)):
+        for mode in kernel_checks.SCALE_MODES[fmt]:
+            for bits in (1, 2, 3, 4):
+                kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
