@@ -12,6 +12,7 @@ Each path is captured in a CUDA graph and replayed (median, L2 flushed). Before 
 with the dequant path's (equal, or the fraction that differs and by how much).
 
 Usage: python bench/fp4_attention.py [--out results.json] [--phase decode extend] [--slots 2097152] [--kv-heads 4]
+       [--launch '{"num_stages": 3}']
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import graph_ms
 from tests.fp4_attention_checks import sglang_decode_attention, sglang_extend_attention, sglang_module
+from trace_core.kernels import fp4_attention as fa
 from trace_core.kernels.fp4_attention import fp4_decode_attention
 from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
 from trace_core.kv_attention import dequantize_kv
@@ -170,7 +172,12 @@ def main() -> None:
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--phase", nargs="+", choices=("decode", "extend"), default=["decode", "extend"])
+    parser.add_argument("--launch", type=json.loads, default={},
+                        help="JSON dict of grouped decode launch settings over fp4_attention.GROUPED_LAUNCH "
+                             "(e.g. '{\"num_stages\": 3}'; bench/fp4_attention_launch.py compares them)")  # fmt: skip
     args = parser.parse_args()
+    fa.GROUPED_LAUNCH.update(args.launch)
+    print(f"grouped decode launch: {fa.GROUPED_LAUNCH}")
     shape = (args.slots, args.kv_heads, args.q_heads, args.head_dim)
     decode = run(*shape) if "decode" in args.phase else []
     extend = run_extend(*shape) if "extend" in args.phase else []
@@ -179,7 +186,8 @@ def main() -> None:
     print(markdown(decode) + "\n\n" + markdown(extend))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "args": vars(args), "grouped_launch": fa.GROUPED_LAUNCH,
+                       "rows": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

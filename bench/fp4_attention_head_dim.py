@@ -68,6 +68,7 @@ def two_dots(kc, ks, kb, loc, d: int) -> tuple[float, float]:
     q = (torch.randn(16, d, generator=gen) * 0.1).to(DTYPE).to(DEVICE)
     qk = torch.full((16, 32), float("nan"), device=DEVICE)
     pv = torch.full((16, d), float("nan"), device=DEVICE)
+    kc, ks = fa.fp4_words(kc, ks)
     strides = (kc.stride(0), kc.stride(1), ks.stride(0))
     _two_dots_kernel[(1,)](q, kc, ks, loc, qk, pv, *strides, D=d, BLOCK_N=32, BLOCK_H=16,
                            KV_DTYPE=fa.KV_DTYPES[DTYPE])  # fmt: skip
@@ -85,13 +86,14 @@ def grouped_stage1(q, kc, ks, vc, vs, indptr, indices, nsplit, logits, lse, sm, 
     """The grouped stage-1 kernel as `fp4_decode_attention` launches it, but with a tile as wide as the head dim
     and `warps` warps."""
     group = q.shape[1] // kc.shape[1]
+    (kc, ks), (vc, vs) = fa.fp4_words(kc, ks), fa.fp4_words(vc, vs)
     grid = (q.shape[0], triton.cdiv(q.shape[1], min(16, group)), logits.shape[2])
     fa._fp4_grouped_kernel_stage1[grid](
         q, kc, ks, vc, vs, sm, indptr, indices, logits, lse, nsplit, q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ks.stride(0), vc.stride(0), vc.stride(1), vs.stride(0), logits.stride(0), logits.stride(1),
         logits.stride(2), kv_group_num=group, q_head_num=q.shape[1], BLOCK_DMODEL=q.shape[2], BLOCK_N=32, BLOCK_H=16,
         MIN_BLOCK_KV=fa.MIN_BLOCK_KV, logit_cap=0.0, xai_temperature_len=-1, KV_DTYPE=fa.KV_DTYPES[DTYPE],
-        Lk=q.shape[2], num_warps=warps, num_stages=2,
+        Lk=q.shape[2], **{**fa.GROUPED_LAUNCH, "num_warps": warps},
     )  # fmt: skip
 
 
@@ -128,8 +130,9 @@ def run(d: int, group: int) -> dict:
     row["sglang bf16"] = diff(o)
     loc = indices[:32].contiguous()
     tile = torch.full((32, d), float("nan"), dtype=DTYPE, device=DEVICE)
-    strides = (kc.stride(0), kc.stride(1), ks.stride(0))
-    _tile_kernel[(1,)](kc, ks, loc, tile, *strides, D=d, BLOCK_N=32, KV_DTYPE=fa.KV_DTYPES[DTYPE])
+    kw, sw = fa.fp4_words(kc, ks)
+    _tile_kernel[(1,)](kw, sw, loc, tile, kw.stride(0), kw.stride(1), sw.stride(0), D=d, BLOCK_N=32,
+                       KV_DTYPE=fa.KV_DTYPES[DTYPE])  # fmt: skip
     row["tile"] = (tile.float() - kb[loc, 0].float()).abs().max().item()
     row["q.k^T (rel)"], row["p.v (rel)"] = two_dots(kc, ks, kb, loc, d)
     return row

@@ -19,10 +19,12 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from trace_core.e2m1 import pack_fp4
 from trace_core.formats import KV_FP4
-from trace_core.kernels.fp4_attention import fp4_decode_attention
+from trace_core.kernels.fp4_attention import KV_DTYPES, _fp4_tile, fp4_decode_attention, fp4_words
 from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
 from trace_core.kv_attention import (
     decode_attention_reference,
@@ -88,6 +90,39 @@ def fp4_layer(slots: int, heads: int, d: int, gen: torch.Generator) -> tuple[tor
     x[0] = 0.0  # SGLang's padding slot
     q = quantize(x, KV_FP4)
     return pack_fp4(q.codes).view(slots, heads, d // 2), q.scales
+
+
+@triton.jit
+def _tile_kernel(codes, scales, loc_ptr, out, stride_cs, stride_ch, stride_ss, head, rows, D: tl.constexpr,
+                 KV_DTYPE: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, 32)
+    tile = _fp4_tile(codes, scales, tl.load(loc_ptr + offs), head, stride_cs, stride_ch, stride_ss, offs < rows, D, 32,
+                     KV_DTYPE)  # fmt: skip
+    tl.store(out + offs[:, None] * D + tl.arange(0, D)[None, :], tile)
+
+
+def check_tile(d: int, kv_dtype: torch.dtype, device: str) -> None:
+    """`_fp4_tile` == `dequantize_kv` bit for bit over every slot of a 3-head pool layer (tiles of 32 gathered
+    slots, 3 of them masked in each head's first tile), random codes and every E8M0 scale byte but NaN (0 and 1:
+    subnormal scales and values; 254: values that overflow to inf)."""
+    gen = torch.Generator().manual_seed(d)
+    heads, slots = 3, 256
+    codes = torch.randint(0, 256, (slots, heads, d // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 255, (slots, heads * d // 16), dtype=torch.uint8, generator=gen)
+    scales.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
+    want = dequantize_kv(codes, scales, kv_dtype)
+    kw, sw = fp4_words(codes.to(device), scales.to(device))
+    bits = torch.int16 if kv_dtype.itemsize == 2 else torch.int32
+    for head in range(heads):
+        order = torch.randperm(slots, generator=gen)
+        for start in range(0, slots, 32):
+            loc, rows = order[start : start + 32], 29 if start == 0 else 32
+            tile = torch.full((32, d), float("nan"), dtype=kv_dtype, device=device)
+            _tile_kernel[(1,)](kw, sw, loc.to(device), tile, kw.stride(0), kw.stride(1), sw.stride(0), head, rows,
+                               D=d, KV_DTYPE=KV_DTYPES[kv_dtype])  # fmt: skip
+            ref = want[loc, head]
+            ref[rows:] = 0
+            assert torch.equal(tile.cpu().view(bits), ref.view(bits)), f"d={d} head={head} slots {loc.tolist()}"
 
 
 def make_case(heads, group, d, lens, splits, dtype, device, seed=0):

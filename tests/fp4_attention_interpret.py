@@ -80,8 +80,11 @@ def check_sglang_pool() -> None:
 
 
 def cases() -> dict[str, Callable[[], object]]:
-    """Case id -> check (`tests.interpret`): each decode and extend case, then the SGLang pool end to end."""
+    """Case id -> check (`tests.interpret`): the dequantized tile (FP32: the interpreter has no BF16 arithmetic),
+    each decode and extend case, then the SGLang pool end to end."""
     out: dict[str, Callable[[], object]] = {}
+    for d in (16, 32, 64, 128):
+        out[f"tile-{d}"] = partial(checks.check_tile, d, torch.float32, "cpu")
     for i, case in enumerate(checks.CASES):
         out[f"decode-{i}"] = partial(checks.check_decode, case, torch.float32, torch.float32, "cpu", 1e-4, 1e-4)
     for i, case in enumerate(checks.EXTEND_CASES):

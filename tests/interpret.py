@@ -50,7 +50,11 @@ class Interpreted:
 def interpret(module: str, timeout: float = 900, **env_vars: str) -> Interpreted:
     """Run `python -m module` with `TRITON_INTERPRET=1` (and `env_vars`) from the repository root and collect its
     case results."""
-    env = dict(os.environ, TRITON_INTERPRET="1", **env_vars)
+    # The interpreter runs `tl.dot` as numpy's matmul, i.e. OpenBLAS's sgemm, whose kernel OpenBLAS picks by CPU. On
+    # AVX-512 machines the kernel it picks sums a transposed operand in another order than a plain one, so two kernels
+    # that load the same tile differently (SGLang's K^T view, the FP4 kernel's tile built in registers) differ in
+    # the last bit there. Pinning the Haswell (AVX2) kernel makes the dot's order independent of the layout.
+    env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_CORETYPE="Haswell", **env_vars)
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         [sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True, timeout=timeout

@@ -25,7 +25,7 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests import fp4_attention_interpret
 from tests.interpret import Interpreted, interpret
-from trace_core.kernels.fp4_attention import check_fp4_cache
+from trace_core.kernels.fp4_attention import check_fp4_cache, fp4_words
 from trace_core.kv_attention import decode_attention_reference, dequantize_kv
 
 
@@ -64,6 +64,9 @@ def test_bad_cache_is_named():
         check_fp4_cache(q[:, :3], kc, ks, kc, ks)
     with pytest.raises(ValueError, match="FP4 KV codes must be uint8"):
         check_fp4_cache(q, kc.float(), ks, kc, ks)
+    assert fp4_words(kc, ks)[0].shape == (10, 2, 8)
+    with pytest.raises(ValueError, match="readable as 4-byte words"):
+        fp4_words(torch.zeros(10, 2, 33, dtype=torch.uint8)[..., 1:], ks)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +151,12 @@ def test_bf16_extend_on_the_gpu(case):
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
     checks.check_extend(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_bf16_tile_on_the_gpu(d):
+    checks.check_tile(d, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

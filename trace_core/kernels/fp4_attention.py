@@ -3,12 +3,14 @@ dequantized to BF16 in registers, then attended over exactly as SGLang's triton 
 buffer.
 
 The kernels are SGLang 0.5.10.post1's `decode_attention.py` (`_fwd_kernel_stage1`, `_fwd_grouped_kernel_stage1`,
-`_fwd_kernel_stage2`, same tiles, splits and launch settings) with the K and V loads replaced by `_fp4_tile`. The
-BF16 values a tile holds equal `KVFP4QuantizeUtil.batched_dequantize` bit for bit (an E2M1 magnitude times a power
-of two is exact in FP32 and in BF16), so the attention math gets the same inputs as SGLang's dequantize-then-attend
-path (`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every call) without
-materializing the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged; MHA sums q . k
-in FP32 where SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
+`_fwd_kernel_stage2`, same tiles and splits; the grouped kernel's pipeline stages and register cap are
+`GROUPED_LAUNCH`) with the K and V loads replaced by `_fp4_tile`. The BF16 values a tile holds equal
+`KVFP4QuantizeUtil.batched_dequantize` bit for bit (an E2M1 magnitude times a power of two is exact in FP32 and in
+BF16), and they reach the dots in the register layout SGLang's BF16 loads give them (see `_fp4_tile`), so the
+attention math gets the same inputs, summed in the same order, as SGLang's dequantize-then-attend path
+(`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every call) without materializing
+the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged; MHA sums q . k in FP32 where
+SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
 `trace_core.kv_attention.decode_attention_reference`.
 """
 
@@ -18,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.kernels.triton_fp4 import TWO_126, _pow2
+from trace_core.kernels.triton_fp4 import INTERPRET, TWO_126, _pow2
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
 MIN_HEAD_DIM = 16
@@ -26,12 +28,19 @@ MIN_HEAD_DIM = 16
 H200, triton 3.6)."""
 PAD_HEAD_DIM = 32
 """On CUDA the grouped decode kernel and the extend kernel run head dim 16 as a 32-column tile: triton 3.6
-compiles the grouped decode kernel's 16-column tile wrong on the H200 (the dequantized tile alone is exact there,
-and so is SGLang's kernel, which loads K transposed from memory; `bench/fp4_attention_head_dim.py`), and the
-extend kernel's prefix dot is built the same way. The padded tile gives SGLang's values bit for bit there: the
+compiled the grouped decode kernel's 16-column tile wrong on the H200 when the tile was built from byte loads
+(its dots then took the operand layout kWidth 8; the dequantized tile alone was exact, and so is SGLang's kernel;
+`bench/fp4_attention_head_dim.py`), and the extend kernel's prefix dot is built the same way. Since the tile
+reaches the dots in SGLang's layout (`_fp4_tile`) the unpadded tile gives the twin's values in that bench too, but
+the padding is what the GPU tests cover. The padded tile gives SGLang's values bit for bit on the H200: the
 tensor-core dot's first 16-deep step takes the same products, the second adds exact zeros. The CPU interpreter
 keeps the 16-column tile, which it computes right (its FP32 matmul would order a 32-deep sum differently)."""
 KV_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+GROUPED_LAUNCH: dict[str, int] = {"num_warps": 4, "num_stages": 3, "maxnreg": 96}
+"""Launch settings of the grouped stage-1 kernel. SGLang launches 4 warps and 2 pipeline stages; 3 stages (tiles
+copied two blocks ahead) and a cap of 96 registers (5 programs per SM instead of 4, no spills) schedule the same
+instructions and were fastest on the H200 (`bench/fp4_attention_launch.py`, which also checks that the outputs are
+equal). The warps set the dots' layout and so the order of the softmax sums: they stay SGLang's."""
 
 
 @triton.jit
@@ -40,31 +49,69 @@ def _tanh(x):
 
 
 @triton.jit
+def _split(x, BITS: tl.constexpr):
+    """[R, 2 C] of x [R, C] (uint32 items of 2 BITS bits): each item's low BITS bits, then its high BITS bits."""
+    return tl.join(x & ((1 << BITS) - 1), x >> BITS).reshape(x.shape[0], 2 * x.shape[1])
+
+
+@triton.jit
+def _nibble_bits(words, J: tl.constexpr):
+    """FP32 bits of nibble J of int32 words (an E2M1 code): its sign at bit 31, its magnitude bits at 22..24."""
+    return ((words << (28 - 4 * J)) >> 6) & -2118123520  # 0x81C00000
+
+
+@triton.jit
 def _fp4_tile(codes_ptr, scale_ptr, loc, head, stride_cs, stride_ch, stride_ss, n_mask, D: tl.constexpr,
               BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr, LD: tl.constexpr = 0):  # fmt: skip
-    """[BLOCK_N, D] values of KV head `head` at pool slots `loc`: byte i of a head's codes holds element 2i in its
-    low nibble and 2i + 1 in its high nibble; scale byte j (E8M0, +127) scales elements [16 j, 16 j + 16). Masked
-    rows are 0, as SGLang's masked loads. LD > 0: the pool's head dim, narrower than the tile (columns from LD on
-    are 0)."""
-    offs_b = tl.arange(0, D // 2)
-    offs_s = tl.arange(0, D // 16)
+    """[BLOCK_N, D] values of KV head `head` at pool slots `loc`, from the pool's codes read as int32 words
+    (strides in words) and its scale bytes read as words of 1, 2 or 4 bytes (`fp4_words`; stride in words):
+    nibble j of a head's code word w (bits 4 j ... 4 j + 3) is element 8 w + j; scale byte i (E8M0, +127, the
+    lowest-addressed byte of a word first) scales elements [16 i, 16 i + 16). Masked rows are 0, as SGLang's
+    masked loads. LD > 0: the pool's head dim, narrower than the tile (columns from LD on are 0).
+
+    Whole words keep the loads wide enough for triton to pipeline them (asynchronous copies issued blocks ahead,
+    the scale bytes too). On the GPU the tile leaves through an identity `mov` that triton cannot see through:
+    triton sizes a dot operand's register layout (kWidth) by the narrowest type loaded behind it, halved per
+    `join`, and the packed codes would give kWidth 8 (triton 3.6) where SGLang's BF16 loads give 2, i.e. hand
+    the tensor-core steps the products in another grouping, which changed the last bits of 0.03 - 0.07 % of the
+    outputs. Behind the `mov` both dots take SGLang's layout and sums; ptxas drops the move."""
+    SB: tl.constexpr = scale_ptr.dtype.element_ty.primitive_bitwidth // 8
+    W: tl.constexpr = D // 8  # code words per tile row
+    SW: tl.constexpr = D // 16 // SB  # scale words per tile row
+    offs_w = tl.arange(0, W)
+    offs_s = tl.arange(0, SW)
     if LD == 0:
-        head_scales: tl.constexpr = D // 16
+        head_words: tl.constexpr = D // 16 // SB
         code_mask = n_mask[:, None]
         scale_mask = n_mask[:, None]
     else:
-        head_scales: tl.constexpr = LD // 16  # type: ignore[no-redef]  # a Triton constexpr set per branch
-        code_mask = n_mask[:, None] & (offs_b[None, :] < LD // 2)
-        scale_mask = n_mask[:, None] & (offs_s[None, :] < LD // 16)
-    packed = tl.load(codes_ptr + loc[:, None] * stride_cs + head * stride_ch + offs_b[None, :], mask=code_mask,
-                     other=0).to(tl.int32)  # fmt: skip
-    code = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, D)
-    sbyte = tl.load(scale_ptr + loc[:, None] * stride_ss + head * head_scales + offs_s[None, :], mask=scale_mask,
-                    other=127).to(tl.int32)  # fmt: skip
-    mag = ((code & 7) << 22).to(tl.float32, bitcast=True) * TWO_126  # E2M1 magnitude of index k (see _magnitude)
-    val = (mag.reshape(BLOCK_N, D // 16, 16) * _pow2(sbyte - 127)[:, :, None]).reshape(BLOCK_N, D)
-    val = (val.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-    return val.to(KV_DTYPE)
+        head_words: tl.constexpr = LD // 16 // SB  # type: ignore[no-redef]  # a Triton constexpr set per branch
+        code_mask = n_mask[:, None] & (offs_w[None, :] < LD // 8)
+        scale_mask = n_mask[:, None] & (offs_s[None, :] < head_words)
+    words = tl.load(codes_ptr + loc[:, None] * stride_cs + head * stride_ch + offs_w[None, :], mask=code_mask,
+                    other=0)  # fmt: skip
+    # nibble j's sign at FP32 bit 31, its E2M1 magnitude bits at 22..24: a subnormal, times 2^126 the E2M1 value
+    # (see triton_fp4._magnitude)
+    even = tl.join(tl.join(_nibble_bits(words, 0), _nibble_bits(words, 4)),
+                   tl.join(_nibble_bits(words, 2), _nibble_bits(words, 6)))  # fmt: skip
+    odd = tl.join(tl.join(_nibble_bits(words, 1), _nibble_bits(words, 5)),
+                  tl.join(_nibble_bits(words, 3), _nibble_bits(words, 7)))  # fmt: skip
+    bits = tl.join(even, odd)  # [BLOCK_N, W, 2, 2, 2]: nibble 4 a + 2 b + c at [:, :, a, b, c]
+    mag = bits.reshape(BLOCK_N, D).to(tl.float32, bitcast=True) * TWO_126
+    sw = tl.load(scale_ptr + loc[:, None] * stride_ss + head * head_words + offs_s[None, :], mask=scale_mask,
+                 other=0).to(tl.int32).to(tl.uint32, bitcast=True)  # fmt: skip
+    if SB == 4:
+        sw = _split(_split(sw, 16), 8)  # [BLOCK_N, D / 16] scale bytes
+    elif SB == 2:
+        sw = _split(sw & 0xFFFF, 8)
+    # times the scale: exact in FP32, and in BF16 (packed, half the instructions) for a BF16 tile on the GPU (the
+    # interpreter has no BF16 arithmetic); the product's one rounding (subnormal or overflowing values) is the same
+    MUL: tl.constexpr = tl.bfloat16 if KV_DTYPE == tl.bfloat16 and not INTERPRET else tl.float32
+    scale = _pow2(sw.to(tl.int32) - 127).to(MUL)
+    val = (mag.to(MUL).reshape(BLOCK_N, D // 16, 16) * scale[:, :, None]).reshape(BLOCK_N, D).to(KV_DTYPE)
+    if not INTERPRET and KV_DTYPE.primitive_bitwidth == 16:
+        val = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [val], dtype=val.dtype, is_pure=False, pack=2)
+    return val
 
 
 @triton.jit
@@ -275,6 +322,22 @@ def check_fp4_cache(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tens
     return heads, d
 
 
+SCALE_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def fp4_words(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The views the kernels read an FP4 pool layer through (`_fp4_tile`): the codes as int32 words `[S, H, D/8]`
+    and the scale bytes as words of min(4, D / 16) bytes, so that one head's scales are whole words; ValueError
+    where the buffers' offsets or strides are not multiples of those words (SGLang's pool buffers are)."""
+    d = 2 * codes.shape[-1]
+    width = min(4, d // 16)
+    try:
+        return codes.view(torch.int32), scales.view(SCALE_WORDS[width])
+    except RuntimeError as e:
+        raise ValueError(f"FP4 KV codes must be readable as 4-byte words and scale bytes as {width}-byte words "
+                         f"(offsets and strides multiples of them): {e}") from e  # fmt: skip
+
+
 def fp4_decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -308,11 +371,11 @@ def fp4_decode_attention(
         raise ValueError(f"kv_dtype {kv_dtype} is not one of {tuple(KV_DTYPES)}")
     common = dict(MIN_BLOCK_KV=MIN_BLOCK_KV, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
                   KV_DTYPE=KV_DTYPES[kv_dtype])  # fmt: skip
+    (kc, ks), (vc, vs) = fp4_words(k_codes, k_scales), fp4_words(v_codes, v_scales)
     args = (
-        q, k_codes, k_scales, v_codes, v_scales, sm_scale * k_scale, kv_indptr, kv_indices, attn_logits, attn_lse,
-        num_kv_splits, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scales.stride(0),
-        v_codes.stride(0), v_codes.stride(1), v_scales.stride(0), attn_logits.stride(0), attn_logits.stride(1),
-        attn_logits.stride(2),
+        q, kc, ks, vc, vs, sm_scale * k_scale, kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), vc.stride(0), vc.stride(1), vs.stride(0),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
     )  # fmt: skip
     if group == 1:
         _fp4_kernel_stage1[(batch, q_heads, max_kv_splits)](
@@ -323,8 +386,8 @@ def fp4_decode_attention(
         grid = (batch, triton.cdiv(q_heads, min(block_h, group)), max_kv_splits)
         block_d = max(d, PAD_HEAD_DIM) if q.is_cuda else d
         _fp4_grouped_kernel_stage1[grid](
-            *args, kv_group_num=group, q_head_num=q_heads, BLOCK_DMODEL=block_d, BLOCK_N=32, BLOCK_H=block_h,
-            num_warps=4, num_stages=2, Lk=d, **common,
+            *args, kv_group_num=group, q_head_num=q_heads, BLOCK_DMODEL=block_d, BLOCK_N=32, BLOCK_H=block_h, Lk=d,
+            **GROUPED_LAUNCH, **common,
         )  # fmt: skip
     _fwd_kernel_stage2[(batch, q_heads)](
         attn_logits, attn_lse, o, v_scale, kv_indptr, num_kv_splits, sinks, attn_logits.stride(0),

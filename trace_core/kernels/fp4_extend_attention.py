@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.kernels.fp4_attention import KV_DTYPES, PAD_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache
+from trace_core.kernels.fp4_attention import KV_DTYPES, PAD_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache, fp4_words
 from trace_core.kv_attention import extend_tiles
 
 
@@ -170,12 +170,13 @@ def fp4_extend_attention(
     block_m, block_n, warps = extend_tiles(d, q_extend.device)
     batch, q_heads = qo_indptr.shape[0] - 1, q_extend.shape[1]
     grid = (batch, q_heads, triton.cdiv(max_len_extend, block_m))
+    (kc, ks), (vc, vs) = fp4_words(k_codes, k_scales), fp4_words(v_codes, v_scales)
     _fp4_extend_kernel[grid](
-        q_extend, k_extend, v_extend, o_extend, k_codes, k_scales, v_codes, v_scales, qo_indptr, kv_indptr,
-        kv_indices, sinks, sm_scale or 1.0 / (d**0.5), k_scale, v_scale, q_heads // heads,
+        q_extend, k_extend, v_extend, o_extend, kc, ks, vc, vs, qo_indptr, kv_indptr, kv_indices, sinks,
+        sm_scale or 1.0 / (d**0.5), k_scale, v_scale, q_heads // heads,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0),
-        v_extend.stride(1), o_extend.stride(0), o_extend.stride(1), k_codes.stride(0), k_codes.stride(1),
-        k_scales.stride(0), v_codes.stride(0), v_codes.stride(1), v_scales.stride(0),
+        v_extend.stride(1), o_extend.stride(0), o_extend.stride(1), kc.stride(0), kc.stride(1), ks.stride(0),
+        vc.stride(0), vc.stride(1), vs.stride(0),
         logit_cap=logit_cap, D=max(d, PAD_HEAD_DIM) if q_extend.is_cuda else d, BLOCK_M=block_m, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, HAS_SINK=sinks is not None, KV_DTYPE=KV_DTYPES[kv_dtype], num_warps=warps, num_stages=1,
         Lk=d,
