@@ -1,6 +1,7 @@
 """Benchmark the FP4 kernels on a CUDA GPU; every ratio is measured within one run.
 
-For T in {1, 64, 4096, 65536} x D in {2048, 4096, 7168} and the nvfp4 (per-token) and kv_fp4 formats:
+For T in {1, 64, 4096, 65536} x D in {2048, 4096, 7168} and the nvfp4 (per-token) and kv_fp4 formats (or those
+of `--formats`: the E8M0 formats mxfp4 and mxfp4_ocp too):
 - quantize-and-record (b = 1): time, achieved GB/s (bytes read + written), ratio to a device-to-device copy of
   the same number of bytes;
 - record emission overhead: quantize-and-record vs quantize-only (no record);
@@ -11,6 +12,7 @@ For T in {1, 64, 4096, 65536} x D in {2048, 4096, 7168} and the nvfp4 (per-token
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 
 Usage: python bench/kernels.py [--out results.json] [--quick] [--t 4096 65536] [--d 2048 4096 7168] [--no-compile]
+       [--formats nvfp4 kv_fp4 mxfp4 mxfp4_ocp]
        python bench/kernels.py --guided-row-loops 1 4 [--t 65536] [--d 4096 7168]
 """
 
@@ -31,7 +33,8 @@ from trace_core.quant import dequantize, quantize
 from trace_core.records import Record, pack_low_bits
 
 BITS = 1
-FORMATS = {"nvfp4": {"per_token": True}, "kv_fp4": {}}
+FORMATS = {"nvfp4": {"per_token": True}, "kv_fp4": {}}  # the default formats, and the ones `--tune` sweeps over
+MORE_FORMATS = {"mxfp4": {}, "mxfp4_ocp": {}}  # the 32-element E8M0 formats, timed on request (`--formats`)
 
 
 def bench_ms(fn) -> float:
@@ -77,7 +80,7 @@ def redirected_fraction(x: torch.Tensor, rec: Record) -> float:
 
 
 def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
-    kwargs = FORMATS[fmt]
+    kwargs = (FORMATS | MORE_FORMATS)[fmt]
     per_token = kwargs.get("per_token", False)
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(x)
@@ -248,6 +251,8 @@ def main() -> None:
     parser.add_argument("--t", type=int, nargs="+", help="token counts (default 1 64 4096 65536)")
     parser.add_argument("--d", type=int, nargs="+", help="row widths (default 2048 4096 7168)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS | MORE_FORMATS),
+                        help="formats to time (default nvfp4 kv_fp4)")  # fmt: skip
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' program tiles instead")
     parser.add_argument("--tune-out", help="with --tune: write the best tiles here (TRACE_FP4_LAUNCH JSON)")
     parser.add_argument("--tune-kernels", nargs="+", default=["quant", "guided"], choices=["quant", "guided"],
@@ -271,7 +276,7 @@ def main() -> None:
             "quant": torch.compile(reference_quantize_record),
             "guided": torch.compile(reference_guided),
         }
-    rows = [run_case(fmt, t, d, compiled) for fmt in FORMATS for t in ts for d in ds]
+    rows = [run_case(fmt, t, d, compiled) for fmt in args.formats for t in ts for d in ds]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}\n")
     print(markdown(rows))
     if args.out:
