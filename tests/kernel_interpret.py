@@ -67,12 +67,9 @@ def cases() -> dict[str, Callable[[], None]]:
                 g = partial(guided, fmt, 5, 160, torch.float32, 4, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, q)
                 out[f"guided-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, g)
-    for fmt, modes in kernel_checks.SCALE_MODES.items():  # 8 rows of 80 (96) columns as 5 (6) rows of one chunk,
-        d = 80 if fmt in ("nvfp4", "kv_fp4") else 96  # with a record, where ops.whole_chunk_rows allows it
-        for mode in modes:
-            for bits in (1, 3):
-                out[f"quant-{fmt}-{mode}-b{bits}-whole-chunks"] = partial(quant, fmt, 8, d, torch.float32, bits, mode,
-                                                                          "cpu")  # fmt: skip
+    for bits in (1, 3):  # kv_fp4 with a record: 8 rows of 80 columns as 5 rows of one chunk (ops.whole_chunk_rows)
+        out[f"quant-kv_fp4-none-b{bits}-whole-chunks"] = partial(quant, "kv_fp4", 8, 80, torch.float32, bits, "none",
+                                                                 "cpu")  # fmt: skip
     for fmt in ("nvfp4", "kv_fp4"):  # the record stored before the output (RECORD_FIRST), as on the GPU
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 4):

@@ -129,15 +129,16 @@ def record_first(rows: int, chunk: int, warps: int) -> bool:
     return rows * chunk // 16 >= 32 * warps
 
 
-def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None]) -> int:
+def whole_chunk_rows(fmt: FP4Format, t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None]) -> int:
     """Rows of `chunk` columns as which the quantize kernel takes a [t, d] input and its buffers (`tensors`), or 0
     to take them as they are. Where a row is not a whole number of chunks, its last chunk leaves threads masked
     (at d = 7168 a quarter of the second 4096-column chunk: 2 x the instructions of d = 4096 for 1.75 x the data).
-    Where every scale is a block's own (E8M0 formats, or one nvfp4 S_enc for the tensor), a block's output and
-    record do not depend on its row, so contiguous tensors whose t * d elements fill whole chunks are taken as
-    rows of one chunk, none masked: the same blocks at the same offsets. `triton_quantize_record` does so where
-    it writes a record."""
-    off = not LAUNCH["quant"]["whole_chunks"] or mode not in (SCALE_NONE, SCALE_SCALAR)
+    Where every scale is a block's own, a block's output and record do not depend on its row, so contiguous
+    tensors whose t * d elements fill whole chunks can be taken as rows of one chunk, none masked: the same blocks
+    at the same offsets. Done for kv_fp4 (E8M0 scales of 16-element blocks), where it was timed;
+    `triton_quantize_record` does so where it writes a record. mxfp4 and nvfp4 with one S_enc would be taken the
+    same way, but were not timed so and keep their rows."""
+    off = not LAUNCH["quant"]["whole_chunks"] or mode != SCALE_NONE or fmt.block != 16
     if off or d % chunk == 0 or (t * d) % chunk:
         return 0
     return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
@@ -162,7 +163,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
     record = low_bits is not None
     # rows of whole chunks with a record only: the no-record kernel measured 0.8 % slower so (H200, kv_fp4, D = 7168)
-    rows = whole_chunk_rows(t, d, chunk, mode, [x, out, low_bits, scales]) if record else 0
+    rows = whole_chunk_rows(fmt, t, d, chunk, mode, [x, out, low_bits, scales]) if record else 0
     if rows:
         x, out, low_bits, scales = (b if b is None else b.view(rows, -1) for b in (x, out, low_bits, scales))
         t, d = x.shape
