@@ -2,9 +2,10 @@
 
 Per kernel configuration: layout conversions (`convert_layout`) and shared-memory ops (`local_alloc`,
 `local_load`, `local_store`) in the TTGIR, shared memory bytes, PTX instruction count (body lines that are
-instructions), and, when the triton install ships ptxas (and cuobjdump), registers, spill bytes, the static
-SASS instruction count, and the instructions and global loads / stores of the widest loop's body (`outer_loop`),
-also per 16 elements a thread handles in it, and each global store as width@position in the SASS (`stg_at`).
+instructions) and a hash of them (`ptx_sha`: equal kernels from different `--module` sources), and, when the
+triton install ships ptxas (and cuobjdump), registers, spill bytes, the static SASS instruction count, and the
+instructions and global loads / stores of the widest loop's body (`outer_loop`), also per 16 elements a thread
+handles in it, and each global store as width@position in the SASS (`stg_at`).
 The local triton may be newer than the GPU's, so the counts are indicative; compare kernel versions with the same
 triton.
 
@@ -15,6 +16,7 @@ Usage: python bench/kernel_ir.py [--module path/to/triton_fp4.py] [--d 4096] [--
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import re
 import sys
@@ -141,6 +143,7 @@ def stats(compiled) -> dict:
         "ptx_shared_ops": len(re.findall(r"\b(?:ld|st)\.shared", body)),
         "ptx_bar_sync": len(re.findall(r"\bbar\.sync|barrier\.sync", body)),
         "ptx_instr": n_ptx,
+        "ptx_sha": ptx_sha(body),
     }
     if "cubin" in compiled.asm:
         try:  # ptxas-reported registers through the kernel binary
@@ -148,6 +151,19 @@ def stats(compiled) -> dict:
         except Exception as e:
             row["ptxas"] = f"unavailable ({e})"
     return row
+
+
+def ptx_sha(body: str) -> str:
+    """Short hash of a kernel's PTX instructions (source locations and comments left out): equal hashes, equal
+    compiled kernels, whichever source file (`--module`) they came from."""
+    lines = []
+    for line in body.splitlines():
+        text = line.strip()
+        if text.startswith(".section") or "-- End function" in text:
+            break
+        if text and not text.startswith((".loc", ".file", "//")):
+            lines.append(text)
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
 def ptxas_info(ptx: str) -> dict:
@@ -210,7 +226,7 @@ def main() -> None:
     mod = load_module(args.module)
     print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
     header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",
-              "ptx_bar_sync", "ptx_instr", "sass_instr", "n_regs", "n_spills", "loop_sass", "loop_ldg_stg",
+              "ptx_bar_sync", "ptx_instr", "ptx_sha", "sass_instr", "n_regs", "n_spills", "loop_sass", "loop_ldg_stg",
               "loop_sass_per_16", "stg_at"]  # fmt: skip
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, kernel, constexprs in configs(mod, args.d, args.rows, args.chunk, args.warps):

@@ -8,7 +8,8 @@ candidate of each width is the default tile. The best candidate of a width has t
 its record and no-record times relative to the first candidate's; `--best` writes them as {D: TRACE_FP4_LAUNCH
 JSON}.
 
-Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--out tiles.json] [--best best.json]
+Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--candidates 0 6] [--out tiles.json]
+       [--best best.json]
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"chunk": 1024, "warps": 2},
         {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
+        {"whole_chunks": 0},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
 2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps; 7168: 1 x 4096, 8 warps, the row in two chunks, the
 second a quarter masked, per-token nvfp4 in two passes. The last at 2048 is the tile launched there before (8
 warps: each block split between two threads); the others split rows into more or fewer chunks, take two row tiles
-per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass."""
+per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass. The
+last at 7168 keeps rows as they are where the default takes them, with a record, as rows of whole 4096-column
+chunks (`ops.whole_chunk_rows`: kv_fp4 here; per-token nvfp4 keeps its rows either way)."""
 
 
 @contextlib.contextmanager
@@ -69,11 +73,14 @@ def tile_label(fmt: str, d: int) -> str:
     chunks = -(-d // chunk)
     passes = ", 2 passes" if per_token and chunks > 1 else ""
     first = "" if ops.record_first(rows, chunk, warps) else ", block per 2 threads"
+    if not per_token and ops.LAUNCH["quant"]["whole_chunks"] and d % chunk:  # ops.whole_chunk_rows (T x D fills)
+        return f"{rows}x{chunk}/{warps}w (with a record: rows of whole chunks{first})"
     return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first})"
 
 
-def time_case(x: torch.Tensor, fmt: str) -> list[dict]:
-    """Every candidate tile of x's width for fmt on x: a row each (printed as it is measured)."""
+def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[dict]:
+    """Every candidate tile of x's width for fmt on x (those numbered in `only`, where given): a row each (printed
+    as it is measured)."""
     t, d = x.shape
     kwargs = FORMATS[fmt]
     q = quantize(x, fmt, **kwargs)
@@ -91,6 +98,8 @@ def time_case(x: torch.Tensor, fmt: str) -> list[dict]:
     without_record = partial(quantize_record, x, fmt, BITS, out=out, **kwargs)
     rows = []
     for i, override in enumerate(CANDIDATES[d]):
+        if only is not None and i not in only:
+            continue
         with launch(override):
             for b in written:
                 b.zero_()
@@ -108,12 +117,12 @@ def time_case(x: torch.Tensor, fmt: str) -> list[dict]:
     return rows
 
 
-def run(ts: list[int], ds: list[int]) -> list[dict]:
+def run(ts: list[int], ds: list[int], only: list[int] | None = None) -> list[dict]:
     rows = []
     for d, t in itertools.product(ds, ts):
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         for fmt in FORMATS:
-            rows += time_case(x, fmt)
+            rows += time_case(x, fmt, only)
     return rows
 
 
@@ -149,10 +158,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--t", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--d", type=int, nargs="+", default=sorted(CANDIDATES))
+    parser.add_argument("--candidates", type=int, nargs="+", help="time only these candidates (numbers, 0 first)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--best", help="write the best candidate per width here, {D: TRACE_FP4_LAUNCH JSON}")
     args = parser.parse_args()
-    rows = run(args.t, args.d)
+    rows = run(args.t, args.d, args.candidates)
     print(f"\nGPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  LAUNCH {ops.LAUNCH['quant']}\n")
     print(markdown(rows) + "\n")
     chosen = best(rows)

@@ -67,6 +67,9 @@ def cases() -> dict[str, Callable[[], None]]:
                 g = partial(guided, fmt, 5, 160, torch.float32, 4, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, q)
                 out[f"guided-{fmt}-{mode}-b{bits}-small-tiles"] = partial(_in_small_tiles, g)
+    for bits in (1, 3):  # kv_fp4 with a record: 8 rows of 80 columns as 5 rows of one chunk (ops.whole_chunk_rows)
+        out[f"quant-kv_fp4-none-b{bits}-whole-chunks"] = partial(quant, "kv_fp4", 8, 80, torch.float32, bits, "none",
+                                                                 "cpu")  # fmt: skip
     for fmt in ("nvfp4", "kv_fp4"):  # the record stored before the output (RECORD_FIRST), as on the GPU
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 4):

@@ -52,7 +52,7 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-@pytest.mark.parametrize("candidate", range(6))
+@pytest.mark.parametrize("candidate", range(7))
 @pytest.mark.parametrize("d", [2048, 4096, 7168])
 def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
     # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
@@ -65,6 +65,14 @@ def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
         for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
             for bits in (1, 4):
                 kernel_checks.check_quantize_record(fmt, 37, d, torch.bfloat16, bits, mode, "cuda", _via_op)
+
+
+def test_rows_taken_as_whole_chunks_are_bit_exact():
+    # row counts whose t * d elements fill whole chunks: a kv_fp4 record into aligned buffers takes its rows as rows
+    # of one chunk (ops.whole_chunk_rows); the calls without a record or into strided buffers take them as they are
+    for t, d in ((64, 7168), (32, 544)):
+        for bits in (1, 2, 3, 4):
+            kernel_checks.check_quantize_record("kv_fp4", t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -45,7 +45,15 @@ def _scale_mode(fmt: FP4Format, global_scale: torch.Tensor | None, per_token: bo
 
 
 LAUNCH: dict[str, dict[str, int]] = {
-    "quant": {"rows": 1, "chunk": 4096, "warps": 8, "row_chunk": 4096, "row_loop": 1, "wide_record": 0},
+    "quant": {
+        "rows": 1,
+        "chunk": 4096,
+        "warps": 8,
+        "row_chunk": 4096,
+        "row_loop": 1,
+        "wide_record": 0,
+        "whole_chunks": 1,
+    },
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`; the quantize
@@ -53,8 +61,13 @@ tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). T
 `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add per program instead of
 one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the
 record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the H200,
-`bench/record_variants.py --wide`). `TRACE_FP4_LAUNCH` (JSON, e.g. `{"quant": {"chunk": 4096, "warps": 8}}`)
-overrides entries for other GPUs."""
+`bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave threads masked
+as rows of whole chunks where it can (`whole_chunk_rows`). `TRACE_FP4_LAUNCH` (JSON, e.g.
+`{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
+
+
+SWITCHES = ("wide_record", "whole_chunks")
+"""`LAUNCH` entries that are on (1) or off (0); the others are positive sizes."""
 
 
 def _launch_overrides(text: str) -> None:
@@ -62,7 +75,7 @@ def _launch_overrides(text: str) -> None:
         override = json.loads(text)
         for kernel, values in override.items():
             unknown = set(values) - set(LAUNCH[kernel])
-            if unknown or not all(isinstance(v, int) and (v > 0 or k == "wide_record") for k, v in values.items()):
+            if unknown or not all(isinstance(v, int) and (v > 0 or k in SWITCHES) for k, v in values.items()):
                 raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
             LAUNCH[kernel].update(values)
     except (ValueError, KeyError, AttributeError) as e:
@@ -116,6 +129,21 @@ def record_first(rows: int, chunk: int, warps: int) -> bool:
     return rows * chunk // 16 >= 32 * warps
 
 
+def whole_chunk_rows(fmt: FP4Format, t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None]) -> int:
+    """Rows of `chunk` columns as which the quantize kernel takes a [t, d] input and its buffers (`tensors`), or 0
+    to take them as they are. Where a row is not a whole number of chunks, its last chunk leaves threads masked
+    (at d = 7168 a quarter of the second 4096-column chunk: 2 x the instructions of d = 4096 for 1.75 x the data).
+    Where every scale is a block's own, a block's output and record do not depend on its row, so contiguous
+    tensors whose t * d elements fill whole chunks can be taken as rows of one chunk, none masked: the same blocks
+    at the same offsets. Done for kv_fp4 (E8M0 scales of 16-element blocks), where it was timed;
+    `triton_quantize_record` does so where it writes a record. mxfp4 and nvfp4 with one S_enc would be taken the
+    same way, but were not timed so and keep their rows."""
+    off = not LAUNCH["quant"]["whole_chunks"] or mode != SCALE_NONE or fmt.block != 16
+    if off or d % chunk == 0 or (t * d) % chunk:
+        return 0
+    return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -133,9 +161,15 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         return
     mode = _scale_mode(fmt, global_scale, per_token)
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
+    record = low_bits is not None
+    # rows of whole chunks with a record only: the no-record kernel measured 0.8 % slower so (H200, kv_fp4, D = 7168)
+    rows = whole_chunk_rows(fmt, t, d, chunk, mode, [x, out, low_bits, scales]) if record else 0
+    if rows:
+        x, out, low_bits, scales = (b if b is None else b.view(rows, -1) for b in (x, out, low_bits, scales))
+        t, d = x.shape
+        rb, chunk, warps = _launch_shape(fmt, d)
     n_chunks = triton.cdiv(d, chunk)
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
-    record = low_bits is not None
     # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
     # does not give each thread whole blocks (rows narrower than 512 columns with the default tile, or a
     # TRACE_FP4_LAUNCH override), where the group-per-thread kernel measured faster on the H200

@@ -455,6 +455,36 @@ def _e4m3_round_hw(v):
 
 
 @triton.jit
+def _elements(v):
+    """The 8 elements of v [RB, NB, 8], in order, as 8 tensors [RB, NB] (splits within each thread: no data
+    movement)."""
+    RB: tl.constexpr = v.shape[0]
+    NB: tl.constexpr = v.shape[1]
+    even, odd = tl.split(tl.reshape(v, (RB, NB, 4, 2)))  # 0 2 4 6 / 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, (RB, NB, 2, 2)))
+    e15, e37 = tl.split(tl.reshape(odd, (RB, NB, 2, 2)))
+    e0, e4 = tl.split(e04)
+    e2, e6 = tl.split(e26)
+    e1, e5 = tl.split(e15)
+    e3, e7 = tl.split(e37)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def _shift_in(word, v, BITS: tl.constexpr):
+    """word (uint32) shifted right by BITS with the low BITS bits of v entering at the top: one funnel shift."""
+    return (word >> BITS) | (v.to(tl.uint32, bitcast=True) << (32 - BITS))
+
+
+@triton.jit
+def _shift_in_half(word, code, BITS: tl.constexpr):
+    """`_shift_in` of the 8 codes [RB, NB, 8] of a half, element 0 first."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _elements(code)
+    word = _shift_in(_shift_in(_shift_in(_shift_in(word, c0, BITS), c1, BITS), c2, BITS), c3, BITS)
+    return _shift_in(_shift_in(_shift_in(_shift_in(word, c4, BITS), c5, BITS), c6, BITS), c7, BITS)
+
+
+@triton.jit
 def _half_word(q, t, z, BITS: tl.constexpr, FMT: tl.constexpr):
     """Low BITS bits of the 8 codes of a half [RB, NB, 8] (q, t from `_e2m1_round`), element i at bit i * BITS:
     int32 [RB, NB]."""
@@ -465,6 +495,22 @@ def _half_word(q, t, z, BITS: tl.constexpr, FMT: tl.constexpr):
     else:
         code = _index(q) & ((1 << BITS) - 1)
     return tl.sum(code << (tl.arange(0, 8) * BITS)[None, None, :], axis=2)
+
+
+@triton.jit
+def _block_words_by_shifts(qa, ta, qb, tb, BITS: tl.constexpr):
+    """(wa, wb) as two `_half_word` for b = 1 or 2, in one word by funnel shifts, one per element: each code (t's
+    bit 0, or q's index) enters the word at its top as the word shifts right by BITS, so the first of the 16 ends
+    at bit 32 - 16 * BITS. The sum of shifted codes takes a shift and a masking or per element."""
+    zero = tl.zeros(qa.shape[:2], tl.uint32)
+    if BITS == 1:
+        word = _shift_in_half(_shift_in_half(zero, ta.to(tl.int32, bitcast=True), 1), tb.to(tl.int32, bitcast=True), 1)
+    else:
+        word = _shift_in_half(_shift_in_half(zero, _index(qa), 2), _index(qb), 2)
+    word = word >> (32 - 16 * BITS)
+    wa = (word & ((1 << (8 * BITS)) - 1)).to(tl.int32, bitcast=True)
+    wb = (word >> (8 * BITS)).to(tl.int32, bitcast=True)
+    return wa, wb
 
 
 @triton.jit
@@ -651,8 +697,11 @@ def _quantize_record16_kernel(
             if WRITE_OUT and not RECORD_FIRST:
                 _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
             if BITS > 0:
-                wa = _half_word(qa, ta, za, BITS, FMT)
-                wb = _half_word(qb, tb, zb, BITS, FMT)
+                if BITS <= 2 and not (SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS):
+                    wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
+                else:  # per-token rows in one chunk: 1.9 % slower by shifts (H200, nvfp4, D = 4096, T = 65536)
+                    wa = _half_word(qa, ta, za, BITS, FMT)
+                    wb = _half_word(qb, tb, zb, BITS, FMT)
                 if REC_UNIT == 16:
                     rec_row = rec_ptr + rows64[:, None] * rec_stride
                     scale_row = scale_ptr + rows64[:, None] * scale_stride
