@@ -173,12 +173,18 @@ def test_rl_steps_with_a_trainer_layout_match_one_rank(name, model_dir, single, 
     assert len(history) == len(single_history) == RUN["steps"]
     _assert_same_steps(history, single_history)
     # The policy the rollout gets, gathered across the shards: equal up to a BF16 rounding flip (one ulp: at most
-    # 2^-7 of the value).
+    # 2^-7 of the value), except where Adam magnifies the layout's other FP32 sum order. An element whose gradient is
+    # near zero moves by up to lr per step whatever the gradient's size, so a rounding-level change of that gradient
+    # can move it by a fraction of lr (measured: 1 of 125,824 elements at TP = 2 + EP = 2, by 0.15 lr). At most 1 in
+    # 10,000 elements may do so, each by at most lr per step.
     assert sorted(weights) == sorted(single_weights)
+    beyond, total = 0, 0
     for k, w in weights.items():
         ref = single_weights[k].float()
         diff, ulp = (w.float() - ref).abs(), (torch.finfo(torch.bfloat16).eps * ref.abs()).clamp_min(1e-6)
-        assert (diff <= ulp).all(), (k, float((diff / ulp).max()), int((diff > 0).sum()), w.numel())
+        beyond, total = beyond + int((diff > ulp).sum()), total + w.numel()
+        assert (diff <= cfg.lr * RUN["steps"]).all(), (k, float(diff.max()), cfg.lr)
+    assert beyond <= total // 10_000, (beyond, total)
     # The layout's last checkpoint (a distributed checkpoint of every rank's shards) loads on one rank: the exported
     # policy is the group's, bit for bit.
     exported = load_file(export_run(tmp_path, tmp_path / "hf") / "model.safetensors")
