@@ -13,7 +13,6 @@ Usage: python bench/fp4_attention_ir.py [--module old/fp4_attention.py]
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -24,8 +23,9 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_ir import ptxas_info
+from bench.kernel_ir import load_module, ptxas_info
 from tests.fp4_attention_checks import sglang_module
+from trace_core.kernels import fp4_attention
 
 SHAPE = dict(kv_group_num=8, q_head_num=32, BLOCK_N=32, BLOCK_H=16, MIN_BLOCK_KV=32, logit_cap=0.0,
              xai_temperature_len=-1, Lk=128)  # fmt: skip
@@ -64,12 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--module", help="an fp4_attention.py to compile instead of the package's (old vs new)")
     args = parser.parse_args()
-    if args.module:
-        spec = importlib.util.spec_from_file_location("fp4_attention_under_test", args.module)
-        fa = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fa)
-    else:
-        from trace_core.kernels import fp4_attention as fa
+    fa = load_module(args.module) if args.module else fp4_attention
     words = hasattr(fa, "fp4_words")  # since the tile reads whole words: codes int32, scale bytes int32 at D = 128
     ptr = "*i32" if words else "*u8"
     fp4 = {name: ptr for name in ("K_Codes", "K_Scales", "V_Codes", "V_Scales")}

@@ -17,6 +17,9 @@ class Mode(enum.Enum):
 MODES = tuple(m.value for m in Mode)
 """The modes' names, as configs and command lines spell them."""
 
+FP4_MODES = tuple(m.value for m in Mode if m is not Mode.BF16)
+"""The modes whose rollout runs FP4 (all but the BF16 baseline)."""
+
 ROLLOUT_MODES = ("off", "emulate", "native")
 """What an SGLang server does at the FP4 sites (`--trace-mode`): nothing; emulate the precision recipe's numerics by
 quantize-dequantize around BF16 GEMMs (Hopper, CPU); or reproduce the codes of a real NVFP4 MoE kernel."""

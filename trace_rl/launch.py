@@ -15,12 +15,11 @@ import argparse
 import json
 from pathlib import Path
 
+from trace_core.modes import FP4_MODES
 from trace_rl.config import MODES, ConfigError, load_config
 from trace_rl.controller import Controller
 from trace_rl.experiments.report import plot, print_table, summary, write_csv
 from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
-
-FP4_MODES = tuple(m for m in MODES if m != "bf16")  # the modes whose rollout is FP4 (fp4_attention)
 
 
 def main(argv: list[str] | None = None) -> dict:
