@@ -65,7 +65,9 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None) -> tuple:
+    def quant(
+        fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None, prefetch: int = 0
+    ) -> tuple:
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
@@ -75,7 +77,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "RECORD_FIRST": first,
-                "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"]}  # fmt: skip
+                "ROW_LOOP": prefetch or ops.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
@@ -91,6 +93,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
         ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, False)),
         ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
+        ("quant nvfp4 per-token b=1, 4 row tiles prefetched", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, prefetch=4)),
+        ("quant nvfp4 per-token no-record, 4 row tiles prefetched", quant("nvfp4", ops.SCALE_PER_TOKEN, 0, prefetch=4)),
         ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
         ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),
         ("quant nvfp4 per-token b=1 wide record stores", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True, rec_unit=16)),
@@ -161,7 +165,7 @@ def ptx_sha(body: str) -> str:
         text = line.strip()
         if text.startswith(".section") or "-- End function" in text:
             break
-        if text and not text.startswith((".loc", ".file", "//")):
+        if text and not text.startswith((".loc", ".file", "//", "$L__tmp")):  # $L__tmp: debug-scope labels
             lines.append(text)
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 

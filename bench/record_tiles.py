@@ -8,8 +8,8 @@ candidate of each width is the default tile. The best candidate of a width has t
 its record and no-record times relative to the first candidate's; `--best` writes them as {D: TRACE_FP4_LAUNCH
 JSON}.
 
-Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--candidates 0 6] [--out tiles.json]
-       [--best best.json]
+Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--candidates 0 6] [--formats nvfp4]
+       [--out tiles.json] [--best best.json]
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from trace_core.kernels import ops, quantize_record, record_buffers
 from trace_core.quant import dequantize, quantize
 from trace_core.records import pack_low_bits
 
+PREFETCHED = [{"prefetch": 1, "row_loop": 4}, {"prefetch": 1, "row_loop": 16}]
 CANDIDATES: dict[int, list[dict[str, int]]] = {
-    2048: [{}, {"row_loop": 2}, {"chunk": 2048, "warps": 8}],
-    4096: [{}, {"chunk": 2048, "warps": 4}],
+    2048: [{}, {"row_loop": 2}, {"chunk": 2048, "warps": 8}, {"row_warps": 2}, *PREFETCHED],
+    4096: [{}, {"chunk": 2048, "warps": 4}, {"row_warps": 4}, *PREFETCHED],
     7168: [
         {},
         {"row_loop": 2},
@@ -43,15 +44,22 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
         {"whole_chunks": 0},
+        {"row_chunk": 8192, "row_warps": 8},
+        {"row_chunk": 8192, "row_warps": 4},
+        {"row_chunk": 8192, "row_warps": 8, "prefetch": 1, "row_loop": 4},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
 2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps; 7168: 1 x 4096, 8 warps, the row in two chunks, the
-second a quarter masked, per-token nvfp4 in two passes. The last at 2048 is the tile launched there before (8
+second a quarter masked, per-token nvfp4 in two passes. The third at 2048 is the tile launched there before (8
 warps: each block split between two threads); the others split rows into more or fewer chunks, take two row tiles
 per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass. The
-last at 7168 keeps rows as they are where the default takes them, with a record, as rows of whole 4096-column
-chunks (`ops.whole_chunk_rows`: kv_fp4 here; per-token nvfp4 keeps its rows either way)."""
+seventh at 7168 keeps rows as they are where the default takes them, with a record, as rows of whole 4096-column
+chunks (`ops.whole_chunk_rows`: kv_fp4 here; per-token nvfp4 keeps its rows either way). The rest concern
+per-token nvfp4 rows in one chunk (kv_fp4 keeps its tile under them, with `row_loop` row tiles per program where
+they set it): fewer warps (`row_warps`: two or four blocks per thread; at 7168 the row in one 8192-column pass, x
+read once, a quarter of the second half masked), and (`prefetch`) a loop over 4 or 16 row tiles per program that
+loads each tile's x before it quantizes the previous one."""
 
 
 @contextlib.contextmanager
@@ -75,7 +83,11 @@ def tile_label(fmt: str, d: int) -> str:
     first = "" if ops.record_first(rows, chunk, warps) else ", block per 2 threads"
     if not per_token and ops.LAUNCH["quant"]["whole_chunks"] and d % chunk:  # ops.whole_chunk_rows (T x D fills)
         return f"{rows}x{chunk}/{warps}w (with a record: rows of whole chunks{first})"
-    return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first})"
+    loop = ops.LAUNCH["quant"]["row_loop"]
+    tiles = f", {loop} row tiles per program" if loop > 1 else ""
+    if tiles and per_token and chunks == 1 and ops.LAUNCH["quant"]["prefetch"]:
+        tiles += ", each loaded first"
+    return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles})"
 
 
 def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[dict]:
@@ -117,11 +129,11 @@ def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[
     return rows
 
 
-def run(ts: list[int], ds: list[int], only: list[int] | None = None) -> list[dict]:
+def run(ts: list[int], ds: list[int], only: list[int] | None = None, formats: list[str] | None = None) -> list[dict]:
     rows = []
     for d, t in itertools.product(ds, ts):
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-        for fmt in FORMATS:
+        for fmt in formats or FORMATS:
             rows += time_case(x, fmt, only)
     return rows
 
@@ -159,10 +171,11 @@ def main() -> None:
     parser.add_argument("--t", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--d", type=int, nargs="+", default=sorted(CANDIDATES))
     parser.add_argument("--candidates", type=int, nargs="+", help="time only these candidates (numbers, 0 first)")
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), help="time only these formats (default both)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--best", help="write the best candidate per width here, {D: TRACE_FP4_LAUNCH JSON}")
     args = parser.parse_args()
-    rows = run(args.t, args.d, args.candidates)
+    rows = run(args.t, args.d, args.candidates, args.formats)
     print(f"\nGPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  LAUNCH {ops.LAUNCH['quant']}\n")
     print(markdown(rows) + "\n")
     chosen = best(rows)

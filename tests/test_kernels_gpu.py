@@ -83,6 +83,22 @@ def test_per_token_rows_wider_than_one_tile(dtype):
         kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
 
 
+@pytest.mark.parametrize("d", [2048, 4096, 7168])
+@pytest.mark.parametrize("tile", [{"row_warps": 8}, {"row_warps": 4}, {"prefetch": 1, "row_loop": 4},
+                                  {"row_warps": 8, "prefetch": 1, "row_loop": 4}], ids=str)  # fmt: skip
+def test_per_token_rows_in_one_chunk_on_fewer_warps_or_prefetched(d, tile, monkeypatch):
+    # per-token rows taken in one chunk (7168 columns as one 8192-column chunk): on at most 8 or 4 warps (2 or 4
+    # blocks per thread where the row is wider), and / or 4 row tiles per program, each loaded before the previous
+    # is quantized; 37 rows leave the last program's tiles partly past the end, as do 3 rows (a single program)
+    monkeypatch.setitem(ops.LAUNCH["quant"], "row_chunk", 8192)
+    for key, value in tile.items():
+        monkeypatch.setitem(ops.LAUNCH["quant"], key, value)
+    for t in (3, 37):
+        for dtype in DTYPES:
+            for bits in (1, 4):
+                kernel_checks.check_quantize_record("nvfp4", t, d, dtype, bits, "per_token", "cuda", _via_op)
+
+
 @pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)

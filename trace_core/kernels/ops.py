@@ -50,7 +50,9 @@ LAUNCH: dict[str, dict[str, int]] = {
         "chunk": 4096,
         "warps": 8,
         "row_chunk": 4096,
+        "row_warps": 16,
         "row_loop": 1,
+        "prefetch": 0,
         "wide_record": 0,
         "whole_chunks": 1,
     },
@@ -62,11 +64,13 @@ tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). T
 one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the
 record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the H200,
 `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave threads masked
-as rows of whole chunks where it can (`whole_chunk_rows`). `TRACE_FP4_LAUNCH` (JSON, e.g.
+as rows of whole chunks where it can (`whole_chunk_rows`). Per-token nvfp4 rows taken in one chunk run on at most
+`row_warps` warps, and with `prefetch` = 1 each program loops over its `row_loop` row tiles, loading a tile's x
+before it quantizes the previous one. `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-SWITCHES = ("wide_record", "whole_chunks")
+SWITCHES = ("wide_record", "whole_chunks", "prefetch")
 """`LAUNCH` entries that are on (1) or off (0); the others are positive sizes."""
 
 
@@ -93,7 +97,7 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
     nvfp4 takes a row of up to `row_chunk` columns (rounded up likewise) in one chunk: x read once. The quantize
     kernel's warps scale with its chunk against the tile's, so that each thread keeps the tile's share of a row
     (4096 columns on 8 warps: one 16-element block per thread, where `record_first` holds): 4 warps on rows of
-    2048 columns, 16 on per-token rows of 8192, at least 1."""
+    2048 columns, 16 on per-token rows of 8192, at least 1; per-token rows in one chunk on at most `row_warps`."""
     tile = LAUNCH[kernel]
     chunk = max(fmt.block, min(tile["chunk"], triton_next_pow2(d)))
     whole = max(fmt.block, triton_next_pow2(d))
@@ -101,7 +105,8 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
         chunk = whole
     if kernel != "quant":
         return tile["rows"], chunk, tile["warps"]
-    return tile["rows"], chunk, min(16, max(1, tile["warps"] * chunk // tile["chunk"]))
+    warps = min(16, max(1, tile["warps"] * chunk // tile["chunk"]))
+    return tile["rows"], chunk, min(warps, tile["row_warps"]) if per_token and chunk == whole else warps
 
 
 def record_unit(buf: torch.Tensor, bits: int) -> int:
@@ -179,7 +184,9 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     first = record_first(rb, chunk, warps)
     if fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale)):
         loop = LAUNCH["quant"]["row_loop"]
-        kernel, extra = k._quantize_record16_kernel, {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop}
+        prefetch = bool(LAUNCH["quant"]["prefetch"]) and mode == SCALE_PER_TOKEN and n_chunks == 1
+        kernel = k._quantize_record16_kernel
+        extra = {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop, "PREFETCH": prefetch}
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
     grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)

@@ -644,15 +644,57 @@ def _store_halves(o, qa, za, qb, zb, decode, m):
 
 
 @triton.jit
+def _quantize_chunk16(
+    xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, out_ptr, rec_ptr, scale_ptr, tok_ptr,
+    out_stride, rec_stride, scale_stride, tok_stride,
+    FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
+    ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
+):  # fmt: skip
+    """Quantize the chunk of rows [RB] (`rows64`, `row_mask`) from column c0 whose block halves xa, xb [RB, NB, 8]
+    (FP32, at offsets c0 + offs: element mask m, block index blk, block mask bmask) are loaded, and store its output
+    and / or record (`_quantize_record16_kernel`); s_enc is unused where the scales are per token and the row is
+    this chunk (ONE_PASS): they are computed here."""
+    amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+    if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
+        s_enc = _per_token_scale(tl.max(amax_blk, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
+    decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
+    za = _code_sign(xa * encode[:, :, None], FMT)
+    zb = _code_sign(xb * encode[:, :, None], FMT)
+    qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
+    qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
+    if WRITE_OUT and not RECORD_FIRST:
+        _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
+    if BITS > 0:
+        if BITS <= 2 and not (SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS):
+            wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
+        else:  # per-token rows in one chunk: 1.9 % slower by shifts (H200, nvfp4, D = 4096, T = 65536)
+            wa = _half_word(qa, ta, za, BITS, FMT)
+            wb = _half_word(qb, tb, zb, BITS, FMT)
+        if REC_UNIT == 16:
+            rec_row = rec_ptr + rows64[:, None] * rec_stride
+            scale_row = scale_ptr + rows64[:, None] * scale_stride
+            _store_record_wide(rec_row, scale_row, blk, wa | (wb << (8 * BITS)), byte, bmask, BITS)
+        else:
+            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+            _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
+                            REC_UNIT)  # fmt: skip
+    if WRITE_OUT and RECORD_FIRST:
+        _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
+
+
+@triton.jit
 def _quantize_record16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
     RB: tl.constexpr, C: tl.constexpr, ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
-    ROW_LOOP: tl.constexpr = 1,
+    ROW_LOOP: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
     ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain).
+    With PREFETCH (per-token rows in one chunk, `ops.LAUNCH["quant"]["prefetch"]`) they are a loop instead, and
+    each tile's x is loaded before the previous tile is quantized: the loads stay in flight across the row
+    reduction and the stores.
 
     RECORD_FIRST (`ops.record_first`: the tile gives each thread whole blocks) stores the record before the
     output. Such a thread's two 16-byte output stores fill the two halves of the same 32-byte sectors (lanes are
@@ -667,51 +709,51 @@ def _quantize_record16_kernel(
     pid_c = tl.program_id(1)
     NB: tl.constexpr = C // 16
     offs = _half_offsets(NB)
-    for ri in tl.static_range(ROW_LOOP):
-        rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
-        row_mask = rows < T
-        rows64 = rows.to(tl.int64)
-        x_rows = x_ptr + rows64[:, None, None] * x_stride
+    if PREFETCH:
+        tl.static_assert(SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS)
+        blk = _block_index(0, NB)
+        cols = offs < D
+        rows = pid_r * ROW_LOOP * RB + tl.arange(0, RB)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + offs
+        m = (rows < T)[:, None, None] & cols
+        xa, xb = tl.load(x_rows, mask=m, other=0.0), tl.load(x_rows + 8, mask=m, other=0.0)
+        for ri in range(ROW_LOOP):
+            row_mask = rows < T
+            m = row_mask[:, None, None] & cols
+            nxt = (rows + RB < T)[:, None, None] & cols & (ri + 1 < ROW_LOOP)
+            na = tl.load(x_rows + RB * x_stride, mask=nxt, other=0.0)
+            nb = tl.load(x_rows + RB * x_stride + 8, mask=nxt, other=0.0)
+            _quantize_chunk16(xa.to(tl.float32), xb.to(tl.float32), 1.0, rows.to(tl.int64), row_mask, 0, offs, m, blk,
+                              row_mask[:, None] & (blk < D // 16), out_ptr, rec_ptr, scale_ptr, tok_ptr, out_stride,
+                              rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE, BITS, WRITE_OUT, ONE_PASS,
+                              REC_UNIT, RECORD_FIRST)  # fmt: skip
+            rows += RB
+            x_rows += RB * x_stride
+            xa, xb = na, nb
+    else:
+        for ri in tl.static_range(ROW_LOOP):
+            rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
+            row_mask = rows < T
+            rows64 = rows.to(tl.int64)
+            x_rows = x_ptr + rows64[:, None, None] * x_stride
 
-        if SCALE_MODE != SCALE_PER_TOKEN:
-            s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
-        elif not ONE_PASS:
-            s_enc = _per_token_scale(_row_amax(x_ptr, rows64, row_mask, x_stride, D, RB, C), tok_ptr, rows64,
-                                     tok_stride, row_mask, BITS)  # fmt: skip
+            s_enc = 1.0  # per-token rows in one chunk: computed in the chunk
+            if SCALE_MODE != SCALE_PER_TOKEN:
+                s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
+            elif not ONE_PASS:
+                s_enc = _per_token_scale(_row_amax(x_ptr, rows64, row_mask, x_stride, D, RB, C), tok_ptr, rows64,
+                                         tok_stride, row_mask, BITS)  # fmt: skip
 
-        for ci in range(chunks_per_prog):
-            c0 = (pid_c * chunks_per_prog + ci) * C
-            m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
-            blk = _block_index(c0, NB)
-            bmask = row_mask[:, None] & (blk < D // 16)
-            xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
-            xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-            amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
-            if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
-                s_enc = _per_token_scale(tl.max(amax_blk, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
-            decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
-            za = _code_sign(xa * encode[:, :, None], FMT)
-            zb = _code_sign(xb * encode[:, :, None], FMT)
-            qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), FMT == KV_FP4)
-            qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), FMT == KV_FP4)
-            if WRITE_OUT and not RECORD_FIRST:
-                _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
-            if BITS > 0:
-                if BITS <= 2 and not (SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS):
-                    wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
-                else:  # per-token rows in one chunk: 1.9 % slower by shifts (H200, nvfp4, D = 4096, T = 65536)
-                    wa = _half_word(qa, ta, za, BITS, FMT)
-                    wb = _half_word(qb, tb, zb, BITS, FMT)
-                if REC_UNIT == 16:
-                    rec_row = rec_ptr + rows64[:, None] * rec_stride
-                    scale_row = scale_ptr + rows64[:, None] * scale_stride
-                    _store_record_wide(rec_row, scale_row, blk, wa | (wb << (8 * BITS)), byte, bmask, BITS)
-                else:
-                    tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
-                    _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
-                                    REC_UNIT)  # fmt: skip
-            if WRITE_OUT and RECORD_FIRST:
-                _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
+            for ci in range(chunks_per_prog):
+                c0 = (pid_c * chunks_per_prog + ci) * C
+                m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 16: both halves share the mask
+                blk = _block_index(c0, NB)
+                bmask = row_mask[:, None] & (blk < D // 16)
+                xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
+                xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
+                _quantize_chunk16(xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, out_ptr, rec_ptr,
+                                  scale_ptr, tok_ptr, out_stride, rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE,
+                                  BITS, WRITE_OUT, ONE_PASS, REC_UNIT, RECORD_FIRST)  # fmt: skip
 
 
 @triton.jit
