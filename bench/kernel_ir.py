@@ -78,6 +78,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "RECORD_FIRST": first,
                 "ROW_LOOP": prefetch or ops.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
+        if bits and mode == ops.SCALE_PER_TOKEN and ops.LAUNCH["quant"]["record_regs"]:
+            args["maxnreg"] = ops.LAUNCH["quant"]["record_regs"]
         return kernel or mod._quantize_record_kernel, args
 
     def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
@@ -89,12 +91,12 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
                 "ROW_LOOP": loop or ops.LAUNCH["guided"]["row_loop"]}  # fmt: skip
         return kernel or mod._guided_kernel, args
 
-    rows = [
+    loop, p = ops.LAUNCH["quant"]["prefetch_loop"], ops.SCALE_PER_TOKEN
+    one_pass = launch("nvfp4", per_token=True)["ONE_PASS"]
+    table = [
         ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
         ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, False)),
         ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
-        ("quant nvfp4 per-token b=1, 4 row tiles prefetched", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, prefetch=4)),
-        ("quant nvfp4 per-token no-record, 4 row tiles prefetched", quant("nvfp4", ops.SCALE_PER_TOKEN, 0, prefetch=4)),
         ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
         ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),
         ("quant nvfp4 per-token b=1 wide record stores", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True, rec_unit=16)),
@@ -107,12 +109,18 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("guided nvfp4 b=2", guided("nvfp4", ops.SCALE_ROW, 2)),
         ("guided nvfp4 b=4", guided("nvfp4", ops.SCALE_ROW, 4)),
     ]
-    return [(label, kernel, args) for label, (kernel, args) in rows]
+    if one_pass:  # per-token rows in one chunk: also loaded ahead (ops.prefetched)
+        table[3:3] = [(f"quant nvfp4 per-token b=1, {loop} row tiles prefetched", quant("nvfp4", p, 1, prefetch=loop)),
+                     (f"quant nvfp4 per-token no-record, {loop} row tiles prefetched",
+                      quant("nvfp4", p, 0, prefetch=loop))]  # fmt: skip
+    return [(label, kernel, args) for label, (kernel, args) in table]
 
 
 def compile_kernel(kernel, constexprs: dict):
     names = kernel.arg_names
-    warps = constexprs.pop("num_warps")
+    options = {"num_warps": constexprs.pop("num_warps")}
+    if "maxnreg" in constexprs:
+        options["maxnreg"] = constexprs.pop("maxnreg")
     # non-constexpr params the kernel actually declares; keep only constexprs it knows
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     signature = {}
@@ -128,7 +136,7 @@ def compile_kernel(kernel, constexprs: dict):
             if name not in ("T", "chunks_per_prog"):  # D = 4096 and the strides of contiguous buffers
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 PTX_SKIP = re.compile(r"^\s*($|//|\.|\{|\}|\$|[A-Za-z_$][\w$]*:)")

@@ -32,10 +32,16 @@ from trace_core.kernels import ops, quantize_record, record_buffers
 from trace_core.quant import dequantize, quantize
 from trace_core.records import pack_low_bits
 
-PREFETCHED = [{"prefetch": 1, "row_loop": 4}, {"prefetch": 1, "row_loop": 16}]
 CANDIDATES: dict[int, list[dict[str, int]]] = {
-    2048: [{}, {"row_loop": 2}, {"chunk": 2048, "warps": 8}, {"row_warps": 2}, *PREFETCHED],
-    4096: [{}, {"chunk": 2048, "warps": 4}, {"row_warps": 4}, *PREFETCHED],
+    2048: [
+        {},
+        {"row_loop": 2},
+        {"chunk": 2048, "warps": 8},
+        {"prefetch": 2048},
+        {"prefetch": 2048, "prefetch_loop": 2},
+        {"record_regs": 40},
+    ],
+    4096: [{}, {"chunk": 2048, "warps": 4}, {"prefetch": 0}, {"prefetch_loop": 8}, {"record_regs": 48}],
     7168: [
         {},
         {"row_loop": 2},
@@ -44,22 +50,22 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
         {"whole_chunks": 0},
-        {"row_chunk": 8192, "row_warps": 8},
-        {"row_chunk": 8192, "row_warps": 4},
-        {"row_chunk": 8192, "row_warps": 8, "prefetch": 1, "row_loop": 4},
+        {"record_regs": 40},
+        {"row_chunk": 8192, "record_regs": 48},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
-2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps; 7168: 1 x 4096, 8 warps, the row in two chunks, the
-second a quarter masked, per-token nvfp4 in two passes. The third at 2048 is the tile launched there before (8
-warps: each block split between two threads); the others split rows into more or fewer chunks, take two row tiles
-per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass. The
-seventh at 7168 keeps rows as they are where the default takes them, with a record, as rows of whole 4096-column
-chunks (`ops.whole_chunk_rows`: kv_fp4 here; per-token nvfp4 keeps its rows either way). The rest concern
-per-token nvfp4 rows in one chunk (kv_fp4 keeps its tile under them, with `row_loop` row tiles per program where
-they set it): fewer warps (`row_warps`: two or four blocks per thread; at 7168 the row in one 8192-column pass, x
-read once, a quarter of the second half masked), and (`prefetch`) a loop over 4 or 16 row tiles per program that
-loads each tile's x before it quantizes the previous one."""
+2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps, per-token nvfp4 with 4 row tiles per program,
+each loaded before the previous is quantized (`ops.prefetched`, where the programs fill the SMs); 7168: 1 x 4096,
+8 warps, the row in two chunks, the second a quarter masked, per-token nvfp4 in two passes. The third at 2048 is
+the tile launched there before (8 warps: each block split between two threads); the others split rows into more or
+fewer chunks, take two row tiles per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token
+7168-column rows in one pass on 16 warps (loaded ahead, as at 4096). The seventh at 7168 keeps rows as they are
+where the default takes them, with a record, as rows of whole 4096-column chunks (`ops.whole_chunk_rows`: kv_fp4
+here; per-token nvfp4 keeps its rows either way). The rest concern per-token nvfp4 only: rows loaded ahead at 2048
+too, or not at 4096 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), and record kernels compiled
+for at most 40 or 48 registers per thread (`record_regs`: as many as the no-record kernel, or one occupancy step
+more)."""
 
 
 @contextlib.contextmanager
@@ -83,11 +89,13 @@ def tile_label(fmt: str, d: int) -> str:
     first = "" if ops.record_first(rows, chunk, warps) else ", block per 2 threads"
     if not per_token and ops.LAUNCH["quant"]["whole_chunks"] and d % chunk:  # ops.whole_chunk_rows (T x D fills)
         return f"{rows}x{chunk}/{warps}w (with a record: rows of whole chunks{first})"
-    loop = ops.LAUNCH["quant"]["row_loop"]
+    tile = ops.LAUNCH["quant"]
+    loop = tile["row_loop"]
     tiles = f", {loop} row tiles per program" if loop > 1 else ""
-    if tiles and per_token and chunks == 1 and ops.LAUNCH["quant"]["prefetch"]:
-        tiles += ", each loaded first"
-    return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles})"
+    if per_token and chunks == 1 and tile["prefetch"] and d >= tile["prefetch"]:
+        tiles = f", {tile['prefetch_loop']} row tiles per program loaded ahead where they fill the SMs"
+    regs = f", record at most {tile['record_regs']} registers" if per_token and tile["record_regs"] else ""
+    return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles}{regs})"
 
 
 def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[dict]:

@@ -85,16 +85,17 @@ def cases() -> dict[str, Callable[[], None]]:
                 out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(
                     _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
                 )
-    for bits in (1, 4):  # per-token rows in one chunk: 512 columns, 3 row tiles per program, each loaded before
-        # the previous is quantized (the last tile past the last row); 1024 columns on one warp: 2 blocks per thread
-        for name, d, tile in (("prefetch", 512, {"prefetch": 1, "row_loop": 3}), ("row-warps", 1024, {"row_warps": 1})):
-            q = partial(quant, "nvfp4", 7, d, torch.float32, bits, "per_token", "cpu")
-            out[f"quant-nvfp4-per_token-b{bits}-{name}"] = partial(_in_launch, q, tile)
+    for bits in (1, 4):  # per-token rows of 512 columns, 3 row tiles per program, each loaded before the previous
+        # is quantized (ops.prefetched; the last program's last tile past the last row)
+        out[f"quant-nvfp4-per_token-b{bits}-prefetch"] = partial(
+            _prefetched, partial(quant, "nvfp4", 7, 512, torch.float32, bits, "per_token", "cpu")
+        )
     return out
 
 
-def _in_launch(fn: Callable[[], None], tile: dict[str, int]) -> None:
-    with launch(tile):
+def _prefetched(fn: Callable[[], None]) -> None:
+    with launch({"prefetch": 512, "prefetch_loop": 3}):
+        assert ops.prefetched(7, 512, 1, 1, ops.SCALE_PER_TOKEN, torch.device("cpu"))
         fn()
 
 

@@ -83,20 +83,25 @@ def test_per_token_rows_wider_than_one_tile(dtype):
         kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
 
 
-@pytest.mark.parametrize("d", [2048, 4096, 7168])
-@pytest.mark.parametrize("tile", [{"row_warps": 8}, {"row_warps": 4}, {"prefetch": 1, "row_loop": 4},
-                                  {"row_warps": 8, "prefetch": 1, "row_loop": 4}], ids=str)  # fmt: skip
-def test_per_token_rows_in_one_chunk_on_fewer_warps_or_prefetched(d, tile, monkeypatch):
-    # per-token rows taken in one chunk (7168 columns as one 8192-column chunk): on at most 8 or 4 warps (2 or 4
-    # blocks per thread where the row is wider), and / or 4 row tiles per program, each loaded before the previous
-    # is quantized; 37 rows leave the last program's tiles partly past the end, as do 3 rows (a single program)
-    monkeypatch.setitem(ops.LAUNCH["quant"], "row_chunk", 8192)
+@pytest.mark.parametrize("d, row_chunk", [(2048, 4096), (4096, 4096), (7168, 4096), (7168, 8192)])
+@pytest.mark.parametrize("tile", [{"prefetch": 2048}, {"prefetch": 2048, "prefetch_loop": 2}, {"record_regs": 40},
+                                  {"prefetch": 2048, "record_regs": 48}], ids=str)  # fmt: skip
+def test_per_token_rows_loaded_ahead_or_register_capped(d, row_chunk, tile, monkeypatch):
+    # per-token rows in one chunk (7168 columns in one 8192-column chunk on 16 warps where row_chunk allows, else in
+    # two passes) loaded ahead (ops.prefetched) on one row tile more than the SMs' worth of programs, so that the
+    # last program's tiles are partly past the end, and on 3 rows (too few programs: not loaded ahead); record
+    # kernels under a register cap
+    monkeypatch.setitem(ops.LAUNCH["quant"], "row_chunk", row_chunk)
     for key, value in tile.items():
         monkeypatch.setitem(ops.LAUNCH["quant"], key, value)
-    for t in (3, 37):
+    t = ops.LAUNCH["quant"]["prefetch_loop"] * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    n_chunks = 1 if d <= row_chunk else 2
+    ahead = n_chunks == 1 and d >= ops.LAUNCH["quant"]["prefetch"]
+    assert ops.prefetched(t, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda")) == ahead
+    for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 4):
-                kernel_checks.check_quantize_record("nvfp4", t, d, dtype, bits, "per_token", "cuda", _via_op)
+                kernel_checks.check_quantize_record("nvfp4", rows, d, dtype, bits, "per_token", "cuda", _via_op)
 
 
 @pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))

@@ -11,6 +11,7 @@ They are registered with `torch.library`, so they trace under `torch.compile` an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -50,9 +51,10 @@ LAUNCH: dict[str, dict[str, int]] = {
         "chunk": 4096,
         "warps": 8,
         "row_chunk": 4096,
-        "row_warps": 16,
         "row_loop": 1,
-        "prefetch": 0,
+        "prefetch": 4096,
+        "prefetch_loop": 4,
+        "record_regs": 0,
         "wide_record": 0,
         "whole_chunks": 1,
     },
@@ -64,14 +66,14 @@ tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). T
 one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the
 record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the H200,
 `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave threads masked
-as rows of whole chunks where it can (`whole_chunk_rows`). Per-token nvfp4 rows taken in one chunk run on at most
-`row_warps` warps, and with `prefetch` = 1 each program loops over its `row_loop` row tiles, loading a tile's x
-before it quantizes the previous one. `TRACE_FP4_LAUNCH` (JSON, e.g.
+as rows of whole chunks where it can (`whole_chunk_rows`). Per-token nvfp4 rows of at least `prefetch` columns
+(0: none) taken in one chunk are loaded ahead (`prefetched`), and per-token nvfp4 record kernels are compiled for
+at most `record_regs` registers per thread (0: as ptxas chooses). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-SWITCHES = ("wide_record", "whole_chunks", "prefetch")
-"""`LAUNCH` entries that are on (1) or off (0); the others are positive sizes."""
+SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs")
+"""`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
 
 def _launch_overrides(text: str) -> None:
@@ -97,7 +99,7 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
     nvfp4 takes a row of up to `row_chunk` columns (rounded up likewise) in one chunk: x read once. The quantize
     kernel's warps scale with its chunk against the tile's, so that each thread keeps the tile's share of a row
     (4096 columns on 8 warps: one 16-element block per thread, where `record_first` holds): 4 warps on rows of
-    2048 columns, 16 on per-token rows of 8192, at least 1; per-token rows in one chunk on at most `row_warps`."""
+    2048 columns, 16 on per-token rows of 8192, at least 1."""
     tile = LAUNCH[kernel]
     chunk = max(fmt.block, min(tile["chunk"], triton_next_pow2(d)))
     whole = max(fmt.block, triton_next_pow2(d))
@@ -105,8 +107,7 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
         chunk = whole
     if kernel != "quant":
         return tile["rows"], chunk, tile["warps"]
-    warps = min(16, max(1, tile["warps"] * chunk // tile["chunk"]))
-    return tile["rows"], chunk, min(warps, tile["row_warps"]) if per_token and chunk == whole else warps
+    return tile["rows"], chunk, min(16, max(1, tile["warps"] * chunk // tile["chunk"]))
 
 
 def record_unit(buf: torch.Tensor, bits: int) -> int:
@@ -149,6 +150,25 @@ def whole_chunk_rows(fmt: FP4Format, t: int, d: int, chunk: int, mode: int, tens
     return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the Triton interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def prefetched(t: int, d: int, rows: int, n_chunks: int, mode: int, device: torch.device) -> bool:
+    """Whether the quantize kernel takes t per-token rows of width d, `rows` per tile, as `LAUNCH["quant"]
+    ["prefetch_loop"]` tiles per program, loading each tile's x before it quantizes the previous one
+    (`_quantize_record16_kernel`'s PREFETCH): where a row is one chunk of at least `LAUNCH["quant"]["prefetch"]`
+    columns and the programs still number at least the GPU's SMs (at T = 64, 16 programs would each take 4 rows
+    in turn). H200, nvfp4 per token, T = 65536, D = 4096: the record kernel 8 % faster, its cost +5.0 -> +2.7 %;
+    at D = 2048 not faster (docs/performance.md, "per-token rows loaded ahead")."""
+    tile = LAUNCH["quant"]
+    if mode != SCALE_PER_TOKEN or n_chunks != 1 or not tile["prefetch"] or d < tile["prefetch"]:
+        return False
+    return triton.cdiv(t, rows * tile["prefetch_loop"]) >= _sm_count(device)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -183,10 +203,12 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
     first = record_first(rb, chunk, warps)
     if fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale)):
-        loop = LAUNCH["quant"]["row_loop"]
-        prefetch = bool(LAUNCH["quant"]["prefetch"]) and mode == SCALE_PER_TOKEN and n_chunks == 1
+        prefetch = prefetched(t, d, rb, n_chunks, mode, x.device)
+        loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
         kernel = k._quantize_record16_kernel
         extra = {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop, "PREFETCH": prefetch}
+        if record and mode == SCALE_PER_TOKEN and LAUNCH["quant"]["record_regs"]:
+            extra["maxnreg"] = LAUNCH["quant"]["record_regs"]
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
     grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)

@@ -692,7 +692,7 @@ def _quantize_record16_kernel(
 ):  # fmt: skip
     """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
     ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain).
-    With PREFETCH (per-token rows in one chunk, `ops.LAUNCH["quant"]["prefetch"]`) they are a loop instead, and
+    With PREFETCH (per-token rows in one chunk, `ops.prefetched`) they are a loop instead, and
     each tile's x is loaded before the previous tile is quantized: the loads stay in flight across the row
     reduction and the stores.
 
