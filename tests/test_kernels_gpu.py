@@ -75,6 +75,15 @@ def test_rows_taken_as_whole_chunks_are_bit_exact():
             kernel_checks.check_quantize_record("kv_fp4", t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_ocp"])
+def test_mxfp4_rows_taken_as_whole_chunks_are_bit_exact(fmt):
+    # as for kv_fp4 above: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 rows of 1024 (a record into
+    # aligned buffers), and the same rows as they are without a record or into strided buffers
+    for t, d in ((64, 7168), (32, 544)):
+        for bits in (1, 2, 3, 4):
+            kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_token_rows_wider_than_one_tile(dtype):
     # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last partly masked)
