@@ -19,11 +19,10 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_ir import load_module, ptxas_info
+from bench.kernel_ir import compile_kernel, load_module, ptxas_info
 from tests.fp4_attention_checks import sglang_module
 from trace_core.kernels import fp4_attention
 
@@ -31,20 +30,6 @@ SHAPE = dict(kv_group_num=8, q_head_num=32, BLOCK_N=32, BLOCK_H=16, MIN_BLOCK_KV
              xai_temperature_len=-1, Lk=128)  # fmt: skip
 COMMON = dict(Q="*bf16", kv_indptr="*i32", kv_indices="*i64", Att_Out="*fp32", Att_Lse="*fp32",
               num_kv_splits="*i32", sm_scale_withk="fp32")  # fmt: skip
-
-
-def compile_kernel(kernel, pointers: dict, constexprs: dict, launch: dict):
-    """The kernel compiled for sm_90, 16-divisible pointers and strides (as torch's buffers are)."""
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = {**COMMON, **pointers}.get(name, "i32")
-        if signature[name].startswith("*") or name.startswith("stride"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
 
 
 def stats(compiled) -> dict:
@@ -73,13 +58,14 @@ def main() -> None:
     if getattr(fa, "GROUPED_LAUNCH", launches[0][1]) != launches[0][1]:
         launches.append((f"GROUPED_LAUNCH {fa.GROUPED_LAUNCH}", fa.GROUPED_LAUNCH))
     rows = [(f"SGLang BF16, {launches[0][0]}", stats(compile_kernel(
-        sglang._fwd_grouped_kernel_stage1, {"K_Buffer": "*bf16", "V_Buffer": "*bf16"},
-        {**SHAPE, "BLOCK_DMODEL": 128, "BLOCK_DPE": 0, "BLOCK_DV": 128, "Lv": 128}, launches[0][1])))]  # fmt: skip
+        sglang._fwd_grouped_kernel_stage1,
+        {**SHAPE, "BLOCK_DMODEL": 128, "BLOCK_DPE": 0, "BLOCK_DV": 128, "Lv": 128, **launches[0][1]},
+        {**COMMON, "K_Buffer": "*bf16", "V_Buffer": "*bf16"})))]  # fmt: skip
     for label, launch in launches:
         kernel = fa._fp4_grouped_kernel_stage1
-        constexprs = {**SHAPE, "BLOCK_DMODEL": 128, "KV_DTYPE": tl.bfloat16}
+        constexprs = {**SHAPE, "BLOCK_DMODEL": 128, "KV_DTYPE": tl.bfloat16, **launch}
         rows.append((f"FP4 {Path(args.module).name if args.module else 'package'}, {label}",
-                     stats(compile_kernel(kernel, fp4, constexprs, dict(launch)))))  # fmt: skip
+                     stats(compile_kernel(kernel, constexprs, {**COMMON, **fp4}))))  # fmt: skip
     print(f"triton {triton.__version__}, target sm_90")
     header = ["kernel", "kWidth", "async copies", "convert_layout", "shared_B", "n_regs", "n_spills", "sass_instr",
               "loop_sass", "loop_ldg_stg"]  # fmt: skip

@@ -116,25 +116,24 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     return [(label, kernel, args) for label, (kernel, args) in table]
 
 
-def compile_kernel(kernel, constexprs: dict):
+def compile_kernel(kernel, constexprs: dict, types: dict[str, str] | None = None):
+    """The kernel compiled for sm_90 with the constexprs and launch options (`num_warps`, `num_stages`, `maxnreg`)
+    in `constexprs`; other arguments are typed by `types`, else `*_ptr` by PTR_TYPES and the rest i32."""
     names = kernel.arg_names
-    options = {"num_warps": constexprs.pop("num_warps")}
-    if "maxnreg" in constexprs:
-        options["maxnreg"] = constexprs.pop("maxnreg")
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in constexprs}
     # non-constexpr params the kernel actually declares; keep only constexprs it knows
     constexprs = {k: v for k, v in constexprs.items() if k in names}
+    types = {**{name: PTR_TYPES.get(name, "*fp32") for name in names if name.endswith("_ptr")}, **(types or {})}
     signature = {}
     attrs = {}
     for i, name in enumerate(names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = PTR_TYPES.get(name, "*fp32")
+            continue
+        signature[name] = types.get(name, "i32")
+        # pointers, D = 4096 and the strides of contiguous buffers
+        if signature[name].startswith("*") or signature[name] == "i32" and name not in ("T", "chunks_per_prog"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name not in ("T", "chunks_per_prog"):  # D = 4096 and the strides of contiguous buffers
-                attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

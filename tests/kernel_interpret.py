@@ -70,7 +70,10 @@ def cases() -> dict[str, Callable[[], None]]:
     for bits in (1, 3):  # kv_fp4 with a record: 8 rows of 80 columns as 5 rows of one chunk (ops.whole_chunk_rows)
         out[f"quant-kv_fp4-none-b{bits}-whole-chunks"] = partial(quant, "kv_fp4", 8, 80, torch.float32, bits, "none",
                                                                  "cpu")  # fmt: skip
-    for fmt in ("nvfp4", "kv_fp4"):  # the record stored before the output (RECORD_FIRST), as on the GPU
+        # mxfp4: 8 rows of 96 columns as 6 rows of one 128-column chunk
+        out[f"quant-mxfp4-none-b{bits}-whole-chunks"] = partial(quant, "mxfp4", 8, 96, torch.float32, bits, "none",
+                                                                "cpu")  # fmt: skip
+    for fmt in ("nvfp4", "kv_fp4", "mxfp4", "mxfp4_ocp"):  # the record stored before the output (RECORD_FIRST)
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 4):
                 q = partial(quant, fmt, 5, 512, torch.float32, bits, mode, "cpu")

@@ -125,13 +125,13 @@ def test_quantize_tile_gives_each_thread_whole_blocks_at_the_target_widths():
     assert ops._launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled
 
 
-def test_rows_are_taken_as_whole_chunks_only_for_kv_fp4_and_contiguous_tensors():
+def test_rows_are_taken_as_whole_chunks_only_for_e8m0_formats_and_contiguous_tensors():
     x = torch.zeros(4, 7168)
     low, scales, token = record_buffers(4, 7168, "kv_fp4", 1, "cpu")
     bufs = [x, None, low, scales]
     kv, nv, mx = (ops.get_format(f) for f in ("kv_fp4", "nvfp4", "mxfp4"))
     assert ops.whole_chunk_rows(kv, 4, 7168, 4096, ops.SCALE_NONE, bufs) == 7  # 4 rows of 7168 = 7 of 4096
-    assert ops.whole_chunk_rows(mx, 4, 7168, 4096, ops.SCALE_NONE, bufs) == 0  # not timed so: rows as they are
+    assert ops.whole_chunk_rows(mx, 4, 7168, 4096, ops.SCALE_NONE, bufs) == 7  # mxfp4 too: E8M0 scales per block
     for mode in (ops.SCALE_SCALAR, ops.SCALE_ROW, ops.SCALE_PER_TOKEN):
         assert ops.whole_chunk_rows(nv, 4, 7168, 4096, mode, bufs + [token]) == 0, mode
     assert ops.whole_chunk_rows(kv, 3, 7168, 4096, ops.SCALE_NONE, bufs) == 0  # 3 x 7168: not whole chunks
@@ -188,3 +188,23 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
             (w1, p1), (w2, p2) = stores[-2:]
             assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{d} {label}: output stores at {stores}"
             assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{d} {label}: the record's stores first: {stores}"
+
+
+@pytest.mark.slow
+def test_mxfp4_output_stores_follow_the_record_in_the_sm90_sass():
+    # the half-block-per-thread kernel of mxfp4 and mxfp4_ocp on the tiles ops launches at the target widths (7168:
+    # rows of whole 4096-column chunks): the record's stores (scale byte, 2-byte code word for b = 1) come first, then
+    # the thread's two 16-byte output stores with nothing but the exit of the masked lanes between them
+    from bench import kernel_ir
+    from trace_core.kernels import triton_fp4
+
+    mx = ops.get_format("mxfp4")
+    for d in (2048, 4096):
+        rb, chunk, warps = ops._launch_shape(mx, d)
+        args = {"RB": rb, "C": chunk, "num_warps": warps, "FMT": mx.kernel_id, "BITS": 1, "WRITE_OUT": True,
+                "REC_UNIT": 2, "RECORD_FIRST": ops.record_first(rb, chunk, warps)}  # fmt: skip
+        assert args["RECORD_FIRST"], d
+        compiled = kernel_ir.compile_kernel(triton_fp4._quantize_record32_halves_kernel, args)
+        stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
+        assert [w for w, _ in stores] == ["U8", "U16", "128", "128"], f"{d}: {stores}"
+        assert int(stores[3][1]) - int(stores[2][1]) <= 2, f"{d}: output stores apart: {stores}"

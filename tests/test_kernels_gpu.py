@@ -1,5 +1,8 @@
 """The Triton kernels on the GPU, bit for bit (`atol=0`) against the reference, through the public custom ops."""
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,17 +54,23 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
                 kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
 
 
+def _swept_tiles() -> list:
+    """Parameters (D, LAUNCH["quant"] overrides) of every tile bench/record_tiles.py times, its `CANDIDATES` read
+    from the source: importing the module needs triton, collecting the tests must not."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "bench" / "record_tiles.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "CANDIDATES")
+    return [pytest.param(d, tile, id=f"{d}-" + ("-".join(f"{k}{n}" for k, n in tile.items()) or "default"))
+            for d, tiles in ast.literal_eval(node.value).items() for tile in tiles]  # fmt: skip
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-@pytest.mark.parametrize("candidate", range(7))
-@pytest.mark.parametrize("d", [2048, 4096, 7168])
-def test_quantize_record_on_every_swept_tile(fmt, d, candidate):
+@pytest.mark.parametrize(("d", "tile"), _swept_tiles())
+def test_quantize_record_on_every_swept_tile(fmt, d, tile):
     # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
     # that leaves the last row tile partly past the end (imported here: collection must not need triton)
-    from bench.record_tiles import CANDIDATES, launch
+    from bench.record_tiles import launch
 
-    if candidate >= len(CANDIDATES[d]):
-        pytest.skip(f"{len(CANDIDATES[d])} tiles timed at D = {d}")
-    with launch(CANDIDATES[d][candidate]):
+    with launch(tile):
         for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
             for bits in (1, 4):
                 kernel_checks.check_quantize_record(fmt, 37, d, torch.bfloat16, bits, mode, "cuda", _via_op)
@@ -73,6 +82,15 @@ def test_rows_taken_as_whole_chunks_are_bit_exact():
     for t, d in ((64, 7168), (32, 544)):
         for bits in (1, 2, 3, 4):
             kernel_checks.check_quantize_record("kv_fp4", t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_ocp"])
+def test_mxfp4_rows_taken_as_whole_chunks_are_bit_exact(fmt):
+    # as for kv_fp4 above: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 rows of 1024 (a record into
+    # aligned buffers), and the same rows as they are without a record or into strided buffers
+    for t, d in ((64, 7168), (32, 544)):
+        for bits in (1, 2, 3, 4):
+            kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

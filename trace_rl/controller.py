@@ -145,16 +145,12 @@ class Controller:
         capture = capture_spec(tiny.layers, cfg)
         task = RolloutTask(str(policy.hf_dir), max_prompt + cfg.max_new_tokens, policy.eos)
         self.pool: RolloutPool
-        self.fp4_pool: LocalPool | RayPool | None = None  # the pool whose decode attention reads FP4 KV pools
         if cfg.rollout_backend == "sglang":
             from trace_rl.sglang_worker import SGLangPool
 
             self.pool = SGLangPool(pool_cfg, capture, task)
         else:
-            embedded = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
-            self.pool = embedded
-            if cfg.fp4_attention == "decode":
-                self.fp4_pool = embedded
+            self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
         self.pending: deque[RolloutBatch] = deque()
         self.history: list[dict] = []
         self.step = 0
@@ -216,7 +212,7 @@ class Controller:
                 seed = (cfg.seed * 1_000_003 + step) * 64 + w
                 requests.append(Request(w, step, [ids[r] for r in rows], rows, seed, str(self.store)))
         results, restarts = self.pool.run(requests)
-        reads = self.fp4_pool.take_decode_reads() if self.fp4_pool is not None else None
+        reads = self._take_decode_reads()
         trajs = [t for out in results for t in out]
         index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
         stored = len(RecordReader(self.store, step).trajectories())
@@ -248,6 +244,14 @@ class Controller:
         files = [f for f in step_dir(self.store, batch.step).rglob("*") if f.is_file()]
         return sum(f.stat().st_size for f in files) / sum(len(t.tokens) for t in batch.trajectories)
 
+    def _take_decode_reads(self) -> int | None:
+        """The workers' decode reads of their FP4 KV pools since the last call; None unless fp4_attention is
+        "decode" (the config allows it with the embedded pool only)."""
+        if self.cfg.fp4_attention != "decode":
+            return None
+        assert isinstance(self.pool, LocalPool | RayPool), type(self.pool)
+        return self.pool.take_decode_reads()
+
     # ----------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
         """`eval_k` samples of each held-out prompt with the current policy (no records): mean reward (mean@k),
@@ -270,8 +274,9 @@ class Controller:
             f"eval/pass@{k}": float((rewards > 0).any(dim=1).float().mean()),
             "eval/response_len": sum(len(t.response) for t in trajs) / len(trajs),
         }
-        if self.fp4_pool is not None:
-            metrics["eval/fp4_decode_reads"] = float(self.fp4_pool.take_decode_reads())
+        reads = self._take_decode_reads()
+        if reads is not None:
+            metrics["eval/fp4_decode_reads"] = float(reads)
         return metrics
 
     # ----------------------------------------------------------------- the loop

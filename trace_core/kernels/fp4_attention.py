@@ -115,6 +115,29 @@ def _fp4_tile(codes_ptr, scale_ptr, loc, head, stride_cs, stride_ch, stride_ss, 
 
 
 @triton.jit
+def _kv_split(kv_indptr, num_kv_splits, cur_batch, split_kv_id, MIN_BLOCK_KV: tl.constexpr):
+    """SGLang's split of request `cur_batch`'s keys: its first entry in kv_indices, its length, and the key range
+    [start, end) of split `split_kv_id` (splits of whole MIN_BLOCK_KV blocks; the last ones short or empty)."""
+    cur_batch_kv_start_idx = tl.load(kv_indptr + cur_batch)
+    cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - cur_batch_kv_start_idx
+    kv_splits = tl.load(num_kv_splits + cur_batch)
+    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_kv_start = kv_len_per_split * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+    return cur_batch_kv_start_idx, cur_batch_seq_len, split_kv_start, split_kv_end
+
+
+@triton.jit
+def _xai_temperature(cur_batch_seq_len, xai_temperature_len: tl.constexpr):
+    """SGLang's xAI temperature of the query at the request's last position: log2 of the position over
+    log2(xai_temperature_len) past that length, else 1."""
+    offs_qidx = cur_batch_seq_len - 1
+    xai_temperature_scale = 1.0 / tl.log2(float(xai_temperature_len))
+    _qtemp = tl.log2(offs_qidx.to(tl.float32)) * xai_temperature_scale
+    return tl.where(offs_qidx > xai_temperature_len, _qtemp, 1.0)
+
+
+@triton.jit
 def _fp4_kernel_stage1(
     Q, K_Codes, K_Scales, V_Codes, V_Scales, sm_scale_withk, kv_indptr, kv_indices, Att_Out, Att_Lse, num_kv_splits,
     stride_qbs, stride_qh, stride_kcs, stride_kch, stride_kss, stride_vcs, stride_vch, stride_vss,
@@ -132,19 +155,12 @@ def _fp4_kernel_stage1(
     cur_kv_head = cur_head // kv_group_num
     offs_d = tl.arange(0, BLOCK_DMODEL)
 
-    cur_batch_kv_start_idx = tl.load(kv_indptr + cur_batch)
-    cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - cur_batch_kv_start_idx
-    kv_splits = tl.load(num_kv_splits + cur_batch)
+    cur_batch_kv_start_idx, cur_batch_seq_len, split_kv_start, split_kv_end = _kv_split(
+        kv_indptr, num_kv_splits, cur_batch, split_kv_id, MIN_BLOCK_KV
+    )
     if xai_temperature_len > 0:
-        offs_qidx = cur_batch_seq_len - 1
-        xai_temperature_scale = 1.0 / tl.log2(float(xai_temperature_len))
-        _qtemp = tl.log2(offs_qidx.to(tl.float32)) * xai_temperature_scale
-        xai_temperature_reg = tl.where(offs_qidx > xai_temperature_len, _qtemp, 1.0)
+        xai_temperature_reg = _xai_temperature(cur_batch_seq_len, xai_temperature_len)
     off_q = cur_batch * stride_qbs + cur_head * stride_qh + offs_d
-
-    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
-    split_kv_start = kv_len_per_split * split_kv_id
-    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
 
     e_max = -float("inf")
     e_sum = 0.0
@@ -206,14 +222,11 @@ def _fp4_grouped_kernel_stage1(
     mask_h = mask_h & (cur_head < q_head_num)
     offs_d = tl.arange(0, BLOCK_DMODEL)
 
-    cur_batch_kv_start_idx = tl.load(kv_indptr + cur_batch)
-    cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - cur_batch_kv_start_idx
-    kv_splits = tl.load(num_kv_splits + cur_batch)
+    cur_batch_kv_start_idx, cur_batch_seq_len, split_kv_start, split_kv_end = _kv_split(
+        kv_indptr, num_kv_splits, cur_batch, split_kv_id, MIN_BLOCK_KV
+    )
     if xai_temperature_len > 0:
-        offs_qidx = cur_batch_seq_len - 1
-        xai_temperature_scale = 1.0 / tl.log2(float(xai_temperature_len))
-        _qtemp = tl.log2(offs_qidx.to(tl.float32)) * xai_temperature_scale
-        xai_temperature_reg = tl.where(offs_qidx > xai_temperature_len, _qtemp, 1.0)
+        xai_temperature_reg = _xai_temperature(cur_batch_seq_len, xai_temperature_len)
     offs_q = cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
     if BLOCK_DMODEL > Lk:
         mask_hd = mask_h[:, None] & (offs_d[None, :] < Lk)
@@ -221,10 +234,6 @@ def _fp4_grouped_kernel_stage1(
     else:
         mask_hd = mask_h[:, None]
         PAD: tl.constexpr = 0  # type: ignore[no-redef]  # a Triton constexpr set per branch
-
-    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, kv_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
-    split_kv_start = kv_len_per_split * split_kv_id
-    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
 
     e_max = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)

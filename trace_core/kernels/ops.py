@@ -61,14 +61,14 @@ LAUNCH: dict[str, dict[str, int]] = {
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`; the quantize
-tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). The 16-element kernels take
-`row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add per program instead of
-one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with `wide_record` = 1 stores the
-record in 16-byte vectors where `record_store_unit` allows it (off by default: no faster on the H200,
-`bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave threads masked
-as rows of whole chunks where it can (`whole_chunk_rows`). Per-token nvfp4 rows of at least `prefetch` columns
-(0: none) taken in one chunk are loaded ahead (`prefetched`), and per-token nvfp4 record kernels are compiled for
-at most `record_regs` registers per thread (0: as ptxas chooses). `TRACE_FP4_LAUNCH` (JSON, e.g.
+tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). The 16-element quantize kernel and
+the guided kernel take `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add
+per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
+`wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
+faster on the H200, `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave
+threads masked as rows of whole chunks where it can (`whole_chunk_rows`). Per-token nvfp4 rows of at least
+`prefetch` columns (0: none) taken in one chunk are loaded ahead (`prefetched`), and per-token nvfp4 record kernels
+are compiled for at most `record_regs` registers per thread (0: as ptxas chooses). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
@@ -141,10 +141,10 @@ def whole_chunk_rows(fmt: FP4Format, t: int, d: int, chunk: int, mode: int, tens
     (at d = 7168 a quarter of the second 4096-column chunk: 2 x the instructions of d = 4096 for 1.75 x the data).
     Where every scale is a block's own, a block's output and record do not depend on its row, so contiguous
     tensors whose t * d elements fill whole chunks can be taken as rows of one chunk, none masked: the same blocks
-    at the same offsets. Done for kv_fp4 (E8M0 scales of 16-element blocks), where it was timed;
-    `triton_quantize_record` does so where it writes a record. mxfp4 and nvfp4 with one S_enc would be taken the
-    same way, but were not timed so and keep their rows."""
-    off = not LAUNCH["quant"]["whole_chunks"] or mode != SCALE_NONE or fmt.block != 16
+    at the same offsets. Done for the E8M0 formats (kv_fp4, mxfp4, mxfp4_ocp), where it was timed;
+    `triton_quantize_record` does so where it writes a record. nvfp4 with one S_enc would be taken the same way,
+    but was not timed so and keeps its rows."""
+    off = not LAUNCH["quant"]["whole_chunks"] or mode != SCALE_NONE
     if off or d % chunk == 0 or (t * d) % chunk:
         return 0
     return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
@@ -194,6 +194,28 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         t, d = x.shape
         rb, chunk, warps = _launch_shape(fmt, d)
     n_chunks = triton.cdiv(d, chunk)
+    if fmt.block == 32:  # mxfp4, mxfp4_ocp: half a block per thread
+        k._quantize_record32_halves_kernel[(triton.cdiv(t, rb), n_chunks)](
+            x,
+            out if out is not None else _dummy(x, x.dtype),
+            low_bits if record else _dummy(x, torch.uint8),
+            scales if record else _dummy(x, torch.uint8),
+            t,
+            d,
+            x.stride(0),
+            out.stride(0) if out is not None else 0,
+            low_bits.stride(0) if record else 0,
+            scales.stride(0) if record else 0,
+            FMT=fmt.kernel_id,
+            BITS=bits if record else 0,
+            WRITE_OUT=out is not None,
+            RB=rb,
+            C=chunk,
+            REC_UNIT=record_unit(low_bits, bits) if record else 1,
+            RECORD_FIRST=record_first(rb, chunk, warps),
+            num_warps=warps,
+        )
+        return
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
     # does not give each thread whole blocks (rows narrower than 512 columns with the default tile, or a
@@ -421,14 +443,8 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
     if t == 0:
         return out
     rb, chunk, warps = _launch_shape(f, d, "guided")
-    loop = 1
-    if f.block == 16:
-        loop = LAUNCH["guided"]["row_loop"]
-        kernel, extra = k._guided16_kernel, {"REC_UNIT": record_unit(low_bits, record_bits), "ROW_LOOP": loop}
-    else:
-        kernel, extra = k._guided_kernel, {"BLOCK": f.block}
-    grid = (triton.cdiv(t, rb * loop), triton.cdiv(d, chunk))
-    kernel[grid](
+    loop = LAUNCH["guided"]["row_loop"]
+    k._guided16_kernel[(triton.cdiv(t, rb * loop), triton.cdiv(d, chunk))](
         x,
         out,
         low_bits,
@@ -449,8 +465,10 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         HAS_MASK=has_record is not None,
         RB=rb,
         C=chunk,
+        REC_UNIT=record_unit(low_bits, record_bits),
+        BLOCK=f.block,
+        ROW_LOOP=loop,
         num_warps=warps,
-        **extra,
     )
     return out
 

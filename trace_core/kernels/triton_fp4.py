@@ -2,7 +2,7 @@
 
 Each kernel is the twin of a `trace_core` reference function and is tested against it bit for bit:
 `_quantize_record_kernel` ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`, and
-`_guided_kernel` ↔ `guided.guided_quantize` + `quant.dequantize`. Exactness rules: FP32 throughout, IEEE division
+`_guided16_kernel` ↔ `guided.guided_quantize` + `quant.dequantize`. Exactness rules: FP32 throughout, IEEE division
 (`div_rn`) where the contract divides, E4M3 and powers of two built from bits (no approximate conversions), the
 KV exponent through libdevice `log2` (what torch's CUDA `log2` runs).
 """
@@ -338,88 +338,6 @@ def _count(counter_ptr, n):
     """Add a program's count n into the int64 counter (relaxed: only the sum is read, after the kernel), skipping
     zeros; integer addition makes the total independent of the order."""
     tl.atomic_add(counter_ptr, n.to(tl.int64), mask=n > 0, sem="relaxed")
-
-
-@triton.jit
-def _guided_kernel(
-    x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
-    T, D, x_stride, out_stride, rec_stride, scale_stride,
-    FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
-):  # fmt: skip
-    """Guided rounding (docs/numerics.md, "Guided rounding", steps 1-5) of rows [RB] x one chunk of C columns under
-    the record's scales, in the [RB, C / BLOCK, BLOCK / 8, 8] layout of `_quantize_record_kernel` (record bit
-    groups unpack by shifts)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_r * RB + tl.arange(0, RB)
-    row_mask = rows < T
-    rows64 = rows.to(tl.int64)
-    NB: tl.constexpr = C // BLOCK
-    G: tl.constexpr = BLOCK // 8
-    c0 = pid_c * C
-    offs = _tile(NB, G)
-    m = row_mask[:, None, None, None] & (c0 + offs < D)
-    gidx = _group_index(c0, NB, G)
-    gmask = row_mask[:, None, None] & (gidx < D // 8)
-
-    # scale factors per group [RB, NB, G] (each group loads its block's byte: no layout conversion to broadcast)
-    sptr = scale_ptr + rows64[:, None, None] * scale_stride + gidx // G
-    byte = tl.load(sptr, mask=gmask, other=0).to(tl.int32)
-    if FMT == NVFP4:
-        s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 3)
-        decode = _e4m3_decode(byte) * _rcp(s_enc)
-        encode = tl.minimum(_rcp(decode), FLT_MAX)
-    else:
-        decode = _pow2(byte - 127)
-        encode = _pow2(127 - byte)
-
-    rec = rec_ptr + rows64[:, None, None] * rec_stride + gidx * RECORD_BITS
-    word = tl.load(rec, mask=gmask, other=0).to(tl.int32)
-    for j in tl.static_range(1, RECORD_BITS):
-        word |= tl.load(rec + j, mask=gmask, other=0).to(tl.int32) << (8 * j)
-    c = (word[:, :, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, None, :]) & ((1 << BITS) - 1)
-
-    x = tl.load(x_ptr + rows64[:, None, None, None] * x_stride + c0 + offs, mask=m, other=0.0).to(tl.float32)
-    z = _code_sign(tl.minimum(tl.maximum(x * encode[:, :, :, None], -6.0), 6.0), FMT)
-    a = tl.abs(z)
-    q, base, t = _e2m1_round(a, False)
-    # bracket lo <= a <= hi on the grid (lo == hi on a grid point); RTN, ties up for SGLang's KV
-    d = a - q
-    step = base * 0.5
-    lo = tl.where(d < 0, q - step, q)
-    hi = tl.where(d > 0, q + step, q)
-    if FMT == KV_FP4:
-        rtn = tl.where(d == base * 0.25, hi, q)
-    else:
-        rtn = q
-    if BITS == 1:
-        # lo and hi differ in bit 0 unless equal: take the one whose bit 0 is the rollout's
-        mag = tl.where(((_odd(t) ^ c) == 0) == (lo == q), lo, hi)
-    elif BITS == 4:
-        q_roll = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * TWO_126
-        d_lo = tl.abs(_with_sign(lo, z) - q_roll)
-        d_hi = tl.abs(_with_sign(hi, z) - q_roll)
-        mag = tl.where(d_hi < d_lo, hi, lo)
-    else:
-        MASK: tl.constexpr = (1 << BITS) - 1
-        k_lo = _index(lo)
-        k_hi = _index(hi)
-        below = k_lo - 1 - ((k_lo - 1 - c) & MASK)  # largest index < lo with matching low bits (< 0: none)
-        above = k_hi + 1 + ((c - k_hi - 1) & MASK)  # smallest index > hi with matching low bits (> 7: none)
-        mid = _magnitude(tl.maximum(below, 0)) + _magnitude(tl.minimum(above, 7))
-        twice = 2.0 * a
-        outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
-        outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
-        mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
-    val = _with_sign(mag, z) * decode[:, :, :, None]
-    tl.store(out_ptr + rows64[:, None, None, None] * out_stride + c0 + offs, val.to(out_ptr.dtype.element_ty), mask=m)
-    counted = m
-    if HAS_MASK:
-        counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None, None]
-    redirected = tl.where(counted & (mag != rtn), 1, 0)
-    total = tl.sum(tl.sum(tl.sum(tl.sum(redirected, axis=3), axis=2), axis=1), axis=0)
-    _count(redirect_ptr, total)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -804,10 +722,12 @@ def _guided16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    RB: tl.constexpr, C: tl.constexpr, REC_UNIT: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
+    RB: tl.constexpr, C: tl.constexpr, REC_UNIT: tl.constexpr, BLOCK: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
 ):  # fmt: skip
-    """`_guided_kernel` for 16-element blocks, one block per thread: its scale byte and record words are loaded
-    and decoded once. Each program takes ROW_LOOP tiles of RB rows one after the other (a loop, not unrolled: the
+    """Guided rounding (docs/numerics.md, "Guided rounding", steps 1-5) of rows [RB] x one chunk of C columns under
+    the record's scales, 16 elements per thread as two 8-element halves: a block of BLOCK = 16, or half of one of
+    32 (whose two threads each load its scale byte). A thread's scale byte and record words are loaded and decoded
+    once. Each program takes ROW_LOOP tiles of RB rows one after the other (a loop, not unrolled: the
     registers of one tile) and adds their redirected count into the counter once: fewer atomic adds on its one
     address."""
     pid_r = tl.program_id(0)
@@ -824,7 +744,7 @@ def _guided16_kernel(
         m = row_mask[:, None, None] & (c0 + offs < D)
         bmask = row_mask[:, None] & (blk < D // 16)
 
-        byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + blk, mask=bmask, other=0)
+        byte = tl.load(scale_ptr + rows64[:, None] * scale_stride + blk // (BLOCK // 16), mask=bmask, other=0)
         if FMT == NVFP4:
             s_enc = _static_scale(gs_ptr, rows, row_mask, SCALE_MODE, 2)
             if INTERPRET:
@@ -853,3 +773,65 @@ def _guided16_kernel(
             counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
         redirected += tl.sum(tl.where(counted, ra + rb, 0), axis=2)
     _count(redirect_ptr, tl.sum(tl.sum(redirected, axis=1), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 32-element blocks (mxfp4, mxfp4_ocp): half a block per thread. A thread holds 16 consecutive elements as two
+# 8-element halves, as the 16-element kernels hold a block (one 16-byte vector per half for BF16), and a block's two
+# halves lie in neighbouring threads: its amax is the larger of theirs (one warp shuffle), each computes the block's
+# scale, and each stores the record bytes of its own 16 elements.
+
+
+@triton.jit
+def _pair_max(v):
+    """The larger of each pair of neighbouring entries of v [RB, NH] (the two halves of a 32-element block), on
+    both of them: a reduction over the two threads that hold them and a broadcast back (`_spread`)."""
+    RB: tl.constexpr = v.shape[0]
+    NH: tl.constexpr = v.shape[1]
+    return _spread(tl.max(tl.reshape(v, (RB, NH // 2, 2)), axis=2), 2)
+
+
+@triton.jit
+def _quantize_record32_halves_kernel(
+    x_ptr, out_ptr, rec_ptr, scale_ptr, T, D, x_stride, out_stride, rec_stride, scale_stride,
+    FMT: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr, RB: tl.constexpr, C: tl.constexpr,
+    REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
+):  # fmt: skip
+    """`_quantize_record_kernel` for 32-element blocks with E8M0 scales, half a block per thread (see above): rows
+    [RB] x one chunk of C columns. RECORD_FIRST (`ops.record_first`: each thread holds whole halves) stores the
+    record before the output, so that a thread's two 16-byte output stores issue back to back (the reason is in
+    `_quantize_record16_kernel`)."""
+    pid_r = tl.program_id(0)
+    c0 = tl.program_id(1) * C
+    NH: tl.constexpr = C // 16
+    offs = _half_offsets(NH)
+    rows = pid_r * RB + tl.arange(0, RB)
+    row_mask = rows < T
+    rows64 = rows.to(tl.int64)
+    m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 32: both halves share the mask
+    half = _block_index(c0, NH)  # index of each 16-element half-block within its row
+    hmask = row_mask[:, None] & (half < D // 16)
+    x_rows = x_ptr + rows64[:, None, None] * x_stride + c0 + offs
+    xa = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
+    xb = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
+    amax_blk = _pair_max(tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2)))
+    decode, encode, byte = _block_scales(amax_blk, 1.0, FMT)
+    za = xa * encode[:, :, None]
+    zb = xb * encode[:, :, None]
+    qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), False)
+    qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), False)
+    o_rows = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
+    if WRITE_OUT and not RECORD_FIRST:
+        _store_halves(o_rows, qa, za, qb, zb, decode, m)
+    if BITS > 0:
+        if BITS <= 2:
+            wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
+        else:
+            wa = _half_word(qa, ta, za, BITS, FMT)
+            wb = _half_word(qb, tb, zb, BITS, FMT)
+        tl.store(
+            scale_ptr + rows64[:, None] * scale_stride + half // 2, byte.to(tl.uint8), mask=hmask & (half % 2 == 0)
+        )
+        _store_record16(rec_ptr + rows64[:, None] * rec_stride + half * (2 * BITS), wa, wb, hmask, BITS, REC_UNIT)
+    if WRITE_OUT and RECORD_FIRST:
+        _store_halves(o_rows, qa, za, qb, zb, decode, m)
