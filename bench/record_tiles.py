@@ -39,9 +39,8 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"chunk": 2048, "warps": 8},
         {"prefetch": 2048},
         {"prefetch": 2048, "prefetch_loop": 2},
-        {"record_regs": 40},
     ],
-    4096: [{}, {"chunk": 2048, "warps": 4}, {"prefetch": 0}, {"prefetch_loop": 8}, {"record_regs": 48}],
+    4096: [{}, {"chunk": 2048, "warps": 4}, {"prefetch": 0}, {"prefetch_loop": 8}],
     7168: [
         {},
         {"row_loop": 2},
@@ -50,8 +49,6 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
         {"whole_chunks": 0},
-        {"record_regs": 40},
-        {"row_chunk": 8192, "record_regs": 48},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
@@ -62,10 +59,8 @@ the tile launched there before (8 warps: each block split between two threads); 
 fewer chunks, take two row tiles per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token
 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096). The seventh at 7168 keeps rows as they are
 where the default takes them, with a record, as rows of whole 4096-column chunks (`ops.whole_chunk_rows`: kv_fp4
-here; per-token nvfp4 keeps its rows either way). The rest concern per-token nvfp4 only: rows loaded ahead at 2048
-too, or not at 4096 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), and record kernels compiled
-for at most 40 or 48 registers per thread (`record_regs`: as many as the no-record kernel, or one occupancy step
-more)."""
+here; per-token nvfp4 keeps its rows either way). The last ones at 2048 and 4096 concern per-token nvfp4 only: rows
+loaded ahead at 2048 too, or not at 4096 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`)."""
 
 
 @contextlib.contextmanager
@@ -94,8 +89,7 @@ def tile_label(fmt: str, d: int) -> str:
     tiles = f", {loop} row tiles per program" if loop > 1 else ""
     if per_token and chunks == 1 and tile["prefetch"] and d >= tile["prefetch"]:
         tiles = f", {tile['prefetch_loop']} row tiles per program loaded ahead where they fill the SMs"
-    regs = f", record at most {tile['record_regs']} registers" if per_token and tile["record_regs"] else ""
-    return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles}{regs})"
+    return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles})"
 
 
 def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[dict]:

@@ -102,20 +102,16 @@ def test_per_token_rows_wider_than_one_tile(dtype):
 
 
 @pytest.mark.parametrize("d, row_chunk", [(2048, 4096), (4096, 4096), (7168, 4096), (7168, 8192)])
-@pytest.mark.parametrize("tile", [{"prefetch": 2048}, {"prefetch": 2048, "prefetch_loop": 2}, {"record_regs": 40},
-                                  {"prefetch": 2048, "record_regs": 48}], ids=str)  # fmt: skip
-def test_per_token_rows_loaded_ahead_or_register_capped(d, row_chunk, tile, monkeypatch):
+@pytest.mark.parametrize("loop", [4, 2])
+def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
     # per-token rows in one chunk (7168 columns in one 8192-column chunk on 16 warps where row_chunk allows, else in
     # two passes) loaded ahead (ops.prefetched) on one row tile more than the SMs' worth of programs, so that the
-    # last program's tiles are partly past the end, and on 3 rows (too few programs: not loaded ahead); record
-    # kernels under a register cap
-    monkeypatch.setitem(ops.LAUNCH["quant"], "row_chunk", row_chunk)
-    for key, value in tile.items():
+    # last program's tiles are partly past the end, and on 3 rows (too few programs: not loaded ahead)
+    for key, value in {"row_chunk": row_chunk, "prefetch": 2048, "prefetch_loop": loop}.items():
         monkeypatch.setitem(ops.LAUNCH["quant"], key, value)
-    t = ops.LAUNCH["quant"]["prefetch_loop"] * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    t = loop * torch.cuda.get_device_properties(0).multi_processor_count + 1
     n_chunks = 1 if d <= row_chunk else 2
-    ahead = n_chunks == 1 and d >= ops.LAUNCH["quant"]["prefetch"]
-    assert ops.prefetched(t, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda")) == ahead
+    assert ops.prefetched(t, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda")) == (n_chunks == 1)
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 4):

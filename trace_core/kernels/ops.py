@@ -54,7 +54,6 @@ LAUNCH: dict[str, dict[str, int]] = {
         "row_loop": 1,
         "prefetch": 4096,
         "prefetch_loop": 4,
-        "record_regs": 0,
         "wide_record": 0,
         "whole_chunks": 1,
     },
@@ -66,13 +65,13 @@ the guided kernel take `row_loop` tiles of rows one after the other per program 
 per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
 `wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
 faster on the H200, `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave
-threads masked as rows of whole chunks where it can (`whole_chunk_rows`). Per-token nvfp4 rows of at least
-`prefetch` columns (0: none) taken in one chunk are loaded ahead (`prefetched`), and per-token nvfp4 record kernels
-are compiled for at most `record_regs` registers per thread (0: as ptxas chooses). `TRACE_FP4_LAUNCH` (JSON, e.g.
+threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-token nvfp4 rows of at least
+`prefetch` columns (0: none) taken in one chunk are loaded ahead, `prefetch_loop` row tiles per program
+(`prefetched`). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs")
+SWITCHES = ("wide_record", "whole_chunks", "prefetch")
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
 
@@ -161,7 +160,7 @@ def prefetched(t: int, d: int, rows: int, n_chunks: int, mode: int, device: torc
     ["prefetch_loop"]` tiles per program, loading each tile's x before it quantizes the previous one
     (`_quantize_record16_kernel`'s PREFETCH): where a row is one chunk of at least `LAUNCH["quant"]["prefetch"]`
     columns and the programs still number at least the GPU's SMs (at T = 64, 16 programs would each take 4 rows
-    in turn). H200, nvfp4 per token, T = 65536, D = 4096: the record kernel 8 % faster, its cost +5.0 -> +2.7 %;
+    in turn). H200, nvfp4 per token, T = 65536, D = 4096: the record kernel 8.8 % faster, its cost +5.0 -> +2.5 %;
     at D = 2048 not faster (docs/performance.md, "per-token rows loaded ahead")."""
     tile = LAUNCH["quant"]
     if mode != SCALE_PER_TOKEN or n_chunks != 1 or not tile["prefetch"] or d < tile["prefetch"]:
@@ -229,8 +228,6 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
         kernel = k._quantize_record16_kernel
         extra = {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop, "PREFETCH": prefetch}
-        if record and mode == SCALE_PER_TOKEN and LAUNCH["quant"]["record_regs"]:
-            extra["maxnreg"] = LAUNCH["quant"]["record_regs"]
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
     grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)

@@ -610,9 +610,8 @@ def _quantize_record16_kernel(
 ):  # fmt: skip
     """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
     ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain).
-    With PREFETCH (per-token rows in one chunk, `ops.prefetched`) they are a loop instead, and
-    each tile's x is loaded before the previous tile is quantized: the loads stay in flight across the row
-    reduction and the stores.
+    With PREFETCH (per-token rows in one chunk, `ops.prefetched`) they are a loop instead, and each tile's x is
+    loaded before the previous tile is quantized: the loads stay in flight across the row reduction and the stores.
 
     RECORD_FIRST (`ops.record_first`: the tile gives each thread whole blocks) stores the record before the
     output. Such a thread's two 16-byte output stores fill the two halves of the same 32-byte sectors (lanes are
