@@ -90,7 +90,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         return kernel or mod._guided_kernel, args
 
     loop, p = ops.LAUNCH["quant"]["prefetch_loop"], ops.SCALE_PER_TOKEN
-    one_pass = launch("nvfp4", per_token=True)["ONE_PASS"]
+    per_token_tile = launch("nvfp4", per_token=True)
+    ahead = -(-d // per_token_tile["C"]) <= 2  # rows of one or two chunks: also loaded ahead (ops.prefetched)
     table = [
         ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
         ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, False)),
@@ -107,7 +108,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("guided nvfp4 b=2", guided("nvfp4", ops.SCALE_ROW, 2)),
         ("guided nvfp4 b=4", guided("nvfp4", ops.SCALE_ROW, 4)),
     ]
-    if one_pass:  # per-token rows in one chunk: also loaded ahead (ops.prefetched)
+    if ahead:
         table[3:3] = [(f"quant nvfp4 per-token b=1, {loop} row tiles prefetched", quant("nvfp4", p, 1, prefetch=loop)),
                      (f"quant nvfp4 per-token no-record, {loop} row tiles prefetched",
                       quant("nvfp4", p, 0, prefetch=loop))]  # fmt: skip

@@ -49,6 +49,7 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
         {"whole_chunks": 0},
+        {"prefetch": 8192},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
@@ -59,8 +60,8 @@ the tile launched there before (8 warps: each block split between two threads); 
 fewer chunks, take two row tiles per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token
 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096). The seventh at 7168 keeps rows as they are
 where the default takes them, with a record, as rows of whole 4096-column chunks (`ops.whole_chunk_rows`: kv_fp4
-here; per-token nvfp4 keeps its rows either way). The last ones at 2048 and 4096 concern per-token nvfp4 only: rows
-loaded ahead at 2048 too, or not at 4096 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`)."""
+here; per-token nvfp4 keeps its rows either way). The last ones concern per-token nvfp4 only: rows loaded ahead
+at 2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`)."""
 
 
 @contextlib.contextmanager

@@ -88,17 +88,18 @@ def cases() -> dict[str, Callable[[], None]]:
                 out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(
                     _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
                 )
-    for bits in (1, 4):  # per-token rows of 512 columns, 3 row tiles per program, each loaded before the previous
-        # is quantized (ops.prefetched; the last program's last tile past the last row)
-        out[f"quant-nvfp4-per_token-b{bits}-prefetch"] = partial(
-            _prefetched, partial(quant, "nvfp4", 7, 512, torch.float32, bits, "per_token", "cpu")
-        )
+    for bits in (1, 4):  # per-token rows of one chunk of 512 columns, and of two chunks of 256 (448 columns: the
+        # second partly masked), 3 row tiles per program, each loaded before the previous is quantized
+        # (ops.prefetched; the last program's last tile past the last row)
+        for d, chunk in ((512, 4096), (448, 256)):
+            q = partial(quant, "nvfp4", 7, d, torch.float32, bits, "per_token", "cpu")
+            out[f"quant-nvfp4-per_token-b{bits}-prefetch-d{d}"] = partial(_prefetched, q, d, chunk)
     return out
 
 
-def _prefetched(fn: Callable[[], None]) -> None:
-    with launch({"prefetch": 512, "prefetch_loop": 3}):
-        assert ops.prefetched(7, 512, 1, 1, ops.SCALE_PER_TOKEN, torch.device("cpu"))
+def _prefetched(fn: Callable[[], None], d: int, chunk: int) -> None:
+    with launch({"chunk": chunk, "row_chunk": chunk, "prefetch": 256, "prefetch_loop": 3}):
+        assert ops.prefetched(7, d, 1, -(-d // chunk), ops.SCALE_PER_TOKEN, torch.device("cpu"))
         fn()
 
 

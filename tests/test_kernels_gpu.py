@@ -104,14 +104,16 @@ def test_per_token_rows_wider_than_one_tile(dtype):
 @pytest.mark.parametrize("d, row_chunk", [(2048, 4096), (4096, 4096), (7168, 4096), (7168, 8192)])
 @pytest.mark.parametrize("loop", [4, 2])
 def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
-    # per-token rows in one chunk (7168 columns in one 8192-column chunk on 16 warps where row_chunk allows, else in
-    # two passes) loaded ahead (ops.prefetched) on one row tile more than the SMs' worth of programs, so that the
-    # last program's tiles are partly past the end, and on 3 rows (too few programs: not loaded ahead)
+    # per-token rows loaded ahead (ops.prefetched): in one chunk (7168 columns in one 8192-column chunk on 16 warps
+    # where row_chunk allows) or in two (the amax from the loads ahead, then the quantize pass), on one row tile
+    # more than the SMs' worth of programs, so that the last program's tiles are partly past the end, and on 3 rows
+    # (too few programs: not loaded ahead)
     for key, value in {"row_chunk": row_chunk, "prefetch": 2048, "prefetch_loop": loop}.items():
         monkeypatch.setitem(ops.LAUNCH["quant"], key, value)
     t = loop * torch.cuda.get_device_properties(0).multi_processor_count + 1
     n_chunks = 1 if d <= row_chunk else 2
-    assert ops.prefetched(t, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda")) == (n_chunks == 1)
+    assert ops.prefetched(t, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda"))
+    assert not ops.prefetched(3, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda"))
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 4):

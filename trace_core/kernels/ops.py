@@ -163,7 +163,7 @@ def prefetched(t: int, d: int, rows: int, n_chunks: int, mode: int, device: torc
     in turn). H200, nvfp4 per token, T = 65536, D = 4096: the record kernel 8.8 % faster, its cost +5.0 -> +2.5 %;
     at D = 2048 not faster (docs/performance.md, "per-token rows loaded ahead")."""
     tile = LAUNCH["quant"]
-    if mode != SCALE_PER_TOKEN or n_chunks != 1 or not tile["prefetch"] or d < tile["prefetch"]:
+    if mode != SCALE_PER_TOKEN or n_chunks > 2 or not tile["prefetch"] or d < tile["prefetch"]:
         return False
     return triton.cdiv(t, rows * tile["prefetch_loop"]) >= _sm_count(device)
 

@@ -601,6 +601,24 @@ def _quantize_chunk16(
 
 
 @triton.jit
+def _halves_amax(xa, xb):
+    """Amax of each row [RB] of block halves xa, xb [RB, NB, 8] (in x's dtype)."""
+    a = tl.maximum(tl.max(tl.abs(xa.to(tl.float32)), axis=2), tl.max(tl.abs(xb.to(tl.float32)), axis=2))
+    return tl.max(a, axis=1)
+
+
+@triton.jit
+def _two_chunk_amax(x_rows, row_mask, offs, D, C: tl.constexpr):
+    """Amax of each row [RB] of at most two chunks of C columns, its block halves at x_rows + offs (row_mask
+    [RB, 1, 1]): both chunks' loads issued before either is reduced."""
+    xa0 = tl.load(x_rows, mask=row_mask & (offs < D), other=0.0)
+    xb0 = tl.load(x_rows + 8, mask=row_mask & (offs < D), other=0.0)
+    xa1 = tl.load(x_rows + C, mask=row_mask & (C + offs < D), other=0.0)
+    xb1 = tl.load(x_rows + C + 8, mask=row_mask & (C + offs < D), other=0.0)
+    return tl.maximum(_halves_amax(xa0, xb0), _halves_amax(xa1, xb1))
+
+
+@triton.jit
 def _quantize_record16_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, tok_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride, tok_stride, chunks_per_prog,
@@ -610,8 +628,9 @@ def _quantize_record16_kernel(
 ):  # fmt: skip
     """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
     ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain).
-    With PREFETCH (per-token rows in one chunk, `ops.prefetched`) they are a loop instead, and each tile's x is
-    loaded before the previous tile is quantized: the loads stay in flight across the row reduction and the stores.
+    With PREFETCH (per-token rows of one or two chunks, `ops.prefetched`) they are a loop instead, and each tile's
+    x is loaded before the previous tile is quantized: the loads stay in flight across the row reduction and the
+    stores. Rows of two chunks take their amax from those loads and read x again for the quantize pass.
 
     RECORD_FIRST (`ops.record_first`: the tile gives each thread whole blocks) stores the record before the
     output. Such a thread's two 16-byte output stores fill the two halves of the same 32-byte sectors (lanes are
@@ -626,8 +645,36 @@ def _quantize_record16_kernel(
     pid_c = tl.program_id(1)
     NB: tl.constexpr = C // 16
     offs = _half_offsets(NB)
-    if PREFETCH:
-        tl.static_assert(SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS)
+    if PREFETCH and not ONE_PASS:
+        tl.static_assert(SCALE_MODE == SCALE_PER_TOKEN)
+        rows = pid_r * ROW_LOOP * RB + tl.arange(0, RB)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + offs
+        s_enc = _per_token_scale(_two_chunk_amax(x_rows, (rows < T)[:, None, None], offs, D, C), tok_ptr,
+                                 rows.to(tl.int64), tok_stride, rows < T, BITS)  # fmt: skip
+        for ri in range(ROW_LOOP):
+            row_mask = rows < T
+            rows64 = rows.to(tl.int64)
+            ahead = (rows + RB < T) & (ri + 1 < ROW_LOOP)
+            na0 = tl.load(x_rows + RB * x_stride, mask=ahead[:, None, None] & (offs < D), other=0.0)
+            nb0 = tl.load(x_rows + RB * x_stride + 8, mask=ahead[:, None, None] & (offs < D), other=0.0)
+            na1 = tl.load(x_rows + RB * x_stride + C, mask=ahead[:, None, None] & (C + offs < D), other=0.0)
+            nb1 = tl.load(x_rows + RB * x_stride + C + 8, mask=ahead[:, None, None] & (C + offs < D), other=0.0)
+            for ci in range(chunks_per_prog):
+                c0 = ci * C
+                m = row_mask[:, None, None] & (c0 + offs < D)
+                blk = _block_index(c0, NB)
+                xa = tl.load(x_rows + c0, mask=m, other=0.0).to(tl.float32)
+                xb = tl.load(x_rows + c0 + 8, mask=m, other=0.0).to(tl.float32)
+                _quantize_chunk16(xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk,
+                                  row_mask[:, None] & (blk < D // 16), out_ptr, rec_ptr, scale_ptr, tok_ptr,
+                                  out_stride, rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE, BITS, WRITE_OUT,
+                                  ONE_PASS, REC_UNIT, RECORD_FIRST)  # fmt: skip
+            amax = tl.maximum(_halves_amax(na0, nb0), _halves_amax(na1, nb1))
+            s_enc = _per_token_scale(amax, tok_ptr, rows64 + RB, tok_stride, ahead, BITS)
+            rows += RB
+            x_rows += RB * x_stride
+    elif PREFETCH:
+        tl.static_assert(SCALE_MODE == SCALE_PER_TOKEN)
         blk = _block_index(0, NB)
         cols = offs < D
         rows = pid_r * ROW_LOOP * RB + tl.arange(0, RB)
