@@ -66,7 +66,7 @@ per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`),
 `wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
 faster on the H200, `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave
 threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-token nvfp4 rows of at least
-`prefetch` columns (0: none) taken in one chunk are loaded ahead, `prefetch_loop` row tiles per program
+`prefetch` columns (0: none) in one or two chunks are loaded ahead, `prefetch_loop` row tiles per program
 (`prefetched`). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
@@ -158,10 +158,11 @@ def _sm_count(device: torch.device) -> int:
 def prefetched(t: int, d: int, rows: int, n_chunks: int, mode: int, device: torch.device) -> bool:
     """Whether the quantize kernel takes t per-token rows of width d, `rows` per tile, as `LAUNCH["quant"]
     ["prefetch_loop"]` tiles per program, loading each tile's x before it quantizes the previous one
-    (`_quantize_record16_kernel`'s PREFETCH): where a row is one chunk of at least `LAUNCH["quant"]["prefetch"]`
-    columns and the programs still number at least the GPU's SMs (at T = 64, 16 programs would each take 4 rows
-    in turn). H200, nvfp4 per token, T = 65536, D = 4096: the record kernel 8.8 % faster, its cost +5.0 -> +2.5 %;
-    at D = 2048 not faster (docs/performance.md, "per-token rows loaded ahead")."""
+    (`_quantize_record16_kernel`'s PREFETCH): where a row is one or two chunks, at least `LAUNCH["quant"]
+    ["prefetch"]` columns, and the programs still number at least the GPU's SMs (at T = 64, 16 programs would each
+    take 4 rows in turn). H200, nvfp4 per token, T = 65536: at D = 4096 the record kernel 8.8 % faster, its cost
+    +5.0 -> +2.5 %; at D = 7168 (two chunks) both kernels 2 - 3 % faster; at D = 2048 not faster
+    (docs/performance.md, "per-token rows loaded ahead")."""
     tile = LAUNCH["quant"]
     if mode != SCALE_PER_TOKEN or n_chunks > 2 or not tile["prefetch"] or d < tile["prefetch"]:
         return False
