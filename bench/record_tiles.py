@@ -39,8 +39,9 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"chunk": 2048, "warps": 8},
         {"prefetch": 2048},
         {"prefetch": 2048, "prefetch_loop": 2},
+        {"record_regs": 0},
     ],
-    4096: [{}, {"chunk": 2048, "warps": 4}, {"prefetch": 0}, {"prefetch_loop": 8}],
+    4096: [{}, {"chunk": 2048, "warps": 4}, {"prefetch": 0}, {"prefetch_loop": 8}, {"record_regs": 0}],
     7168: [
         {},
         {"row_loop": 2},
@@ -50,6 +51,7 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"row_chunk": 8192},
         {"whole_chunks": 0},
         {"prefetch": 8192},
+        {"prefetch_loop": 2},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
@@ -61,7 +63,8 @@ fewer chunks, take two row tiles per program one after the other (`row_loop`), o
 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096). The seventh at 7168 keeps rows as they are
 where the default takes them, with a record, as rows of whole 4096-column chunks (`ops.whole_chunk_rows`: kv_fp4
 here; per-token nvfp4 keeps its rows either way). The last ones concern per-token nvfp4 only: rows loaded ahead
-at 2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`)."""
+at 2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), and the
+per-token record kernel on rows of one chunk not loaded ahead without its 40-register cap (`record_regs` 0)."""
 
 
 @contextlib.contextmanager

@@ -101,6 +101,18 @@ def test_per_token_rows_wider_than_one_tile(dtype):
         kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
 
 
+@pytest.mark.parametrize("regs", [0, 40])
+@pytest.mark.parametrize("d", [512, 2048, 4096])
+def test_per_token_record_kernel_register_cap(d, regs, monkeypatch):
+    # LAUNCH["quant"]["record_regs"]: the per-token record kernel on rows of one chunk not loaded ahead (T = 5) with
+    # at most 40 registers (the default; a few bytes spilled to local memory), and uncapped
+    monkeypatch.setitem(ops.LAUNCH["quant"], "record_regs", regs)
+    assert not ops.prefetched(5, d, 1, 1, ops.SCALE_PER_TOKEN, torch.device("cuda"))
+    for dtype in DTYPES:
+        for bits in (1, 2, 4):
+            kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
+
+
 @pytest.mark.parametrize("d, row_chunk", [(2048, 4096), (4096, 4096), (7168, 4096), (7168, 8192)])
 @pytest.mark.parametrize("loop", [4, 2])
 def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):

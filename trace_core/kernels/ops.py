@@ -54,6 +54,7 @@ LAUNCH: dict[str, dict[str, int]] = {
         "row_loop": 1,
         "prefetch": 4096,
         "prefetch_loop": 4,
+        "record_regs": 40,
         "wide_record": 0,
         "whole_chunks": 1,
     },
@@ -67,11 +68,13 @@ per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`),
 faster on the H200, `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave
 threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-token nvfp4 rows of at least
 `prefetch` columns (0: none) in one or two chunks are loaded ahead, `prefetch_loop` row tiles per program
-(`prefetched`). `TRACE_FP4_LAUNCH` (JSON, e.g.
+(`prefetched`); the per-token nvfp4 record kernel on rows of one chunk not loaded ahead holds at most `record_regs`
+registers per thread (0: as ptxas chooses; 40, as many as the kernel without the record, was 0.6 - 0.9 % faster at
+T = 65536, D = 2048 on the H200: docs/performance.md). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-SWITCHES = ("wide_record", "whole_chunks", "prefetch")
+SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs")
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
 
@@ -229,6 +232,8 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
         kernel = k._quantize_record16_kernel
         extra = {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop, "PREFETCH": prefetch}
+        if record and mode == SCALE_PER_TOKEN and n_chunks == 1 and not prefetch and LAUNCH["quant"]["record_regs"]:
+            extra["maxnreg"] = LAUNCH["quant"]["record_regs"]
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
     grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)
