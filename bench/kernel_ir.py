@@ -75,6 +75,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         use16 = block == 16 and (first or not (bits and fmt_obj.has_global_scale))
         use16 = use16 if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
+        if block == 32:  # half a block per thread, where the module has that kernel
+            kernel = getattr(mod, "_quantize_record32_halves_kernel", None)
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "RECORD_FIRST": first,
                 "ROW_LOOP": prefetch or ops.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
@@ -86,6 +88,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
         f = ops.get_format(fmt)
         block = f.block
+        # one guided kernel for every block size; a module from before has `_guided16_kernel` for 16-element blocks
         kernel = getattr(mod, "_guided16_kernel", None) if block == 16 else None
         args = {**launch(fmt, "guided"), "FMT": f.kernel_id, "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
                 "HAS_MASK": False, "BLOCK": block, "REC_UNIT": unit(bits),

@@ -125,19 +125,18 @@ def test_quantize_tile_gives_each_thread_whole_blocks_at_the_target_widths():
     assert ops._launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled
 
 
-def test_rows_are_taken_as_whole_chunks_only_for_e8m0_formats_and_contiguous_tensors():
+def test_rows_are_taken_as_whole_chunks_only_for_block_scales_and_contiguous_tensors():
+    # SCALE_NONE: every scale is its block's own (kv_fp4, mxfp4, mxfp4_ocp); nvfp4's scales depend on the row or tensor
     x = torch.zeros(4, 7168)
     low, scales, token = record_buffers(4, 7168, "kv_fp4", 1, "cpu")
     bufs = [x, None, low, scales]
-    kv, nv, mx = (ops.get_format(f) for f in ("kv_fp4", "nvfp4", "mxfp4"))
-    assert ops.whole_chunk_rows(kv, 4, 7168, 4096, ops.SCALE_NONE, bufs) == 7  # 4 rows of 7168 = 7 of 4096
-    assert ops.whole_chunk_rows(mx, 4, 7168, 4096, ops.SCALE_NONE, bufs) == 7  # mxfp4 too: E8M0 scales per block
+    assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, bufs) == 7  # 4 rows of 7168 = 7 of 4096
     for mode in (ops.SCALE_SCALAR, ops.SCALE_ROW, ops.SCALE_PER_TOKEN):
-        assert ops.whole_chunk_rows(nv, 4, 7168, 4096, mode, bufs + [token]) == 0, mode
-    assert ops.whole_chunk_rows(kv, 3, 7168, 4096, ops.SCALE_NONE, bufs) == 0  # 3 x 7168: not whole chunks
-    assert ops.whole_chunk_rows(kv, 4, 8192, 4096, ops.SCALE_NONE, bufs) == 0  # no masked threads to save
+        assert ops.whole_chunk_rows(4, 7168, 4096, mode, bufs + [token]) == 0, mode
+    assert ops.whole_chunk_rows(3, 7168, 4096, ops.SCALE_NONE, bufs) == 0  # 3 x 7168: not whole chunks
+    assert ops.whole_chunk_rows(4, 8192, 4096, ops.SCALE_NONE, bufs) == 0  # no masked threads to save
     wide = torch.zeros(4, low.shape[1] + 2, dtype=torch.uint8)[:, 1:-1]
-    assert ops.whole_chunk_rows(kv, 4, 7168, 4096, ops.SCALE_NONE, [x, None, wide, scales]) == 0  # strided record
+    assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, [x, None, wide, scales]) == 0  # strided record
 
 
 def test_record_store_unit_takes_16_byte_vectors_only_where_they_fit():

@@ -137,7 +137,7 @@ def record_first(rows: int, chunk: int, warps: int) -> bool:
     return rows * chunk // 16 >= 32 * warps
 
 
-def whole_chunk_rows(fmt: FP4Format, t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None]) -> int:
+def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None]) -> int:
     """Rows of `chunk` columns as which the quantize kernel takes a [t, d] input and its buffers (`tensors`), or 0
     to take them as they are. Where a row is not a whole number of chunks, its last chunk leaves threads masked
     (at d = 7168 a quarter of the second 4096-column chunk: 2 x the instructions of d = 4096 for 1.75 x the data).
@@ -191,7 +191,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
     record = low_bits is not None
     # rows of whole chunks with a record only: the no-record kernel measured 0.8 % slower so (H200, kv_fp4, D = 7168)
-    rows = whole_chunk_rows(fmt, t, d, chunk, mode, [x, out, low_bits, scales]) if record else 0
+    rows = whole_chunk_rows(t, d, chunk, mode, [x, out, low_bits, scales]) if record else 0
     if rows:
         x, out, low_bits, scales = (b if b is None else b.view(rows, -1) for b in (x, out, low_bits, scales))
         t, d = x.shape
@@ -447,7 +447,7 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         return out
     rb, chunk, warps = _launch_shape(f, d, "guided")
     loop = LAUNCH["guided"]["row_loop"]
-    k._guided16_kernel[(triton.cdiv(t, rb * loop), triton.cdiv(d, chunk))](
+    k._guided_kernel[(triton.cdiv(t, rb * loop), triton.cdiv(d, chunk))](
         x,
         out,
         low_bits,

@@ -2,7 +2,7 @@
 
 Each kernel is the twin of a `trace_core` reference function and is tested against it bit for bit:
 `_quantize_record_kernel` ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`, and
-`_guided16_kernel` ↔ `guided.guided_quantize` + `quant.dequantize`. Exactness rules: FP32 throughout, IEEE division
+`_guided_kernel` ↔ `guided.guided_quantize` + `quant.dequantize`. Exactness rules: FP32 throughout, IEEE division
 (`div_rn`) where the contract divides, E4M3 and powers of two built from bits (no approximate conversions), the
 KV exponent through libdevice `log2` (what torch's CUDA `log2` runs).
 """
@@ -767,7 +767,7 @@ def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.co
 
 
 @triton.jit
-def _guided16_kernel(
+def _guided_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
