@@ -69,8 +69,8 @@ faster on the H200, `bench/record_variants.py --wide`); with `whole_chunks` = 1 
 threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-token nvfp4 rows of at least
 `prefetch` columns (0: none) in one or two chunks are loaded ahead, `prefetch_loop` row tiles per program
 (`prefetched`); the per-token nvfp4 record kernel on rows of one chunk not loaded ahead holds at most `record_regs`
-registers per thread (0: as ptxas chooses; 40, as many as the kernel without the record, was 0.6 - 0.9 % faster at
-T = 65536, D = 2048 on the H200: docs/performance.md). `TRACE_FP4_LAUNCH` (JSON, e.g.
+registers per thread (0: as ptxas chooses; 40, as many as the kernel without the record: on the H200 at D = 2048
+0.6 - 0.8 % faster at T = 65536 and 2 - 3 % at T = 4096, docs/performance.md). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 

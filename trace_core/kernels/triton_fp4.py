@@ -563,15 +563,16 @@ def _store_halves(o, qa, za, qb, zb, decode, m):
 
 @triton.jit
 def _quantize_chunk16(
-    xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, amax_blk, out_ptr, rec_ptr, scale_ptr, tok_ptr,
+    xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, out_ptr, rec_ptr, scale_ptr, tok_ptr,
     out_stride, rec_stride, scale_stride, tok_stride,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
     ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Quantize the chunk of rows [RB] (`rows64`, `row_mask`) from column c0 whose block halves xa, xb [RB, NB, 8]
-    (FP32, at offsets c0 + offs: element mask m, block index blk, block mask bmask) are loaded, and whose block amax
-    is amax_blk [RB, NB] (`_blocks_amax`), and store its output and / or record (`_quantize_record16_kernel`); s_enc
-    is unused where the scales are per token and the row is this chunk (ONE_PASS): they are computed here."""
+    (FP32, at offsets c0 + offs: element mask m, block index blk, block mask bmask) are loaded, and store its output
+    and / or record (`_quantize_record16_kernel`); s_enc is unused where the scales are per token and the row is
+    this chunk (ONE_PASS): they are computed here."""
+    amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
     if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
         s_enc = _per_token_scale(tl.max(amax_blk, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
     decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
@@ -600,20 +601,21 @@ def _quantize_chunk16(
 
 
 @triton.jit
-def _blocks_amax(xa, xb):
-    """Amax (FP32) of each block [RB, NB] of block halves xa, xb [RB, NB, 8] (in x's dtype): within each thread."""
-    return tl.maximum(tl.max(tl.abs(xa.to(tl.float32)), axis=2), tl.max(tl.abs(xb.to(tl.float32)), axis=2))
+def _halves_amax(xa, xb):
+    """Amax of each row [RB] of block halves xa, xb [RB, NB, 8] (in x's dtype)."""
+    a = tl.maximum(tl.max(tl.abs(xa.to(tl.float32)), axis=2), tl.max(tl.abs(xb.to(tl.float32)), axis=2))
+    return tl.max(a, axis=1)
 
 
 @triton.jit
 def _two_chunk_amax(x_rows, row_mask, offs, D, C: tl.constexpr):
-    """Block amax [RB, NB] of each of two chunks of C columns of rows [RB], their block halves at x_rows + offs
-    (row_mask [RB, 1, 1]): both chunks' loads issued before either is reduced."""
+    """Amax of each row [RB] of at most two chunks of C columns, its block halves at x_rows + offs (row_mask
+    [RB, 1, 1]): both chunks' loads issued before either is reduced."""
     xa0 = tl.load(x_rows, mask=row_mask & (offs < D), other=0.0)
     xb0 = tl.load(x_rows + 8, mask=row_mask & (offs < D), other=0.0)
     xa1 = tl.load(x_rows + C, mask=row_mask & (C + offs < D), other=0.0)
     xb1 = tl.load(x_rows + C + 8, mask=row_mask & (C + offs < D), other=0.0)
-    return _blocks_amax(xa0, xb0), _blocks_amax(xa1, xb1)
+    return tl.maximum(_halves_amax(xa0, xb0), _halves_amax(xa1, xb1))
 
 
 @triton.jit
@@ -647,9 +649,8 @@ def _quantize_record16_kernel(
         tl.static_assert(SCALE_MODE == SCALE_PER_TOKEN)
         rows = pid_r * ROW_LOOP * RB + tl.arange(0, RB)
         x_rows = x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + offs
-        amax0, amax1 = _two_chunk_amax(x_rows, (rows < T)[:, None, None], offs, D, C)
-        s_enc = _per_token_scale(tl.max(tl.maximum(amax0, amax1), axis=1), tok_ptr, rows.to(tl.int64), tok_stride,
-                                 rows < T, BITS)  # fmt: skip
+        s_enc = _per_token_scale(_two_chunk_amax(x_rows, (rows < T)[:, None, None], offs, D, C), tok_ptr,
+                                 rows.to(tl.int64), tok_stride, rows < T, BITS)  # fmt: skip
         for ri in range(ROW_LOOP):
             row_mask = rows < T
             rows64 = rows.to(tl.int64)
@@ -665,14 +666,11 @@ def _quantize_record16_kernel(
                 xa = tl.load(x_rows + c0, mask=m, other=0.0).to(tl.float32)
                 xb = tl.load(x_rows + c0 + 8, mask=m, other=0.0).to(tl.float32)
                 _quantize_chunk16(xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk,
-                                  row_mask[:, None] & (blk < D // 16), tl.where(ci == 0, amax0, amax1), out_ptr,
-                                  rec_ptr, scale_ptr, tok_ptr,
+                                  row_mask[:, None] & (blk < D // 16), out_ptr, rec_ptr, scale_ptr, tok_ptr,
                                   out_stride, rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE, BITS, WRITE_OUT,
                                   ONE_PASS, REC_UNIT, RECORD_FIRST)  # fmt: skip
-            amax0 = _blocks_amax(na0, nb0)  # the next tile's: its quantize pass takes them
-            amax1 = _blocks_amax(na1, nb1)
-            s_enc = _per_token_scale(tl.max(tl.maximum(amax0, amax1), axis=1), tok_ptr, rows64 + RB, tok_stride, ahead,
-                                     BITS)  # fmt: skip
+            amax = tl.maximum(_halves_amax(na0, nb0), _halves_amax(na1, nb1))
+            s_enc = _per_token_scale(amax, tok_ptr, rows64 + RB, tok_stride, ahead, BITS)
             rows += RB
             x_rows += RB * x_stride
     elif PREFETCH:
@@ -690,9 +688,9 @@ def _quantize_record16_kernel(
             na = tl.load(x_rows + RB * x_stride, mask=nxt, other=0.0)
             nb = tl.load(x_rows + RB * x_stride + 8, mask=nxt, other=0.0)
             _quantize_chunk16(xa.to(tl.float32), xb.to(tl.float32), 1.0, rows.to(tl.int64), row_mask, 0, offs, m, blk,
-                              row_mask[:, None] & (blk < D // 16), _blocks_amax(xa, xb), out_ptr, rec_ptr, scale_ptr,
-                              tok_ptr, out_stride, rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE, BITS,
-                              WRITE_OUT, ONE_PASS, REC_UNIT, RECORD_FIRST)  # fmt: skip
+                              row_mask[:, None] & (blk < D // 16), out_ptr, rec_ptr, scale_ptr, tok_ptr, out_stride,
+                              rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE, BITS, WRITE_OUT, ONE_PASS,
+                              REC_UNIT, RECORD_FIRST)  # fmt: skip
             rows += RB
             x_rows += RB * x_stride
             xa, xb = na, nb
@@ -717,10 +715,9 @@ def _quantize_record16_kernel(
                 bmask = row_mask[:, None] & (blk < D // 16)
                 xa = tl.load(x_rows + c0 + offs, mask=m, other=0.0).to(tl.float32)
                 xb = tl.load(x_rows + c0 + 8 + offs, mask=m, other=0.0).to(tl.float32)
-                _quantize_chunk16(xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, _blocks_amax(xa, xb),
-                                  out_ptr, rec_ptr, scale_ptr, tok_ptr, out_stride, rec_stride, scale_stride,
-                                  tok_stride, FMT, SCALE_MODE, BITS, WRITE_OUT, ONE_PASS, REC_UNIT,
-                                  RECORD_FIRST)  # fmt: skip
+                _quantize_chunk16(xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, out_ptr, rec_ptr,
+                                  scale_ptr, tok_ptr, out_stride, rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE,
+                                  BITS, WRITE_OUT, ONE_PASS, REC_UNIT, RECORD_FIRST)  # fmt: skip
 
 
 @triton.jit
