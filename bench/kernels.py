@@ -14,6 +14,7 @@ Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 Usage: python bench/kernels.py [--out results.json] [--quick] [--t 4096 65536] [--d 2048 4096 7168] [--no-compile]
        [--formats nvfp4 kv_fp4 mxfp4 mxfp4_ocp]
        python bench/kernels.py --guided-row-loops 1 4 [--t 65536] [--d 4096 7168]
+       python bench/kernels.py --tune [--tune-out best.json] [--tune-kernels quant guided] [--d 2048 4096 7168]
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
 2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps, per-token nvfp4 with 4 row tiles per program,
 each loaded before the previous is quantized (`ops.prefetched`, where the programs fill the SMs); 7168: 1 x 4096,
-8 warps, the row in two chunks, the second a quarter masked, per-token nvfp4 in two passes. The third at 2048 is
+8 warps, the row in two chunks, the second a quarter masked, per-token nvfp4 loaded ahead as at 4096 (the row's
+amax from the loads ahead, then a quantize pass that reads x again). The third at 2048 is
 the tile launched there before (8 warps: each block split between two threads); the others split rows into more or
 fewer chunks, take two row tiles per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token
 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096). The seventh at 7168 keeps rows as they are

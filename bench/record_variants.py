@@ -6,7 +6,7 @@ At T x D (default 65536 x 4096, BF16, b = 1) for nvfp4 (per token) and kv_fp4, g
   address) and capped at 32 registers, and writing only the record (no fake-quantized output); with one tile of
   rows per program and with several (`ROW_LOOPS`, one after the other: warps stay resident while stores drain);
 - the generic kernel (`_quantize_record_kernel`, one 8-element group per thread, what `ops` launched for these
-  formats before) in the same variants.
+  formats before; now only for nvfp4 records on rows of at most 256 columns) in the same variants.
 Differences between rows place the time: record stores, store width, layout. `--tiles` adds a sweep of the
 program tile (rows x columns, warps) of the kv_fp4 block kernel with and without the record: the record's
 overhead at each tile, and at the best tile of each.

@@ -100,8 +100,8 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
     The chunk is the tile's, or the row's width rounded up to a power of two where that is narrower. Per-token
     nvfp4 takes a row of up to `row_chunk` columns (rounded up likewise) in one chunk: x read once. The quantize
     kernel's warps scale with its chunk against the tile's, so that each thread keeps the tile's share of a row
-    (4096 columns on 8 warps: one 16-element block per thread, where `record_first` holds): 4 warps on rows of
-    2048 columns, 16 on per-token rows of 8192, at least 1."""
+    (4096 columns on 8 warps: 16 elements per thread, one 16-element block or half a 32-element one, where
+    `record_first` holds): 4 warps on rows of 2048 columns, 16 on per-token rows of 8192, at least 1."""
     tile = LAUNCH[kernel]
     chunk = max(fmt.block, min(tile["chunk"], triton_next_pow2(d)))
     whole = max(fmt.block, triton_next_pow2(d))
@@ -113,8 +113,9 @@ def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool
 
 
 def record_unit(buf: torch.Tensor, bits: int) -> int:
-    """Widest access, in bytes, in which the 16-element kernels move a block's 2 * bits record bytes: 4 or 2 where
-    the buffer's address and row stride allow it, else 1."""
+    """Widest access, in bytes, in which the kernels that hold 16 elements per thread (a 16-element block, or half
+    of a 32-element one) move those elements' 2 * bits record bytes: 4 or 2 where the buffer's address and row
+    stride allow it, else 1."""
     for unit in (4, 2):
         if (unit == 2 * bits or bits % unit == 0) and buf.data_ptr() % unit == 0 and buf.stride(0) % unit == 0:
             return unit
@@ -132,8 +133,9 @@ def record_store_unit(low_bits: torch.Tensor, scales: torch.Tensor, bits: int, d
 
 
 def record_first(rows: int, chunk: int, warps: int) -> bool:
-    """Whether the block-per-thread quantize kernel stores the record before the output (`RECORD_FIRST`): where
-    its tile of rows x chunk columns gives each of its 32 x warps threads whole 16-element blocks."""
+    """Whether the quantize kernels that hold 16 elements per thread (`_quantize_record16_kernel`,
+    `_quantize_record32_halves_kernel`) store the record before the output (`RECORD_FIRST`): where their tile of
+    rows x chunk columns gives each of its 32 x warps threads whole 16-element blocks (or block halves)."""
     return rows * chunk // 16 >= 32 * warps
 
 
@@ -143,7 +145,7 @@ def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.
     (at d = 7168 a quarter of the second 4096-column chunk: 2 x the instructions of d = 4096 for 1.75 x the data).
     Where every scale is a block's own, a block's output and record do not depend on its row, so contiguous
     tensors whose t * d elements fill whole chunks can be taken as rows of one chunk, none masked: the same blocks
-    at the same offsets. Done for the E8M0 formats (kv_fp4, mxfp4, mxfp4_ocp), where it was timed;
+    at the same offsets. Done for the E8M0 formats (kv_fp4, mxfp4, mxfp4_ocp; timed on kv_fp4 and mxfp4);
     `triton_quantize_record` does so where it writes a record. nvfp4 with one S_enc would be taken the same way,
     but was not timed so and keeps its rows."""
     off = not LAUNCH["quant"]["whole_chunks"] or mode != SCALE_NONE
@@ -221,7 +223,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         return
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
-    # does not give each thread whole blocks (rows narrower than 512 columns with the default tile, or a
+    # does not give each thread whole blocks (rows of at most 256 columns with the default tile, or a
     # TRACE_FP4_LAUNCH override), where the group-per-thread kernel measured faster on the H200
     # (bench/record_variants.py, docs/performance.md)
     loop = 1

@@ -1,10 +1,24 @@
 """Triton kernels: fused FP4 quantize-and-record, and guided fake-quant from a record.
 
-Each kernel is the twin of a `trace_core` reference function and is tested against it bit for bit:
-`_quantize_record_kernel` ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`, and
-`_guided_kernel` ↔ `guided.guided_quantize` + `quant.dequantize`. Exactness rules: FP32 throughout, IEEE division
-(`div_rn`) where the contract divides, E4M3 and powers of two built from bits (no approximate conversions), the
-KV exponent through libdevice `log2` (what torch's CUDA `log2` runs).
+Each kernel is the twin of `trace_core` reference functions and is tested against them bit for bit
+(`tests/kernel_checks.py`, run on the GPU by `tests/test_kernels_gpu.py` and on the CPU under the Triton interpreter
+by `tests/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` picks the kernel:
+- quantize-and-record ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`:
+  `_quantize_record16_kernel`, 16-element blocks (nvfp4, kv_fp4), one block per thread;
+  `_quantize_record32_halves_kernel`, 32-element blocks (mxfp4, mxfp4_ocp), half a block per thread;
+  `_quantize_record_kernel`, one 8-element group per thread, only for nvfp4 with a record on tiles that do not give
+  each thread whole blocks (rows of at most 256 columns with the default tile). Tests:
+  `test_quantize_record_is_bit_exact` (every format and scale mode; nvfp4 records at D = 64 take the group kernel),
+  `test_quantize_record_on_every_swept_tile`, `test_per_token_rows_wider_than_one_tile`,
+  `test_per_token_rows_loaded_ahead`, `test_per_token_record_kernel_register_cap`,
+  `test_record_in_16_byte_vectors_is_bit_exact`, `test_rows_taken_as_whole_chunks_are_bit_exact` (kv_fp4),
+  `test_mxfp4_rows_taken_as_whole_chunks_are_bit_exact`;
+- guided fake-quant ↔ `guided.guided_quantize` + `quant.dequantize`: `_guided_kernel`, one kernel for 16- and
+  32-element blocks, 16 elements per thread. Tests: `test_guided_is_bit_exact`,
+  `test_guided_with_other_row_tiles_per_program`.
+Exactness rules: FP32 throughout, IEEE division (`div_rn`) where the contract divides, powers of two and E4M3 built
+from bits or (the 16-element quantize kernel's scales) by the hardware's round-half-even converter: no approximate
+conversions; the KV exponent through libdevice `log2` (what torch's CUDA `log2` runs).
 """
 
 from __future__ import annotations
@@ -283,6 +297,8 @@ def _quantize_record_kernel(
     x is loaded as [RB, C / BLOCK, BLOCK / 8, 8] and stays in that register layout: block amax and per-token amax
     are reductions of it, scales broadcast back into it, and the record's bit groups are sums over its last axis.
     Per-token nvfp4 with ONE_PASS (the row fits in one chunk) reads x once; otherwise a first pass takes the amax.
+    `ops` launches it only for nvfp4 with a record on tiles that do not give each thread whole 16-element blocks
+    (rows of at most 256 columns with the default tile); every other launch takes one of the kernels below.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -344,7 +360,8 @@ def _count(counter_ptr, n):
 # 16-element blocks (nvfp4, kv_fp4): one block per thread. A block is loaded as two 8-element halves ([RB, NB, 8]
 # each, one 16-byte vector per half for BF16), so its amax, scale and record word stay in the thread that holds it:
 # no cross-thread reduction, each scale computed and stored once, and the record's 2 * BITS bytes of a block go out
-# in as few stores as the buffer's alignment allows (REC_UNIT bytes each).
+# in as few stores as the buffer's alignment allows (REC_UNIT bytes each). The guided kernel below holds 16 elements
+# per thread the same way for 32-element blocks too (half a block per thread).
 
 
 @triton.jit
@@ -639,7 +656,7 @@ def _quantize_record16_kernel(
     halves reach the L2 apart, as 1.5 x the write sectors, on a unit already near its limit (H200, kv_fp4,
     T = 65536, D = 4096: the record's cost fell from +30 % to +0.5 %; docs/performance.md). Stores keep their
     order and the record needs both halves, so the output's stores follow it together. Where a block spans two
-    threads (a tile of fewer blocks than threads: rows narrower than 512 columns by default), their stores are
+    threads (a tile of fewer blocks than threads: rows of at most 256 columns by default), their stores are
     adjacent either way and the output goes first."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
