@@ -449,6 +449,18 @@ def _block_words_by_shifts(qa, ta, qb, tb, BITS: tl.constexpr):
 
 
 @triton.jit
+def _record_words(qa, ta, za, qb, tb, zb, BITS: tl.constexpr, FMT: tl.constexpr, SHIFTS: tl.constexpr):
+    """The record words (wa, wb) of the 16 elements a thread holds as halves a and b (`_half_word` each): by funnel
+    shifts (`_block_words_by_shifts`) for b <= 2 where SHIFTS, else as sums of shifted codes."""
+    if BITS <= 2 and SHIFTS:
+        wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
+    else:
+        wa = _half_word(qa, ta, za, BITS, FMT)
+        wb = _half_word(qb, tb, zb, BITS, FMT)
+    return wa, wb
+
+
+@triton.jit
 def _store_record16(rec, wa, wb, mask, BITS: tl.constexpr, REC_UNIT: tl.constexpr):
     """Store a block's 2 * BITS record bytes (first half's word wa, then wb) at byte pointers rec [RB, NB]."""
     if REC_UNIT == 2 * BITS:  # b = 1 (one 16-bit store) or b = 2 (one 32-bit store)
@@ -600,11 +612,9 @@ def _quantize_chunk16(
     if WRITE_OUT and not RECORD_FIRST:
         _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
     if BITS > 0:
-        if BITS <= 2 and not (SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS):
-            wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
-        else:  # per-token rows in one chunk: 1.9 % slower by shifts (H200, nvfp4, D = 4096, T = 65536)
-            wa = _half_word(qa, ta, za, BITS, FMT)
-            wb = _half_word(qb, tb, zb, BITS, FMT)
+        # per-token rows in one chunk keep the sum: 1.9 % slower by shifts (H200, nvfp4, D = 4096, T = 65536)
+        shifts = not (SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS)
+        wa, wb = _record_words(qa, ta, za, qb, tb, zb, BITS, FMT, shifts)
         if REC_UNIT == 16:
             rec_row = rec_ptr + rows64[:, None] * rec_stride
             scale_row = scale_ptr + rows64[:, None] * scale_stride
@@ -625,14 +635,20 @@ def _halves_amax(xa, xb):
 
 
 @triton.jit
-def _two_chunk_amax(x_rows, row_mask, offs, D, C: tl.constexpr):
-    """Amax of each row [RB] of at most two chunks of C columns, its block halves at x_rows + offs (row_mask
-    [RB, 1, 1]): both chunks' loads issued before either is reduced."""
-    xa0 = tl.load(x_rows, mask=row_mask & (offs < D), other=0.0)
-    xb0 = tl.load(x_rows + 8, mask=row_mask & (offs < D), other=0.0)
-    xa1 = tl.load(x_rows + C, mask=row_mask & (C + offs < D), other=0.0)
-    xb1 = tl.load(x_rows + C + 8, mask=row_mask & (C + offs < D), other=0.0)
-    return tl.maximum(_halves_amax(xa0, xb0), _halves_amax(xa1, xb1))
+def _two_chunk_amax(a0, b0, a1, b1):
+    """Amax of each row [RB] of two chunks' block halves [RB, NB, 8] (`_two_chunk_loads`, in x's dtype)."""
+    return tl.maximum(_halves_amax(a0, b0), _halves_amax(a1, b1))
+
+
+@triton.jit
+def _two_chunk_loads(x_rows, row_mask, offs, D, C: tl.constexpr):
+    """The block halves (a0, b0, a1, b1) of rows of at most two chunks of C columns, at x_rows (+ offs) (row_mask
+    [RB, 1, 1]), in x's dtype: all four loads issued before any is used."""
+    a0 = tl.load(x_rows, mask=row_mask & (offs < D), other=0.0)
+    b0 = tl.load(x_rows + 8, mask=row_mask & (offs < D), other=0.0)
+    a1 = tl.load(x_rows + C, mask=row_mask & (C + offs < D), other=0.0)
+    b1 = tl.load(x_rows + C + 8, mask=row_mask & (C + offs < D), other=0.0)
+    return a0, b0, a1, b1
 
 
 @triton.jit
@@ -666,16 +682,15 @@ def _quantize_record16_kernel(
         tl.static_assert(SCALE_MODE == SCALE_PER_TOKEN)
         rows = pid_r * ROW_LOOP * RB + tl.arange(0, RB)
         x_rows = x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + offs
-        s_enc = _per_token_scale(_two_chunk_amax(x_rows, (rows < T)[:, None, None], offs, D, C), tok_ptr,
-                                 rows.to(tl.int64), tok_stride, rows < T, BITS)  # fmt: skip
+        a0, b0, a1, b1 = _two_chunk_loads(x_rows, (rows < T)[:, None, None], offs, D, C)
+        s_enc = _per_token_scale(
+            _two_chunk_amax(a0, b0, a1, b1), tok_ptr, rows.to(tl.int64), tok_stride, rows < T, BITS
+        )
         for ri in range(ROW_LOOP):
             row_mask = rows < T
             rows64 = rows.to(tl.int64)
             ahead = (rows + RB < T) & (ri + 1 < ROW_LOOP)
-            na0 = tl.load(x_rows + RB * x_stride, mask=ahead[:, None, None] & (offs < D), other=0.0)
-            nb0 = tl.load(x_rows + RB * x_stride + 8, mask=ahead[:, None, None] & (offs < D), other=0.0)
-            na1 = tl.load(x_rows + RB * x_stride + C, mask=ahead[:, None, None] & (C + offs < D), other=0.0)
-            nb1 = tl.load(x_rows + RB * x_stride + C + 8, mask=ahead[:, None, None] & (C + offs < D), other=0.0)
+            na0, nb0, na1, nb1 = _two_chunk_loads(x_rows + RB * x_stride, ahead[:, None, None], offs, D, C)
             for ci in range(chunks_per_prog):
                 c0 = ci * C
                 m = row_mask[:, None, None] & (c0 + offs < D)
@@ -686,8 +701,7 @@ def _quantize_record16_kernel(
                                   row_mask[:, None] & (blk < D // 16), out_ptr, rec_ptr, scale_ptr, tok_ptr,
                                   out_stride, rec_stride, scale_stride, tok_stride, FMT, SCALE_MODE, BITS, WRITE_OUT,
                                   ONE_PASS, REC_UNIT, RECORD_FIRST)  # fmt: skip
-            amax = tl.maximum(_halves_amax(na0, nb0), _halves_amax(na1, nb1))
-            s_enc = _per_token_scale(amax, tok_ptr, rows64 + RB, tok_stride, ahead, BITS)
+            s_enc = _per_token_scale(_two_chunk_amax(na0, nb0, na1, nb1), tok_ptr, rows64 + RB, tok_stride, ahead, BITS)
             rows += RB
             x_rows += RB * x_stride
     elif PREFETCH:
@@ -887,11 +901,7 @@ def _quantize_record32_halves_kernel(
     if WRITE_OUT and not RECORD_FIRST:
         _store_halves(o_rows, qa, za, qb, zb, decode, m)
     if BITS > 0:
-        if BITS <= 2:
-            wa, wb = _block_words_by_shifts(qa, ta, qb, tb, BITS)
-        else:
-            wa = _half_word(qa, ta, za, BITS, FMT)
-            wb = _half_word(qb, tb, zb, BITS, FMT)
+        wa, wb = _record_words(qa, ta, za, qb, tb, zb, BITS, FMT, True)
         tl.store(
             scale_ptr + rows64[:, None] * scale_stride + half // 2, byte.to(tl.uint8), mask=hmask & (half % 2 == 0)
         )
