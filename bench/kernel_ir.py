@@ -80,8 +80,8 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": rec_unit or unit(bits), "RECORD_FIRST": first,
                 "ROW_LOOP": prefetch or ops.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
-        regs = ops.LAUNCH["quant"]["record_regs"]  # as ops caps it: rows of one chunk, not loaded ahead
-        if kernel and bits and mode == ops.SCALE_PER_TOKEN and tile["ONE_PASS"] and not prefetch and regs:
+        regs = ops.record_regs(bool(bits), mode, 1 if tile["ONE_PASS"] else 2, bool(prefetch))
+        if kernel and regs:  # as ops caps the 16-element kernel
             args["maxnreg"] = regs
         return kernel or mod._quantize_record_kernel, args
 

@@ -92,7 +92,7 @@ def tile_label(fmt: str, d: int) -> str:
     tile = ops.LAUNCH["quant"]
     loop = tile["row_loop"]
     tiles = f", {loop} row tiles per program" if loop > 1 else ""
-    if per_token and chunks <= 2 and tile["prefetch"] and d >= tile["prefetch"]:  # ops.prefetched
+    if ops.loaded_ahead_rows(d, chunks, ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE):
         tiles = f", {tile['prefetch_loop']} row tiles per program loaded ahead where they fill the SMs"
     return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles})"
 

@@ -168,10 +168,23 @@ def prefetched(t: int, d: int, rows: int, n_chunks: int, mode: int, device: torc
     take 4 rows in turn). H200, nvfp4 per token, T = 65536: at D = 4096 the record kernel 8.8 % faster, its cost
     +5.0 -> +2.5 %; at D = 7168 (two chunks) both kernels 2 - 3 % faster; at D = 2048 not faster
     (docs/performance.md, "per-token rows loaded ahead")."""
-    tile = LAUNCH["quant"]
-    if mode != SCALE_PER_TOKEN or n_chunks > 2 or not tile["prefetch"] or d < tile["prefetch"]:
+    if not loaded_ahead_rows(d, n_chunks, mode):
         return False
-    return triton.cdiv(t, rows * tile["prefetch_loop"]) >= _sm_count(device)
+    return triton.cdiv(t, rows * LAUNCH["quant"]["prefetch_loop"]) >= _sm_count(device)
+
+
+def loaded_ahead_rows(d: int, n_chunks: int, mode: int) -> bool:
+    """Whether rows of width d in n_chunks chunks are of the shape `prefetched` loads ahead: per token, one or two
+    chunks, at least `LAUNCH["quant"]["prefetch"]` columns (0: none)."""
+    prefetch = LAUNCH["quant"]["prefetch"]
+    return mode == SCALE_PER_TOKEN and n_chunks <= 2 and bool(prefetch) and d >= prefetch
+
+
+def record_regs(record: bool, mode: int, n_chunks: int, prefetch: bool) -> int:
+    """The register cap (`maxnreg`) of the 16-element quantize kernel, 0 for none: `LAUNCH["quant"]["record_regs"]`
+    for the per-token record kernel on rows of one chunk not loaded ahead."""
+    capped = record and mode == SCALE_PER_TOKEN and n_chunks == 1 and not prefetch
+    return LAUNCH["quant"]["record_regs"] if capped else 0
 
 
 def triton_next_pow2(n: int) -> int:
@@ -234,8 +247,8 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
         kernel = k._quantize_record16_kernel
         extra = {"REC_UNIT": unit, "RECORD_FIRST": first, "ROW_LOOP": loop, "PREFETCH": prefetch}
-        if record and mode == SCALE_PER_TOKEN and n_chunks == 1 and not prefetch and LAUNCH["quant"]["record_regs"]:
-            extra["maxnreg"] = LAUNCH["quant"]["record_regs"]
+        if regs := record_regs(record, mode, n_chunks, prefetch):
+            extra["maxnreg"] = regs
     else:
         kernel, extra = k._quantize_record_kernel, {"BLOCK": fmt.block}
     grid = (triton.cdiv(t, rb * loop), n_chunks // per_prog)
