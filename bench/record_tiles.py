@@ -15,11 +15,9 @@ Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--can
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -68,18 +66,6 @@ at 2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per progr
 per-token record kernel on rows of one chunk not loaded ahead without its 40-register cap (`record_regs` 0)."""
 
 
-@contextlib.contextmanager
-def launch(override: dict[str, int]) -> Iterator[None]:
-    """`ops.LAUNCH["quant"]` with these entries for the duration."""
-    saved = dict(ops.LAUNCH["quant"])
-    try:
-        ops.LAUNCH["quant"].update(override)
-        yield
-    finally:
-        ops.LAUNCH["quant"].clear()
-        ops.LAUNCH["quant"].update(saved)
-
-
 def tile_label(fmt: str, d: int) -> str:
     """The tile `ops` launches for fmt at width d under the current LAUNCH: rows x chunk / warps (passes)."""
     per_token = FORMATS[fmt].get("per_token", False)
@@ -119,7 +105,7 @@ def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[
     for i, override in enumerate(CANDIDATES[d]):
         if only is not None and i not in only:
             continue
-        with launch(override):
+        with ops.launch_overrides(override):
             for b in written:
                 b.zero_()
             rec_us, plain_us = 1e3 * graph_ms(with_record), 1e3 * graph_ms(without_record)

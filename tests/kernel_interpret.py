@@ -7,7 +7,7 @@ checked on the GPU only; BF16 inputs and their records are checked here."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -19,24 +19,13 @@ from trace_core.kernels import ops
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-@contextlib.contextmanager
-def launch(quant: dict[str, int], guided: dict[str, int] | None = None) -> Iterator[None]:
-    """`ops.LAUNCH` with these entries for the duration."""
-    saved = {k: dict(v) for k, v in ops.LAUNCH.items()}
-    try:
-        ops.LAUNCH["quant"].update(quant)
-        ops.LAUNCH["guided"].update(guided or {})
-        yield
-    finally:
-        ops.LAUNCH.clear()
-        ops.LAUNCH.update(saved)
-
-
 def small_tiles() -> contextlib.AbstractContextManager[None]:
     """Several chunks per row (the last one partly masked), per-token nvfp4 rows wider than one tile (a first
     pass for the row amax), as on the GPU for rows wider than LAUNCH["quant"]["row_chunk"], and two row tiles per
     quantize and guided program (the second partly past the last row)."""
-    return launch({"rows": 2, "chunk": 32, "row_chunk": 32, "row_loop": 2}, {"rows": 2, "chunk": 32, "row_loop": 2})
+    return ops.launch_overrides(
+        {"rows": 2, "chunk": 32, "row_chunk": 32, "row_loop": 2}, {"rows": 2, "chunk": 32, "row_loop": 2}
+    )
 
 
 def _in_small_tiles(fn: Callable[[], None]) -> None:
@@ -98,7 +87,7 @@ def cases() -> dict[str, Callable[[], None]]:
 
 
 def _prefetched(fn: Callable[[], None], d: int, chunk: int) -> None:
-    with launch({"chunk": chunk, "row_chunk": chunk, "prefetch": 256, "prefetch_loop": 3}):
+    with ops.launch_overrides({"chunk": chunk, "row_chunk": chunk, "prefetch": 256, "prefetch_loop": 3}):
         assert ops.prefetched(7, d, 1, -(-d // chunk), ops.SCALE_PER_TOKEN, torch.device("cpu"))
         fn()
 
@@ -106,13 +95,13 @@ def _prefetched(fn: Callable[[], None], d: int, chunk: int) -> None:
 def _record_first(fn: Callable[[], None]) -> None:
     """Two rows of 512 columns per tile on one warp: a block per thread, so `RECORD_FIRST` holds (the tiles of the
     other cases give a block to two threads or more); the last tile partly past the last row."""
-    with launch({"rows": 2, "chunk": 512, "warps": 1}):
+    with ops.launch_overrides({"rows": 2, "chunk": 512, "warps": 1}):
         assert ops.record_first(*ops._launch_shape(ops.get_format("kv_fp4"), 512))
         fn()
 
 
 def _wide(fn: Callable[[], None], **tile: int) -> None:
-    with launch({"wide_record": 1, **tile}):
+    with ops.launch_overrides({"wide_record": 1, **tile}):
         fn()
 
 

@@ -119,7 +119,7 @@ def test_quantize_tile_gives_each_thread_whole_blocks_at_the_target_widths():
         assert ops._launch_shape(kv, d) == tile and ops._launch_shape(nv, d, per_token=True) == tile, d
         assert ops.record_first(*tile), d
     assert ops._launch_shape(kv, 64) == (1, 64, 1)  # at least one warp
-    with kernel_interpret.launch({"row_chunk": 8192}):  # a per-token row of 8192 columns in one chunk: 16 warps
+    with ops.launch_overrides({"row_chunk": 8192}):  # a per-token row of 8192 columns in one chunk: 16 warps
         assert ops._launch_shape(nv, 7168, per_token=True) == (1, 8192, 16)
         assert ops._launch_shape(kv, 7168) == (1, 4096, 8)
     assert ops._launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled

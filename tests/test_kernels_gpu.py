@@ -67,27 +67,18 @@ def _swept_tiles() -> list:
 @pytest.mark.parametrize(("d", "tile"), _swept_tiles())
 def test_quantize_record_on_every_swept_tile(fmt, d, tile):
     # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
-    # that leaves the last row tile partly past the end (imported here: collection must not need triton)
-    from bench.record_tiles import launch
-
-    with launch(tile):
+    # that leaves the last row tile partly past the end
+    with ops.launch_overrides(tile):
         for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
             for bits in (1, 4):
                 kernel_checks.check_quantize_record(fmt, 37, d, torch.bfloat16, bits, mode, "cuda", _via_op)
 
 
-def test_rows_taken_as_whole_chunks_are_bit_exact():
-    # row counts whose t * d elements fill whole chunks: a kv_fp4 record into aligned buffers takes its rows as rows
-    # of one chunk (ops.whole_chunk_rows); the calls without a record or into strided buffers take them as they are
-    for t, d in ((64, 7168), (32, 544)):
-        for bits in (1, 2, 3, 4):
-            kernel_checks.check_quantize_record("kv_fp4", t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_ocp"])
-def test_mxfp4_rows_taken_as_whole_chunks_are_bit_exact(fmt):
-    # as for kv_fp4 above: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 rows of 1024 (a record into
-    # aligned buffers), and the same rows as they are without a record or into strided buffers
+@pytest.mark.parametrize("fmt", ["kv_fp4", "mxfp4", "mxfp4_ocp"])
+def test_rows_taken_as_whole_chunks_are_bit_exact(fmt):
+    # row counts whose t * d elements fill whole chunks: a record of the E8M0 formats into aligned buffers takes its
+    # rows as rows of one chunk (ops.whole_chunk_rows: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 of
+    # 1024); the calls without a record or into strided buffers take them as they are
     for t, d in ((64, 7168), (32, 544)):
         for bits in (1, 2, 3, 4):
             kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, "none", "cuda", _via_op)

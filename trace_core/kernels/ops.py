@@ -11,9 +11,11 @@ They are registered with `torch.library`, so they trace under `torch.compile` an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -92,6 +94,20 @@ def _launch_overrides(text: str) -> None:
 
 if os.environ.get("TRACE_FP4_LAUNCH"):
     _launch_overrides(os.environ["TRACE_FP4_LAUNCH"])
+
+
+@contextlib.contextmanager
+def launch_overrides(quant: dict[str, int] | None = None, guided: dict[str, int] | None = None) -> Iterator[None]:
+    """`LAUNCH` with these entries for the duration, restored in place after (benches and tests of other tiles)."""
+    saved = {kernel: dict(tile) for kernel, tile in LAUNCH.items()}
+    try:
+        LAUNCH["quant"].update(quant or {})
+        LAUNCH["guided"].update(guided or {})
+        yield
+    finally:
+        for kernel, tile in saved.items():
+            LAUNCH[kernel].clear()
+            LAUNCH[kernel].update(tile)
 
 
 def _launch_shape(fmt: FP4Format, d: int, kernel: str = "quant", per_token: bool = False) -> tuple[int, int, int]:

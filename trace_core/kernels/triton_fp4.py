@@ -11,8 +11,8 @@ by `tests/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` pic
   `test_quantize_record_is_bit_exact` (every format and scale mode; nvfp4 records at D = 64 take the group kernel),
   `test_quantize_record_on_every_swept_tile`, `test_per_token_rows_wider_than_one_tile`,
   `test_per_token_rows_loaded_ahead`, `test_per_token_record_kernel_register_cap`,
-  `test_record_in_16_byte_vectors_is_bit_exact`, `test_rows_taken_as_whole_chunks_are_bit_exact` (kv_fp4),
-  `test_mxfp4_rows_taken_as_whole_chunks_are_bit_exact`;
+  `test_record_in_16_byte_vectors_is_bit_exact`, `test_rows_taken_as_whole_chunks_are_bit_exact` (the E8M0
+  formats);
 - guided fake-quant ↔ `guided.guided_quantize` + `quant.dequantize`: `_guided_kernel`, one kernel for 16- and
   32-element blocks, 16 elements per thread. Tests: `test_guided_is_bit_exact`,
   `test_guided_with_other_row_tiles_per_program`.
