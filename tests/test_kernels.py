@@ -165,6 +165,17 @@ def test_launch_override_refuses_unknown_keys_by_name():
     with pytest.raises(ValueError, match="non-positive"):
         ops._launch_overrides('{"guided": {"row_loop": 0}}')
     assert "blocks_per_thread" not in ops.LAUNCH["quant"]
+    saved = {kernel: dict(tile) for kernel, tile in ops.LAUNCH.items()}
+    with (
+        pytest.raises(ValueError, match=r"unknown keys \['blocks_per_thread'\]"),
+        ops.launch_overrides({"blocks_per_thread": 8}),
+    ):
+        pass
+    with pytest.raises(ValueError, match="non-positive"), ops.launch_overrides(guided={"row_loop": 0}):
+        pass
+    with ops.launch_overrides({"chunk": 2048}, {"warps": 8}):
+        assert ops.LAUNCH["quant"]["chunk"] == 2048 and ops.LAUNCH["guided"]["warps"] == 8
+    assert ops.LAUNCH == saved  # restored
 
 
 @pytest.mark.slow

@@ -80,13 +80,18 @@ SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs")
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
 
+def _check_override(kernel: str, values: dict[str, int]) -> None:
+    """ValueError unless values are known `LAUNCH[kernel]` entries with positive ints (0 for the SWITCHES)."""
+    unknown = set(values) - set(LAUNCH[kernel])
+    if unknown or not all(isinstance(v, int) and (v > 0 or k in SWITCHES) for k, v in values.items()):
+        raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
+
+
 def _launch_overrides(text: str) -> None:
     try:
         override = json.loads(text)
         for kernel, values in override.items():
-            unknown = set(values) - set(LAUNCH[kernel])
-            if unknown or not all(isinstance(v, int) and (v > 0 or k in SWITCHES) for k, v in values.items()):
-                raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
+            _check_override(kernel, values)
             LAUNCH[kernel].update(values)
     except (ValueError, KeyError, AttributeError) as e:
         raise ValueError(f"TRACE_FP4_LAUNCH={text!r} is not a valid launch override ({e})") from None
@@ -98,7 +103,10 @@ if os.environ.get("TRACE_FP4_LAUNCH"):
 
 @contextlib.contextmanager
 def launch_overrides(quant: dict[str, int] | None = None, guided: dict[str, int] | None = None) -> Iterator[None]:
-    """`LAUNCH` with these entries for the duration, restored in place after (benches and tests of other tiles)."""
+    """`LAUNCH` with these entries for the duration, restored in place after (benches and tests of other tiles);
+    ValueError for unknown entries or non-positive values, as `TRACE_FP4_LAUNCH`."""
+    _check_override("quant", quant or {})
+    _check_override("guided", guided or {})
     saved = {kernel: dict(tile) for kernel, tile in LAUNCH.items()}
     try:
         LAUNCH["quant"].update(quant or {})
