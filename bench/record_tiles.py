@@ -50,6 +50,9 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"whole_chunks": 0},
         {"prefetch": 8192},
         {"prefetch_loop": 2},
+        {"token_groups": 0},
+        {"group_regs": 64},
+        {"group_regs": 56},
     ],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):

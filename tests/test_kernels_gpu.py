@@ -111,7 +111,7 @@ def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
     # where row_chunk allows) or in two (the amax from the loads ahead, then the quantize pass), on one row tile
     # more than the SMs' worth of programs, so that the last program's tiles are partly past the end, and on 3 rows
     # (too few programs: not loaded ahead)
-    for key, value in {"row_chunk": row_chunk, "prefetch": 2048, "prefetch_loop": loop}.items():
+    for key, value in {"row_chunk": row_chunk, "prefetch": 2048, "prefetch_loop": loop, "token_groups": 0}.items():
         monkeypatch.setitem(ops.LAUNCH["quant"], key, value)
     t = loop * torch.cuda.get_device_properties(0).multi_processor_count + 1
     n_chunks = 1 if d <= row_chunk else 2
@@ -120,6 +120,23 @@ def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 4):
+                kernel_checks.check_quantize_record("nvfp4", rows, d, dtype, bits, "per_token", "cuda", _via_op)
+
+
+@pytest.mark.parametrize("regs", [0, 64])
+@pytest.mark.parametrize("d, group", [(7168, 4), (5120, 4), (6144, 2)])
+def test_per_token_rows_in_token_groups(d, group, regs, monkeypatch):
+    # per-token rows of two chunks that are not whole chunks, taken `group` rows per program as whole chunks
+    # (ops.token_groups): on the SMs' worth of programs and one row more (the last group one row), and on 3 rows
+    # (too few programs: the row-wise kernel)
+    monkeypatch.setitem(ops.LAUNCH["quant"], "group_regs", regs)
+    t = group * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    x = torch.empty(t, d, device="cuda")
+    assert ops.token_groups(t, d, 4096, ops.SCALE_PER_TOKEN, [x], x.device) == group
+    assert not ops.token_groups(3, d, 4096, ops.SCALE_PER_TOKEN, [x], x.device)
+    for rows in (3, t):
+        for dtype in DTYPES:
+            for bits in (1, 2, 4):
                 kernel_checks.check_quantize_record("nvfp4", rows, d, dtype, bits, "per_token", "cuda", _via_op)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 from collections.abc import Iterator
 
@@ -59,6 +60,8 @@ LAUNCH: dict[str, dict[str, int]] = {
         "record_regs": 40,
         "wide_record": 0,
         "whole_chunks": 1,
+        "token_groups": 1,
+        "group_regs": 0,
     },
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
@@ -76,7 +79,7 @@ registers per thread (0: as ptxas chooses; 40, as many as the kernel without the
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs")
+SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs", "token_groups", "group_regs")
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
 
@@ -178,6 +181,19 @@ def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.
     return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
 
 
+def token_groups(t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None], device) -> int:
+    """Rows per program (G) as which the quantize kernel takes t per-token nvfp4 rows of width d as G * d / chunk
+    whole chunks (`_quantize_record16_token_groups_kernel`), or 0 for the row-wise kernels. Where a row wider than
+    one chunk is not a whole number of chunks, its last chunk leaves threads masked; G rows (the fewest whose
+    columns fill whole chunks, at most 4: 4 at d = 7168) do not. Needs `LAUNCH["quant"]["token_groups"]` on,
+    contiguous tensors, and at least the GPU's SMs in programs (as `prefetched`)."""
+    g = chunk // math.gcd(d, chunk)
+    on = LAUNCH["quant"]["token_groups"] and mode == SCALE_PER_TOKEN and d > chunk and 1 < g <= 4
+    if not on or not all(b is None or b.is_contiguous() for b in tensors):
+        return 0
+    return g if triton.cdiv(t, g) >= _sm_count(device) else 0
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 1 elsewhere (the Triton interpreter runs one program at a time)."""
@@ -236,6 +252,30 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         t, d = x.shape
         rb, chunk, warps = _launch_shape(fmt, d)
     n_chunks = triton.cdiv(d, chunk)
+    first = record_first(rb, chunk, warps)
+    group = token_groups(t, d, chunk, mode, [x, out, low_bits, scales], x.device) if first else 0
+    if group:
+        k._quantize_record16_token_groups_kernel[(triton.cdiv(t, group),)](
+            x,
+            out if out is not None else _dummy(x, x.dtype),
+            low_bits if record else _dummy(x, torch.uint8),
+            scales if record else _dummy(x, torch.uint8),
+            token_scale if token_scale is not None else _dummy(x, torch.float32),
+            t,
+            low_bits.stride(0) if record else 0,
+            scales.stride(0) if record else 0,
+            token_scale.stride(0) if token_scale is not None else 0,
+            BITS=bits if record else 0,
+            WRITE_OUT=out is not None,
+            D=d,
+            G=group,
+            C=chunk,
+            REC_UNIT=record_store_unit(low_bits, scales, bits, d) if record else 1,
+            RECORD_FIRST=first,
+            num_warps=warps,
+            **({"maxnreg": LAUNCH["quant"]["group_regs"]} if LAUNCH["quant"]["group_regs"] and record else {}),
+        )
+        return
     if fmt.block == 32:  # mxfp4, mxfp4_ocp: half a block per thread
         k._quantize_record32_halves_kernel[(triton.cdiv(t, rb), n_chunks)](
             x,
@@ -265,7 +305,6 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     # (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
-    first = record_first(rb, chunk, warps)
     if fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale)):
         prefetch = prefetched(t, d, rb, n_chunks, mode, x.device)
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]

@@ -752,6 +752,101 @@ def _quantize_record16_kernel(
 
 
 @triton.jit
+def _max_into(a0, a1, a2, a3, v, r: tl.constexpr):
+    """(a0, a1, a2, a3) with a_r replaced by max(a_r, v)."""
+    if r == 0:
+        a0 = tl.maximum(a0, v)
+    elif r == 1:
+        a1 = tl.maximum(a1, v)
+    elif r == 2:
+        a2 = tl.maximum(a2, v)
+    else:
+        a3 = tl.maximum(a3, v)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _in_row(v, col, lo: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
+    """v where the chunk column col (of C) lies in the row whose columns there are [lo, lo + D), else 0."""
+    if lo > 0:
+        v = tl.where(col >= lo, v, 0.0)
+    if lo + D < C:
+        v = tl.where(col < lo + D, v, 0.0)
+    return v
+
+
+@triton.jit
+def _pick(s0, s1, s2, s3, r: tl.constexpr):
+    """s_r of (s0, s1, s2, s3)."""
+    if r == 0:
+        return s0
+    elif r == 1:
+        return s1
+    elif r == 2:
+        return s2
+    return s3
+
+
+@triton.jit
+def _quantize_record16_token_groups_kernel(
+    x_ptr, out_ptr, rec_ptr, scale_ptr, tok_ptr, T, rec_stride, scale_stride, tok_stride,
+    BITS: tl.constexpr, WRITE_OUT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+    REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
+):  # fmt: skip
+    """Per-token nvfp4 on G (at most 4) rows of D columns per program, taken as G * D / C chunks of C columns (x,
+    the output and the record contiguous, `ops.token_groups`): where D is not a multiple of C, a row's last chunk
+    would leave threads masked (at D = 7168 a quarter of the second 4096-column chunk); here every thread holds a
+    block of the group. A first pass takes each row's amax from the chunks (a block's row is known at compile
+    time from its column: a chunk spans one row or two), the second quantizes each chunk under the S_enc of each
+    block's row, reading x again, as the two-pass kernel does."""
+    NB: tl.constexpr = C // 16
+    NCH: tl.constexpr = G * D // C
+    offs = _half_offsets(NB)
+    col = tl.arange(0, NB)[None, :] * 16  # each block's first column within its chunk
+    row0 = tl.program_id(0) * G
+    rows64 = row0.to(tl.int64) + tl.arange(0, 1)
+    x_grp = x_ptr + rows64[:, None, None] * D + offs
+    lim = tl.minimum(T - row0, G) * D  # the group's columns that lie in rows < T
+    a0 = tl.zeros((1, NB), tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    for k in tl.static_range(NCH):
+        m = k * C + offs < lim
+        xa = tl.load(x_grp + k * C, mask=m, other=0.0)
+        xb = tl.load(x_grp + k * C + 8, mask=m, other=0.0)
+        amax_blk = tl.maximum(tl.max(tl.abs(xa.to(tl.float32)), axis=2), tl.max(tl.abs(xb.to(tl.float32)), axis=2))
+        for r in tl.static_range(G):  # row r's columns within the chunk: [r * D - k * C, + D)
+            if r * D - k * C < C:
+                if r * D - k * C + D > 0:
+                    v = _in_row(amax_blk, col, r * D - k * C, D, C)
+                    a0, a1, a2, a3 = _max_into(a0, a1, a2, a3, v, r)
+    s0 = _token_scale(tl.max(tl.max(a0, axis=1), axis=0))
+    s1 = _token_scale(tl.max(tl.max(a1, axis=1), axis=0))
+    s2 = s1
+    s3 = s1
+    if G > 2:
+        s2 = _token_scale(tl.max(tl.max(a2, axis=1), axis=0))
+        s3 = _token_scale(tl.max(tl.max(a3, axis=1), axis=0))
+    if BITS > 0:
+        for r in tl.static_range(G):
+            tl.store(tok_ptr + (row0 + r).to(tl.int64) * tok_stride, _pick(s0, s1, s2, s3, r), mask=row0 + r < T)
+    for k in tl.static_range(NCH):
+        s_enc = tl.zeros((1, NB), tl.float32) + _pick(s0, s1, s2, s3, k * C // D)  # the chunk's first row's
+        for r in tl.static_range(1, G):  # then each row that starts within the chunk
+            if r * D - k * C > 0:
+                if r * D - k * C < C:
+                    s_enc = tl.where(col >= r * D - k * C, _pick(s0, s1, s2, s3, r), s_enc)
+        m = k * C + offs < lim
+        bmask = k * C + col < lim
+        xa = tl.load(x_grp + k * C, mask=m, other=0.0).to(tl.float32)
+        xb = tl.load(x_grp + k * C + 8, mask=m, other=0.0).to(tl.float32)
+        _quantize_chunk16(xa, xb, s_enc, rows64, bmask, k * C, offs, m, _block_index(k * C, NB), bmask, out_ptr,
+                          rec_ptr, scale_ptr, tok_ptr, D, rec_stride, scale_stride, tok_stride, NVFP4, SCALE_PER_TOKEN,
+                          BITS, WRITE_OUT, False, REC_UNIT, RECORD_FIRST)  # fmt: skip
+
+
+@triton.jit
 def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, FMT: tl.constexpr):
     """Guided value and redirected flags (int32) of a half [RB, NB, 8] from its record word [RB, NB]."""
     c = (word[:, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, :]) & ((1 << BITS) - 1)
