@@ -48,29 +48,37 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"rows": 4, "chunk": 1024},
         {"row_chunk": 8192},
         {"whole_chunks": 0},
-        {"prefetch": 8192},
-        {"prefetch_loop": 2},
+        {"token_groups": 0, "prefetch": 8192},
+        {"token_groups": 0, "prefetch_loop": 2},
         {"token_groups": 0},
-        {"group_regs": 64},
-        {"group_regs": 56},
+        {"group_ahead": 0},
+        {"group_ahead": 2},
+        {"group_ahead": 3},
+        {"group_ahead_plain": 1},
+        {"group_ahead_plain": 2},
     ],
+    5120: [{}, {"token_groups": 0}],
+    6144: [{}, {"token_groups": 0}],
 }
 """Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
 2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps, per-token nvfp4 with 4 row tiles per program,
-each loaded before the previous is quantized (`ops.prefetched`, where the programs fill the SMs); 7168: 1 x 4096,
-8 warps, the row in two chunks, the second a quarter masked, per-token nvfp4 loaded ahead as at 4096 (the row's
-amax from the loads ahead, then a quantize pass that reads x again). The third at 2048 is
-the tile launched there before (8 warps: each block split between two threads); the others split rows into more or
-fewer chunks, take two row tiles per program one after the other (`row_loop`), or (`row_chunk` 8192) per-token
-7168-column rows in one pass on 16 warps (loaded ahead, as at 4096). The seventh at 7168 keeps rows as they are
-where the default takes them, with a record, as rows of whole 4096-column chunks (`ops.whole_chunk_rows`: kv_fp4
-here; per-token nvfp4 keeps its rows either way). The last ones concern per-token nvfp4 only: rows loaded ahead
-at 2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), and the
-per-token record kernel on rows of one chunk not loaded ahead without its 40-register cap (`record_regs` 0)."""
+each loaded before the previous is quantized (`ops.prefetched`, where the programs fill the SMs); 7168 (and 5120,
+6144): 1 x 4096, 8 warps, the row in two chunks; with a record kv_fp4 takes the rows as rows of whole chunks
+(`ops.whole_chunk_rows`), and per-token nvfp4 takes groups of 4 rows (2 at 6144) as whole chunks where the programs
+fill the SMs (`ops.token_groups`), streamed 1 chunk ahead with a record and 3 without (`group_ahead`,
+`group_ahead_plain`). The third at 2048 is the tile launched there before (8 warps: each block split between two
+threads); the others split rows into more or fewer chunks, take two row tiles per program one after the other
+(`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096).
+The seventh at 7168 keeps kv_fp4's rows as they are. The rest concern per-token nvfp4 only: rows loaded ahead at
+2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), the per-token
+record kernel on rows of one chunk not loaded ahead without its 40-register cap (`record_regs` 0), the row-wise
+kernels instead of token groups (`token_groups` 0: rows in two chunks, the second a quarter masked at 7168, loaded
+ahead as at 4096, the row's amax from the loads ahead and a quantize pass that reads x again), and token groups
+streamed 0, 2 or 3 chunks ahead with a record, 1 or 2 without."""
 
 
-def tile_label(fmt: str, d: int) -> str:
-    """The tile `ops` launches for fmt at width d under the current LAUNCH: rows x chunk / warps (passes)."""
+def tile_label(fmt: str, t: int, d: int) -> str:
+    """The tile `ops` launches for fmt on [t, d] under the current LAUNCH: rows x chunk / warps (passes)."""
     per_token = FORMATS[fmt].get("per_token", False)
     rows, chunk, warps = ops._launch_shape(ops.get_format(fmt), d, per_token=per_token)
     chunks = -(-d // chunk)
@@ -79,9 +87,13 @@ def tile_label(fmt: str, d: int) -> str:
     if not per_token and ops.LAUNCH["quant"]["whole_chunks"] and d % chunk:  # ops.whole_chunk_rows (T x D fills)
         return f"{rows}x{chunk}/{warps}w (with a record: rows of whole chunks{first})"
     tile = ops.LAUNCH["quant"]
+    mode = ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE
+    if g := ops.token_groups(t, d, (rows, chunk, warps), mode, [], torch.device("cuda")):
+        return (f"{g} rows as {g * d // chunk} whole chunks of {chunk}/{warps}w, streamed {ops.group_ahead(True)} "
+                f"(record) / {ops.group_ahead(False)} (none) chunks ahead")  # fmt: skip
     loop = tile["row_loop"]
     tiles = f", {loop} row tiles per program" if loop > 1 else ""
-    if ops.loaded_ahead_rows(d, chunks, ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE):
+    if ops.loaded_ahead_rows(d, chunks, mode):
         tiles = f", {tile['prefetch_loop']} row tiles per program loaded ahead where they fill the SMs"
     return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles})"
 
@@ -116,7 +128,7 @@ def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[
             out.zero_()
             without_record()
             rows.append({
-                "D": d, "T": t, "format": fmt, "candidate": i, "override": override, "tile": tile_label(fmt, d),
+                "D": d, "T": t, "format": fmt, "candidate": i, "override": override, "tile": tile_label(fmt, t, d),
                 "record_us": rec_us, "plain_us": plain_us, "record_overhead_pct": 100 * (rec_us / plain_us - 1),
                 "copy_ratio": moved / rec_us / 1e3 / copy, "copy_GBps": copy,
                 "bit_exact": same and torch.equal(out, ref[0]),
@@ -136,7 +148,9 @@ def run(ts: list[int], ds: list[int], only: list[int] | None = None, formats: li
 
 def best(rows: list[dict]) -> dict[int, dict[str, int]]:
     """Per width, the candidate with the least summed record and no-record time relative to the first's."""
-    first = {(r["D"], r["T"], r["format"]): r for r in rows if r["candidate"] == 0}
+    first = {}
+    for r in rows:  # the first candidate timed of each case
+        first.setdefault((r["D"], r["T"], r["format"]), r)
     score: dict[tuple[int, int], float] = {}
     for r in rows:
         f = first[(r["D"], r["T"], r["format"])]

@@ -83,7 +83,26 @@ def cases() -> dict[str, Callable[[], None]]:
         for d, chunk in ((512, 4096), (448, 256)):
             q = partial(quant, "nvfp4", 7, d, torch.float32, bits, "per_token", "cpu")
             out[f"quant-nvfp4-per_token-b{bits}-prefetch-d{d}"] = partial(_prefetched, q, d, chunk)
+    for bits in (1, 4):  # per-token rows of 896 columns (two chunks of 512, the second a quarter masked) taken 4
+        # rows per program as 7 whole chunks (ops.token_groups; the last group 3 rows), and of 1536 (chunks of 1024)
+        # 2 rows per program as 3 chunks, streamed 0, 1 (the default with a record), 2 and 3 (without) chunks ahead
+        for d, chunk, group, ahead in ((896, 512, 4, None), (1536, 1024, 2, (0, 2))):
+            q = partial(quant, "nvfp4", 7, d, torch.float32, bits, "per_token", "cpu")
+            name = "" if ahead is None else f"-ahead{ahead[0]}-{ahead[1]}"
+            out[f"quant-nvfp4-per_token-b{bits}-token-groups-d{d}{name}"] = partial(
+                _token_groups, q, d, chunk, group, ahead
+            )
     return out
+
+
+def _token_groups(fn: Callable[[], None], d: int, chunk: int, group: int, ahead: tuple[int, int] | None) -> None:
+    tile = {"chunk": chunk, "row_chunk": chunk, "warps": chunk // 512}  # a 16-element block per thread
+    if ahead is not None:
+        tile.update(group_ahead=ahead[0], group_ahead_plain=ahead[1])
+    with ops.launch_overrides(tile):
+        shape = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
+        assert ops.token_groups(7, d, shape, ops.SCALE_PER_TOKEN, [], torch.device("cpu")) == group
+        fn()
 
 
 def _prefetched(fn: Callable[[], None], d: int, chunk: int) -> None:

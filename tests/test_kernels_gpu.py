@@ -123,17 +123,19 @@ def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
                 kernel_checks.check_quantize_record("nvfp4", rows, d, dtype, bits, "per_token", "cuda", _via_op)
 
 
-@pytest.mark.parametrize("regs", [0, 64])
+@pytest.mark.parametrize("ahead", [0, 1, 3])
 @pytest.mark.parametrize("d, group", [(7168, 4), (5120, 4), (6144, 2)])
-def test_per_token_rows_in_token_groups(d, group, regs, monkeypatch):
+def test_per_token_rows_in_token_groups(d, group, ahead, monkeypatch):
     # per-token rows of two chunks that are not whole chunks, taken `group` rows per program as whole chunks
-    # (ops.token_groups): on the SMs' worth of programs and one row more (the last group one row), and on 3 rows
-    # (too few programs: the row-wise kernel)
-    monkeypatch.setitem(ops.LAUNCH["quant"], "group_regs", regs)
+    # (ops.token_groups), streamed `ahead` chunks ahead with and without a record: on the SMs' worth of programs
+    # and one row more (the last group one row), and on 3 rows (too few programs: the row-wise kernel)
+    monkeypatch.setitem(ops.LAUNCH["quant"], "group_ahead", ahead)
+    monkeypatch.setitem(ops.LAUNCH["quant"], "group_ahead_plain", ahead)
     t = group * torch.cuda.get_device_properties(0).multi_processor_count + 1
     x = torch.empty(t, d, device="cuda")
-    assert ops.token_groups(t, d, 4096, ops.SCALE_PER_TOKEN, [x], x.device) == group
-    assert not ops.token_groups(3, d, 4096, ops.SCALE_PER_TOKEN, [x], x.device)
+    tile = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
+    assert ops.token_groups(t, d, tile, ops.SCALE_PER_TOKEN, [x], x.device) == group
+    assert not ops.token_groups(3, d, tile, ops.SCALE_PER_TOKEN, [x], x.device)
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 2, 4):

@@ -61,7 +61,8 @@ LAUNCH: dict[str, dict[str, int]] = {
         "wide_record": 0,
         "whole_chunks": 1,
         "token_groups": 1,
-        "group_regs": 0,
+        "group_ahead": 1,
+        "group_ahead_plain": 3,
     },
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
@@ -79,7 +80,15 @@ registers per thread (0: as ptxas chooses; 40, as many as the kernel without the
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
-SWITCHES = ("wide_record", "whole_chunks", "prefetch", "record_regs", "token_groups", "group_regs")
+SWITCHES = (
+    "wide_record",
+    "whole_chunks",
+    "prefetch",
+    "record_regs",
+    "token_groups",
+    "group_ahead",
+    "group_ahead_plain",
+)
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
 
@@ -181,17 +190,32 @@ def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.
     return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
 
 
-def token_groups(t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None], device) -> int:
+def token_groups(
+    t: int, d: int, tile: tuple[int, int, int], mode: int, tensors: list[torch.Tensor | None], device
+) -> int:
     """Rows per program (G) as which the quantize kernel takes t per-token nvfp4 rows of width d as G * d / chunk
-    whole chunks (`_quantize_record16_token_groups_kernel`), or 0 for the row-wise kernels. Where a row wider than
-    one chunk is not a whole number of chunks, its last chunk leaves threads masked; G rows (the fewest whose
-    columns fill whole chunks, at most 4: 4 at d = 7168) do not. Needs `LAUNCH["quant"]["token_groups"]` on,
-    contiguous tensors, and at least the GPU's SMs in programs (as `prefetched`)."""
+    whole chunks (`_quantize_record16_token_groups_kernel`), or 0 for the row-wise kernels; tile is the (rows,
+    chunk, warps) of `_launch_shape`. Where a row wider than one chunk is not a whole number of chunks, its last
+    chunk leaves threads masked; G rows (the fewest whose columns fill whole chunks, at most 4: 4 at d = 7168 and
+    5120, 2 at 6144) do not. Needs `LAUNCH["quant"]["token_groups"]` on, a tile that gives each thread whole blocks
+    (`record_first`), contiguous tensors, and at least the GPU's SMs in programs (as `prefetched`)."""
+    chunk = tile[1]
     g = chunk // math.gcd(d, chunk)
     on = LAUNCH["quant"]["token_groups"] and mode == SCALE_PER_TOKEN and d > chunk and 1 < g <= 4
+    on = on and record_first(*tile)
     if not on or not all(b is None or b.is_contiguous() for b in tensors):
         return 0
     return g if triton.cdiv(t, g) >= _sm_count(device) else 0
+
+
+def group_ahead(record: bool) -> int:
+    """Chunks the token-groups kernel loads ahead of the one whose amax it takes: `LAUNCH["quant"]["group_ahead"]`
+    (1) with a record, `group_ahead_plain` (3) without; at most 3 (its register slots)."""
+    ahead = LAUNCH["quant"]["group_ahead" if record else "group_ahead_plain"]
+    if ahead > 3:
+        raise ValueError(f"LAUNCH quant group_ahead{'' if record else '_plain'} = {ahead}: the kernel loads at most 3 "
+                         "chunks ahead")  # fmt: skip
+    return ahead
 
 
 @functools.cache
@@ -253,7 +277,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         rb, chunk, warps = _launch_shape(fmt, d)
     n_chunks = triton.cdiv(d, chunk)
     first = record_first(rb, chunk, warps)
-    group = token_groups(t, d, chunk, mode, [x, out, low_bits, scales], x.device) if first else 0
+    group = token_groups(t, d, (rb, chunk, warps), mode, [x, out, low_bits, scales], x.device)
     if group:
         k._quantize_record16_token_groups_kernel[(triton.cdiv(t, group),)](
             x,
@@ -272,8 +296,8 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
             C=chunk,
             REC_UNIT=record_store_unit(low_bits, scales, bits, d) if record else 1,
             RECORD_FIRST=first,
+            AHEAD=group_ahead(record),
             num_warps=warps,
-            **({"maxnreg": LAUNCH["quant"]["group_regs"]} if LAUNCH["quant"]["group_regs"] and record else {}),
         )
         return
     if fmt.block == 32:  # mxfp4, mxfp4_ocp: half a block per thread
