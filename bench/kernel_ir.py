@@ -22,6 +22,7 @@ import re
 import sys
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -118,6 +119,15 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         table[3:3] = [(f"quant nvfp4 per-token b=1, {loop} row tiles prefetched", quant("nvfp4", p, 1, prefetch=loop)),
                      (f"quant nvfp4 per-token no-record, {loop} row tiles prefetched",
                       quant("nvfp4", p, 0, prefetch=loop))]  # fmt: skip
+    tile = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
+    for bits in (1, 0):  # per-token rows in token groups, where ops takes them so (with enough rows)
+        if groups := ops.token_groups(1 << 20, d, tile, p, [], torch.device("cpu"), bool(bits)):
+            g, c, w = groups
+            ahead = ops.LAUNCH["quant"]["group_ahead"]
+            args = {"RB": 1, "C": c, "num_warps": w, "BITS": bits, "WRITE_OUT": True, "D": d, "G": g,
+                    "REC_UNIT": unit(bits), "RECORD_FIRST": True, "AHEAD": ahead}  # fmt: skip
+            label = f"quant nvfp4 per-token {f'b={bits}' if bits else 'no-record'}, token groups of {g} rows"
+            table.append((label, (mod._quantize_record16_token_groups_kernel, args)))
     return [(label, kernel, args) for label, (kernel, args) in table]
 
 

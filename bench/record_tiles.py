@@ -51,11 +51,10 @@ CANDIDATES: dict[int, list[dict[str, int]]] = {
         {"token_groups": 0, "prefetch": 8192},
         {"token_groups": 0, "prefetch_loop": 2},
         {"token_groups": 0},
-        {"group_ahead": 0},
+        {"group_record_chunk": 0},
+        {"group_ahead": 1},
         {"group_ahead": 2},
-        {"group_ahead": 3},
-        {"group_ahead_plain": 1},
-        {"group_ahead_plain": 2},
+        {"group_ahead": 0},
     ],
     5120: [{}, {"token_groups": 0}],
     6144: [{}, {"token_groups": 0}],
@@ -88,9 +87,11 @@ def tile_label(fmt: str, t: int, d: int) -> str:
         return f"{rows}x{chunk}/{warps}w (with a record: rows of whole chunks{first})"
     tile = ops.LAUNCH["quant"]
     mode = ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE
-    if g := ops.token_groups(t, d, (rows, chunk, warps), mode, [], torch.device("cuda")):
-        return (f"{g} rows as {g * d // chunk} whole chunks of {chunk}/{warps}w, streamed {ops.group_ahead(True)} "
-                f"(record) / {ops.group_ahead(False)} (none) chunks ahead")  # fmt: skip
+    groups = [ops.token_groups(t, d, (rows, chunk, warps), mode, [], torch.device("cuda"), r) for r in (True, False)]
+    if all(groups):
+        (g, c, w), (pg, pc, pw) = groups
+        return (f"token groups, {tile['group_ahead']} chunks ahead: {g} rows as {g * d // c} chunks of {c}/{w}w, "
+                f"without the record {pg} rows as {pg * d // pc} chunks of {pc}/{pw}w")  # fmt: skip
     loop = tile["row_loop"]
     tiles = f", {loop} row tiles per program" if loop > 1 else ""
     if ops.loaded_ahead_rows(d, chunks, mode):

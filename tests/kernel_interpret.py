@@ -83,25 +83,23 @@ def cases() -> dict[str, Callable[[], None]]:
         for d, chunk in ((512, 4096), (448, 256)):
             q = partial(quant, "nvfp4", 7, d, torch.float32, bits, "per_token", "cpu")
             out[f"quant-nvfp4-per_token-b{bits}-prefetch-d{d}"] = partial(_prefetched, q, d, chunk)
-    for bits in (1, 4):  # per-token rows of 896 columns (two chunks of 512, the second a quarter masked) taken 4
-        # rows per program as 7 whole chunks (ops.token_groups; the last group 3 rows), and of 1536 (chunks of 1024)
-        # 2 rows per program as 3 chunks, streamed 0, 1 (the default with a record), 2 and 3 (without) chunks ahead
-        for d, chunk, group, ahead in ((896, 512, 4, None), (1536, 1024, 2, (0, 2))):
+    for bits in (1, 4):  # per-token rows in token groups (ops.token_groups), 7 rows (the last group partial): 1792
+        # columns (two chunks of 1024, the second a quarter masked) as 2 rows per program in 7 chunks of 512 with a
+        # record and 4 rows in 7 chunks of 1024 without, 3 chunks loaded ahead; 896 columns (chunks of 512) as 4 rows
+        # in 7 chunks, none ahead; 1536 (chunks of 1024: 512 would give whole rows) as 2 rows in 3 chunks, 1 ahead
+        for d, chunk, record_chunk, ahead in ((1792, 1024, 512, 3), (896, 512, 0, 0), (1536, 1024, 512, 1)):
             q = partial(quant, "nvfp4", 7, d, torch.float32, bits, "per_token", "cpu")
-            name = "" if ahead is None else f"-ahead{ahead[0]}-{ahead[1]}"
-            out[f"quant-nvfp4-per_token-b{bits}-token-groups-d{d}{name}"] = partial(
-                _token_groups, q, d, chunk, group, ahead
+            out[f"quant-nvfp4-per_token-b{bits}-token-groups-d{d}-ahead{ahead}"] = partial(
+                _token_groups, q, d, {"chunk": chunk, "group_record_chunk": record_chunk, "group_ahead": ahead}
             )
     return out
 
 
-def _token_groups(fn: Callable[[], None], d: int, chunk: int, group: int, ahead: tuple[int, int] | None) -> None:
-    tile = {"chunk": chunk, "row_chunk": chunk, "warps": chunk // 512}  # a 16-element block per thread
-    if ahead is not None:
-        tile.update(group_ahead=ahead[0], group_ahead_plain=ahead[1])
-    with ops.launch_overrides(tile):
+def _token_groups(fn: Callable[[], None], d: int, tile: dict[str, int]) -> None:
+    with ops.launch_overrides({"row_chunk": tile["chunk"], "warps": tile["chunk"] // 512, **tile}):  # a block a thread
         shape = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
-        assert ops.token_groups(7, d, shape, ops.SCALE_PER_TOKEN, [], torch.device("cpu")) == group
+        for record in (True, False):
+            assert ops.token_groups(7, d, shape, ops.SCALE_PER_TOKEN, [], torch.device("cpu"), record)
         fn()
 
 

@@ -124,18 +124,20 @@ def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
 
 
 @pytest.mark.parametrize("ahead", [0, 1, 3])
-@pytest.mark.parametrize("d, group", [(7168, 4), (5120, 4), (6144, 2)])
-def test_per_token_rows_in_token_groups(d, group, ahead, monkeypatch):
-    # per-token rows of two chunks that are not whole chunks, taken `group` rows per program as whole chunks
-    # (ops.token_groups), streamed `ahead` chunks ahead with and without a record: on the SMs' worth of programs
-    # and one row more (the last group one row), and on 3 rows (too few programs: the row-wise kernel)
+@pytest.mark.parametrize("d, groups", [(7168, ((2, 2048), (4, 4096))), (5120, ((2, 2048), (4, 4096))),
+                                       (6144, ((2, 4096), (2, 4096)))])  # fmt: skip
+def test_per_token_rows_in_token_groups(d, groups, ahead, monkeypatch):
+    # per-token rows of two chunks that are not whole chunks, taken G rows per program as whole chunks
+    # (ops.token_groups; groups: (G, chunk) with a record, without), streamed `ahead` chunks ahead: on the SMs'
+    # worth of programs and one row more (the last group one row), and on 3 rows (too few programs: the row-wise
+    # kernel). At 6144 the record's 2048-column chunks would give whole rows: it takes the tile's 4096.
     monkeypatch.setitem(ops.LAUNCH["quant"], "group_ahead", ahead)
-    monkeypatch.setitem(ops.LAUNCH["quant"], "group_ahead_plain", ahead)
-    t = group * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    t = 2 * torch.cuda.get_device_properties(0).multi_processor_count * 2 + 1
     x = torch.empty(t, d, device="cuda")
     tile = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
-    assert ops.token_groups(t, d, tile, ops.SCALE_PER_TOKEN, [x], x.device) == group
-    assert not ops.token_groups(3, d, tile, ops.SCALE_PER_TOKEN, [x], x.device)
+    for record, (g, chunk) in zip((True, False), groups, strict=True):
+        assert ops.token_groups(t, d, tile, ops.SCALE_PER_TOKEN, [x], x.device, record) == (g, chunk, chunk // 512)
+        assert not ops.token_groups(3, d, tile, ops.SCALE_PER_TOKEN, [x], x.device, record)
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 2, 4):

@@ -61,8 +61,8 @@ LAUNCH: dict[str, dict[str, int]] = {
         "wide_record": 0,
         "whole_chunks": 1,
         "token_groups": 1,
-        "group_ahead": 1,
-        "group_ahead_plain": 3,
+        "group_ahead": 3,
+        "group_record_chunk": 2048,
     },
     "guided": {"rows": 2, "chunk": 1024, "warps": 4, "row_loop": 4},
 }
@@ -87,7 +87,7 @@ SWITCHES = (
     "record_regs",
     "token_groups",
     "group_ahead",
-    "group_ahead_plain",
+    "group_record_chunk",
 )
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
 
@@ -191,31 +191,27 @@ def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.
 
 
 def token_groups(
-    t: int, d: int, tile: tuple[int, int, int], mode: int, tensors: list[torch.Tensor | None], device
-) -> int:
-    """Rows per program (G) as which the quantize kernel takes t per-token nvfp4 rows of width d as G * d / chunk
-    whole chunks (`_quantize_record16_token_groups_kernel`), or 0 for the row-wise kernels; tile is the (rows,
-    chunk, warps) of `_launch_shape`. Where a row wider than one chunk is not a whole number of chunks, its last
-    chunk leaves threads masked; G rows (the fewest whose columns fill whole chunks, at most 4: 4 at d = 7168 and
-    5120, 2 at 6144) do not. Needs `LAUNCH["quant"]["token_groups"]` on, a tile that gives each thread whole blocks
-    (`record_first`), contiguous tensors, and at least the GPU's SMs in programs (as `prefetched`)."""
-    chunk = tile[1]
-    g = chunk // math.gcd(d, chunk)
-    on = LAUNCH["quant"]["token_groups"] and mode == SCALE_PER_TOKEN and d > chunk and 1 < g <= 4
-    on = on and record_first(*tile)
+    t: int, d: int, tile: tuple[int, int, int], mode: int, tensors: list[torch.Tensor | None], device, record: bool
+) -> tuple[int, int, int] | None:
+    """(G, chunk, warps): the tile as which the quantize kernel takes t per-token nvfp4 rows of width d, G rows per
+    program as G * d / chunk whole chunks (`_quantize_record16_token_groups_kernel`), or None for the row-wise
+    kernels; tile is the (rows, chunk, warps) of `_launch_shape`. Where a row wider than one chunk is not a whole
+    number of chunks, its last chunk leaves threads masked; G rows (the fewest whose columns fill whole chunks, at
+    most 4) do not. With a record the chunk is `LAUNCH["quant"]["group_record_chunk"]` (2048, on half the warps:
+    at d = 7168, 2 rows as 7 chunks) where that gives token groups, else the tile's (4096 at d = 7168: 4 rows as 7
+    chunks). Needs `LAUNCH["quant"]["token_groups"]` on, contiguous tensors, and at least the GPU's SMs in programs
+    (as `prefetched`). H200, d = 7168: docs/performance.md, "token groups"."""
+    rows, chunk, warps = tile
+    on = LAUNCH["quant"]["token_groups"] and mode == SCALE_PER_TOKEN and d > chunk
     if not on or not all(b is None or b.is_contiguous() for b in tensors):
-        return 0
-    return g if triton.cdiv(t, g) >= _sm_count(device) else 0
-
-
-def group_ahead(record: bool) -> int:
-    """Chunks the token-groups kernel loads ahead of the one whose amax it takes: `LAUNCH["quant"]["group_ahead"]`
-    (1) with a record, `group_ahead_plain` (3) without; at most 3 (its register slots)."""
-    ahead = LAUNCH["quant"]["group_ahead" if record else "group_ahead_plain"]
-    if ahead > 3:
-        raise ValueError(f"LAUNCH quant group_ahead{'' if record else '_plain'} = {ahead}: the kernel loads at most 3 "
-                         "chunks ahead")  # fmt: skip
-    return ahead
+        return None
+    narrow = min(chunk, LAUNCH["quant"]["group_record_chunk"] or chunk) if record else chunk
+    for c in dict.fromkeys((narrow, chunk)):  # the record's chunk first, then the tile's
+        w = max(1, warps * c // chunk)
+        g = c // math.gcd(d, c)
+        if 1 < g <= 4 and record_first(rows, c, w):
+            return (g, c, w) if triton.cdiv(t, g) >= _sm_count(device) else None
+    return None
 
 
 @functools.cache
@@ -276,10 +272,9 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         t, d = x.shape
         rb, chunk, warps = _launch_shape(fmt, d)
     n_chunks = triton.cdiv(d, chunk)
-    first = record_first(rb, chunk, warps)
-    group = token_groups(t, d, (rb, chunk, warps), mode, [x, out, low_bits, scales], x.device)
-    if group:
-        k._quantize_record16_token_groups_kernel[(triton.cdiv(t, group),)](
+    if groups := token_groups(t, d, (rb, chunk, warps), mode, [x, out, low_bits, scales], x.device, record):
+        g, c, w = groups
+        k._quantize_record16_token_groups_kernel[(triton.cdiv(t, g),)](
             x,
             out if out is not None else _dummy(x, x.dtype),
             low_bits if record else _dummy(x, torch.uint8),
@@ -292,12 +287,12 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
             BITS=bits if record else 0,
             WRITE_OUT=out is not None,
             D=d,
-            G=group,
-            C=chunk,
+            G=g,
+            C=c,
             REC_UNIT=record_store_unit(low_bits, scales, bits, d) if record else 1,
-            RECORD_FIRST=first,
-            AHEAD=group_ahead(record),
-            num_warps=warps,
+            RECORD_FIRST=True,
+            AHEAD=LAUNCH["quant"]["group_ahead"],
+            num_warps=w,
         )
         return
     if fmt.block == 32:  # mxfp4, mxfp4_ocp: half a block per thread
@@ -329,6 +324,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     # (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
+    first = record_first(rb, chunk, warps)
     if fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale)):
         prefetch = prefetched(t, d, rb, n_chunks, mode, x.device)
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
