@@ -76,7 +76,10 @@ threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-to
 `prefetch` columns (0: none) in one or two chunks are loaded ahead, `prefetch_loop` row tiles per program
 (`prefetched`); the per-token nvfp4 record kernel on rows of one chunk not loaded ahead holds at most `record_regs`
 registers per thread (0: as ptxas chooses; 40, as many as the kernel without the record: on the H200 at D = 2048
-0.6 - 0.8 % faster at T = 65536 and 2 - 3 % at T = 4096, docs/performance.md). `TRACE_FP4_LAUNCH` (JSON, e.g.
+0.6 - 0.8 % faster at T = 65536 and 2 - 3 % at T = 4096, docs/performance.md). With `token_groups` = 1, per-token
+nvfp4 rows wider than a chunk but not a whole number of chunks (7168, 5120, 6144) are taken a few rows per program
+as whole chunks (`token_groups`), streamed `group_ahead` chunks ahead, in chunks of `group_record_chunk` columns
+with a record (docs/performance.md, "token groups"). `TRACE_FP4_LAUNCH` (JSON, e.g.
 `{"quant": {"chunk": 4096, "warps": 8}}`) overrides entries for other GPUs."""
 
 
@@ -227,7 +230,7 @@ def prefetched(t: int, d: int, rows: int, n_chunks: int, mode: int, device: torc
     ["prefetch"]` columns, and the programs still number at least the GPU's SMs (at T = 64, 16 programs would each
     take 4 rows in turn). H200, nvfp4 per token, T = 65536: at D = 4096 the record kernel 8.8 % faster, its cost
     +5.0 -> +2.5 %; at D = 7168 (two chunks) both kernels 2 - 3 % faster; at D = 2048 not faster
-    (docs/performance.md, "per-token rows loaded ahead")."""
+    (docs/performance.md, "per-token rows loaded ahead"). Rows that `token_groups` takes are not asked."""
     if not loaded_ahead_rows(d, n_chunks, mode):
         return False
     return triton.cdiv(t, rows * LAUNCH["quant"]["prefetch_loop"]) >= _sm_count(device)

@@ -5,6 +5,8 @@ Each kernel is the twin of `trace_core` reference functions and is tested agains
 by `tests/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` picks the kernel:
 - quantize-and-record ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`:
   `_quantize_record16_kernel`, 16-element blocks (nvfp4, kv_fp4), one block per thread;
+  `_quantize_record16_token_groups_kernel`, the same for per-token nvfp4 rows taken a few per program as whole
+  chunks (`ops.token_groups`);
   `_quantize_record32_halves_kernel`, 32-element blocks (mxfp4, mxfp4_ocp), half a block per thread;
   `_quantize_record_kernel`, one 8-element group per thread, only for nvfp4 with a record on tiles that do not give
   each thread whole blocks (rows of at most 256 columns with the default tile). Tests:
@@ -12,7 +14,7 @@ by `tests/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` pic
   `test_quantize_record_on_every_swept_tile`, `test_per_token_rows_wider_than_one_tile`,
   `test_per_token_rows_loaded_ahead`, `test_per_token_record_kernel_register_cap`,
   `test_record_in_16_byte_vectors_is_bit_exact`, `test_rows_taken_as_whole_chunks_are_bit_exact` (the E8M0
-  formats);
+  formats), `test_per_token_rows_in_token_groups`;
 - guided fake-quant ↔ `guided.guided_quantize` + `quant.dequantize`: `_guided_kernel`, one kernel for 16- and
   32-element blocks, 16 elements per thread. Tests: `test_guided_is_bit_exact`,
   `test_guided_with_other_row_tiles_per_program`.
