@@ -62,6 +62,10 @@ def cases() -> dict[str, Callable[[], None]]:
         # mxfp4: 8 rows of 96 columns as 6 rows of one 128-column chunk
         out[f"quant-mxfp4-none-b{bits}-whole-chunks"] = partial(quant, "mxfp4", 8, 96, torch.float32, bits, "none",
                                                                 "cpu")  # fmt: skip
+    for fmt in ("kv_fp4", "mxfp4"):  # 8 rows of 160 columns, chunks of 128: the last a quarter used, so as 10 rows
+        # of one chunk without a record too
+        q = partial(quant, fmt, 8, 160, torch.float32, 1, "none", "cpu")
+        out[f"quant-{fmt}-none-b1-whole-chunks-no-record"] = partial(_whole_chunks_no_record, q)
     for fmt in ("nvfp4", "kv_fp4", "mxfp4", "mxfp4_ocp"):  # the record stored before the output (RECORD_FIRST)
         for mode in kernel_checks.SCALE_MODES[fmt]:
             for bits in (1, 4):
@@ -100,6 +104,12 @@ def _token_groups(fn: Callable[[], None], d: int, tile: dict[str, int]) -> None:
         shape = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
         for record in (True, False):
             assert ops.token_groups(7, d, shape, ops.SCALE_PER_TOKEN, [], torch.device("cpu"), record)
+        fn()
+
+
+def _whole_chunks_no_record(fn: Callable[[], None]) -> None:
+    with ops.launch_overrides({"chunk": 128, "warps": 1}):
+        assert ops.whole_chunk_rows(8, 160, 128, ops.SCALE_NONE, [], record=False) == 10
         fn()
 
 

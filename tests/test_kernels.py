@@ -135,6 +135,10 @@ def test_rows_are_taken_as_whole_chunks_only_for_block_scales_and_contiguous_ten
         assert ops.whole_chunk_rows(4, 7168, 4096, mode, bufs + [token]) == 0, mode
     assert ops.whole_chunk_rows(3, 7168, 4096, ops.SCALE_NONE, bufs) == 0  # 3 x 7168: not whole chunks
     assert ops.whole_chunk_rows(4, 8192, 4096, ops.SCALE_NONE, bufs) == 0  # no masked threads to save
+    # without a record only where the last chunk is at most half used: 5120 and 6144, not 7168
+    assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, bufs, record=False) == 0
+    assert ops.whole_chunk_rows(4, 5120, 4096, ops.SCALE_NONE, [torch.zeros(4, 5120)], record=False) == 5
+    assert ops.whole_chunk_rows(2, 6144, 4096, ops.SCALE_NONE, [torch.zeros(2, 6144)], record=False) == 3
     wide = torch.zeros(4, low.shape[1] + 2, dtype=torch.uint8)[:, 1:-1]
     assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, [x, None, wide, scales]) == 0  # strided record
 

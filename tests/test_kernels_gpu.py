@@ -78,8 +78,9 @@ def test_quantize_record_on_every_swept_tile(fmt, d, tile):
 def test_rows_taken_as_whole_chunks_are_bit_exact(fmt):
     # row counts whose t * d elements fill whole chunks: a record of the E8M0 formats into aligned buffers takes its
     # rows as rows of one chunk (ops.whole_chunk_rows: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 of
-    # 1024); the calls without a record or into strided buffers take them as they are
-    for t, d in ((64, 7168), (32, 544)):
+    # 1024, 8 x 5120 as 10 of 4096); the calls into strided buffers take them as they are, and so do the calls
+    # without a record except at 5120 (the last chunk a quarter used)
+    for t, d in ((64, 7168), (32, 544), (8, 5120)):
         for bits in (1, 2, 3, 4):
             kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, "none", "cuda", _via_op)
 

@@ -178,17 +178,21 @@ def record_first(rows: int, chunk: int, warps: int) -> bool:
     return rows * chunk // 16 >= 32 * warps
 
 
-def whole_chunk_rows(t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None]) -> int:
+def whole_chunk_rows(
+    t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None], record: bool = True
+) -> int:
     """Rows of `chunk` columns as which the quantize kernel takes a [t, d] input and its buffers (`tensors`), or 0
     to take them as they are. Where a row is not a whole number of chunks, its last chunk leaves threads masked
     (at d = 7168 a quarter of the second 4096-column chunk: 2 x the instructions of d = 4096 for 1.75 x the data).
     Where every scale is a block's own, a block's output and record do not depend on its row, so contiguous
     tensors whose t * d elements fill whole chunks can be taken as rows of one chunk, none masked: the same blocks
-    at the same offsets. Done for the E8M0 formats (kv_fp4, mxfp4, mxfp4_ocp; timed on kv_fp4 and mxfp4);
-    `triton_quantize_record` does so where it writes a record. nvfp4 with one S_enc would be taken the same way,
-    but was not timed so and keeps its rows."""
+    at the same offsets. Done for the E8M0 formats (kv_fp4, mxfp4, mxfp4_ocp; timed on kv_fp4 and mxfp4) where
+    the kernel writes a record, and without one where the row's last chunk is at most half used (H200, kv_fp4,
+    T = 65536: at d = 5120 and 6144 the no-record kernel ran 23 and 8 % slower than the record kernel on its rows;
+    at 7168, a quarter masked, whole chunks were 0.8 % slower without the record). nvfp4 with one S_enc would be
+    taken the same way, but was not timed so and keeps its rows."""
     off = not LAUNCH["quant"]["whole_chunks"] or mode != SCALE_NONE
-    if off or d % chunk == 0 or (t * d) % chunk:
+    if off or d % chunk == 0 or (t * d) % chunk or (not record and 2 * (d % chunk) > chunk):
         return 0
     return t * d // chunk if all(b is None or b.is_contiguous() for b in tensors) else 0
 
@@ -268,8 +272,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     mode = _scale_mode(fmt, global_scale, per_token)
     rb, chunk, warps = _launch_shape(fmt, d, per_token=mode == SCALE_PER_TOKEN)
     record = low_bits is not None
-    # rows of whole chunks with a record only: the no-record kernel measured 0.8 % slower so (H200, kv_fp4, D = 7168)
-    rows = whole_chunk_rows(t, d, chunk, mode, [x, out, low_bits, scales]) if record else 0
+    rows = whole_chunk_rows(t, d, chunk, mode, [x, out, low_bits, scales], record)
     if rows:
         x, out, low_bits, scales = (b if b is None else b.view(rows, -1) for b in (x, out, low_bits, scales))
         t, d = x.shape
