@@ -69,8 +69,8 @@ fill the SMs (`ops.token_groups`), streamed 1 chunk ahead with a record and 3 wi
 threads); the others split rows into more or fewer chunks, take two row tiles per program one after the other
 (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096).
 The seventh at 7168 and the third at 5120 and 6144 keep kv_fp4's rows as they are (at 5120 and 6144 the
-default takes them as rows of whole chunks without a record too). The rest concern per-token nvfp4 only: rows loaded ahead at
-2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), the per-token
+default takes them as rows of whole chunks without a record too). The rest concern per-token nvfp4 only: rows
+loaded ahead at 2048 too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), the per-token
 record kernel on rows of one chunk not loaded ahead without its 40-register cap (`record_regs` 0), the row-wise
 kernels instead of token groups (`token_groups` 0: rows in two chunks, the second a quarter masked at 7168, loaded
 ahead as at 4096, the row's amax from the loads ahead and a quantize pass that reads x again), and token groups
