@@ -39,7 +39,6 @@ VARIANTS = {
 def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
     decode_attention_fwd = sglang_decode_attention()
     codes, scales, bf16, _ = pool(slots, kv_heads, d)
-    default = dict(fa.GROUPED_LAUNCH)
     rows = []
     for batch, length in CASES:
         indices = torch.randperm(slots - 1, device="cuda")[: batch * length] + 1
@@ -54,17 +53,14 @@ def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
         row["bf16_us"] = 1e3 * graph_ms(partial(decode_attention_fwd, q, bf16[0], bf16[1], o, *common, 1.0, 1.0))
         ref = None
         for name, launch in VARIANTS.items():
-            fa.GROUPED_LAUNCH.clear()
-            fa.GROUPED_LAUNCH.update(launch)
-            o = torch.empty_like(q)
-            fp4 = partial(fa.fp4_decode_attention, q, codes[0], scales[0], codes[1], scales[1], o, *common)
-            fp4()
-            ref = o.clone() if ref is None else ref
-            row[f"{name}: equal"] = torch.equal(o, ref)
-            row[f"{name}: us"] = 1e3 * graph_ms(fp4)
-            row[f"{name}: over bf16"] = row[f"{name}: us"] / row["bf16_us"]
-        fa.GROUPED_LAUNCH.clear()
-        fa.GROUPED_LAUNCH.update(default)
+            with fa.grouped_launch(launch):
+                o = torch.empty_like(q)
+                fp4 = partial(fa.fp4_decode_attention, q, codes[0], scales[0], codes[1], scales[1], o, *common)
+                fp4()
+                ref = o.clone() if ref is None else ref
+                row[f"{name}: equal"] = torch.equal(o, ref)
+                row[f"{name}: us"] = 1e3 * graph_ms(fp4)
+                row[f"{name}: over bf16"] = row[f"{name}: us"] / row["bf16_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -25,6 +25,7 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests import fp4_attention_interpret
 from tests.interpret import Interpreted, interpret
+from trace_core.kernels import fp4_attention
 from trace_core.kernels.fp4_attention import check_fp4_cache, fp4_words
 from trace_core.kv_attention import decode_attention_reference, dequantize_kv
 
@@ -46,6 +47,15 @@ def test_dequantize_kv_is_the_kv_fp4_value():
     scales = torch.tensor([[128]], dtype=torch.uint8)  # 2^1
     out = dequantize_kv(codes, scales, torch.float32)
     assert out[0, 0, :4].tolist() == [1.0, 2.0, -0.0, -12.0]
+
+
+def test_grouped_launch_is_restored_in_place():
+    default = dict(fp4_attention.GROUPED_LAUNCH)
+    with pytest.raises(RuntimeError, match="inside"):
+        with fp4_attention.grouped_launch({"num_warps": 4, "num_stages": 2}):
+            assert fp4_attention.GROUPED_LAUNCH == {"num_warps": 4, "num_stages": 2}
+            raise RuntimeError("inside")
+    assert fp4_attention.GROUPED_LAUNCH == default
 
 
 def test_bad_cache_is_named():

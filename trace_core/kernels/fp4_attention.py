@@ -16,6 +16,9 @@ SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +44,19 @@ GROUPED_LAUNCH: dict[str, int] = {"num_warps": 4, "num_stages": 3, "maxnreg": 96
 copied two blocks ahead) and a cap of 96 registers (5 programs per SM instead of 4, no spills) schedule the same
 instructions and were fastest on the H200 (`bench/fp4_attention_launch.py`, which also checks that the outputs are
 equal). The warps set the dots' layout and so the order of the softmax sums: they stay SGLang's."""
+
+
+@contextlib.contextmanager
+def grouped_launch(launch: dict[str, int]) -> Iterator[None]:
+    """`GROUPED_LAUNCH` replaced by launch for the duration, restored in place after (benches of other settings)."""
+    saved = dict(GROUPED_LAUNCH)
+    try:
+        GROUPED_LAUNCH.clear()
+        GROUPED_LAUNCH.update(launch)
+        yield
+    finally:
+        GROUPED_LAUNCH.clear()
+        GROUPED_LAUNCH.update(saved)
 
 
 @triton.jit
