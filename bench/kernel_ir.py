@@ -73,7 +73,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
         first = ops.record_first(tile["RB"], tile["C"], tile["num_warps"])
-        use16 = block == 16 and (first or not (bits and fmt_obj.has_global_scale))
+        use16 = ops.block_per_thread(fmt_obj, bool(bits), first, rec_unit or unit(bits))
         use16 = use16 if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         if block == 32:  # half a block per thread, where the module has that kernel

@@ -178,6 +178,15 @@ def record_first(rows: int, chunk: int, warps: int) -> bool:
     return rows * chunk // 16 >= 32 * warps
 
 
+def block_per_thread(fmt: FP4Format, record: bool, first: bool, unit: int) -> bool:
+    """Whether the quantize kernel for 16-element blocks is the block-per-thread one (`_quantize_record16_kernel`)
+    rather than the group-per-thread one (`_quantize_record_kernel`), given `record_first` (`first`) and the record's
+    store unit: always, except for nvfp4 with a record stored per block on a tile that does not give each thread
+    whole blocks (rows of at most 256 columns with the default tile, or a `TRACE_FP4_LAUNCH` override), where the
+    group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)."""
+    return fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale))
+
+
 def whole_chunk_rows(
     t: int, d: int, chunk: int, mode: int, tensors: list[torch.Tensor | None], record: bool = True
 ) -> int:
@@ -324,14 +333,10 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         )
         return
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
-    # 16-element blocks take the block-per-thread kernel, except nvfp4 with a record stored per block on a tile that
-    # does not give each thread whole blocks (rows of at most 256 columns with the default tile, or a
-    # TRACE_FP4_LAUNCH override), where the group-per-thread kernel measured faster on the H200
-    # (bench/record_variants.py, docs/performance.md)
     loop = 1
     unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
     first = record_first(rb, chunk, warps)
-    if fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale)):
+    if block_per_thread(fmt, record, first, unit):
         prefetch = prefetched(t, d, rb, n_chunks, mode, x.device)
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
         kernel = k._quantize_record16_kernel
