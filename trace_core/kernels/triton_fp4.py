@@ -597,13 +597,17 @@ def _quantize_chunk16(
     xa, xb, s_enc, rows64, row_mask, c0, offs, m, blk, bmask, out_ptr, rec_ptr, scale_ptr, tok_ptr,
     out_stride, rec_stride, scale_stride, tok_stride,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, WRITE_OUT: tl.constexpr,
-    ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
+    ONE_PASS: tl.constexpr, REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr, BLOCK: tl.constexpr = 16,
 ):  # fmt: skip
-    """Quantize the chunk of rows [RB] (`rows64`, `row_mask`) from column c0 whose block halves xa, xb [RB, NB, 8]
-    (FP32, at offsets c0 + offs: element mask m, block index blk, block mask bmask) are loaded, and store its output
-    and / or record (`_quantize_record16_kernel`); s_enc is unused where the scales are per token and the row is
-    this chunk (ONE_PASS): they are computed here."""
+    """Quantize the chunk of rows [RB] (`rows64`, `row_mask`) from column c0 whose 16-element units' halves xa, xb
+    [RB, NB, 8] (FP32, at offsets c0 + offs: element mask m, unit index blk within the row, unit mask bmask) are
+    loaded, and store its output and / or record. A unit is a block (BLOCK 16: `_quantize_record16_kernel` and the
+    token-group kernel) or half of one (BLOCK 32: `_quantize_record32_halves_kernel`, whose pairs of neighbouring
+    threads share a block's amax and its first stores the scale byte). s_enc is unused where the scales are per
+    token and the row is this chunk (ONE_PASS): they are computed here."""
     amax_blk = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+    if BLOCK == 32:
+        amax_blk = _pair_max(amax_blk)
     if SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS:
         s_enc = _per_token_scale(tl.max(amax_blk, axis=1), tok_ptr, rows64, tok_stride, row_mask, BITS)
     decode, encode, byte = _block_scales(amax_blk, s_enc, FMT, HW_E4M3=True)
@@ -622,7 +626,11 @@ def _quantize_chunk16(
             scale_row = scale_ptr + rows64[:, None] * scale_stride
             _store_record_wide(rec_row, scale_row, blk, wa | (wb << (8 * BITS)), byte, bmask, BITS)
         else:
-            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk, byte.to(tl.uint8), mask=bmask)
+            if BLOCK == 32:
+                smask = bmask & (blk % 2 == 0)
+            else:
+                smask = bmask
+            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk // (BLOCK // 16), byte.to(tl.uint8), mask=smask)
             _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
                             REC_UNIT)  # fmt: skip
     if WRITE_OUT and RECORD_FIRST:
@@ -990,24 +998,10 @@ def _quantize_record32_halves_kernel(
     rows64 = rows.to(tl.int64)
     m = row_mask[:, None, None] & (c0 + offs < D)  # D is a multiple of 32: both halves share the mask
     half = _block_index(c0, NH)  # index of each 16-element half-block within its row
-    hmask = row_mask[:, None] & (half < D // 16)
     x_rows = x_ptr + rows64[:, None, None] * x_stride + c0 + offs
     xa = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
     xb = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
-    amax_blk = _pair_max(tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2)))
-    decode, encode, byte = _block_scales(amax_blk, 1.0, FMT)
-    za = xa * encode[:, :, None]
-    zb = xb * encode[:, :, None]
-    qa, _, ta = _e2m1_round(tl.minimum(tl.abs(za), 6.0), False)
-    qb, _, tb = _e2m1_round(tl.minimum(tl.abs(zb), 6.0), False)
-    o_rows = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
-    if WRITE_OUT and not RECORD_FIRST:
-        _store_halves(o_rows, qa, za, qb, zb, decode, m)
-    if BITS > 0:
-        wa, wb = _record_words(qa, ta, za, qb, tb, zb, BITS, FMT, True)
-        tl.store(
-            scale_ptr + rows64[:, None] * scale_stride + half // 2, byte.to(tl.uint8), mask=hmask & (half % 2 == 0)
-        )
-        _store_record16(rec_ptr + rows64[:, None] * rec_stride + half * (2 * BITS), wa, wb, hmask, BITS, REC_UNIT)
-    if WRITE_OUT and RECORD_FIRST:
-        _store_halves(o_rows, qa, za, qb, zb, decode, m)
+    # scale_ptr stands in for the token-scale pointer, which E8M0 formats do not use
+    _quantize_chunk16(xa, xb, 1.0, rows64, row_mask, c0, offs, m, half, row_mask[:, None] & (half < D // 16), out_ptr,
+                      rec_ptr, scale_ptr, scale_ptr, out_stride, rec_stride, scale_stride, 0, FMT, SCALE_NONE, BITS,
+                      WRITE_OUT, False, REC_UNIT, RECORD_FIRST, 32)  # fmt: skip
