@@ -177,6 +177,8 @@ def test_launch_override_refuses_unknown_keys_by_name():
         pass
     with pytest.raises(ValueError, match="non-positive"), ops.launch_overrides(guided={"row_loop": 0}):
         pass
+    with pytest.raises(ValueError, match=r"\{'group_ahead': 4\} above the largest allowed \{'group_ahead': 3\}"):
+        ops._launch_overrides('{"quant": {"group_ahead": 4}}')
     with ops.launch_overrides({"chunk": 2048}, {"warps": 8}):
         assert ops.LAUNCH["quant"]["chunk"] == 2048 and ops.LAUNCH["guided"]["warps"] == 8
     assert ops.LAUNCH == saved  # restored

@@ -93,13 +93,18 @@ SWITCHES = (
     "group_record_chunk",
 )
 """`LAUNCH` entries that may be 0 (off); the others are positive sizes."""
+LIMITS = {"group_ahead": 3}
+"""Largest values of the `LAUNCH` entries that have one: the token-group kernel has 4 register slots."""
 
 
 def _check_override(kernel: str, values: dict[str, int]) -> None:
-    """ValueError unless values are known `LAUNCH[kernel]` entries with positive ints (0 for the SWITCHES)."""
+    """ValueError unless values are known `LAUNCH[kernel]` entries with positive ints (0 for the SWITCHES), within
+    `LIMITS`."""
     unknown = set(values) - set(LAUNCH[kernel])
     if unknown or not all(isinstance(v, int) and (v > 0 or k in SWITCHES) for k, v in values.items()):
         raise ValueError(f"{kernel}: unknown keys {sorted(unknown)} or non-positive values")
+    if over := {k: v for k, v in values.items() if v > LIMITS.get(k, v)}:
+        raise ValueError(f"{kernel}: {over} above the largest allowed { ({k: LIMITS[k] for k in over}) }")
 
 
 def _launch_overrides(text: str) -> None:
