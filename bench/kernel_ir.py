@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trace_core.kernels import ops  # noqa: E402
+from trace_core.kernels import ops, triton_token_groups  # noqa: E402
 
 PTR_TYPES = {
     "x_ptr": "*bf16",
@@ -127,7 +127,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
             args = {"RB": 1, "C": c, "num_warps": w, "BITS": bits, "WRITE_OUT": True, "D": d, "G": g,
                     "REC_UNIT": unit(bits), "RECORD_FIRST": True, "AHEAD": ahead}  # fmt: skip
             label = f"quant nvfp4 per-token {f'b={bits}' if bits else 'no-record'}, token groups of {g} rows"
-            table.append((label, (mod._quantize_record16_token_groups_kernel, args)))
+            table.append((label, (triton_token_groups._quantize_record16_token_groups_kernel, args)))
     return [(label, kernel, args) for label, (kernel, args) in table]
 
 

@@ -279,6 +279,7 @@ def _dummy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
     """Launch the quantize-and-record kernel (arguments already validated; see `quantize_record`)."""
     from trace_core.kernels import triton_fp4 as k
+    from trace_core.kernels import triton_token_groups as tg
 
     t, d = x.shape
     if t == 0:
@@ -294,7 +295,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     n_chunks = triton.cdiv(d, chunk)
     if groups := token_groups(t, d, (rb, chunk, warps), mode, [x, out, low_bits, scales], x.device, record):
         g, c, w = groups
-        k._quantize_record16_token_groups_kernel[(triton.cdiv(t, g),)](
+        tg._quantize_record16_token_groups_kernel[(triton.cdiv(t, g),)](
             x,
             out if out is not None else _dummy(x, x.dtype),
             low_bits if record else _dummy(x, torch.uint8),
