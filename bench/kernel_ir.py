@@ -125,7 +125,7 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
             g, c, w = groups
             ahead = ops.LAUNCH["quant"]["group_ahead"]
             args = {"RB": 1, "C": c, "num_warps": w, "BITS": bits, "WRITE_OUT": True, "D": d, "G": g,
-                    "REC_UNIT": unit(bits), "RECORD_FIRST": True, "AHEAD": ahead}  # fmt: skip
+                    "REC_UNIT": unit(bits), "AHEAD": ahead}  # fmt: skip
             label = f"quant nvfp4 per-token {f'b={bits}' if bits else 'no-record'}, token groups of {g} rows"
             table.append((label, (triton_token_groups._quantize_record16_token_groups_kernel, args)))
     return [(label, kernel, args) for label, (kernel, args) in table]

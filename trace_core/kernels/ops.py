@@ -311,7 +311,6 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
             G=g,
             C=c,
             REC_UNIT=record_store_unit(low_bits, scales, bits, d) if record else 1,
-            RECORD_FIRST=True,
             AHEAD=LAUNCH["quant"]["group_ahead"],
             num_warps=w,
         )

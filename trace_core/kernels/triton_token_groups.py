@@ -14,8 +14,8 @@ from trace_core.kernels.triton_fp4 import (
     SCALE_PER_TOKEN,
     _block_index,
     _half_offsets,
+    _per_token_scale,
     _quantize_chunk16,
-    _token_scale,
 )
 
 
@@ -59,7 +59,7 @@ def _in_row(v, col, lo: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
 def _quantize_record16_token_groups_kernel(
     x_ptr, out_ptr, rec_ptr, scale_ptr, tok_ptr, T, rec_stride, scale_stride, tok_stride,
     BITS: tl.constexpr, WRITE_OUT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-    REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr, AHEAD: tl.constexpr,
+    REC_UNIT: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Per-token nvfp4 on G rows of D columns per program, taken as G * D / C chunks of C columns (x, the output
     and the record contiguous, `ops.token_groups`): where D is not a multiple of C, a row's last chunk would leave
@@ -67,7 +67,8 @@ def _quantize_record16_token_groups_kernel(
     group. The chunks are streamed: chunk j + AHEAD is loaded before chunk j's block amaxes go into its rows'; a
     row's S_enc is taken once its last chunk is in, and a chunk is quantized, reading x again (from the L1: a few
     chunks back), as soon as the S_enc of each of its rows is known. A block's row is known at compile time from
-    its column (a chunk spans one row or more), so the loops below unroll into straight code."""
+    its column (a chunk spans one row or more), so the loops below unroll into straight code. Each thread holds
+    whole blocks, so the record is stored before the output (`RECORD_FIRST`)."""
     tl.static_assert(G <= 4 and AHEAD <= 3, "4 register slots: at most 4 rows, 3 chunks loaded ahead")
     NB: tl.constexpr = C // 16
     NCH: tl.constexpr = G * D // C
@@ -81,7 +82,7 @@ def _quantize_record16_token_groups_kernel(
     xa1, xa2, xa3, xb0, xb1, xb2, xb3 = xa0, xa0, xa0, xa0, xa0, xa0, xa0
     a0 = tl.zeros((1, NB), tl.float32)  # each row's amax so far, per block
     a1, a2, a3 = a0, a0, a0
-    s0 = tl.full((), 1.0, tl.float32)  # each row's S_enc
+    s0 = tl.full((1, 1), 1.0, tl.float32)  # each row's S_enc
     s1, s2, s3 = s0, s0, s0
     for j in tl.static_range(NCH + AHEAD):
         if j < NCH:  # load chunk j
@@ -99,10 +100,15 @@ def _quantize_record16_token_groups_kernel(
                         a0, a1, a2, a3 = _with_slot(a0, a1, a2, a3, tl.maximum(_slot(a0, a1, a2, a3, r), v), r)
             for r in tl.static_range(G):
                 if ((r + 1) * D - 1) // C == j - AHEAD:  # chunk i is row r's last
-                    s = _token_scale(tl.max(tl.max(_slot(a0, a1, a2, a3, r), axis=1), axis=0))
+                    s = _per_token_scale(
+                        tl.max(_slot(a0, a1, a2, a3, r), axis=1),
+                        tok_ptr,
+                        rows64 + r,
+                        tok_stride,
+                        row0 + r + tl.arange(0, 1) < T,
+                        BITS,
+                    )  # [1, 1]
                     s0, s1, s2, s3 = _with_slot(s0, s1, s2, s3, s, r)
-                    if BITS > 0:
-                        tl.store(tok_ptr + (row0 + r).to(tl.int64) * tok_stride, s, mask=row0 + r < T)
             for k in tl.static_range(NCH):
                 if ((((k + 1) * C - 1) // D + 1) * D - 1) // C == j - AHEAD:  # chunk i ends chunk k's last row
                     s_enc = tl.zeros((1, NB), tl.float32) + _slot(s0, s1, s2, s3, k * C // D)  # its first row's
@@ -116,5 +122,4 @@ def _quantize_record16_token_groups_kernel(
                     xb = tl.load(x_grp + k * C + 8, mask=m, other=0.0).to(tl.float32)
                     _quantize_chunk16(xa, xb, s_enc, rows64, bmask, k * C, offs, m, _block_index(k * C, NB), bmask,
                                       out_ptr, rec_ptr, scale_ptr, tok_ptr, D, rec_stride, scale_stride, tok_stride,
-                                      NVFP4, SCALE_PER_TOKEN, BITS, WRITE_OUT, False, REC_UNIT,
-                                      RECORD_FIRST)  # fmt: skip
+                                      NVFP4, SCALE_PER_TOKEN, BITS, WRITE_OUT, False, REC_UNIT, True)  # fmt: skip
