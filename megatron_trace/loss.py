@@ -6,9 +6,18 @@ rollout mismatch metrics under verl / slime names.
 - PPO: `ratio = exp(logp - logp_old)`, per-token loss `max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))`.
 - TIS: the rollout sampled from its own policy, so each token is reweighted by
   `w = min(exp(logp_old - logp_rollout), C)` (C = 5), detached.
-- Aggregation: per token over the whole step. `grpo_loss_terms` returns the micro-batch's loss *sum* and token
-  count, which Megatron's schedule (`calculate_per_token_loss`) turns into the mean over every response token of
-  the step, across micro-batches and DP ranks, so gradient accumulation and DP do not weight by length;
+- GSPO (`policy_loss = "gspo"`, Zheng et al. 2025, verl's `loss_mode = "gspo"`): the ratio is the sequence's,
+  `s_i = exp(mean_t (logp - logp_old))` (log clamped at 10 as verl), carried to each token as
+  `sg[s_i] * exp(logp_t - sg[logp_t])`, then clipped as PPO's.
+- KL to a reference policy (`kl_coef`, verl's `use_kl_loss` / `kl_loss_coef` / `kl_loss_type`): per token `k1 =
+  logp - logp_ref`, `k2 = (logp - logp_ref)^2 / 2` or `k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1` (clamped
+  to [-10, 10] as verl's `low_var_kl`), added with `kl_coef`; entropy (`entropy_coef`, `token_entropy`) subtracted
+  with `entropy_coef`. Both are aggregated like the policy term and neither is computed at coefficient 0.
+- Aggregation (`agg`, verl's `loss_agg_mode`): `token-mean` (the default) over every response token of the step;
+  `seq-mean-token-sum` and `seq-mean-token-mean`, the mean over the step's sequences of each sequence's token sum /
+  token mean. `grpo_loss_terms` returns the micro-batch's loss *sum* and its count of units (tokens, or sequences
+  with a response token), which Megatron's schedule (`calculate_per_token_loss`) turns into the mean over the whole
+  step, across micro-batches and DP ranks, so gradient accumulation and DP do not change the weighting;
   `grpo_loss` is that mean for one micro-batch.
 - Log-probs: `token_logprobs` works on vocab-parallel logits `[B, S, V / TP]` (max, sum of exponentials and the
   target logit all-reduced over the tensor-parallel group) in row chunks, so no `[B, S, V]` FP32 tensor exists, and
@@ -16,6 +25,8 @@ rollout mismatch metrics under verl / slime names.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -113,6 +124,86 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask:
     return out
 
 
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+POLICY_LOSSES = ("ppo", "gspo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+GSPO_MAX_LOG_RATIO = 10.0  # verl's clamp of the sequence log-ratio
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss's settings (`grpo_loss_terms`' keywords), defaults the loss of TRACE before they were
+    settable: PPO with symmetric clipping at 0.2, TIS capped at 5, token-mean, no KL, no entropy."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    tis_cap: float | None = 5.0
+    agg: str = "token-mean"
+    policy_loss: str = "ppo"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"loss aggregation {self.agg!r} is not one of {AGG_MODES}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy loss {self.policy_loss!r} is not one of {POLICY_LOSSES}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"KL estimator {self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"clip ratios low={self.clip_low} (in [0, 1)) and high={self.clip_high} (>= 0)")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads a reference policy's log-probs (a KL term)."""
+        return self.kl_coef != 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef != 0
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate of the policy against the reference (Schulman's k1 / k2 / k3; k3 clamped as verl's
+    `low_var_kl`); the gradient flows through `logp`."""
+    d = logp.float() - logp_ref.detach().float()
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return (torch.exp(-d) + d - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
+
+
+def token_entropy(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Entropy (FP32, differentiable) of the softmax at each position of logits `[B, S, V]` (vocab-parallel
+    `[B, S, V / TP]` with `tp_group`): `log Z - E_p[logit]`. It holds an FP32 copy of the logits, so it is
+    computed only with a non-zero `entropy_coef`."""
+    x = logits.float()
+    row_max = _all_reduce(x.detach().amax(-1, keepdim=True), torch.distributed.ReduceOp.MAX, tp_group)
+    e = torch.exp(x - row_max)
+    z, ez = e.sum(-1), (e * x).sum(-1)
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        z, ez = all_reduce(z, group=tp_group), all_reduce(ez, group=tp_group)
+    return torch.log(z) + row_max.squeeze(-1) - ez / z
+
+
+def _aggregate(x: torch.Tensor, m: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over this micro-batch's units of `x [B, S]` under `mask` `m` and the unit count (`AGG_MODES`)."""
+    if agg == "token-mean":
+        return x[m].sum(), m.sum()
+    lengths = m.sum(1)
+    has = lengths > 0
+    per_seq = torch.where(m, x, 0.0).sum(1)
+    if agg == "seq-mean-token-mean":
+        per_seq = per_seq / lengths.clamp_min(1)
+    return per_seq[has].sum(), has.sum()
+
+
 def grpo_loss_terms(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -123,39 +214,73 @@ def grpo_loss_terms(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     tis_cap: float | None = 5.0,
+    agg: str = "token-mean",
+    policy_loss: str = "ppo",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    logp_ref: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """GRPO/PPO loss with TIS summed over the `mask`ed response tokens of one micro-batch, their count (int64
-    tensor) and the metrics (token means over this micro-batch).
+    """GRPO/PPO (or GSPO) loss with TIS, plus the KL and entropy terms, summed over the units of `agg` (tokens, or
+    sequences) of the `mask`ed response tokens of one micro-batch, their count (int64 tensor) and the metrics (token
+    means over this micro-batch, the loss terms per unit).
 
     `logp [B, S]` carries the gradient; `logp_old` (the trainer's log-probs before the update) and `logp_rollout`
     (the rollout engine's) are constants; `advantages` is `[B]` (one per response) or `[B, S]`. `tis_cap=None`
-    turns TIS off. A micro-batch without response tokens gives a zero sum and count.
+    turns TIS off. `logp_ref` (the reference policy's log-probs) is needed with `kl_coef`, `entropy` (per token,
+    `token_entropy`, with its gradient) with `entropy_coef`. A micro-batch without response tokens gives a zero sum
+    and count.
     """
+    LossConfig(clip_low, clip_high, tis_cap, agg, policy_loss, kl_coef, kl_estimator, entropy_coef)  # validates
     shape = logp.shape
     for name, t in (("logp_old", logp_old), ("logp_rollout", logp_rollout), ("mask", mask)):
         _check(name, t, shape)
     if advantages.shape == shape[:1]:
         advantages = advantages[:, None].expand(shape)
     _check("advantages", advantages, shape)
+    if kl_coef:
+        if logp_ref is None:
+            raise ValueError("kl_coef is set but no logp_ref (the reference policy's log-probs) was given")
+        _check("logp_ref", logp_ref, shape)
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef is set but no per-token entropy was given")
+        _check("entropy", entropy, shape)
     m = mask.bool()
-    n = m.sum()
     old = logp_old.detach().float()
     adv = advantages.detach().float()
-    ratio = torch.exp(logp.float() - old)
+    if policy_loss == "gspo":
+        lengths = m.sum(1, keepdim=True).clamp_min(1)
+        seq_log_ratio = torch.where(m, logp.float() - old, 0.0).sum(1, keepdim=True) / lengths
+        seq_log_ratio = seq_log_ratio.clamp(max=GSPO_MAX_LOG_RATIO)
+        ratio = torch.exp(logp.float() - logp.float().detach() + seq_log_ratio.detach())
+    else:
+        ratio = torch.exp(logp.float() - old)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
     weights = tis_weights(old, logp_rollout, tis_cap) if tis_cap is not None else torch.ones_like(per_token)
-    total = (per_token * weights)[m].sum()
+    pg_total, n = _aggregate(per_token * weights, m, agg)
+    total = pg_total
+    extra: dict[str, torch.Tensor] = {}
+    if kl_coef:
+        extra["actor/kl_loss"], _ = _aggregate(kl_penalty(logp, logp_ref, kl_estimator), m, agg)
+        total = total + kl_coef * extra["actor/kl_loss"]
+    if entropy_coef:
+        extra["actor/entropy"], _ = _aggregate(entropy.float(), m, agg)
+        total = total - entropy_coef * extra["actor/entropy"]
     out: dict[str, float] = {}
-    if int(n):
+    tokens = int(m.sum())
+    if tokens:
         with torch.no_grad():
             out = {
-                "actor/pg_loss": float(total / n),
+                "actor/pg_loss": float(pg_total / n),
                 "actor/pg_clipfrac": float((clipped > unclipped)[m].float().mean()),
                 "actor/ppo_kl": float((old - logp.float())[m].mean()),
                 "tis/weight_mean": float(weights[m].mean()),
             }
+            out |= {k: float(v / n) for k, v in extra.items()}
             if tis_cap is not None:
                 raw = torch.exp(old - logp_rollout.float())
                 out["tis/clip_frac"] = float((raw > tis_cap)[m].float().mean())
@@ -171,8 +296,8 @@ def grpo_loss(
     mask: torch.Tensor,
     **kwargs,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean GRPO/PPO loss with TIS over one micro-batch's `mask`ed response tokens, and its metrics
-    (`grpo_loss_terms` divided by the token count; keyword arguments as there)."""
+    """The GRPO/PPO loss with TIS of one micro-batch's `mask`ed response tokens, and its metrics (`grpo_loss_terms`
+    divided by its unit count: the token mean by default; keyword arguments as there)."""
     total, n, out = grpo_loss_terms(logp, logp_old, logp_rollout, advantages, mask, **kwargs)
     if int(n) == 0:
         raise ValueError("grpo_loss: the mask selects no tokens")
