@@ -36,6 +36,7 @@ import requests
 import torch
 from safetensors.torch import save_file
 
+from sglang_trace.handle import from_meta_info
 from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
@@ -198,7 +199,10 @@ class SGLangWorker:
             raise SGLangError(
                 f"{where}: answer for request id {meta.get('id')!r}, not {rollout_rid(str(row), req.attempt)!r}"
             )
-        handle = meta.get("trace")
+        try:
+            handle = from_meta_info(meta)
+        except ValueError as e:
+            raise SGLangError(f"{where}: {e}") from None
         if not isinstance(handle, dict):
             raise SGLangError(f"{where}: no meta_info['trace'] handle (is the server started with --trace-mode?)")
         tokens = prompt + output_ids
