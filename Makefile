@@ -5,7 +5,7 @@ PYTHON ?= python3.12
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-SGLANG_VERSION := 0.5.10.post1
+SGLANG_VERSION := 0.5.15.post1
 PYTEST_ARGS ?=
 
 .PHONY: setup test test-gpu demo lint clean

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SGLANG_VERSION = "0.5.10.post1"
+SGLANG_VERSION = "0.5.15.post1"
 REPO = Path(__file__).resolve().parent.parent
 PATCH_DIR = REPO / "patches" / "sglang" / f"v{SGLANG_VERSION}"
 UPSTREAM_PREFIX = "python/"  # upstream keeps the package under python/sglang

@@ -1,21 +1,23 @@
 """`TraceCapturer`: SGLang's routed-experts (R3) capturer seam, taken over to capture TRACE records.
 
-SGLang already calls its global experts capturer at the three moments record capture needs: `capture(layer_id,
-topk_ids)` in every MoE layer's top-k (inside CUDA graphs), `on_forward_end(forward_batch, ...)` after every
-forward, and `get_routed_experts(...)` for every finished request just before its KV is released. The patched
-`RoutedExpertsCapturer.create` returns a `TraceCapturer` when `--trace-mode` is not off, which
+SGLang already calls its global experts capturer (`sglang.srt.state_capturer`) where record capture needs it:
+`capture(layer_id, topk_indices)` in every MoE layer's top-k (inside CUDA graphs) and `on_forward_end(forward_batch,
+...)` after every forward; the plugin hook on `ModelRunner.init_routed_experts_capturer` installs a `TraceCapturer`
+in its place when `--trace-mode` is not off, which
   * stages the MoE-input records (written by the FusedMoE hook, `moe_input`) and the routes of every MoE layer in a
     `trace_core.capture.RecordCapturer` (fixed staging rows, copied after every forward into a store keyed by KV
     slot on the GPU, next to the KV cache; SGLang's memory budget counts it per token, patch 0013);
-  * at request finish (`finish_request`, called by the patched `maybe_collect_routed_experts` with the request)
-    returns the handle `meta_info["trace"]` carries and queues the request; when the scheduler has processed a
-    result batch (`on_batch_done`, called by the patched `stream_output`) it gathers every queued request's
+  * at request finish (`finish_request`, called for every finished request before its KV is released, by the
+    plugin hook on `_maybe_collect_routed_experts`) returns the handle `meta_info["trace"]` carries and queues the
+    request; when the scheduler has processed a result batch (`on_batch_done`, the hook on `stream_output`) it
+    gathers every queued request's
     records and K/V in one batched transfer into a bounded host ring and hands them to a writer thread, which
     collects the attention-TP ranks' K/V and record shards in one gather and writes the store's shards;
   * under attention TP keeps only its share of the MoE layers' records, markers and routes (`record_shards`;
     the inputs and routes are the same on every rank), so each rank's record store is about 1 / TP of one rank's;
-  * still answers `get_routed_experts` in R3's format (`[seqlen - 1, num_hidden_layers, topk]` int32) when
-    `--enable-return-routed-experts` is on.
+  * still answers R3's `get_topk` (`[seqlen - 1 - start_len, num_hidden_layers, topk]` int32) when
+    `--enable-return-routed-experts` is on; its routes come from the same record rows, so they reach the store
+    whether or not a request asked for them.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
-from sglang.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
+from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
+from sglang_trace.debug import DebugTap
 from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
@@ -148,7 +152,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         kv_pool: the FP4 KV pool (`MHATokenToKVPoolFP4`); None when no k/v site is recorded.
         max_tokens: most token rows one forward runs (staging rows). num_slots: KV slots + page size.
         max_request_tokens: the longest request (SGLang's context length); the host ring holds at least one.
-        device: where staging and the record store live. return_routes: answer `get_routed_experts` (R3's flag).
+        device: where staging and the record store live. return_routes: answer R3's `get_topk` (`--enable-return-routed-experts`).
         weights: the emulated expert weights whose completeness every forward checks.
         tp_rank, tp_size: attention-TP rank and size. Each rank keeps the MoE-input records, hook markers and
             routes of its share of the MoE layers (`record_shards`); rank 0 merges the shards and writes the store.
@@ -156,6 +160,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             K/V and record shards are gathered to rank 0 over it, on the writer thread); required when tp_size > 1.
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
         host_ring_bytes: host ring size on each rank; default `RING_REQUESTS` requests of `max_request_tokens`.
+        debug: the `--trace-debug-layer` tap (None: off).
 
     Hook markers: per MoE layer, the last FusedMoE hook of the layer (the FC2-input site in emulate mode, the
     MoE-input site in native mode) writes into the forward's staging rows, in CUDA graphs too. On a rank that
@@ -185,6 +190,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         trace_group=None,
         moe_tp_group=None,
         host_ring_bytes: int | None = None,
+        debug: DebugTap | None = None,
     ) -> None:
         if not args.enabled:
             raise ValueError("TraceCapturer needs --trace-mode other than off")
@@ -231,6 +237,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.return_routes = return_routes
         self.tp_rank, self.tp_size, self.trace_group, self.moe_tp_group = tp_rank, tp_size, trace_group, moe_tp_group
         self.step = args.step
+        self.debug = debug
         self.stats = TraceStats()
         self._writer = StepWriter(args.store, self.step) if tp_rank == 0 else None
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
@@ -240,6 +247,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._lock = threading.Lock()
         self._moe_rows: dict[int, int] = {}  # MoE layer -> token rows of its current forward
         self._topk: tuple[int, torch.Tensor] | None = None  # (MoE layer, top-k ids) handed on by the last top-k hook
+        self._fc2_layer: int | None = None  # MoE layer whose MoE-input site ran last (the fused FC2 site's layer)
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
 
     def _kv_bytes(self) -> int:
@@ -258,34 +266,50 @@ class TraceCapturer(RoutedExpertsCapturer):
         site = (layer_id, "moe_in")
         rows = None
         self._moe_rows[layer_id] = x.shape[0]
+        self._fc2_layer = layer_id
         if self.moe_mark == "moe_in":
             self._mark(layer_id, x.shape[0])
         if site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate":
-            return emulate_moe_input(x, self.spec.bits, rows, self.args.recipe.moe_in)
+            x = emulate_moe_input(x, self.spec.bits, rows, self.args.recipe.moe_in)
+            if self.debug is not None:
+                self.debug.moe_input(layer_id, x)
+            return x
         if rows is not None:
             if input_scale is None:
                 raise ValueError(f"native MoE-input records of layer {layer_id} need the layer's NVFP4 input scale")
             native_moe_input(x, self.spec.bits, input_scale, rows, self.args.recipe.moe_in)
         return x
 
-    def fc2_input(self, layer_id: int, h: torch.Tensor) -> torch.Tensor:
+    def fc2_input(self, layer_id: int, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """The FC2-input site of MoE layer `layer_id` on this rank's `act(gate) * up` rows: what the second GEMM
-        computes with (emulate: `trace_core.fc2`'s quantize-dequantize; native: the kernel quantizes)."""
+        computes with (emulate: `trace_core.fc2`'s quantize-dequantize; native: the kernel quantizes). `fused`:
+        the rows are all (token, top-k) pairs of the forward (the GPU kernel sequence), not one expert's."""
         if self.args.mode != "emulate":
             return h
         # token rows of this layer's forward (the CPU path calls this once per expert, on that expert's rows)
         self._mark(layer_id, self._moe_rows.get(layer_id, 0))
-        return fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
+        h = fc2_input(h, self.moe_tp_group, self.args.recipe.fc2_in)
+        if fused and self.debug is not None:
+            self.debug.fc2_input(layer_id, h)
+        return h
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+    def fused_fc2_layer(self) -> int:
+        """The MoE layer whose FC2 input the fused kernel sequence is computing: the one whose MoE-input site ran
+        last in this forward (the sequence has no layer id); RuntimeError when none did."""
+        if self._fc2_layer is None:
+            raise RuntimeError("TRACE FC2-input site reached without a MoE-input site before it in this forward")
+        layer, self._fc2_layer = self._fc2_layer, None
+        return layer
+
+    def capture(self, layer_id: int, topk_indices: torch.Tensor) -> None:
         """R3 hook in every MoE layer's top-k: hand the routes `[T, topk (+ fused shared)]` of `layer_id` on to the
         layer's FusedMoE hook (`_mark`), which stages them, on the rank that keeps them. No launch here: SGLang's
         top-k writes padded rows' ids to -1 in place after this hook (rows past the forward's tokens, never
         stored), and its logical-to-physical expert map returns a new tensor, so the ids staged are the logical
         ids this hook saw."""
-        self._topk = (layer_id, topk_ids) if layer_id in self.route_index else None
+        self._topk = (layer_id, topk_indices) if layer_id in self.route_index else None
 
     def _mark(self, layer_id: int, rows: int) -> None:
         """The last FusedMoE hook of MoE layer `layer_id` ran on the forward's token rows [0, rows): on the rank
@@ -302,9 +326,13 @@ class TraceCapturer(RoutedExpertsCapturer):
         if index is not None:
             self.records.mark(index, rows)
 
-    def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None) -> None:
-        """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU)."""
-        self._topk = None  # routes a FusedMoE hook did not stage stay -1: never carried into the next forward
+    def on_forward_end(
+        self, forward_batch, can_run_graph: bool, cuda_graph_batch: int | None, no_copy_to_cpu: bool = False
+    ) -> None:
+        """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU).
+        Returns None: nothing is copied to the host per forward, so SGLang's overlap path has nothing to finalize."""
+        self._topk = None
+        self._fc2_layer = None  # routes a FusedMoE hook did not stage stay -1: never carried into the next forward
         if self._pending:  # finished requests whose batch was never closed: their slots may have been reused
             self._refuse_pending("its result batch was not closed before the next forward (slots may be reused)")
         self.weights.check_complete()
@@ -312,6 +340,8 @@ class TraceCapturer(RoutedExpertsCapturer):
             return
         version = UNKNOWN_VERSION if self.step is None else self.step
         self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph), version=version)
+        if self.debug is not None:
+            self.debug.on_forward_end(forward_batch.out_cache_loc)
 
     # --- request finish -----------------------------------------------------------------------------------------
 
@@ -343,6 +373,8 @@ class TraceCapturer(RoutedExpertsCapturer):
             raise ValueError(f"request {rid!r}: {len(tokens) + len(output_ids)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
+        if self.debug is not None and self._writer is not None:
+            self.debug.save(Path(self.args.store) / "debug" / f"{rid}.pt", slots)
         self.stats.requests += 1
         self.stats.tokens += length
         if self._writer is None:  # every rank queues the request: its K/V shard joins the batch's gather
@@ -535,11 +567,17 @@ class TraceCapturer(RoutedExpertsCapturer):
         out[:, list(self.layout.moe_layers)] = routes
         return out
 
-    def get_routed_experts(self, req_pool_idx: int, seqlen: int, req_to_token_pool) -> torch.Tensor | None:
-        """R3's answer for the request `finish_request` just handled (None when R3 is off)."""
+    def get_topk(self, req_pool_idx: int, seqlen: int, req_to_token_pool, start_len: int = 0) -> torch.Tensor | None:
+        """R3's answer for the request `finish_request` just handled: positions [start_len, seqlen - 1) (SGLang
+        passes the length through the stop condition); None when R3 is off or the records were refused."""
+        if start_len < 0:
+            raise ValueError(f"start_len={start_len} must be non-negative")
         if not self.return_routes:
             return None
-        return self._routes.pop(req_pool_idx, None)
+        routes = self._routes.pop(req_pool_idx, None)
+        if routes is None:
+            return None
+        return routes[min(start_len, seqlen - 1) : seqlen - 1]
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -567,8 +605,3 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.flush()
         self._pool.shutdown()
 
-    def get_host_cache(self):
-        return None  # no host mirror of the KV slots: records stay on the device until a request finishes
-
-    def get_device_cache(self):
-        return self.records.store

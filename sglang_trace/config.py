@@ -1,8 +1,9 @@
 """TRACE server arguments for SGLang (`--trace-*`), their validation, and the record spec they select for a model.
 
 The patched `sglang.srt.server_args.ServerArgs` gains the fields in `SERVER_ARGS_FIELDS`, registers the flags
-through `add_cli_args`, and calls `check_server_args` at the start of `__post_init__`, so a bad setting fails when
-the server starts, naming the flag. What needs the model (architecture, layer ids, widths) is checked by
+through `add_cli_args`, and calls `check_server_args` at the start of `__post_init__` and again after
+`materialize_declarations` (SGLang's per-model and per-GPU defaults applied), so a bad setting fails when the
+server starts, naming the flag. What needs the model (architecture, layer ids, widths) is checked by
 `model_spec` when the model is loaded.
 """
 
@@ -29,6 +30,7 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_store": None,
     "trace_step": 0,
     "trace_recipe": DEFAULT_RECIPE,
+    "trace_debug_layer": -1,
 }
 
 # Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate
@@ -93,6 +95,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=SERVER_ARGS_FIELDS["trace_recipe"],
         help=f"Precision recipe of the rollout's FP4 numerics (trace_core.recipe): one of {', '.join(recipe_names())}.",
     )
+    group.add_argument(
+        "--trace-debug-layer",
+        type=int,
+        default=SERVER_ARGS_FIELDS["trace_debug_layer"],
+        help="Debug (small models only): also keep the tensors the expert GEMMs and the attention consumed at this "
+        "layer (MoE input, FC2 input, K/V pool bytes) and write them per request under <store>/debug; -1: off.",
+    )
 
 
 def parse_layers(text: str) -> str | tuple[int, ...]:
@@ -138,6 +147,7 @@ class TraceArgs:
     store: str | None
     step: int
     recipe: PrecisionRecipe = get_recipe(DEFAULT_RECIPE)
+    debug_layer: int | None = None  # --trace-debug-layer (None: off)
 
     @property
     def enabled(self) -> bool:
@@ -172,7 +182,12 @@ def check_server_args(server_args) -> TraceArgs:
         store=server_args.trace_store,
         step=server_args.trace_step,
         recipe=recipe,
+        debug_layer=None if server_args.trace_debug_layer in (None, -1) else server_args.trace_debug_layer,
     )
+    if args.debug_layer is not None and (not isinstance(args.debug_layer, int) or args.debug_layer < 0):
+        raise ValueError(f"--trace-debug-layer must be a layer id or -1 (off), got {args.debug_layer!r}")
+    if args.debug_layer is not None and mode != "emulate":
+        raise ValueError("--trace-debug-layer needs --trace-mode emulate")
     if isinstance(args.step, bool) or not isinstance(args.step, int) or args.step < 0:
         raise ValueError(f"--trace-step must be a non-negative integer, got {args.step!r}")
     if not args.enabled:
@@ -205,7 +220,7 @@ def check_server_args(server_args) -> TraceArgs:
         )
     if mode == "native" and recipe.name != DEFAULT_RECIPE:
         problems.append(
-            f"--trace-mode native with --trace-recipe {recipe.name}: SGLang 0.5.10.post1 has no MXFP4 W4A4 MoE kernel "
+            f"--trace-mode native with --trace-recipe {recipe.name}: SGLang 0.5.15.post1 has no MXFP4 W4A4 MoE kernel "
             "for Qwen3-MoE (its mxfp4 method runs W4A16, or MXFP8 activations with GPT-OSS's clamped SwiGLU on "
             f"SM100); use --trace-mode emulate or --trace-recipe {DEFAULT_RECIPE}"
         )
@@ -247,6 +262,22 @@ def _untraceable_settings(server_args, mode: str) -> list[str]:
             "--enable-two-batch-overlap / --enable-single-batch-overlap are not supported (a forward runs the MoE "
             "layers per micro-batch; staging rows are per forward)"
         )
+    problems += _untraceable_parallelism(server_args)
+    if getattr(server_args, "enable_unified_memory", False):
+        problems.append(
+            "--enable-unified-memory is not supported (req_to_token holds virtual KV ids; the record store is keyed by "
+            "physical slot)"
+        )
+    if getattr(server_args, "enable_page_major_kv_layout", False):
+        problems.append("--enable-page-major-kv-layout is not supported (the K/V sites read the token-major FP4 pool)")
+    if getattr(server_args, "enable_hisparse", False):
+        problems.append("--enable-hisparse is not supported (sparse attention reads KV the records do not describe)")
+    if getattr(server_args, "elastic_ep_backend", None):
+        problems.append(f"--elastic-ep-backend {server_args.elastic_ep_backend} is not supported (expert parallelism)")
+    if getattr(server_args, "enable_fused_moe_sum_all_reduce", False):
+        problems.append(
+            "--enable-fused-moe-sum-all-reduce is not supported (it changes the expert output sum the trainer follows)"
+        )
     if server_args.load_format not in HOOKED_LOAD_FORMATS:
         problems.append(
             f"--load-format {server_args.load_format} is not supported (it does not load routed experts through "
@@ -268,6 +299,24 @@ def _untraceable_settings(server_args, mode: str) -> list[str]:
                 f"--custom-weight-loader {server_args.custom_weight_loader} is not supported in emulate "
                 "(custom loaders write experts without FusedMoE.weight_loader)"
             )
+    return problems
+
+
+def _untraceable_parallelism(server_args) -> list[str]:
+    """Parallel layouts added in SGLang 0.5.15 under which a rank's forward rows or KV slots are not whole tokens of
+    its requests, each named; read from the final settings (after `materialize_declarations`)."""
+    problems = []
+    for field_name, flag in (("dcp_size", "--dcp-size"), ("attn_cp_size", "--attn-cp-size"), ("moe_dp_size", "--moe-dp-size")):
+        value = getattr(server_args, field_name, 1)
+        if value not in (None, 1):
+            problems.append(f"{flag} {value} is not supported (context / MoE data parallelism splits a request's rows)")
+    if getattr(server_args, "enable_prefill_cp", False):
+        problems.append("--enable-prefill-cp is not supported (prefill context parallelism splits a prompt's rows)")
+    if getattr(server_args, "enable_flashinfer_allreduce_fusion", False) and server_args.tp_size > 1:
+        problems.append(
+            "FlashInfer all-reduce fusion at TP > 1 is not supported (it fuses the residual add and RMSNorm into the "
+            "all-reduce, numerics the trainer does not follow); pass --enforce-disable-flashinfer-allreduce-fusion"
+        )
     return problems
 
 

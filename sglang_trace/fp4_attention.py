@@ -1,13 +1,15 @@
-"""SGLang triton backend: attention straight from the FP4 KV pool (patch 0020), instead of converting the whole
-layer buffer to BF16 on every call (`MHATokenToKVPoolFP4.get_key_buffer` / `get_value_buffer`).
+"""SGLang triton backend: attention straight from the FP4 KV pool (patch 0004), instead of converting the whole
+layer buffer to BF16 on every call (`MHATokenToKVPoolFP4.get_key_buffer` / `get_value_buffer`, whose full-pool
+temporaries also make CUDA-graph capture run out of memory at real pool sizes).
 
-Selected by the environment variable `TRACE_FP4_ATTENTION` of the server process: `off` (SGLang unchanged, the
-default), or a comma-separated set of the forward phases that read FP4 directly: `decode`, `extend` (prefill and
-chunked prefill: the cached prefix is read from the pool, the new tokens' K/V as SGLang passes them), e.g.
-`decode,extend`. Any other value is refused when the backend is built. The kernels give SGLang's
-dequantize-then-attend result (`trace_core.kernels.fp4_attention`, `fp4_extend_attention`;
-tests/test_fp4_attention.py); extend features they refuse (custom mask, sliding window, xai temperature) raise
-ValueError naming them.
+On by default over an FP4 pool, for decode and extend (prefill and chunked prefill: the cached prefix is read
+from the pool, the new tokens' K/V as SGLang passes them). The environment variable `TRACE_FP4_ATTENTION` of the
+server process narrows it: `off` (SGLang's dequantize-then-attend path), or a comma-separated set of `decode`,
+`extend`. Any other value is refused when the backend is built, and so are backend settings the kernels do not
+cover (paged KV, decode context parallelism, MLA, the deterministic unified extend kernel, speculative verify).
+The kernels give SGLang's dequantize-then-attend result (`trace_core.kernels.fp4_attention`,
+`fp4_extend_attention`; tests/test_fp4_attention.py); extend features they refuse (custom mask, xai temperature)
+raise ValueError naming them.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ PHASES = ("decode", "extend")
 
 
 def phases() -> frozenset[str]:
-    """The phases that read FP4 directly; ValueError naming the variable for a value that is not `off` or a
-    comma-separated set of `PHASES`."""
-    value = os.environ.get(ENV, "off")
+    """The phases that read FP4 directly over an FP4 pool (default: all); ValueError naming the variable for a
+    value that is not `off` or a comma-separated set of `PHASES`."""
+    value = os.environ.get(ENV, ",".join(PHASES))
     if value == "off":
         return frozenset()
     parts = value.split(",")
@@ -53,6 +55,28 @@ def reads_fp4(pool, phase: str) -> bool:
         need = f"a power-of-two head dim >= {MIN_HEAD_DIM}"
         raise ValueError(f"{ENV}: the FP4 {phase} attention kernel needs {need}, got {d}")
     return True
+
+
+def backend_phases(backend) -> frozenset[str]:
+    """The phases a `TritonAttnBackend` runs from FP4 codes and scales (empty unless its pool is FP4); ValueError
+    naming a backend setting the FP4 kernels do not cover (set `TRACE_FP4_ATTENTION=off` for SGLang's path)."""
+    selected = frozenset(p for p in PHASES if reads_fp4(backend.token_to_kv_pool, p))
+    if not selected:
+        return selected
+    problems = []
+    if backend.page_size != 1:
+        problems.append(f"page size {backend.page_size} (the kernels read token slots; use --page-size 1)")
+    if getattr(backend, "dcp_size", 1) > 1:
+        problems.append(f"decode context parallelism (dcp size {backend.dcp_size})")
+    if backend.use_mla:
+        problems.append("MLA")
+    if "extend" in selected and backend.enable_deterministic:
+        problems.append("--enable-deterministic-inference (its unified extend kernel)")
+    if getattr(backend, "use_verify_splitkv", False):
+        problems.append("the split-KV speculative verify path")
+    if problems:
+        raise ValueError(f"{ENV}={','.join(sorted(selected))}: the FP4-KV attention kernels do not cover " + "; ".join(problems))
+    return selected
 
 
 def _layer_fp4(pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

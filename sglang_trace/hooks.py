@@ -1,18 +1,21 @@
-"""The functions the SGLang patch hunks call (`patches/sglang/v0.5.10.post1/`): one per hook point, each a no-op
-when `--trace-mode` is off, so the patched engine behaves as upstream unless TRACE is switched on.
+"""The functions TRACE's SGLang hooks call: the plugin hooks (`sglang_trace.plugin`) and the file patches
+(`patches/sglang/v0.5.15.post1/`), one per hook point, each a no-op when `--trace-mode` is off, so SGLang behaves
+as upstream unless TRACE is switched on.
 
-| hook | called from (patched SGLang) |
+| hook | called from |
 |---|---|
-| `add_cli_args`, `check_server_args` | `ServerArgs.add_cli_args`, `ServerArgs.__post_init__` |
-| `on_expert_weight_loaded` | `FusedMoE.weight_loader`, after every write (initial load and every weight update) |
-| `record_bytes_per_token` | `ModelRunnerKVCacheMixin.profile_max_num_token` (added to the KV cell size) |
-| `install_capturer` | `ModelRunner.init_routed_experts_capturer` (after the KV pool exists, before CUDA graphs) |
-| `on_moe_input` | `FusedMoE.forward_impl`, right after dispatch |
-| `on_fc2_input` | the triton MoE runner and the CPU expert path, between the activation and the second GEMM |
-| `on_request_finished` | `SchedulerOutputProcessorMixin.maybe_collect_routed_experts` (before the KV is released) |
-| `on_batch_done` | `SchedulerOutputProcessorMixin.stream_output` (a result batch was processed) |
-| `refuse_weight_update` | the scheduler's `update_weights_from_{disk,tensor,distributed,ipc}`, before updating |
-| `on_weights_updated` | the same four, after a successful update |
+| `add_cli_args`, `check_server_args` | patch 0001: `ServerArgs.add_cli_args`, `ServerArgs.__post_init__` (first and last) |
+| `on_expert_weight_loaded` | plugin: after `FusedMoE.weight_loader` (initial load and every weight update) |
+| `record_bytes_per_token` | plugin: after `DefaultPoolConfigurator._compute_cell_size` (added to the KV cell size) |
+| `hybrid_full_kv_pool_class` | plugin: before `HybridLinearKVPool.__init__` |
+| `install_capturer` | plugin: around `ModelRunner.init_routed_experts_capturer` (KV pool built, CUDA graphs not yet) |
+| `on_moe_input` | plugin: before `FusedMoE.run_moe_core` (right after dispatch) |
+| `on_fc2_input_rows` | patch 0002: `_fused_moe_kernel_sequence`, between the activation and the second GEMM (GPU) |
+| `on_fc2_input` | patch 0003: the CPU expert path, between the activation and the down projection |
+| `on_request_finished` | plugin: before `_maybe_collect_routed_experts` (every finished request, before KV release) |
+| `on_batch_done` | plugin: before `SchedulerOutputStreamer.stream_output` (a result batch was processed) |
+| `refuse_weight_update` | plugin: around `update_weights_from_tensor`, before updating |
+| `on_weights_updated` | plugin: after a successful `update_weights_from_{disk,tensor,distributed,ipc}` |
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from datetime import timedelta
 import torch
 
 from sglang_trace.config import TraceArgs, add_cli_args, check_server_args, model_layout
+from sglang_trace.handle import TRACE_INFO_KEY
 from sglang_trace.moe import ExpertWeights
 from trace_core.recipe import get_recipe
 
@@ -31,8 +35,10 @@ __all__ = [
     "check_server_args",
     "install_capturer",
     "on_batch_done",
+    "hybrid_full_kv_pool_class",
     "on_expert_weight_loaded",
     "on_fc2_input",
+    "on_fc2_input_rows",
     "on_moe_input",
     "on_request_finished",
     "on_weights_updated",
@@ -55,7 +61,7 @@ def _server_args():
 
 
 def _capturer():
-    from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
     from sglang_trace.capturer import TraceCapturer
 
@@ -88,7 +94,9 @@ def forward_rows(server_args, max_running_requests: int, context_len: int) -> in
     prefill = chunk if chunk and chunk > 0 else max(server_args.max_prefill_tokens, context_len)
     if server_args.enable_mixed_chunk:
         prefill += max_running_requests
-    return max(prefill, max_running_requests, server_args.cuda_graph_max_bs or 0)
+    graphs = getattr(server_args, "cuda_graph_config", None)
+    graph_rows = [getattr(getattr(graphs, phase, None), "max_bs", None) or 0 for phase in ("decode", "prefill")]
+    return max(prefill, max_running_requests, *graph_rows)
 
 
 def check_moe_layers(model, mode: str) -> int:
@@ -164,9 +172,12 @@ def install_capturer(model_runner) -> bool:
     if not args.enabled:
         return False
     from sglang.srt.distributed.parallel_state import get_moe_tp_group, get_tp_group
-    from sglang.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
+    from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
 
     from sglang_trace.capturer import TraceCapturer
+    from sglang_trace.plugin import check_applied
+
+    check_applied()
 
     layout = model_layout(model_runner.model_config.hf_config)
     if check_moe_layers(model_runner.model, args.mode) != len(layout.moe_layers):
@@ -180,12 +191,29 @@ def install_capturer(model_runner) -> bool:
             "update writes them (records of earlier requests do not describe the quantized model)"
         )
     tp, moe_tp = get_tp_group(), get_moe_tp_group()
+    max_tokens = forward_rows(server_args, model_runner.max_running_requests, model_runner.model_config.context_len)
+    num_slots = model_runner.max_total_num_tokens + model_runner.page_size
+    debug = None
+    if args.debug_layer is not None:
+        from sglang_trace.debug import DebugTap
+
+        hf = model_runner.model_config.hf_config
+        debug = DebugTap(
+            args.debug_layer,
+            hidden=layout.hidden,
+            topk=layout.topk,
+            intermediate=hf.moe_intermediate_size // moe_tp.world_size,
+            max_tokens=max_tokens,
+            num_slots=num_slots,
+            device=model_runner.device,
+            kv_pool=model_runner.token_to_kv_pool if args.kv_sites else None,
+        )
     capturer = TraceCapturer(
         args,
         layout,
         kv_pool=model_runner.token_to_kv_pool if args.kv_sites else None,
-        max_tokens=forward_rows(server_args, model_runner.max_running_requests, model_runner.model_config.context_len),
-        num_slots=model_runner.max_total_num_tokens + model_runner.page_size,
+        max_tokens=max_tokens,
+        num_slots=num_slots,
         max_request_tokens=model_runner.model_config.context_len,
         device=model_runner.device,
         return_routes=server_args.enable_return_routed_experts,
@@ -194,6 +222,7 @@ def install_capturer(model_runner) -> bool:
         tp_size=tp.world_size,
         trace_group=trace_group(tp),
         moe_tp_group=moe_tp if moe_tp.world_size > 1 else None,
+        debug=debug,
     )
     set_global_experts_capturer(capturer)
     logger.info(
@@ -229,14 +258,53 @@ def on_fc2_input(layer_id: int, h: torch.Tensor) -> torch.Tensor:
     return capturer.fc2_input(layer_id, h)
 
 
-def on_request_finished(scheduler, req) -> None:
-    """A request finished: its records go to the store and `req.trace_handle` names them (before KV release)."""
+def on_fc2_input_rows(h: torch.Tensor, rows: int, sorted_rows: bool) -> torch.Tensor:
+    """The fused MoE kernel sequence between the activation and the second GEMM: the FC2-input site on its
+    `[rows, intermediate]` cache in (token, top-k) order, of the layer whose MoE input was hooked last. Returns
+    what FC2 runs on. Expert-sorted, padded rows (`down_moe_use_tma`) are refused: their order is not the
+    records'."""
+    capturer = _capturer()
+    if capturer is None:
+        return h
+    if sorted_rows or h.shape[0] != rows:
+        raise ValueError(
+            f"TRACE FC2-input site: the fused MoE runs a TMA down GEMM on {h.shape[0]} expert-sorted rows for "
+            f"{rows} (token, expert) pairs; pass a down config without USE_TMA"
+        )
+    return capturer.fc2_input(capturer.fused_fc2_layer(), h, fused=True)
+
+
+def on_request_finished(processor, req) -> None:
+    """A request finished (before its KV is released): its records are queued for the store and the handle
+    naming them rides SGLang's `customized_info` channel to `meta_info["trace"]`, a per-output-token list whose
+    last entry is the handle (`sglang_trace.handle.from_meta_info`)."""
     capturer = _capturer()
     if capturer is None:
         return
-    req.trace_handle = capturer.finish_request(
-        req.rid, req.req_pool_idx, req.seqlen, scheduler.req_to_token_pool, req.origin_input_ids, req.output_ids
+    handle = capturer.finish_request(
+        req.rid,
+        req.req_pool_idx,
+        req.seqlen,
+        processor.req_to_token_pool,
+        req.origin_input_ids,
+        req.output_ids,
     )
+    outputs = len(req.output_ids_through_stop)
+    if handle is None or outputs == 0:
+        return
+    info = req.customized_info if req.customized_info is not None else {}
+    info[TRACE_INFO_KEY] = [None] * (outputs - 1) + [handle]
+    req.customized_info = info
+
+
+def hybrid_full_kv_pool_class(dtype) -> type | None:
+    """The KV pool class of a hybrid linear-attention model's full-attention layers for KV dtype `dtype`: SGLang's
+    FP4 pool for FP4 (so its k/v sites exist), else None (SGLang's choice)."""
+    if dtype is None or not hasattr(torch, "float4_e2m1fn_x2") or dtype != torch.float4_e2m1fn_x2:
+        return None
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
+
+    return MHATokenToKVPoolFP4
 
 
 def on_batch_done(scheduler) -> None:

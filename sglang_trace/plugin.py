@@ -1,0 +1,163 @@
+"""TRACE as an SGLang general plugin (entry point group `sglang.srt.plugins`, name `trace`).
+
+SGLang 0.5.15 loads general plugins in its main process and in every scheduler process before the model is built
+(`sglang.srt.plugins.load_plugins`); `register` puts TRACE's hooks on the seams listed in `HOOKS` through
+SGLang's `HookRegistry`. Every hook calls `sglang_trace.hooks`, whose functions are no-ops while `--trace-mode` is
+off. Where no seam exists (the server-argument fields, the FC2 input inside the fused MoE kernel sequence, the
+FP4-KV attention call), a file patch calls the same module (`patches/sglang/v0.5.15.post1/`).
+
+SGLang logs and swallows a plugin or hook that fails to apply, so `check_applied` verifies every hook in place and
+the capturer refuses to start without them (`hooks.install_capturer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sglang_trace import hooks
+
+_SCHED = "sglang.srt.managers.scheduler_components"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One TRACE hook: SGLang's dotted target, the hook type (`HookType` member name) and the function."""
+
+    target: str
+    kind: str
+    fn: Callable
+
+
+def _moe_input(layer, dispatch_output):
+    """BEFORE `FusedMoE.run_moe_core`: the MoE-input site rewrites the dispatched input."""
+    return (layer,), {"dispatch_output": hooks.on_moe_input(layer, dispatch_output)}
+
+
+def _weight_loaded(result, layer, param, loaded_weight, weight_name, shard_id, expert_id):
+    """AFTER `FusedMoE.weight_loader`: emulate quantizes the expert matrix just written."""
+    hooks.on_expert_weight_loaded(layer, param, loaded_weight, shard_id, expert_id)
+
+
+def _install_capturer(original, model_runner):
+    """AROUND `ModelRunner.init_routed_experts_capturer`: the TRACE capturer takes the R3 seam when TRACE is on."""
+    if model_runner.is_draft_worker or not hooks.install_capturer(model_runner):
+        return original(model_runner)
+    return None
+
+
+def _request_finished(processor, req):
+    """BEFORE `SchedulerBatchResultProcessor._maybe_collect_routed_experts`: every finished request, before its
+    KV is released (R3's own collection returns early unless the request asked for routes)."""
+    hooks.on_request_finished(processor, req)
+
+
+def _batch_done(streamer, *args, **kwargs):
+    """BEFORE `SchedulerOutputStreamer.stream_output`: a result batch was processed."""
+    hooks.on_batch_done(streamer)
+
+
+def _weights_updated(result, manager, recv_req):
+    """AFTER a scheduler weight update: a successful one sets the RL step of later forwards."""
+    if getattr(result, "success", False):
+        hooks.on_weights_updated(manager, recv_req)
+
+
+def _tensor_update(original, manager, recv_req):
+    """AROUND `update_weights_from_tensor`: refuse load formats that bypass `FusedMoE.weight_loader` (every TP
+    rank refuses alike, so the update's TP barrier is skipped on all of them)."""
+    reason = hooks.refuse_weight_update(recv_req)
+    if reason is None:
+        result = original(manager, recv_req)
+        _weights_updated(result, manager, recv_req)
+        return result
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqOutput
+
+    return UpdateWeightsFromTensorReqOutput(success=False, message=reason)
+
+
+def _cell_size(result, configurator, model_runner, num_layers):
+    """AFTER `DefaultPoolConfigurator._compute_cell_size`: the record store's bytes per KV slot join the KV cell
+    size, so the pool shrinks to make room and `--mem-fraction-static` still holds."""
+    return result + hooks.record_bytes_per_token(model_runner)
+
+
+def _hybrid_pool(pool, *args, **kwargs):
+    """BEFORE `HybridLinearKVPool.__init__`: its full-attention layers get the FP4 pool class for an FP4 dtype
+    (upstream builds a plain MHA pool there)."""
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+    cls = hooks.hybrid_full_kv_pool_class(dtype)
+    if cls is not None:
+        kwargs["full_kv_pool_class"] = cls
+    return (pool, *args), kwargs
+
+
+HOOKS = (
+    Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "BEFORE", _moe_input),
+    Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader", "AFTER", _weight_loaded),
+    Hook("sglang.srt.model_executor.model_runner.ModelRunner.init_routed_experts_capturer", "AROUND", _install_capturer),
+    Hook(
+        f"{_SCHED}.batch_result_processor.SchedulerBatchResultProcessor._maybe_collect_routed_experts",
+        "BEFORE",
+        _request_finished,
+    ),
+    Hook(f"{_SCHED}.output_streamer.SchedulerOutputStreamer.stream_output", "BEFORE", _batch_done),
+    *(
+        Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_{src}", "AFTER", _weights_updated)
+        for src in ("disk", "distributed", "ipc")
+    ),
+    Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", "AROUND", _tensor_update),
+    Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size", "AFTER", _cell_size),
+    Hook("sglang.srt.mem_cache.memory_pool.HybridLinearKVPool.__init__", "BEFORE", _hybrid_pool),
+)
+
+
+def register() -> None:
+    """The plugin entry point: register every TRACE hook with SGLang's `HookRegistry` (SGLang applies them)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for hook in HOOKS:
+        if not any(h is hook.fn for _, h, _ in HookRegistry._hooks.get(hook.target, ())):
+            HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+
+
+def apply() -> None:
+    """Register and apply the hooks in this process (what `load_plugins` does; for processes that load none)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    register()
+    HookRegistry.apply_hooks()
+    check_applied()
+
+
+def _wraps(fn, hook: Callable) -> bool:
+    """Whether `fn` is a HookRegistry wrapper chain containing `hook`."""
+    while fn is not None:
+        closure = getattr(fn, "__closure__", None) or ()
+        if any(getattr(c, "cell_contents", None) is hook for c in closure):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def check_applied() -> None:
+    """RuntimeError naming every TRACE hook that is not in place (the plugin not installed, filtered out by
+    `SGLANG_PLUGINS`, or a target that failed to patch: SGLang only logs those)."""
+    import pkgutil
+
+    missing = []
+    for hook in HOOKS:
+        owner, _, attr = hook.target.rpartition(".")
+        try:
+            fn = getattr(pkgutil.resolve_name(owner), attr)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{hook.target} ({type(e).__name__}: {e})")
+            continue
+        if not _wraps(getattr(fn, "__func__", fn), hook.fn):
+            missing.append(hook.target)
+    if missing:
+        raise RuntimeError(
+            "TRACE's SGLang plugin hooks are not applied: "
+            + ", ".join(missing)
+            + " (install trace-rl in the server's environment and keep 'trace' in SGLANG_PLUGINS if it is set)"
+        )
