@@ -26,7 +26,7 @@ def test_file_then_overrides(tmp_path):
     [
         (["mode=fp8"], "mode='fp8' is not one of"),
         (["group_size=1"], "group_size=1 must be >= 2"),
-        (["stepz=3"], r"unknown config keys \['stepz'\]"),
+        (["stepz=3"], r"unknown config key .stepz. \(an override; did you mean .steps.\?\)"),
         (["steps=three"], "steps='three' is not a int"),
         (["record_all_layers=maybe"], "is not a boolean"),
         (["record_bits=5"], r"record_bits=5: record bits must be an integer in 1\.\.4"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import tomllib
@@ -17,12 +18,14 @@ from trace_core.formats import KV_FP4
 from trace_core.modes import MODES
 from trace_core.recipe import DEFAULT_RECIPE, get_recipe, recipe_names
 from trace_core.records import check_bits
+from trace_rl.algorithm import algorithm_errors
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 FP4_ATTENTION = ("off", "decode")
 SECRET_REFS = ("env:", "file:")
 CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
 TRAINER_EXPERTS = ("grouped", "sequential")
+LIST_KEYS = ("sglang_urls", "metadata_keys", "loggers")  # comma-separated strings; a TOML / YAML list is joined
 
 
 def trainer_experts_errors(experts: str, in_place: bool) -> list[str]:
@@ -152,6 +155,24 @@ class RLConfig:
     trainer_experts: str = "grouped"
     expert_weights_in_place: bool = True
     train_micro_batch: int = 0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    tis_cap: float = 5.0
+    loss_agg_mode: str = "token-mean"
+    policy_loss: str = "ppo"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    eval_before_train: bool = False
+    samples_every: int = 1
+    samples_per_step: int = 4
 
     def __post_init__(self) -> None:
         errors = [f"{k}={v!r} must be finite" for k, v in self._floats().items() if not math.isfinite(v)]
@@ -167,8 +188,10 @@ class RLConfig:
             check_bits(self.record_bits)
         except ValueError as e:
             errors.append(f"record_bits={self.record_bits}: {e}")
-        if self.temperature <= 0 or self.lr <= 0:
-            errors.append(f"temperature={self.temperature} and lr={self.lr} must be > 0")
+        if self.lr <= 0:
+            errors.append(f"lr={self.lr} must be > 0 (AdamW's peak learning rate; 1e-6 is usual for a real model)")
+        if self.temperature <= 0:
+            errors.append(f"temperature={self.temperature} must be > 0 (1.0 samples the policy as it is)")
         if self.max_version_diff < 0 or self.async_lag < 0 or self.max_restarts < 0:
             errors.append("max_version_diff, async_lag and max_restarts must be >= 0")
         if self.async_lag > self.max_version_diff:
@@ -186,6 +209,7 @@ class RLConfig:
         errors += self._fp4_attention_errors()
         errors += self._layout_errors()
         errors += self._data_errors()
+        errors += algorithm_errors(self)
         if errors:
             raise ConfigError("invalid RL config: " + "; ".join(errors))
 
@@ -334,6 +358,10 @@ class RLConfig:
 
 
 def _coerce(name: str, value: Any, kind: type) -> Any:
+    if name in LIST_KEYS and isinstance(value, list | tuple):
+        if not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"{name}={value!r} must be a list of strings (or one comma-separated string)")
+        return ",".join(value)
     if isinstance(value, str) and kind is not str:
         if kind is bool:
             if value.lower() not in ("true", "false", "1", "0"):
@@ -385,6 +413,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:
     """Defaults, then the file (`.json`, `.toml`, `.yaml`), then `key=value` overrides."""
     values: dict[str, Any] = {} if path is None else read_config_file(path)
+    from_file = set(values)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -393,5 +422,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RL
     types = {f.name: type(f.default) for f in dataclasses.fields(RLConfig)}
     unknown = sorted(set(values) - set(types))
     if unknown:
-        raise ConfigError(f"unknown config keys {unknown}; known: {sorted(types)}")
+        hints = [
+            f"{k!r} ({'in ' + str(path) if k in from_file else 'an override'}"
+            + (f"; did you mean {close[0]!r}?)" if close else ")")
+            for k in unknown
+            for close in [difflib.get_close_matches(k, types, n=1)]
+        ]
+        raise ConfigError(f"unknown config key {', '.join(hints)}; `trace-rl train --help` lists every key")
     return RLConfig(**{k: _coerce(k, v, types[k]) for k, v in values.items()})

@@ -16,7 +16,9 @@ have moved past them, so a run resumes from either (docs/reliability.md).
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -30,6 +32,8 @@ from tqdm import tqdm
 from trace_core.records import RecordSpec
 from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
+from trace_rl import samples
+from trace_rl.algorithm import trainer_kwargs
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.data import Prompt, dataset
 from trace_rl.engine import Trajectory
@@ -51,6 +55,13 @@ from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
+CONFIG_JSON = "config.json"  # the resolved config, readable without the checkpoint reader
+
+
+class RewardError(RuntimeError):
+    """The reward function raised or returned a non-finite value; the message names the prompt."""
+
+
 # Settings a checkpoint must have been written with (they change the numerics or the resume itself); a resume with
 # other values is refused unless `force_resume`.
 RESUME_KEYS = (
@@ -73,6 +84,32 @@ RESUME_KEYS = (
     "data",
     "fp4_attention",
 )
+
+
+class _StopOnInterrupt:
+    """While entered (in the main thread): the first SIGINT only sets `requested`, the second raises
+    KeyboardInterrupt as usual; the previous handler is restored on exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step (a checkpoint is saved); Ctrl-C again to stop now", file=sys.stderr)
+
+    def __enter__(self) -> _StopOnInterrupt:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 # A pending trajectory in a checkpoint: its fields by name, all but the records (those stay in the store).
@@ -137,6 +174,7 @@ class Controller:
         kw = dict(mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff)
         kw["dtype"] = getattr(torch, cfg.trainer_dtype)
         kw |= dict(experts=cfg.trainer_experts, expert_weights_in_place=cfg.expert_weights_in_place)
+        kw |= trainer_kwargs(cfg, self.steps)
         if cfg.parallel_trainer():
             self.trainer = GroupTrainer.from_config(tiny, state, cfg, **kw)
         else:
@@ -165,6 +203,8 @@ class Controller:
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)
+        (self.out / CONFIG_JSON).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+        samples.truncate(self.out / samples.SAMPLES, self.step)
         self.tracker = Tracker(
             self.out,
             cfg.logger_list(),
@@ -267,7 +307,7 @@ class Controller:
             requests.append(Request(j, self.step, ids[lo : lo + chunk], rows, seed, ""))
         results, _ = self.pool.run(requests)
         trajs = [t for out in results for t in out]
-        rewards = torch.tensor([f.result() for f in self._score(prompts, trajs)]).view(len(prompts), k)
+        rewards = self._rewards(prompts, trajs, self._score(prompts, trajs), self.step).view(len(prompts), k)
         metrics = {
             f"eval/mean@{k}": float(rewards.mean()),
             "eval/pass@1": float((rewards > 0).float().mean()),
@@ -287,12 +327,14 @@ class Controller:
             self.pending.append(self.rollout(self.step + len(self.pending)))
         batch = self.pending.popleft()
         waiting = time.perf_counter()
-        rewards = torch.tensor([f.result() for f in batch.rewards])
+        rewards = self._rewards(batch.prompts, batch.trajectories, batch.rewards, batch.step)
         rolled = time.perf_counter()
         metrics = self.trainer.step(
             batch.trajectories, rewards, self.cfg.group_size, str(self.store), batch.step, batch.version
         )
         trained = time.perf_counter()
+        diffs = metrics.pop("samples/logprob_abs_diff", {})
+        metrics["reward/zero_variance_groups"] = self._zero_variance_groups(rewards, batch.step)
         version = self.trainer.policy_version()
         self.pool.load_weights(self.trainer.hf_weights(), version)
         apply_retention(self.store, self.cfg.keep_record_steps, protect=self._protected_steps())
@@ -320,6 +362,8 @@ class Controller:
             metrics["time/eval_s"] = time.perf_counter() - evaluated
         self.history.append(metrics)
         self.tracker.log(metrics, metrics["step"])
+        if self.cfg.samples_every and batch.step % self.cfg.samples_every == 0:
+            self._log_samples(batch, rewards, diffs)
         with open(self.out / METRICS, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps:
@@ -327,11 +371,94 @@ class Controller:
         return metrics
 
     def run(self, desc: str | None = None) -> list[dict]:
-        bar = tqdm(range(self.step, self.steps), desc=desc or self.cfg.mode, unit="step")
-        for _ in bar:
-            m = self.train_step()
-            bar.set_postfix(reward=f"{m['reward/mean']:.2f}", dlogp=f"{m['train_rollout_logprob_abs_diff']:.4f}")
+        """Train to `steps` (from the resumed step). Ctrl-C (SIGINT) stops at the next safe point, the end of the
+        step in progress: a checkpoint is saved there and `SystemExit(130)` leaves with one line (a second Ctrl-C
+        interrupts at once). Evaluates first with `eval_before_train` on a fresh run."""
+        if self.cfg.eval_before_train and self.step == 0 and self.eval_data is not None:
+            initial = self.evaluate()
+            self.tracker.log(initial, -1)
+            print("evaluation before training: " + json.dumps(initial))
+        bar = tqdm(total=self.steps, initial=self.step, desc=desc or self.cfg.mode, unit="step")
+        with _StopOnInterrupt() as stop:
+            while self.step < self.steps:
+                m = self.train_step()
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", dlogp=f"{m['train_rollout_logprob_abs_diff']:.4f}")
+                if stop.requested and self.step < self.steps:
+                    if self.step % self.cfg.checkpoint_every:
+                        self.save_checkpoint()
+                    bar.close()
+                    print(
+                        f"interrupted: checkpoint of step {self.step} saved in {self.out}; the same command resumes",
+                        file=sys.stderr,
+                    )
+                    raise SystemExit(130)
+        bar.close()
+        dead = sum(m.get("reward/zero_variance_groups", 0) == self.cfg.prompts_per_step for m in self.history)
+        if dead:
+            print(
+                f"{dead} of {len(self.history)} steps trained nothing: every group had zero reward variance "
+                f"(see {self.out / samples.SAMPLES}; reward={self.cfg.reward!r})",
+                file=sys.stderr,
+            )
         return self.history
+
+    # ----------------------------------------------------------------- rewards and samples
+    def _rewards(self, prompts: list[Prompt], trajs: list[Trajectory], scores: list[Future], step: int):
+        """The rewards of `trajs` (`len(trajs) // len(prompts)` per prompt); a reward function that raises or returns
+        a non-finite value is a `RewardError` naming the step, the trajectory and its prompt."""
+        n, values = len(trajs) // len(prompts), []
+        for i, f in enumerate(scores):
+            try:
+                value = float(f.result())
+            except Exception as e:  # the user's function: any exception, named with its prompt
+                problem = self._reward_problem(prompts[i // n], step, i, f"raised {type(e).__name__}: {e}")
+                raise RewardError(problem) from e
+            if not math.isfinite(value):
+                raise RewardError(self._reward_problem(prompts[i // n], step, i, f"returned {value}"))
+            values.append(value)
+        return torch.tensor(values)
+
+    def _reward_problem(self, prompt: Prompt, step: int, i: int, what: str) -> str:
+        text = self.policy.tokenizer.decode(prompt.ids.tolist(), skip_special_tokens=True)
+        row = f"row {prompt.row} of {self.cfg.data}" if prompt.row >= 0 else self.cfg.data
+        return (
+            f"reward={self.cfg.reward!r} {what} at step {step}, trajectory {i}, prompt {row} ({text[-120:]!r}): fix "
+            "the reward function; it must return a finite float for every response"
+        )
+
+    def _zero_variance_groups(self, rewards: torch.Tensor, step: int) -> float:
+        """Groups of the step whose rewards are all equal (zero advantages: nothing to learn from); a warning when
+        every group is."""
+        groups = rewards.view(-1, self.cfg.group_size)
+        zero = int((groups == groups[:, :1]).all(dim=1).sum())
+        if zero == len(groups):
+            print(
+                f"warning: step {step}: all {zero} groups have zero reward variance (all advantages 0), so the step "
+                f"trains nothing; read {self.out / samples.SAMPLES} and check reward={self.cfg.reward!r}",
+                file=sys.stderr,
+            )
+        return float(zero)
+
+    def _log_samples(self, batch: RolloutBatch, rewards: torch.Tensor, diffs: dict) -> None:
+        """`samples_per_step` of the batch's trajectories to samples.jsonl and the trackers (`trace_rl.samples`)."""
+        n, tok = self.cfg.group_size, self.policy.tokenizer
+        rows = []
+        for i in samples.pick(len(batch.trajectories), self.cfg.samples_per_step):
+            t = batch.trajectories[i]
+            rows.append(
+                {
+                    "step": batch.step,
+                    "version": batch.version,
+                    "trajectory": i,
+                    "prompt": tok.decode(batch.prompts[i // n].ids.tolist(), skip_special_tokens=True),
+                    "response": tok.decode(t.response.tolist(), skip_special_tokens=True),
+                    "reward": float(rewards[i]),
+                    "logprob_abs_diff": diffs.get(i, float("nan")),
+                }
+            )
+        samples.write(self.out / samples.SAMPLES, rows)
+        self.tracker.log_text("samples", rows, samples.markdown(rows), batch.step)
 
     # ----------------------------------------------------------------- checkpoint
     def _protected_steps(self) -> set[int]:
@@ -407,3 +534,4 @@ class Controller:
         version = self.trainer.policy_version()
         if version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), version)
+        print(f"resumed from step {self.step} ({path})")

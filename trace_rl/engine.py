@@ -81,6 +81,20 @@ class _SiteCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, cache_kwargs)
 
 
+def filter_probs(probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities `[B, V]` with the tokens outside the `top_k` most likely (ties at the k-th kept) and outside
+    the smallest set whose mass reaches `top_p` zeroed (unnormalized: `torch.multinomial` normalizes)."""
+    if 0 < top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[:, -1:]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        before = ranked.cumsum(-1) - ranked  # mass of the more likely tokens
+        ranked = ranked.masked_fill(before >= top_p * ranked.sum(-1, keepdim=True), 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+    return probs
+
+
 class EmbeddedEngine:
     """Batched sampling with records and routes. `fp4=False` is the BF16 rollout (routes only). `recipe`: the
     precision recipe of the FP4 sites (None: the spec's, else the default), checked against the spec."""
@@ -222,9 +236,20 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: torch.Tensor, max_new: int, *, eos: int | Sequence[int], seed: int, temperature: float = 1.0
+        self,
+        prompts: torch.Tensor,
+        max_new: int,
+        *,
+        eos: int | Sequence[int],
+        seed: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
     ) -> list[Trajectory]:
-        """Sample one response per prompt row (`[B, P]`, one length) until an EOS id or `max_new` tokens."""
+        """Sample one response per prompt row (`[B, P]`, one length) until an EOS id or `max_new` tokens, from the
+        temperature-scaled distribution truncated by `top_k` / `top_p` (`filter_probs`; off at -1 / 1.0). The kept
+        log-prob of a token is the untruncated one, as SGLang and vLLM report it by default, so the train / rollout
+        mismatch metrics measure the numerics, not the truncation."""
         b, p = prompts.shape
         if b > self.max_batch or p + max_new > self.max_len:
             raise ValueError(f"batch {b} x {p}+{max_new} tokens exceeds the engine ({self.max_batch} x {self.max_len})")
@@ -238,7 +263,8 @@ class EmbeddedEngine:
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         for t in range(max_new):
             logp = torch.log_softmax(logits / temperature, dim=-1)
-            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            probs = logp.exp() if top_k == -1 and top_p == 1.0 else filter_probs(logp.exp(), top_k, top_p)
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             tokens.append(tok)
             logps.append(logp.gather(1, tok[:, None]).squeeze(1))
             done |= torch.isin(tok, eos_ids)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.loss import grpo_advantages, grpo_loss_terms, token_logprobs
+from megatron_trace.loss import LossConfig, grpo_advantages, grpo_loss_terms, token_entropy, token_logprobs
 from megatron_trace.parallel import (
     Layout,
     MicroBatchInput,
@@ -41,10 +41,13 @@ from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records import RecordSpec
 from trace_rl.config import RLConfig, check_trainer_experts
 from trace_rl.engine import Trajectory
+from trace_rl.optim import LRSchedule
 from trace_rl.trainer import MegatronTrainer
 
 MAX_KEYS = ("train_rollout_logprob_diff_max",)
 MIN_KEYS = ("train_rollout_logprob_diff_min",)
+LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")  # per loss unit (tokens or sequences)
+REPORT_ONLY = ("tokens", "units", "samples")  # what `loss_terms` reports besides the metrics
 
 
 def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
@@ -87,6 +90,9 @@ class RankTrainer(MegatronTrainer):
         micro_batch: int = 0,
         experts: str = "grouped",
         expert_weights_in_place: bool = True,
+        loss: LossConfig | None = None,
+        weight_decay: float = 0.0,
+        lr_schedule: LRSchedule | None = None,
     ):
         from megatron.core import parallel_state as ps
 
@@ -98,20 +104,28 @@ class RankTrainer(MegatronTrainer):
             mode=mode, spec=spec, replay_routes=True, expert_weights_in_place=expert_weights_in_place
         )
         grouped = experts == "grouped"
-        chunks = build_chunks(
-            lambda v: build_tiny_moe(
-                tiny, dtype=dtype, routing_replay=True, vp_stage=v, grouped=grouped, **layout.config_overrides()
-            ),
-            layout,
-        )
+
+        def build():
+            return build_chunks(
+                lambda v: build_tiny_moe(
+                    tiny, dtype=dtype, routing_replay=True, vp_stage=v, grouped=grouped, **layout.config_overrides()
+                ),
+                layout,
+            )
+
+        chunks = build()
         self.sessions = []
         for c in chunks:
             load_full_state(c, state)
             self.sessions.append(TraceSession(c, self.cfg))
         self.sites = {site for s in self.sessions for site in s.numerics.stats}
         self.chunks = wrap_ddp(chunks)
+        self._set_algorithm(loss, weight_decay, lr, lr_schedule)
         self._init_optimizer([p for c in self.chunks for p in c.parameters()], lr, max_version_diff, clip_grad)
         self.moe_layers = list(range(tiny.layers))  # the rollout records routes of every MoE layer
+        self.ref = None
+        if self.loss.needs_reference:
+            self._build_reference(build, state)  # this rank's shards of the reference, unwrapped (no gradients)
 
     def training_sessions(self) -> list[TraceSession]:
         return self.sessions
@@ -121,7 +135,7 @@ class RankTrainer(MegatronTrainer):
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device
         self.master = []
-        self.opt = make_optimizer(self.chunks, lr=lr, clip_grad=clip_grad)
+        self.opt = make_optimizer(self.chunks, lr=lr, clip_grad=clip_grad, weight_decay=self.weight_decay)
         self.max_version_diff, self.clip_grad = max_version_diff, clip_grad
         self.version = 0
         self._separate_fp32_masters()
@@ -189,20 +203,45 @@ class RankTrainer(MegatronTrainer):
         items = []
         for lo in range(dp_rank * per, (dp_rank + 1) * per, size):
             batch = self.prepare(trajs, store, step, version, owned=range(lo, lo + size), seq_len=seq, sites=self.sites)
-            items.append(MicroBatchInput(batch.mb, batch.source, {"batch": batch, "adv": adv[lo : lo + size]}))
+            extra = {"batch": batch, "adv": adv[lo : lo + size], "first": lo}
+            items.append(MicroBatchInput(batch.mb, batch.source, extra))
         tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        loss_kwargs = self._loss_kwargs()
+
+        def reference_terms(logits, item):
+            """The reference policy's log-probs, kept for the policy's loss of the same micro-batch (last stage)."""
+            ids = item.mb.input_ids
+            item.extra["logp_ref"] = logp = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group)
+            return logp.sum() * 0, item.extra["batch"].mask.sum(), {}
 
         def loss_terms(logits, item):
             ids, batch = item.mb.input_ids, item.extra["batch"]
             logp = token_logprobs(logits[:, :-1], ids[:, 1:], tp_group)
-            total, n, report = grpo_loss_terms(logp, logp.detach(), batch.logp_rollout, item.extra["adv"], batch.mask)
-            return total, n, report | {"tokens": float(n)}
+            entropy = token_entropy(logits[:, :-1], tp_group) if self.loss.needs_entropy else None
+            total, n, report = grpo_loss_terms(
+                logp,
+                logp.detach(),
+                batch.logp_rollout,
+                item.extra["adv"],
+                batch.mask,
+                **loss_kwargs,
+                logp_ref=item.extra.get("logp_ref"),
+                entropy=entropy,
+            )
+            samples = self._sample_metrics(logp.detach(), batch, item.extra["first"])["samples/logprob_abs_diff"]
+            return total, n, report | {"tokens": float(batch.mask.sum()), "units": float(n), "samples": samples}
 
+        if self.ref is not None:
+            with torch.no_grad():
+                forward_backward(self.ref, items, reference_terms, forward_only=True)
+            for s in self.ref_sessions:
+                s.end_step()
         for c in self.chunks:
             c.zero_grad_buffer()
         reports = forward_backward(self.chunks, items, loss_terms)
         with self._refusable(step):
             self._check_routes()  # refuse the update if a bad route was replayed as placeholders, on every rank
+            lr = self._scheduled_lr()
             norm = step_optimizer(self.opt)  # clips by the global norm, steps its ranges, all-gathers the parameters
         self.opt.zero_grad()
         self._quantize_in_place()
@@ -225,13 +264,17 @@ class RankTrainer(MegatronTrainer):
             "records_missing": sum(b.records_missing for b in batches)
             if tp0 and ps.is_pipeline_first_stage(ignore_virtual=True)
             else 0,
+            "reference_bytes": self.ref_bytes,
         }
         everyone: list[dict] = [{}] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, own)
         self.version += 1
         metrics = _combine(everyone)
         metrics["actor/grad_norm"] = float(norm)
+        metrics["actor/lr"] = lr
         metrics["rollout/staleness"] = float(staleness)
+        if self.ref is not None:
+            metrics["memory/reference_bytes"] = float(sum(r["reference_bytes"] for r in everyone))
         return metrics
 
     def _check_routes(self) -> None:
@@ -257,9 +300,10 @@ def _combine(ranks: list[dict]) -> dict[str, float]:
     min where they are extremes), site counters summed (sites and rows are split between ranks), code-flip rates
     from the summed counts, RTN fallbacks on real tokens as the single-rank trainer counts them."""
     losses = [report for r in ranks for report in r["losses"]]
-    metrics: dict[str, float] = {}
-    for key in {k for r in losses for k in r} - {"tokens"}:
-        values = [(r[key], r["tokens"]) for r in losses if key in r]
+    metrics: dict = {}
+    for key in {k for r in losses for k in r} - set(REPORT_ONLY):
+        weight = "units" if key in LOSS_KEYS else "tokens"
+        values = [(r[key], r[weight]) for r in losses if key in r]
         if key in MAX_KEYS:
             metrics[key] = max(v for v, _ in values)
         elif key in MIN_KEYS:
@@ -280,6 +324,7 @@ def _combine(ranks: list[dict]) -> dict[str, float]:
     if "trace/rtn_fallback" in metrics:
         metrics["trace/rtn_fallback_real_tokens"] = float(sum(r["real_fallback"] for r in ranks))
     metrics["rollout/records_missing"] = float(sum(r["records_missing"] for r in ranks))
+    metrics["samples/logprob_abs_diff"] = {i: d for r in losses for i, d in r.get("samples", {}).items()}
     return metrics
 
 

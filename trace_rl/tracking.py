@@ -62,6 +62,17 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
+    def log_text(self, tag: str, rows: list[dict], text: str, step: int) -> None:
+        """A text summary (`text`, markdown) to TensorBoard and the same `rows` as a W&B table."""
+        for writer in self.writers:
+            writer.add_text(tag, text, step)
+            writer.flush()
+        if self.wandb is not None and rows:
+            import wandb
+
+            columns = list(rows[0])
+            self.wandb.log({tag: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
+
     def close(self) -> None:
         for writer in self.writers:
             writer.close()

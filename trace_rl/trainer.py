@@ -25,7 +25,14 @@ from megatron_trace import checkpoint
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf
-from megatron_trace.loss import grpo_advantages, grpo_loss, mismatch_metrics, token_logprobs
+from megatron_trace.loss import (
+    LossConfig,
+    grpo_advantages,
+    grpo_loss,
+    mismatch_metrics,
+    token_entropy,
+    token_logprobs,
+)
 from megatron_trace.parallel import gather_full_state, load_full_state, refuse_non_finite
 from megatron_trace.rows import MicroBatch, pack_microbatch
 from megatron_trace.session import Tap, TraceSession
@@ -36,6 +43,7 @@ from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store_reader import RecordReader
 from trace_rl.config import check_trainer_experts
 from trace_rl.engine import Trajectory
+from trace_rl.optim import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ class MegatronTrainer:
         dtype: torch.dtype = torch.bfloat16,
         experts: str = "grouped",
         expert_weights_in_place: bool = True,
+        loss: LossConfig | None = None,
+        weight_decay: float = 0.0,
+        lr_schedule: LRSchedule | None = None,
     ):
         check_trainer_experts(experts, expert_weights_in_place)
         init_single_rank()
@@ -93,8 +104,65 @@ class MegatronTrainer:
         )
         self.session = TraceSession(self.model, self.cfg)
         self.chunks = [self.model]
+        self._set_algorithm(loss, weight_decay, lr, lr_schedule)
         self._init_optimizer(list(self.model.parameters()), lr, max_version_diff, clip_grad)
         self.moe_layers = sorted(self.session.moe_layers)
+        self.ref: list | None = None  # the reference policy's chunks, only for a KL term (`_build_reference`)
+        if self.loss.needs_reference:
+            self._build_reference(
+                lambda: [build_tiny_moe(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")], state
+            )
+
+    def _set_algorithm(
+        self, loss: LossConfig | None, weight_decay: float, lr: float, lr_schedule: LRSchedule | None
+    ) -> None:
+        """The loss settings, AdamW's weight decay and the learning-rate schedule (peak `lr`) of both trainers
+        (None: the defaults, today's loss and a constant rate)."""
+        self.loss = LossConfig() if loss is None else loss
+        self.lr_schedule = LRSchedule() if lr_schedule is None else lr_schedule
+        self.weight_decay, self.peak_lr = weight_decay, lr
+        self.ref_bytes = 0
+
+    def _build_reference(self, build, state: dict[str, torch.Tensor]) -> None:
+        """The frozen reference policy of the KL term: `build()`'s chunks loaded with the initial `state`, each under
+        a session of the training mode (its own fake-quantized expert weights per step, never in place), no
+        gradients; its parameter bytes are reported (`memory/reference_bytes`)."""
+        cfg = dataclasses.replace(self.cfg, expert_weights_in_place=False)
+        self.ref, self.ref_sessions = build(), []
+        for c in self.ref:
+            load_full_state(c, state)
+            c.requires_grad_(False)
+            self.ref_sessions.append(TraceSession(c, cfg))
+        self.ref_bytes = sum(p.numel() * p.element_size() for c in self.ref for p in c.parameters())
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The reference policy's log-probs of `batch` (one rank), routes and records replayed as the policy's; its
+        session's site counters are dropped."""
+        (model,), (session,) = self.ref, self.ref_sessions
+        mb = batch.mb
+        session.begin_microbatch(mb.rows, batch.source)
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        session.end_step()
+        return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
+
+    def _scheduled_lr(self) -> float:
+        """The learning rate of the next update (`lr_schedule` at the policy version), set on the optimizer's
+        parameter groups unless the schedule is constant (then the optimizer's own rate is never touched)."""
+        if self.lr_schedule.is_constant:
+            return self.peak_lr
+        lr = self.peak_lr * self.lr_schedule.factor(self.version)
+        inner = (
+            [self.opt]
+            if isinstance(self.opt, torch.optim.Optimizer)
+            else [o.optimizer for o in getattr(self.opt, "chained_optimizers", [self.opt]) if o.optimizer is not None]
+        )
+        for group in (g for o in inner for g in o.param_groups):
+            group["lr"] = lr
+        return lr
+
+    def _loss_kwargs(self) -> dict:
+        return dataclasses.asdict(self.loss)
 
     def training_sessions(self) -> list[TraceSession]:
         """The training session of each model chunk."""
@@ -105,7 +173,7 @@ class MegatronTrainer:
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=self.weight_decay)
         self.max_version_diff, self.clip_grad = max_version_diff, clip_grad
         self.version = 0
         self._quantize_in_place()
@@ -280,9 +348,24 @@ class MegatronTrainer:
         returns the step's metrics."""
         staleness = self._staleness(version)
         batch = self.prepare(trajs, store, step, version)
-        logp = self._logprobs(batch, self.session)
+        mb = batch.mb
+        self.session.begin_microbatch(mb.rows, batch.source)
+        logits = self.model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        logp = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
+        entropy = token_entropy(logits[:, :-1]) if self.loss.needs_entropy else None
+        logp_ref = self._reference_logprobs(batch) if self.ref is not None else None
         adv = grpo_advantages(rewards.to(self.device), group_size)
-        loss, metrics = grpo_loss(logp, logp.detach(), batch.logp_rollout, adv, batch.mask)
+        loss, metrics = grpo_loss(
+            logp,
+            logp.detach(),
+            batch.logp_rollout,
+            adv,
+            batch.mask,
+            **self._loss_kwargs(),
+            logp_ref=logp_ref,
+            entropy=entropy,
+        )
+        metrics |= self._sample_metrics(logp.detach(), batch)
         loss.backward()
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
@@ -290,13 +373,24 @@ class MegatronTrainer:
         with self._refusable(step):
             metrics["actor/grad_norm"] = self._clip_gradients()
             self.session.check_routes()  # refuse the update if a bad route was replayed as placeholders
+        metrics["actor/lr"] = self._scheduled_lr()
         self._update()
         metrics |= self.session.end_step()
         metrics |= batch.fallback_on_real_tokens(metrics, self.session.numerics.captured)
         metrics["rollout/staleness"] = float(staleness)
         metrics["rollout/records_missing"] = float(batch.records_missing)
+        if self.ref is not None:
+            metrics["memory/reference_bytes"] = float(self.ref_bytes)
         self.version += 1
         return metrics
+
+    @staticmethod
+    def _sample_metrics(logp: torch.Tensor, batch: TrainBatch, first: int = 0) -> dict:
+        """`samples/logprob_abs_diff`: each trajectory's mean |train - rollout| log-prob over its response tokens,
+        by trajectory index from `first` (a dict, popped by the controller for the sample log)."""
+        m = batch.mask
+        diff = torch.where(m, (logp.float() - batch.logp_rollout).abs(), 0.0).sum(1) / m.sum(1).clamp_min(1)
+        return {"samples/logprob_abs_diff": {first + i: float(d) for i, d in enumerate(diff.tolist())}}
 
     @contextmanager
     def _refusable(self, step: int) -> Iterator[None]:

@@ -74,7 +74,13 @@ class RolloutWorker:
         for k, rows in enumerate(by_len.values()):
             prompts = torch.stack([req.prompts[i] for i in rows])
             trajs = self.engine.generate(
-                prompts, self.cfg.max_new_tokens, eos=self.task.eos, seed=req.seed + k, temperature=self.cfg.temperature
+                prompts,
+                self.cfg.max_new_tokens,
+                eos=self.task.eos,
+                seed=req.seed + k,
+                temperature=self.cfg.temperature,
+                top_p=self.cfg.top_p,
+                top_k=self.cfg.top_k,
             )
             for i, t in zip(rows, trajs, strict=True):
                 out[i] = t
