@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.rl_reference import GROUP, run, weights_digest
+from tests.rl_reference import GROUP, run
 from tests.rl_small import SMALL_RUN
 from trace_rl.config import RLConfig
-from trace_rl.controller import Controller
+from trace_rl.controller import Controller, RewardError
+from trace_rl.engine import filter_probs
 from trace_rl.optim import LRSchedule
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "rl_defaults_reference.json").read_text())
@@ -55,3 +57,125 @@ def test_group_defaults_reproduce_todays_numbers(model_dir, tmp_path):
     finally:
         ray.shutdown()
         os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+
+
+def _cfg(model_dir, out, **kw) -> RLConfig:
+    return RLConfig(model_dir=model_dir, out_dir=str(out), **(SMALL_RUN | kw))
+
+
+def test_kl_keeps_a_reference_policy_only_with_a_coefficient(model_dir, tmp_path):
+    """kl_coef = 0 (the default) builds no reference model; kl_coef > 0 builds one from the initial weights, counts
+    its bytes, and its KL is 0 at step 0 (the policy is the reference there, bit for bit) and positive after the
+    first update. The entropy term is reported when its coefficient is set."""
+    with Controller(_cfg(model_dir, tmp_path / "off"), resume=False) as ctrl:
+        assert ctrl.trainer.ref is None and ctrl.trainer.ref_bytes == 0
+    cfg = _cfg(model_dir, tmp_path / "on", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    with Controller(cfg, resume=False) as ctrl:
+        history = ctrl.run()
+        params = sum(p.numel() * p.element_size() for p in ctrl.trainer.model.parameters())
+        assert ctrl.trainer.ref_bytes == params
+    assert [m["memory/reference_bytes"] for m in history] == [float(params)] * 2
+    assert history[0]["actor/kl_loss"] == 0.0 and history[1]["actor/kl_loss"] > 0
+    assert all(m["actor/entropy"] > 0 for m in history)
+
+
+def test_lr_schedule_by_hand(model_dir, tmp_path):
+    """Warm-up (step + 1) / warmup, then cosine / linear decay to min_lr_ratio over the remaining updates; the
+    trainer takes each update at the scheduled rate (`actor/lr`)."""
+    cos = LRSchedule(warmup_steps=2, style="cosine", total_steps=6, min_lr_ratio=0.1)
+    want = [
+        0.5,
+        1.0,
+        1.0,
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)),
+        0.1 + 0.9 * 0.5,
+        0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4)),
+    ]
+    assert [cos.factor(s) for s in range(6)] == pytest.approx(want)
+    lin = LRSchedule(style="linear", total_steps=4)
+    assert [lin.factor(s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert LRSchedule().is_constant and not LRSchedule(warmup_steps=1).is_constant
+    cfg = _cfg(model_dir, tmp_path, lr_warmup_steps=2, weight_decay=0.1, grad_clip=0.5)
+    with Controller(cfg, resume=False) as ctrl:
+        history = ctrl.run()
+        assert [g["weight_decay"] for g in ctrl.trainer.opt.param_groups] == [0.1]
+        assert ctrl.trainer.clip_grad == 0.5
+    assert [m["actor/lr"] for m in history] == [cfg.lr / 2, cfg.lr]
+
+
+def test_filter_probs_by_hand():
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.3]])
+    torch.testing.assert_close(filter_probs(p, top_k=2), torch.tensor([[0.0, 0.4, 0.0, 0.3]]))
+    # top_p = 0.6: 0.4 (mass before 0), 0.3 (before 0.4 < 0.6) kept; 0.2 (before 0.7) dropped.
+    torch.testing.assert_close(filter_probs(p, top_p=0.6), torch.tensor([[0.0, 0.4, 0.0, 0.3]]))
+    torch.testing.assert_close(filter_probs(p, top_p=0.75), torch.tensor([[0.0, 0.4, 0.2, 0.3]]))
+    torch.testing.assert_close(filter_probs(p, top_p=0.3), torch.tensor([[0.0, 0.4, 0.0, 0.0]]))
+
+
+def test_top_k_1_samples_greedily_and_zero_variance_is_warned(model_dir, tmp_path, capsys):
+    """top_k = 1 samples each group's argmax response, so every group's samples (and rewards) are equal: each step
+    warns and counts its zero-variance groups, and the run says how many steps trained nothing. The samples land in
+    samples.jsonl with prompt, response, reward, Δ logp and version."""
+    cfg = _cfg(model_dir, tmp_path, top_k=1, samples_per_step=2)
+    with Controller(cfg, resume=False) as ctrl:
+        batch = ctrl.rollout(0)
+        for g in range(cfg.prompts_per_step):
+            group = batch.trajectories[g * cfg.group_size : (g + 1) * cfg.group_size]
+            assert all(torch.equal(t.tokens, group[0].tokens) for t in group)
+        ctrl.pending.append(batch)
+        history = ctrl.run()
+    assert [m["reward/zero_variance_groups"] for m in history] == [float(cfg.prompts_per_step)] * 2
+    err = capsys.readouterr().err
+    assert "warning: step 0: all 2 groups have zero reward variance" in err
+    assert "2 of 2 steps trained nothing" in err
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["trajectory"]) for r in rows] == [(0, 0), (0, 4), (1, 0), (1, 4)]
+    assert set(rows[0]) == {"step", "version", "trajectory", "prompt", "response", "reward", "logprob_abs_diff"}
+    assert rows[0]["prompt"].endswith("=") and rows[2]["version"] == 1
+    assert 0 <= rows[0]["logprob_abs_diff"] < 0.1
+
+
+_calls = {"n": 0}
+
+
+def interrupting_reward(response: str, answer: str | None, metadata: dict) -> float:
+    """`varied_reward` that sends this process a SIGINT at its first call (during step 0's rollout)."""
+    _calls["n"] += 1
+    if _calls["n"] == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    return float(sum(map(ord, response)) % 3)
+
+
+def test_ctrl_c_saves_a_checkpoint_at_the_step_end_and_resume_says_so(model_dir, tmp_path, capsys):
+    cfg = _cfg(model_dir, tmp_path, steps=3, reward=f"{__name__}:interrupting_reward", reward_workers=0)
+    _calls["n"] = 0
+    with Controller(cfg, resume=False) as ctrl, pytest.raises(SystemExit) as stop:
+        ctrl.run()
+    assert stop.value.code == 130
+    assert "interrupted: checkpoint of step 1 saved" in capsys.readouterr().err
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["reward"] == cfg.reward and config["steps"] == 3
+    with Controller(cfg) as ctrl:
+        assert ctrl.step == 1
+        assert "resumed from step 1" in capsys.readouterr().out
+        assert len(ctrl.run()) == 3
+
+
+def raising_reward(response: str, answer: str | None, metadata: dict) -> float:
+    raise ZeroDivisionError("division by zero")
+
+
+def nan_reward(response: str, answer: str | None, metadata: dict) -> float:
+    return float("nan")
+
+
+@pytest.mark.parametrize(
+    ("fn", "what"), [("raising_reward", "raised ZeroDivisionError: division by zero"), ("nan_reward", "returned nan")]
+)
+def test_a_bad_reward_names_the_prompt(model_dir, tmp_path, fn, what):
+    cfg = _cfg(model_dir, tmp_path, reward=f"{__name__}:{fn}", reward_workers=0)
+    with Controller(cfg, resume=False) as ctrl, pytest.raises(RewardError) as e:
+        ctrl.train_step()
+    message = str(e.value)
+    assert f"reward='{__name__}:{fn}' {what} at step 0, trajectory 0, prompt addition (" in message
+    assert message.endswith("it must return a finite float for every response") and "\n" not in message

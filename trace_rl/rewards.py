@@ -103,7 +103,10 @@ class RewardPool:
         done = []
         for s in samples:
             f: Future = Future()
-            f.set_result(_score(self.spec, *s))
+            try:
+                f.set_result(_score(self.spec, *s))
+            except Exception as e:  # as a pool's future holds it: raised, with its prompt named, at result()
+                f.set_exception(e)
             done.append(f)
         return done
 
