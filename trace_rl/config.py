@@ -24,6 +24,8 @@ ROLLOUT_BACKENDS = ("embedded", "sglang")
 FP4_ATTENTION = ("off", "decode")
 SECRET_REFS = ("env:", "file:")
 CONFIG_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
+MIN_TEMPERATURE = 1e-3  # below it, logits / temperature leave the range of BF16 / FP32 sampling
+MAX_TRAJECTORIES = 2**16  # prompts_per_step * group_size: the rollout engine allocates a step's batch up front
 TRAINER_EXPERTS = ("grouped", "sequential")
 LIST_KEYS = ("sglang_urls", "metadata_keys", "loggers")  # comma-separated strings; a TOML / YAML list is joined
 
@@ -78,8 +80,12 @@ class RLConfig:
     sglang_api_key / sglang_admin_api_key: where the servers' --api-key / --admin-api-key are, `env:VARIABLE` or
     `file:PATH` (a key itself is refused: configs land in checkpoints).
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
-    and of a whole rollout step (the run then fails). force_resume: resume a checkpoint although settings that
-    change the numerics differ (docs/reliability.md).
+    and of a whole rollout step (the run then fails). weight_sync_timeout_s: deadline of one weight sync of the
+    rollout workers (an embedded worker that misses it is replaced and synced again; an SGLang server that misses
+    it fails the run, naming it). sglang_start_timeout_s: deadline of reaching every SGLang server at start.
+    sglang_timeout_s: wall-clock deadline of one SGLang HTTP call and of one wait for a request's records.
+    force_resume: resume a checkpoint although settings that shape the data, pairing, reward or numerics differ
+    (`trace_rl.controller.RESUME_FREE` lists the keys a resume may change; docs/reliability.md).
     tp / ep / pp / dp: the trainer's parallel layout (tensor with sequence parallelism, expert, pipeline, data
     parallel; tp * pp * dp ranks, EP carved out of dp * tp); more than one rank runs the trainer as a Ray group, one
     GPU per rank with device = "cuda" (at most gpus_per_node per node, TP within a node), gloo ranks on a CPU.
@@ -145,6 +151,8 @@ class RLConfig:
     sglang_admin_api_key: str = ""
     rollout_call_timeout_s: float = 600.0
     rollout_step_timeout_s: float = 3600.0
+    weight_sync_timeout_s: float = 600.0
+    sglang_start_timeout_s: float = 600.0
     force_resume: bool = False
     tp: int = 1
     ep: int = 1
@@ -192,6 +200,21 @@ class RLConfig:
             errors.append(f"lr={self.lr} must be > 0 (AdamW's peak learning rate; 1e-6 is usual for a real model)")
         if self.temperature <= 0:
             errors.append(f"temperature={self.temperature} must be > 0 (1.0 samples the policy as it is)")
+        elif self.temperature < MIN_TEMPERATURE:
+            errors.append(
+                f"temperature={self.temperature} must be >= {MIN_TEMPERATURE} (logits divided by a smaller one "
+                "overflow to inf and the samples turn NaN)"
+            )
+        if not 0 <= self.seed < 2**32:
+            errors.append(
+                f"seed={self.seed} must be in [0, 2**32): rollout seeds (seed * 1000003 + step) * 64 + worker must fit "
+                "a 64-bit generator seed"
+            )
+        if self.prompts_per_step * self.group_size > MAX_TRAJECTORIES:
+            errors.append(
+                f"prompts_per_step * group_size = {self.prompts_per_step * self.group_size} trajectories a step exceed "
+                f"{MAX_TRAJECTORIES} (the rollout engine allocates a step's batch up front)"
+            )
         if self.max_version_diff < 0 or self.async_lag < 0 or self.max_restarts < 0:
             errors.append("max_version_diff, async_lag and max_restarts must be >= 0")
         if self.async_lag > self.max_version_diff:
@@ -203,8 +226,12 @@ class RLConfig:
                 f"rollout_call_timeout_s={self.rollout_call_timeout_s} must be > 0 and at most "
                 f"rollout_step_timeout_s={self.rollout_step_timeout_s}"
             )
+        for key in ("weight_sync_timeout_s", "sglang_start_timeout_s"):
+            if getattr(self, key) <= 0:
+                errors.append(f"{key}={getattr(self, key)} must be > 0")
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} must be cpu or cuda")
+        errors += self._secret_errors()
         errors += self._sglang_errors()
         errors += self._fp4_attention_errors()
         errors += self._layout_errors()
@@ -244,14 +271,16 @@ class RLConfig:
             )
         if self.sglang_timeout_s <= 0:
             errors.append(f"sglang_timeout_s={self.sglang_timeout_s} must be > 0")
-        for key in ("sglang_api_key", "sglang_admin_api_key"):
-            ref = getattr(self, key)
-            if ref and not ref.startswith(SECRET_REFS):
-                errors.append(
-                    f"{key} must name where the key is ('env:VARIABLE' or 'file:PATH'), never the key itself "
-                    "(configs are written to checkpoints and logs)"
-                )
         return errors
+
+    def _secret_errors(self) -> list[str]:
+        """A literal key is refused on every backend: configs are written to checkpoints, metrics and logs."""
+        return [
+            f"{key} must name where the key is ('env:VARIABLE' or 'file:PATH'), never the key itself "
+            "(configs are written to checkpoints and logs)"
+            for key in ("sglang_api_key", "sglang_admin_api_key")
+            if getattr(self, key) and not getattr(self, key).startswith(SECRET_REFS)
+        ]
 
     def _fp4_attention_errors(self) -> list[str]:
         if self.fp4_attention not in FP4_ATTENTION:

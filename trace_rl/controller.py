@@ -15,11 +15,14 @@ have moved past them, so a run resumes from either (docs/reliability.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -41,17 +44,19 @@ from trace_rl.parallel_trainer import GroupTrainer
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
 from trace_rl.rundir import (
+    RunDirError,
     RunLock,
-    checkpoints,
+    fresh_start,
+    fresh_start_pending,
     load_latest,
-    remove_checkpoint,
+    remove_stale_temps,
     save_checkpoint,
     seal_sharded,
     sharded_dir,
 )
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
-from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool
+from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool, check_results
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -62,28 +67,55 @@ class RewardError(RuntimeError):
     """The reward function raised or returned a non-finite value; the message names the prompt."""
 
 
-# Settings a checkpoint must have been written with (they change the numerics or the resume itself); a resume with
-# other values is refused unless `force_resume`.
-RESUME_KEYS = (
-    "mode",
-    "recipe",
-    "model_dir",
-    "prompts_per_step",
-    "group_size",
-    "seed",
-    "record_bits",
-    "record_all_layers",
-    "measure_all_sites",
-    "max_new_tokens",
-    "temperature",
-    "lr",
-    "trainer_dtype",
-    "rollout_workers",
-    "rollout_backend",
-    "async_lag",
-    "data",
-    "fp4_attention",
+# Settings a resume may change: where and how the run executes (layout, deadlines, servers, keys), how long it runs,
+# how often it checkpoints and keeps records, what it reports (evaluation, samples, loggers). None of them shapes the
+# data, the pairing of trajectories with prompts, the reward or the numerics.
+RESUME_FREE = frozenset(
+    {
+        "out_dir",
+        "steps",
+        "epochs",
+        "max_version_diff",
+        "use_ray",
+        "max_restarts",
+        "checkpoint_every",
+        "keep_record_steps",
+        "sglang_urls",
+        "sglang_timeout_s",
+        "sglang_api_key",
+        "sglang_admin_api_key",
+        "rollout_call_timeout_s",
+        "rollout_step_timeout_s",
+        "weight_sync_timeout_s",
+        "sglang_start_timeout_s",
+        "force_resume",
+        "reward_workers",
+        "reward_pool",
+        "eval_data",
+        "eval_every",
+        "eval_k",
+        "eval_prompts",
+        "eval_before_train",
+        "samples_every",
+        "samples_per_step",
+        "loggers",
+        "wandb_project",
+        "wandb_run",
+        "tp",
+        "ep",
+        "pp",
+        "dp",
+        "gpus_per_node",
+        "expert_weights_in_place",  # the same results bit for bit either way
+    }
 )
+# Every other setting (a new one too, until it is listed above) must be what the checkpoint was written with: a
+# resume with another value is refused unless `force_resume`.
+RESUME_KEYS = tuple(f.name for f in fields(RLConfig) if f.name not in RESUME_FREE)
+
+
+class PairingError(RuntimeError):
+    """A trajectory about to be trained was generated from another prompt or dataset than the step's."""
 
 
 class _StopOnInterrupt:
@@ -157,6 +189,9 @@ class Controller:
     def _start(self, resume: bool) -> None:
         cfg = self.cfg
         self.store = (self.out / "records").resolve()
+        _check_writable(self.store)
+        for p in remove_stale_temps(self.out):
+            print(f"removed {p}, a temporary file of a controller that was killed", file=sys.stderr)
         self.policy = policy = load_policy(cfg.model_dir)
         tiny, state = policy.dims, policy.state
         self.data = dataset(cfg.data, cfg, policy)
@@ -195,11 +230,13 @@ class Controller:
         self.checkpoint_steps: list[list[int]] = []  # pending rollout steps of each kept checkpoint
         if (self.out / LEGACY_CHECKPOINT).exists():
             raise ConfigError(f"{self.out / LEGACY_CHECKPOINT} has the old checkpoint format; use a new out_dir")
+        if resume and fresh_start_pending(self.out):
+            print(f"{self.out}: finishing an interrupted fresh start; the old run is not resumed", file=sys.stderr)
+            resume = False
         if resume:
             self._load_checkpoint()
         else:
-            for _, path in checkpoints(self.out):  # a fresh start: a later resume must not find the old run's
-                remove_checkpoint(path)
+            fresh_start(self.out)  # marked first: a crash midway cannot leave a checkpoint that a resume would find
         self._discard_unsaved_rollouts()
         with open(self.out / METRICS, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in self.history)
@@ -252,8 +289,13 @@ class Controller:
                 seed = (cfg.seed * 1_000_003 + step) * 64 + w
                 requests.append(Request(w, step, [ids[r] for r in rows], rows, seed, str(self.store)))
         results, restarts = self.pool.run(requests)
+        check_results(requests, results, cfg.max_new_tokens, self.policy.dims.vocab)
         reads = self._take_decode_reads()
-        trajs = [t for out in results for t in out]
+        keys = [p.key for p in prompts]
+        trajs = [
+            dataclasses.replace(t, prompt=keys[i // n], dataset=self.data.digest)
+            for i, t in enumerate(t for out in results for t in out)
+        ]
         index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
         stored = len(RecordReader(self.store, step).trajectories())
         if stored != len(trajs):
@@ -306,6 +348,7 @@ class Controller:
             rows = tuple(range(lo, min(lo + chunk, len(ids))))
             requests.append(Request(j, self.step, ids[lo : lo + chunk], rows, seed, ""))
         results, _ = self.pool.run(requests)
+        check_results(requests, results, cfg.max_new_tokens, self.policy.dims.vocab)
         trajs = [t for out in results for t in out]
         rewards = self._rewards(prompts, trajs, self._score(prompts, trajs), self.step).view(len(prompts), k)
         metrics = {
@@ -322,10 +365,16 @@ class Controller:
     # ----------------------------------------------------------------- the loop
     def train_step(self) -> dict:
         """Fill the rollout pipeline, train on its oldest batch, sync weights; returns the step's metrics."""
+        if self.step >= self.steps:
+            raise RuntimeError(
+                f"the run in {self.out} is finished: {self.step} of steps={self.steps} trained (raise steps to go on)"
+            )
+        self.lock.check()
         start = time.perf_counter()
         while len(self.pending) <= self.cfg.async_lag and self.step + len(self.pending) < self.steps:
             self.pending.append(self.rollout(self.step + len(self.pending)))
         batch = self.pending.popleft()
+        self._check_pairing(batch)
         waiting = time.perf_counter()
         rewards = self._rewards(batch.prompts, batch.trajectories, batch.rewards, batch.step)
         rolled = time.perf_counter()
@@ -369,6 +418,22 @@ class Controller:
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps:
             self.save_checkpoint()
         return metrics
+
+    def _check_pairing(self, batch: RolloutBatch) -> None:
+        """`PairingError` unless every trajectory of `batch` carries the id of the step's prompt it is scored and
+        trained against, the digest of this dataset, and that prompt's tokens (a resume with other data settings
+        would otherwise pair it with another prompt)."""
+        n = len(batch.trajectories) // len(batch.prompts)
+        for i, t in enumerate(batch.trajectories):
+            p = batch.prompts[i // n]
+            same_tokens = t.tokens[: t.prompt_len].tolist() == p.ids.tolist()
+            if t.prompt != p.key or t.dataset != self.data.digest or not same_tokens:
+                raise PairingError(
+                    f"step {batch.step}: trajectory {i} was generated from prompt {t.prompt} of dataset {t.dataset}, "
+                    f"but the config's data gives prompt {p.key} of dataset {self.data.digest} for it (the data "
+                    "settings or the dataset file changed since the checkpoint; resume with the checkpoint's, or start "
+                    "a new run)"
+                )
 
     def run(self, desc: str | None = None) -> list[dict]:
         """Train to `steps` (from the resumed step). Ctrl-C (SIGINT) stops at the next safe point, the end of the
@@ -478,6 +543,7 @@ class Controller:
             }
             for b in self.pending
         ]
+        self.lock.check()
         # The trainer's tensors: a distributed checkpoint every rank writes (readable at any layout), sealed first.
         written = sharded_dir(self.out, self.step, tmp=True)
         shutil.rmtree(written, ignore_errors=True)
@@ -515,7 +581,7 @@ class Controller:
             raise ValueError(
                 f"checkpoint {path} was written with "
                 + ", ".join(f"{k}={a!r}, the config has {b!r}" for k, (a, b) in changed.items())
-                + " (these change the numerics; force_resume=true resumes anyway)"
+                + " (these shape the data, pairing, reward or numerics; force_resume=true resumes anyway)"
             )
         if changed:
             print(f"force_resume: resuming {path} with changed settings {changed}", file=sys.stderr)
@@ -535,3 +601,15 @@ class Controller:
         if version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), version)
         print(f"resumed from step {self.step} ({path})")
+
+
+def _check_writable(store: Path) -> None:
+    """`RunDirError` naming the record store's absolute path unless it can be created and written (checked before
+    the run changes anything)."""
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=store)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise RunDirError(f"record store {store} is not writable: {e.strerror}") from None

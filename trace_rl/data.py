@@ -10,6 +10,7 @@ prompts epoch by epoch, each epoch in its own seeded permutation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,15 @@ class Prompt:
     metadata: dict = field(default_factory=dict)
     row: int = -1
 
+    @property
+    def key(self) -> str:
+        """The prompt's id: `<row>:<BLAKE2b-128 of its token ids, answer and metadata>`; a trajectory carries it, so
+        it is trained only against the prompt it was generated from."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.ids.to(torch.int64).numpy().tobytes())
+        h.update(json.dumps([self.answer, self.metadata], sort_keys=True, default=str).encode())
+        return f"{self.row}:{h.hexdigest()}"
+
 
 class AdditionTokenizer:
     """The addition task's vocabulary as text: digits, `+`, `=`; EOS and unused ids are special."""
@@ -49,6 +59,8 @@ class AdditionData:
         self.task, self.seed = AdditionTask(digits), seed
         self.max_prompt_len = self.task.prompt_len
         self.size: int | None = None  # unbounded
+        # What the prompts of every step are a function of (a trajectory carries it; see PromptDataset.digest).
+        self.digest = hashlib.blake2b(f"addition digits={digits} seed={seed}".encode(), digest_size=16).hexdigest()
 
     def batch(self, step: int, n: int) -> list[Prompt]:
         operands = self.task.sample(n, torch.Generator().manual_seed(self.seed * 7919 + step))
@@ -145,6 +157,12 @@ class PromptDataset:
             raise ValueError(f"dataset {path}: no prompt of at most {max_prompt_len} tokens ({len(rows)} rows)")
         self.size = len(self.prompts)
         self.max_prompt_len = max(len(p.ids) for p in self.prompts)
+        # The dataset as served: its prompts (ids, answers, metadata, in file order) and their order per epoch. A
+        # trajectory carries it, so one generated from another dataset or order is never trained as this one's.
+        h = hashlib.blake2b(f"shuffle={shuffle} seed={seed}".encode(), digest_size=16)
+        for p in self.prompts:
+            h.update(p.key.encode())
+        self.digest = h.hexdigest()
 
     @staticmethod
     def _encode(tokenizer, prompt: str | list, chat_template: bool, system_prompt: str) -> list[int]:

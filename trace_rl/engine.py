@@ -45,7 +45,9 @@ class Trajectory:
 
     `recorded`: positions [0, recorded) have records in the store; None = all L (the embedded engine feeds every
     sampled token back; an SGLang server never feeds back the last one, so it records L - 1). `attempt`: the
-    rollout attempt whose records count (their `Binding` names it; the trainer checks).
+    rollout attempt whose records count (their `Binding` names it; the trainer checks). `prompt` / `dataset`: the
+    id of the prompt it was generated from (`trace_rl.data.Prompt.key`) and the digest of its dataset, set by the
+    controller and checked before the trajectory is trained (a resume cannot pair it with another prompt).
     """
 
     tokens: torch.Tensor
@@ -54,6 +56,8 @@ class Trajectory:
     records: TrajectoryRecords | None  # None once the records live only in the store
     recorded: int | None = None
     attempt: str | None = None
+    prompt: str | None = None
+    dataset: str | None = None
 
     @property
     def response(self) -> torch.Tensor:

@@ -31,6 +31,7 @@ import re
 import shutil
 import socket
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,40 +46,97 @@ LOCK = ".lock"
 _NAME = re.compile(r"checkpoint-(\d{8})\.pt")
 _SHARDED = re.compile(r"\.?checkpoint-(\d{8})\.dist(\.tmp)?")
 INTEGRITY = "integrity.json"  # Megatron's manifest of a distributed checkpoint
+FRESH_START = ".fresh-start"  # present while a fresh start deletes the old run's checkpoints
+# Temporaries of `trace_core.store.atomic_write` (checkpoint files, the fresh-start marker) and unsealed trainer dirs.
+_TEMP = re.compile(r"\.(checkpoint-\d{8}\.pt|\.fresh-start)\.[0-9a-f]{32}\.tmp|\.checkpoint-\d{8}\.dist\.tmp")
 
 
 class RunLockedError(RuntimeError):
     """Another controller holds the run directory."""
 
 
+class RunDirError(RuntimeError):
+    """The run directory cannot be used (not creatable, not writable); the message names the absolute path."""
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+
+
 class RunLock:
-    """Exclusive lock on a run directory (see the module docstring)."""
+    """Exclusive lock on a run directory (see the module docstring): `flock` on the directory itself, which deleting
+    `.lock` cannot defeat, and on `.lock` (which names the holder). `check` refuses to go on when the directory
+    at the path is no longer the one locked (it was moved away or replaced)."""
 
     def __init__(self, out: Path) -> None:
-        self.fd: int | None = None
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fds: list[int] = []  # closed by `release`, or by the finalizer (safe at interpreter exit)
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self.path = out = Path(os.path.abspath(out))
         try:
+            out.mkdir(parents=True, exist_ok=True)
+            self._fds.append(os.open(out, os.O_RDONLY | os.O_DIRECTORY))
+        except OSError as e:
+            raise RunDirError(f"run directory {out} cannot be created or opened: {e.strerror}") from None
+        try:
+            fcntl.flock(self._fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise RunLockedError(f"run directory {out} is in use by another controller: {self._holder()}") from None
+        self._identity = _identity(os.fstat(self._fds[0]))
+        now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        self.holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now}).encode()
+        try:
+            fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            self.release()
+            raise RunDirError(f"run directory {out}: cannot create {out / LOCK}: {e.strerror}") from None
+        self._fds.append(fd)
+        try:  # a controller of an earlier version locks only this file
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown (no holder written yet)"
-            os.close(fd)
-            raise RunLockedError(f"run directory {out} is in use by another controller: {holder}") from None
-        now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now}).encode()
+            self.release()
+            raise RunLockedError(f"run directory {out} is in use by another controller: {self._holder()}") from None
+        self._write_holder(fd)
+
+    def _holder(self) -> str:
+        try:
+            text = (self.path / LOCK).read_bytes().decode(errors="replace").strip()
+        except FileNotFoundError:
+            return f"unknown ({self.path / LOCK}, which names the holder, was deleted)"
+        return text or "unknown (no holder written yet)"
+
+    def _write_holder(self, fd: int) -> None:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, holder, 0)
+        os.pwrite(fd, self.holder, 0)
         os.fsync(fd)
-        self.fd = fd
+
+    def check(self) -> None:
+        """`RunLockedError` unless the directory at the path is still the locked one; a deleted `.lock` is written
+        again (the lock itself is on the directory)."""
+        try:
+            here = _identity(os.stat(self.path))
+        except FileNotFoundError:
+            here = None
+        if here != self._identity:
+            raise RunLockedError(
+                f"run directory {self.path} was moved or replaced while this controller held it; stopping so that "
+                "two controllers never train into one directory"
+            )
+        if not (self.path / LOCK).exists():
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                self._write_holder(fd)
+            finally:
+                os.close(fd)
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._finalizer()
 
-    def __del__(self) -> None:
-        self.release()
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 class CorruptCheckpointError(ValueError):
@@ -126,6 +184,42 @@ def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint file and the trainer directory it names."""
     path.unlink(missing_ok=True)
     shutil.rmtree(path.with_name(path.name.removesuffix(".pt") + ".dist"), ignore_errors=True)
+
+
+def fresh_start(out: Path) -> bool:
+    """Delete the run directory's checkpoints so that a later resume cannot find the old run: the marker
+    `FRESH_START` is written (fsynced) first and removed last, so a crash between two deletions leaves the marker,
+    and the next start (`fresh_start_pending`) finishes the fresh start instead of resuming what is left. Returns
+    whether anything was deleted."""
+    found = checkpoints(out)
+    if not found and not fresh_start_pending(out):
+        return False
+    atomic_write(out / FRESH_START, [b"a fresh start is deleting this directory's checkpoints\n"])
+    for _, path in found:
+        remove_checkpoint(path)
+    for d in out.iterdir():
+        if _SHARDED.fullmatch(d.name) and d.is_dir():
+            shutil.rmtree(d)
+    (out / FRESH_START).unlink()
+    fsync_dir(out)
+    return True
+
+
+def fresh_start_pending(out: Path) -> bool:
+    """Whether a fresh start was interrupted (its marker is there): the directory's checkpoints must not be resumed."""
+    return (out / FRESH_START).exists()
+
+
+def remove_stale_temps(out: Path) -> list[Path]:
+    """Remove the temporary files and directories a killed controller of this run directory left (checkpoint files
+    between their write and rename, trainer directories before their seal); call it holding the `RunLock`."""
+    stale = [p for p in out.iterdir() if _TEMP.fullmatch(p.name)] if out.is_dir() else []
+    for p in stale:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    return stale
 
 
 def save_checkpoint(out: Path, step: int, state: dict) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 import uuid
@@ -34,6 +35,55 @@ from trace_rl.policy import RolloutTask
 
 class RolloutTimeout(RuntimeError):
     """A rollout request or step missed its deadline."""
+
+
+class InvalidRollout(RuntimeError):
+    """A rollout worker returned output the trainer cannot use; the message names the step, worker and trajectory."""
+
+
+def check_results(
+    requests: Sequence[Request], results: Sequence[Sequence[Trajectory]], max_new_tokens: int, vocab: int
+) -> None:
+    """Validate every pool's output at the boundary, as the SGLang worker validates an answer: one trajectory per
+    row, each the request's prompt then 1..`max_new_tokens` token ids of the vocabulary, one finite log-prob <= 0
+    per response token, an attempt id (records are matched by it); `InvalidRollout` names the first that is not."""
+    if len(results) != len(requests):
+        raise InvalidRollout(f"the rollout pool returned {len(results)} results for {len(requests)} requests")
+    for req, out in zip(requests, results, strict=True):
+        where = f"step {req.step}: rollout request {req.index}"
+        if len(out) != len(req.rows):
+            raise InvalidRollout(
+                f"{where} returned {len(out)} trajectories for its {len(req.rows)} rows {list(req.rows)}"
+            )
+        for row, prompt, t in zip(req.rows, req.prompts, out, strict=True):
+            _check_trajectory(f"{where}, trajectory {row}", req, prompt, t, max_new_tokens, vocab)
+
+
+def _check_trajectory(
+    where: str, req: Request, prompt: torch.Tensor, t: Trajectory, max_new_tokens: int, vocab: int
+) -> None:
+    tokens, logprobs = t.tokens, t.logprobs
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+        raise InvalidRollout(f"{where}: tokens must be a 1-D tensor of token ids, got {tokens!r:.200}")
+    if t.prompt_len != len(prompt) or tokens[: t.prompt_len].tolist() != prompt.tolist():
+        raise InvalidRollout(f"{where}: tokens do not start with the request's prompt of {len(prompt)} tokens")
+    response = len(tokens) - t.prompt_len
+    if not 1 <= response <= max_new_tokens:
+        raise InvalidRollout(f"{where}: {response} response tokens, not 1..max_new_tokens={max_new_tokens}")
+    bad = tokens[(tokens < 0) | (tokens >= vocab)]
+    if len(bad):
+        raise InvalidRollout(f"{where}: token ids {bad[:8].tolist()} are not in the vocabulary (0..{vocab - 1})")
+    if not isinstance(logprobs, torch.Tensor) or logprobs.shape != (response,):
+        shape = tuple(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
+        raise InvalidRollout(f"{where}: log-probs of shape {shape} for its {response} response tokens")
+    wrong = (~torch.isfinite(logprobs)) | (logprobs > 0)
+    if wrong.any():
+        pos = int(wrong.nonzero()[0])
+        raise InvalidRollout(f"{where}: log-prob of response token {pos} is {float(logprobs[pos])}, not finite <= 0")
+    if req.store and not (isinstance(t.attempt, str) and t.attempt):
+        raise InvalidRollout(f"{where}: names no rollout attempt ({t.attempt!r}); its records cannot be matched")
+    if t.recorded is not None and not 0 < t.recorded <= len(tokens):
+        raise InvalidRollout(f"{where}: recorded={t.recorded} positions of a {len(tokens)}-token trajectory")
 
 
 @dataclass(frozen=True)
@@ -57,6 +107,7 @@ class Request:
 class RolloutWorker:
     def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg, self.task = cfg, task
+        self._hang_on_load = False  # fault injection (`hang_on_load`)
         size = dict(max_batch=cfg.prompts_per_step * cfg.group_size, max_len=task.max_len, device=cfg.device)
         self.engine: EmbeddedEngine
         if cfg.fp4_attention == "decode":
@@ -99,6 +150,8 @@ class RolloutWorker:
         return [dataclasses.replace(t, records=None, attempt=req.attempt) for t in out]
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        if self._hang_on_load:
+            threading.Event().wait()
         self.engine.load_weights(tensors, version)
 
     def version(self) -> int:
@@ -124,6 +177,10 @@ class RolloutWorker:
                 os._exit(1)
 
         self.engine.model.register_forward_hook(hook)
+
+    def hang_on_load(self) -> None:
+        """Fault injection for weight-sync deadline tests: the worker's next `load_weights` blocks forever."""
+        self._hang_on_load = True
 
     def hang_after(self, forwards: int) -> None:
         """Fault injection for deadline tests: the worker blocks forever in its `forwards`-th forward."""
@@ -166,7 +223,25 @@ class _Pool:
     def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
         self.cfg, self.spec, self.task = cfg, spec, task
         self.weights: tuple[object, int] | None = None  # the latest policy pushed to the workers
+        self.sync_misses = 0  # workers replaced in the latest weight sync (max_restarts bounds them)
         self.workers = [self._start() for _ in range(cfg.rollout_workers)]
+
+    def _sync_missed(self, w: int) -> None:
+        """Worker `w` missed `weight_sync_timeout_s` (or died) while loading the latest policy: name it on stderr,
+        count it against `max_restarts`; the caller replaces it."""
+        self.sync_misses += 1
+        version = None if self.weights is None else self.weights[1]
+        limit = self.cfg.weight_sync_timeout_s
+        if self.sync_misses > self.cfg.max_restarts:
+            raise RolloutTimeout(
+                f"weight sync to policy version {version}: rollout worker {w} missed weight_sync_timeout_s={limit}; "
+                f"{self.sync_misses} replacements in this sync exceed max_restarts={self.cfg.max_restarts}"
+            )
+        print(
+            f"weight sync to policy version {version}: rollout worker {w} missed weight_sync_timeout_s={limit} or "
+            "died; replacing it and syncing it again",
+            file=sys.stderr,
+        )
 
     def _check_restarts(self, restarts: int, step: int) -> None:
         if restarts > self.cfg.max_restarts:
@@ -184,10 +259,38 @@ class LocalPool(_Pool):
     holds even when the worker hangs (a hung worker is killed cooperatively: its next forward raises)."""
 
     def _start(self) -> RolloutWorker:
-        worker = RolloutWorker(self.cfg, self.spec, self.task)
-        if self.weights is not None:
-            worker.load_weights(*self.weights)
-        return worker
+        return RolloutWorker(self.cfg, self.spec, self.task)
+
+    def _loaded(self, worker: RolloutWorker) -> bool:
+        """`worker.load_weights(*self.weights)` within `weight_sync_timeout_s`, on its own thread so that a hung
+        worker cannot hold the run; False (and the worker killed) when it is late."""
+        box: dict = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                worker.load_weights(*self.weights)
+            except BaseException as e:
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name="weight-sync", daemon=True).start()
+        if not done.wait(self.cfg.weight_sync_timeout_s):
+            worker.kill()
+            return False
+        if "error" in box:
+            raise box["error"]
+        return True
+
+    def _replace(self, w: int) -> None:
+        """Worker `w` replaced by a fresh one holding the latest policy (a fresh one late in its sync: again)."""
+        while True:
+            worker = self._start()
+            if self.weights is None or self._loaded(worker):
+                self.workers[w] = worker
+                return
+            self._sync_missed(w)
 
     def _call(self, worker: RolloutWorker, req: Request, deadline: float) -> list[Trajectory]:
         """`worker.generate(req)` within `rollout_call_timeout_s` and the step `deadline`."""
@@ -230,13 +333,18 @@ class LocalPool(_Pool):
                         raise self._step_timeout(req.step) from e
                     restarts += 1
                     self._check_restarts(restarts, req.step)
-                    self.workers[w] = self._start()
+                    self.sync_misses = 0
+                    self._replace(w)
         return out, restarts
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        self.weights = (tensors, version)
-        for worker in self.workers:
-            worker.load_weights(tensors, version)
+        """Every worker loads policy `version`, each within `weight_sync_timeout_s`; a late one is named, replaced
+        and synced again (at most `max_restarts` times a sync)."""
+        self.weights, self.sync_misses = (tensors, version), 0
+        for w, worker in enumerate(self.workers):
+            if not self._loaded(worker):
+                self._sync_missed(w)
+                self._replace(w)
 
     def versions(self) -> list[int]:
         return [w.version() for w in self.workers]
@@ -258,12 +366,26 @@ class RayPool(_Pool):
         super().__init__(cfg, spec, task)
 
     def _start(self):
-        import ray
+        return self._actor.remote(self.cfg, self.spec, self.task)
 
-        worker = self._actor.remote(self.cfg, self.spec, self.task)
-        if self.weights is not None:
-            ray.get(worker.load_weights.remote(*self.weights))
-        return worker
+    def _replace(self, w: int) -> None:
+        """Actor `w` killed and replaced by a fresh one holding the latest policy, its start and sync within
+        `weight_sync_timeout_s` (a fresh one late or dead: again)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        ray.kill(self.workers[w], no_restart=True)
+        while True:
+            worker = self._start()
+            if self.weights is None:
+                break
+            try:
+                ray.get(worker.load_weights.remote(*self.weights), timeout=self.cfg.weight_sync_timeout_s)
+                break
+            except (GetTimeoutError, RayActorError):
+                ray.kill(worker, no_restart=True)
+                self._sync_missed(w)
+        self.workers[w] = worker
 
     def run(self, requests: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
         """Requests in flight concurrently; a worker whose call dies or passes `rollout_call_timeout_s` is killed
@@ -284,9 +406,8 @@ class RayPool(_Pool):
             nonlocal restarts
             restarts += 1
             self._check_restarts(restarts, req.step)
-            w = req.index % len(self.workers)
-            ray.kill(self.workers[w], no_restart=True)
-            self.workers[w] = self._start()
+            self.sync_misses = 0
+            self._replace(req.index % len(self.workers))
             submit(req)
 
         for r in requests:
@@ -311,10 +432,23 @@ class RayPool(_Pool):
         return [out[r.index] for r in requests], restarts
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Every actor loads policy `version` concurrently within `weight_sync_timeout_s`; one that is late or dies
+        is named, `ray.kill`ed, replaced and synced again (at most `max_restarts` times a sync)."""
         import ray
+        from ray.exceptions import RayActorError
 
-        self.weights = (ray.put(tensors), version)
-        ray.get([w.load_weights.remote(*self.weights) for w in self.workers], timeout=self.cfg.rollout_call_timeout_s)
+        self.weights, self.sync_misses = (ray.put(tensors), version), 0
+        refs = [worker.load_weights.remote(*self.weights) for worker in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.weight_sync_timeout_s)
+        for w, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    continue
+                except RayActorError:
+                    pass
+            self._sync_missed(w)
+            self._replace(w)
 
     def versions(self) -> list[int]:
         import ray
