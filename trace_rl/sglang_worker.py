@@ -23,6 +23,7 @@ see) and calls every server's `/update_weights_from_disk` with `weight_version=s
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -32,7 +33,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import torch
 from safetensors.torch import save_file
 
@@ -41,6 +41,7 @@ from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
+from trace_rl.http_deadline import DeadlineExceeded, call
 from trace_rl.policy import RolloutTask
 from trace_rl.task import EOS
 from trace_rl.workers import Request, RolloutTimeout
@@ -81,43 +82,77 @@ class SGLangWorker:
     """One patched SGLang server at `url`, serving the policy version it was last updated to; `vocab_size` bounds
     the token ids it may answer with, `eos` ends a response."""
 
-    def __init__(self, url: str, cfg: RLConfig, vocab_size: int, eos: tuple[int, ...] = (EOS,)):
+    def __init__(
+        self,
+        url: str,
+        cfg: RLConfig,
+        vocab_size: int,
+        eos: tuple[int, ...] = (EOS,),
+        *,
+        deadline: float | None = None,
+    ):
+        """`deadline` (a `time.monotonic()` instant): the start-up's, for the first `/model_info`."""
         self.url, self.cfg, self.vocab_size, self.eos = url.rstrip("/"), cfg, vocab_size, eos
-        self.session = requests.Session()
         self._keys = {
             False: read_secret(cfg.sglang_api_key, "sglang_api_key"),
             True: read_secret(cfg.sglang_admin_api_key, "sglang_admin_api_key")
             or read_secret(cfg.sglang_api_key, "sglang_api_key"),
         }
         self.headers_read = 0  # shard headers read while waiting for records (each new shard once)
-        self._version = self.version()
+        self._version = self.version(deadline=deadline, budget="sglang_start_timeout_s")
 
     # ----------------------------------------------------------------- HTTP
-    def _call(self, method: str, endpoint: str, payload: dict | None = None, *, admin: bool = False) -> object:
+    def _redact(self, text: str) -> str:
+        """`text` with every key this worker sends replaced: a server may echo request headers in an error."""
+        for key in {k for k in self._keys.values() if k}:
+            text = text.replace(key, "<redacted>")
+        return text
+
+    def _call(
+        self,
+        method: str,
+        endpoint: str,
+        payload: dict | None = None,
+        *,
+        admin: bool = False,
+        deadline: float | None = None,
+        budget: str = "",
+    ) -> object:
+        """One call, all of it (connect to last body byte) within `sglang_timeout_s` of wall-clock time and before
+        `deadline` (a `time.monotonic()` instant of the enclosing start-up or sync, named `budget`). The answer's
+        text is redacted of the keys before anything reads it, so no error message or log can carry them."""
         where = f"{self.url}{endpoint}"
         key = self._keys[admin]
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        seconds, limit = self.cfg.sglang_timeout_s, f"sglang_timeout_s={self.cfg.sglang_timeout_s}"
+        if deadline is not None and deadline - time.monotonic() < seconds:
+            seconds, limit = deadline - time.monotonic(), f"{budget}'s deadline"
+        if seconds <= 0:
+            raise SGLangError(f"SGLang server {where}: not called, {limit} has passed")
         try:
-            resp = self.session.request(method, where, json=payload, headers=headers, timeout=self.cfg.sglang_timeout_s)
-        except requests.RequestException as e:
-            raise SGLangError(f"SGLang server {where}: {type(e).__name__}: {e}") from e
-        if resp.status_code in (401, 403):
+            status, body = call(method, where, payload, headers, seconds)
+        except DeadlineExceeded:
+            raise SGLangError(f"SGLang server {where}: no complete answer within {limit}") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise SGLangError(f"SGLang server {where}: {type(e).__name__}: {self._redact(str(e))}") from None
+        text = self._redact(body.decode(errors="replace"))
+        if status in (401, 403):
             which = "sglang_admin_api_key" if admin else "sglang_api_key"
             raise SGLangError(
-                f"SGLang server {where}: HTTP {resp.status_code}: the server refused the request's credentials "
+                f"SGLang server {where}: HTTP {status}: the server refused the request's credentials "
                 f"({'a key was' if key else 'no key was'} sent; set {which} to a reference to the server's "
                 f"{'--admin-api-key' if admin else '--api-key'})"
             )
-        if resp.status_code != 200:
-            raise SGLangError(f"SGLang server {where}: HTTP {resp.status_code}: {resp.text[:2000]}")
+        if status != 200:
+            raise SGLangError(f"SGLang server {where}: HTTP {status}: {text[:2000]}")
         try:
-            return resp.json()
+            return json.loads(text)
         except ValueError:
-            raise SGLangError(f"SGLang server {where}: response is not JSON: {resp.text[:2000]}") from None
+            raise SGLangError(f"SGLang server {where}: response is not JSON: {text[:2000]}") from None
 
-    def version(self) -> int:
+    def version(self, *, deadline: float | None = None, budget: str = "") -> int:
         """The server's `weight_version` from `/model_info`, which TRACE needs to be an integer policy version."""
-        info = self._call("GET", "/model_info")
+        info = self._call("GET", "/model_info", deadline=deadline, budget=budget)
         version = info.get("weight_version") if isinstance(info, dict) else None
         try:
             return int(version)
@@ -195,7 +230,7 @@ class SGLangWorker:
     def _trajectory(self, req: Request, row: int, prompt: list[int], out: object) -> Trajectory:
         where = f"SGLang server {self.url}/generate, trajectory {row}"
         output_ids, logprobs, meta = self._output(where, prompt, out)
-        if meta.get("id") not in (None, rollout_rid(str(row), req.attempt)):
+        if meta.get("id") != rollout_rid(str(row), req.attempt):
             raise SGLangError(
                 f"{where}: answer for request id {meta.get('id')!r}, not {rollout_rid(str(row), req.attempt)!r}"
             )
@@ -265,13 +300,15 @@ class SGLangWorker:
             self.headers_read += watcher.headers_read
 
     # ----------------------------------------------------------------- weights
-    def update_weights(self, path: Path, version: int) -> None:
-        """`/update_weights_from_disk` of the HF checkpoint at `path` as policy `version`, then check the version."""
+    def update_weights(self, path: Path, version: int, *, deadline: float | None = None) -> None:
+        """`/update_weights_from_disk` of the HF checkpoint at `path` as policy `version`, then check the version;
+        both calls before `deadline` (the sync's, `weight_sync_timeout_s`)."""
         payload = {"model_path": str(path), "weight_version": str(version)}
-        resp = self._call("POST", "/update_weights_from_disk", payload, admin=True)
+        budget = "weight_sync_timeout_s"
+        resp = self._call("POST", "/update_weights_from_disk", payload, admin=True, deadline=deadline, budget=budget)
         if not isinstance(resp, dict) or resp.get("success") is not True:
             raise SGLangError(f"SGLang server {self.url}/update_weights_from_disk failed: {resp!r:.2000}")
-        reported = self.version()
+        reported = self.version(deadline=deadline, budget=budget)
         if reported != version:
             raise SGLangError(
                 f"SGLang server {self.url}: /update_weights_from_disk answered {resp!r:.500} but /model_info "
@@ -287,7 +324,8 @@ class SGLangPool:
         self.cfg = cfg
         self.hf_config = Path(task.hf_dir) / "config.json"
         vocab = json.loads(self.hf_config.read_text())["vocab_size"]
-        self.workers = [SGLangWorker(url, cfg, vocab, task.eos) for url in cfg.sglang_url_list()]
+        deadline = time.monotonic() + cfg.sglang_start_timeout_s  # reaching every server, each call bounded too
+        self.workers = [SGLangWorker(url, cfg, vocab, task.eos, deadline=deadline) for url in cfg.sglang_url_list()]
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
 
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
@@ -319,8 +357,10 @@ class SGLangPool:
         shutil.copy(self.hf_config, tmp / "config.json")
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
-        for worker in self.workers:
-            worker.update_weights(path, version)
+        deadline = time.monotonic() + self.cfg.weight_sync_timeout_s
+        with ThreadPoolExecutor(max_workers=len(self.workers)) as ex:  # every call bounded: all of them return
+            for f in [ex.submit(w.update_weights, path, version, deadline=deadline) for w in self.workers]:
+                f.result()
         for old in self.weights_root.iterdir():
             if old != path:
                 shutil.rmtree(old)
