@@ -27,7 +27,9 @@ Saving writes Megatron's integrity manifest (`integrity.json`, SHA-256 of every 
 
 from __future__ import annotations
 
+import logging
 import queue
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -189,13 +191,49 @@ def save(
     every rank sees and that does not exist yet or is empty). `optimizer` is a torch AdamW whose i-th parameter is
     the FP32 master of `params[i]`, or Megatron's distributed optimizer over `chunks`."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     master, moments, step = adam_state(params, optimizer)
     state, _ = _sharded(chunks, params, master, moments)
     state["trainer"] = {"adam_step": step, "version": version, "layout": layout}
     Path(path).mkdir(parents=True, exist_ok=True)
     _in_process_results_queue()
-    dist_checkpointing.save(state, str(path), verify_integrity=True)
+    errors = _WriterErrors()
+    writer_log = logging.getLogger(_WRITER_LOGGER)
+    writer_log.addHandler(errors)
+    try:
+        dist_checkpointing.save(state, str(path), verify_integrity=True)
+    except (Exception, CheckpointException) as e:
+        found = errors.os_error()
+        if found is None:
+            raise
+        code, reason = found  # Megatron's writer logs it and raises only "Worker failure ... <class 'OSError'>"
+        raise OSError(code, f"{reason} (writing the trainer checkpoint)", str(path)) from e
+    finally:
+        writer_log.removeHandler(errors)
+
+
+_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_OS_ERROR = re.compile(r"\[Errno (\d+)\] ([^:'\n]+)")
+
+
+class _WriterErrors(logging.Handler):
+    """The errors Megatron's checkpoint writer logs: it reports a failed write (ENOSPC, EFBIG, ...) only there."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def os_error(self) -> tuple[int, str] | None:
+        """(errno, reason) of the first OS error logged, if any."""
+        for message in self.messages:
+            m = _OS_ERROR.search(message)
+            if m:
+                return int(m.group(1)), m.group(2).strip()
+        return None
 
 
 def _in_process_results_queue() -> None:

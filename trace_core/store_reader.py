@@ -169,8 +169,12 @@ class RecordReader:
             return build_index(self.dir)
         try:
             index = json.loads(path.read_bytes())["shards"]
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise CorruptShardError(f"step index {path} does not parse: {e}") from e
+        if not isinstance(index, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in index.items()):
+            raise CorruptShardError(
+                f"step index {path}: 'shards' must map trajectory ids to shard names, got {json.dumps(index)[:200]}"
+            )
         for shard in set(index.values()):
             if not (self.dir / shard).exists():
                 raise StoreError(f"step index {path} lists shard {shard}, which is missing")
