@@ -186,10 +186,22 @@ def token_entropy(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
     e = torch.exp(x - row_max)
     z, ez = e.sum(-1), (e * x).sum(-1)
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
-        from torch.distributed.nn.functional import all_reduce
-
-        z, ez = all_reduce(z, group=tp_group), all_reduce(ez, group=tp_group)
+        z, ez = _ReduceToReplicated.apply(z, tp_group), _ReduceToReplicated.apply(ez, tp_group)
     return torch.log(z) + row_max.squeeze(-1) - ez / z
+
+
+class _ReduceToReplicated(torch.autograd.Function):
+    """Sum over `group` in the forward, identity in the backward: every rank computes the same loss from the
+    reduced value, so each rank's gradient of it is already the whole gradient of its own part (Megatron's
+    `reduce_from_tensor_model_parallel_region`; torch.distributed.nn's all_reduce would sum the copies)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        return _all_reduce(t.clone(), torch.distributed.ReduceOp.SUM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _aggregate(x: torch.Tensor, m: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:

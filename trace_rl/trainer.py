@@ -173,7 +173,8 @@ class MegatronTrainer:
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=self.weight_decay)
+        # weight_decay: decoupled, in `_update` (not AdamW's own: it would decay the norms too; Megatron's does not)
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0)
         self.max_version_diff, self.clip_grad = max_version_diff, clip_grad
         self.version = 0
         self._quantize_in_place()
@@ -417,7 +418,14 @@ class MegatronTrainer:
 
     def _update(self) -> None:
         """AdamW on the masters (gradients set), then the model's parameters follow them (expert weights quantized
-        in place after, with `expert_weights_in_place`)."""
+        in place after, with `expert_weights_in_place`). Weight decay is AdamW's decoupled decay `(1 - lr * wd)`
+        applied before the step to the matrices only, as Megatron's optimizer applies it (1-D norms undecayed)."""
+        if self.weight_decay:
+            lr = self.opt.param_groups[0]["lr"]
+            with torch.no_grad():
+                for m in self.master:
+                    if m.dim() > 1 and m.grad is not None:
+                        m.mul_(1 - lr * self.weight_decay)
         self.opt.step()
         self.opt.zero_grad()
         self._masters_to_params()
