@@ -58,10 +58,12 @@ def test_example_configs_validate(path):
     assert cfg.out_dir
 
 
-def test_config_prints_the_resolved_values(capsys):
-    main(["config", "--config", str(ROOT / "configs" / "byo-math-cpu.toml"), "steps=7"])
+def test_config_prints_the_resolved_values(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to the checkout
+    model = make_hf_checkpoint(tmp_path / "hf")  # `config` checks the model exists and its tokenizer's chat template
+    main(["config", "--config", str(ROOT / "configs" / "byo-math-cpu.toml"), "steps=7", f"model_dir={model}"])
     values = tomllib.loads(capsys.readouterr().out)
-    assert values["steps"] == 7 and values["reward"] == "math" and values["answer_key"] == "solution.answer"
+    assert values["steps"] == 7 and values["answer_key"] == "solution.answer" and values["model_dir"] == str(model)
 
 
 def test_inspect_prints_the_imported_dims(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.hf_tiny import tokenizer
-from trace_rl.data import AdditionData, AdditionTokenizer, PromptDataset, read_rows
+from trace_rl.data import AdditionData, AdditionTokenizer, DatasetError, PromptDataset, read_rows
 from trace_rl.rewards import RewardPool, exact_match, load_reward, math
 from trace_rl.task import AdditionTask
 
@@ -38,7 +38,7 @@ def test_field_mapping_and_chat_template(tok):
     assert tok.decode(plain.prompts[0].ids.tolist()) == "What is 2+3?"
     system = _data(tok, system_prompt="Put the answer in \\boxed{}.")
     assert tok.decode(system.prompts[0].ids.tolist()).startswith("<|im_start|>system\nPut the answer in \\boxed{}.")
-    with pytest.raises(KeyError, match="no field 'prompt'"):
+    with pytest.raises(DatasetError, match=r"prompt_key=.prompt.: row 0 of .* has no field .prompt. \(its keys: "):
         _data(tok, prompt_key="prompt")
 
 

@@ -3,7 +3,7 @@
 trace-rl train   [--config FILE] [key=value ...]   one RL run in the config's mode
 trace-rl demo    [--config FILE] [--modes M,..] [key=value ...]   bf16 / qat / trace side by side (`make demo`)
 trace-rl results run OUT [options]                 the measurements of docs/results.md (GPU)
-trace-rl report  RAW DOCS                          their tables and plots
+trace-rl report  RUN_DIR [OUT]                     the table and plots of a train, demo or results run directory
 trace-rl make-model [options]                      the tiny addition model of the embedded default
 trace-rl inspect MODEL_DIR                         what an HF checkpoint imports as (refusals by name)
 trace-rl export  RUN_DIR OUT                       the latest checkpoint's policy as an HF checkpoint directory
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from trace_core.recipe import recipe_names
-from trace_rl.config import RLConfig, load_config
+from trace_rl.config import ConfigError, RLConfig, load_config
 
 FIELD_HELP = {
     "mode": "bf16 (BF16 rollout and trainer), qat (FP4 rollout + RTN QAT) or trace (FP4 rollout + guided QAT)",
@@ -118,10 +118,22 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied after the file")
 
 
+def _checked_config(args: argparse.Namespace) -> RLConfig:
+    """The config of `--config` and the overrides, with `trace_rl.preflight`'s checks passed (else a ConfigError
+    of one line per problem)."""
+    from trace_rl.preflight import preflight
+
+    cfg = load_config(args.config, args.overrides)
+    errors = preflight(cfg)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return cfg
+
+
 def _train(args: argparse.Namespace) -> None:
     from trace_rl.controller import Controller
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _checked_config(args)
     with Controller(cfg) as ctrl:
         history = ctrl.run()
     if history:
@@ -142,7 +154,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _checked_config(args)
     for key, value in dataclasses.asdict(cfg).items():
         print(f"{key} = {json.dumps(value)}")
 
@@ -264,9 +276,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(run=lambda a: _module_main("trace_rl.experiments.results", a.args))
 
-    p = sub.add_parser("report", help="tables and plots of docs/results.md (`trace-rl report --help`)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: _module_main("trace_rl.experiments.results_report", a.args))
+    from trace_rl import run_report
+
+    p = sub.add_parser(
+        "report",
+        help="the table and plots of a run directory (train, demo or results)",
+        description=run_report.__doc__,
+        formatter_class=raw,
+    )
+    p.add_argument("run_dir", help="a train or demo out_dir, or the raw/ directory of `trace-rl results run`")
+    p.add_argument("out", nargs="?", help="where the table and plots go (default: RUN_DIR; results: RUN_DIR/../docs)")
+    p.set_defaults(run=lambda a: [print(f"wrote {path}") for path in run_report.report(a.run_dir, a.out)])
     return ap
 
 
@@ -276,9 +296,23 @@ def _module_main(module: str, argv: list[str]) -> None:
     importlib.import_module(module).main(argv)
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors a user's config, data or reward causes: `main` prints them as lines, without a traceback."""
+    from trace_rl.controller import RewardError
+    from trace_rl.data import DatasetError
+    from trace_rl.run_report import ReportError
+
+    return ConfigError, DatasetError, RewardError, ReportError
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except user_errors() as e:
+        for line in str(e).splitlines() or [type(e).__name__]:
+            print(f"trace-rl {args.command}: error: {line}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def sglang_patches(argv: list[str] | None = None) -> int:

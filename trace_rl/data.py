@@ -94,11 +94,31 @@ def dataset(spec: str, cfg, policy) -> AdditionData | PromptDataset:
     )
 
 
+class DatasetError(ValueError):
+    """A dataset file or one of its rows does not fit the config; the message names the file, the line or row, the
+    config key and the fix."""
+
+
+def field_problem(row: Any, key: str) -> str | None:
+    """None when the dotted `key` reaches a value in `row`, else what is missing at which level, with the keys
+    that level has (`no field 'answr' under 'solution' (its keys: ['answer'])`)."""
+    value, path = row, []
+    for part in key.split("."):
+        under = f" under {'.'.join(path)!r}" if path else ""
+        if not isinstance(value, dict):
+            return f"{'.'.join(path)!r} is a {type(value).__name__}, not an object with field {part!r}"
+        if part not in value:
+            return f"no field {part!r}{under} (its keys: {sorted(value)})"
+        value, path = value[part], [*path, part]
+    return None
+
+
 def _field(row: dict, key: str) -> Any:
+    problem = field_problem(row, key)
+    if problem is not None:
+        raise KeyError(problem)
     value: Any = row
     for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(part)
         value = value[part]
     return value
 
@@ -109,8 +129,22 @@ def read_rows(path: str | Path) -> list[dict]:
     if not path.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")
     if path.suffix == ".jsonl":
+        rows = []
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(
+                        f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
+                        "dataset must be one JSON object"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{path}:{number}: a {type(row).__name__}, not a JSON object of fields")
+                rows.append(row)
+        return rows
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -136,18 +170,27 @@ class PromptDataset:
         shuffle: bool = True,
     ):
         if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"chat_template=true but the tokenizer of {path} has no chat template")
+            model = getattr(tokenizer, "name_or_path", "") or "the model"
+            raise DatasetError(
+                f"chat_template=true but the tokenizer of model_dir={model} has no chat template: set "
+                "chat_template=false (prompts are then tokenized as plain text) or use a model whose tokenizer has one"
+            )
         self.path, self.seed, self.shuffle = Path(path), seed, shuffle
         rows = read_rows(path)
         self.prompts: list[Prompt] = []
         self.filtered = 0
         for i, row in enumerate(tqdm(rows, desc=f"tokenize {self.path.name}", unit="prompt", disable=len(rows) < 1000)):
-            try:
-                prompt = _field(row, prompt_key)
-                answer = None if not answer_key else _field(row, answer_key)
-                metadata = {k: _field(row, k) for k in metadata_keys}
-            except KeyError as e:
-                raise KeyError(f"dataset {path} row {i}: no field {e.args[0]!r} (keys {sorted(row)})") from None
+            keys = [("prompt_key", prompt_key)] + [("answer_key", answer_key)] * bool(answer_key)
+            for name, key in keys + [("metadata_keys", k) for k in metadata_keys]:
+                problem = field_problem(row, key)
+                if problem is not None:
+                    raise DatasetError(
+                        f"{name}={key!r}: row {i} of {path} has {problem}; set {name} to one of its fields (dots "
+                        "reach nested fields)"
+                    )
+            prompt = _field(row, prompt_key)
+            answer = None if not answer_key else _field(row, answer_key)
+            metadata = {k: _field(row, k) for k in metadata_keys}
             ids = self._encode(tokenizer, prompt, chat_template, system_prompt)
             if len(ids) > max_prompt_len:
                 self.filtered += 1

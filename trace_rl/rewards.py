@@ -65,13 +65,27 @@ def load_reward(spec: str) -> RewardFn:
     if where.endswith(".py"):
         path = Path(where)
         if not path.exists():
-            raise ValueError(f"reward={spec!r}: file {path} does not exist")
+            raise ValueError(f"reward={spec!r}: file {path} does not exist (relative to the working directory)")
         module_spec = importlib.util.spec_from_file_location(f"trace_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module  # dataclasses and pickling look the module up there
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: say which and why, in one line
+            raise ValueError(f"reward={spec!r}: loading {path} failed: {type(e).__name__}: {e}") from e
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name is not None and where.startswith(e.name):
+                raise ValueError(
+                    f"reward={spec!r}: no module named {e.name!r}: install it, add its directory to PYTHONPATH, or "
+                    f"name a file: reward='path/to/file.py:{name}'"
+                ) from None
+            missing = f"no module named {e.name!r} (install it)"
+            raise ValueError(f"reward={spec!r}: importing {where} failed: {missing}") from e
+        except Exception as e:
+            raise ValueError(f"reward={spec!r}: importing {where} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"reward={spec!r}: {where} has no function {name}")
