@@ -170,21 +170,41 @@ def _inspect(args: argparse.Namespace) -> None:
 def export_run(run_dir: str | Path, out: str | Path) -> Path:
     """The policy of `run_dir`'s latest checkpoint (saved at any trainer layout; loaded on one rank) as an HF
     checkpoint directory `out`: BF16 `model.safetensors` (`megatron_trace.export.export_hf` of the trainer state)
-    with the source checkpoint's config, generation config and tokenizer files."""
+    with the source checkpoint's config, generation config and tokenizer files. A live run is read from a snapshot
+    of its newest intact checkpoint (`trace_rl.snapshot`): consistent, untouched by the run's retention."""
     import shutil
+    import tempfile
 
-    import torch
     from safetensors.torch import save_file
+
+    from trace_rl.snapshot import snapshot_latest
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".snapshot-") as tmp:
+        try:
+            state, path = snapshot_latest(Path(run_dir), Path(tmp))
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
+        trainer, policy = _trainer_of(state, path)
+    save_file(trainer.hf_weights(), out / "model.safetensors")
+    for f in policy.hf_dir.iterdir():
+        if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and not f.name.startswith("model."):
+            shutil.copy(f, out / f.name)
+    print(f"{Path(run_dir) / path.name} (policy version {trainer.policy_version()}) -> {out}")
+    return out
+
+
+def _trainer_of(state: dict, path: Path):
+    """A single-rank trainer holding the checkpoint `state` (file `path`, its trainer directory beside it) and the
+    policy it was trained from."""
+    import torch
 
     from trace_rl.controller import record_spec
     from trace_rl.policy import load_policy
-    from trace_rl.rundir import load_latest
     from trace_rl.trainer import MegatronTrainer
 
-    loaded = load_latest(Path(run_dir))
-    if loaded is None:
-        raise SystemExit(f"{run_dir} holds no checkpoint")
-    cfg = RLConfig(**loaded.state["config"])
+    cfg = RLConfig(**state["config"])
     policy = load_policy(cfg.model_dir)
     trainer = MegatronTrainer(
         policy.dims,
@@ -197,15 +217,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         experts=cfg.trainer_experts,
         expert_weights_in_place=cfg.expert_weights_in_place,
     )
-    trainer.load_sharded(str(loaded.path.parent / loaded.state["sharded"]["dir"]))  # saved at any layout
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(trainer.hf_weights(), out / "model.safetensors")
-    for f in policy.hf_dir.iterdir():
-        if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and not f.name.startswith("model."):
-            shutil.copy(f, out / f.name)
-    print(f"{loaded.path} (policy version {trainer.policy_version()}) -> {out}")
-    return out
+    trainer.load_sharded(str(path.parent / state["sharded"]["dir"]))  # saved at any layout
+    return trainer, policy
 
 
 def _make_model(args: argparse.Namespace) -> None:
