@@ -3,6 +3,8 @@ unknown suffixes and non-finite or literal-secret values are refused."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trace_rl.config import ConfigError, RLConfig, load_config
@@ -50,3 +52,37 @@ def test_api_keys_are_references_never_values():
         RLConfig(**urls, sglang_api_key="sk-123")
     with pytest.raises(ConfigError, match="rollout_call_timeout_s=10.0 must be > 0 and at most"):
         RLConfig(rollout_call_timeout_s=10.0, rollout_step_timeout_s=5.0)
+
+
+def test_a_literal_key_is_refused_on_every_backend():
+    for backend in ({}, dict(rollout_backend="sglang", sglang_urls="http://a:1")):
+        for key in ("sglang_api_key", "sglang_admin_api_key"):
+            with pytest.raises(ConfigError, match=f"{key} must name where the key is"):
+                RLConfig(**backend, **{key: "sk-live-0123"})
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("temperature=1e-300", r"temperature=1e-300 must be >= 0.001"),
+        ("seed=1180591620717411303424", r"seed=1180591620717411303424 must be in \[0, 2\*\*32\)"),
+        ("seed=-1", r"seed=-1 must be in \[0, 2\*\*32\)"),
+        ("prompts_per_step=10000000", r"prompts_per_step \* group_size = 80000000 trajectories a step exceed 65536"),
+        ("weight_sync_timeout_s=0", r"weight_sync_timeout_s=0.0 must be > 0"),
+        ("sglang_start_timeout_s=-1", r"sglang_start_timeout_s=-1.0 must be > 0"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_by_name(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_every_config_key_is_decided_for_resume():
+    from trace_rl.controller import RESUME_FREE, RESUME_KEYS
+
+    keys = {f.name for f in dataclasses.fields(RLConfig)}
+    assert RESUME_FREE <= keys, RESUME_FREE - keys  # no stale name
+    assert set(RESUME_KEYS) == keys - RESUME_FREE
+    # What the issue found accepted on resume: data shaping, pairing, reward, numerics.
+    for key in ("shuffle", "system_prompt", "reward", "trainer_experts", "train_micro_batch", "prompt_key", "device"):
+        assert key in RESUME_KEYS, key

@@ -4,6 +4,7 @@ stopped at a chosen point), and memory bounded by frames of bounded size."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from trace_core.store import (
     shard_paths,
     step_dir,
 )
-from trace_core.store_reader import BindingMismatchError, RecordReader
+from trace_core.store_reader import BindingMismatchError, CorruptShardError, RecordReader
 
 pytestmark = pytest.mark.faults
 REPO = Path(__file__).resolve().parents[1]
@@ -156,3 +157,12 @@ def test_reading_a_few_rows_of_a_long_trajectory_decompresses_a_bounded_amount(t
     full = reader.load([("long", 0, 8192)])
     assert torch.equal(full.records[(0, "moe_in")].scales[0], rec.scales)
     assert reader.verify() > 4  # more frames than fields: each long field was cut
+
+
+@pytest.mark.parametrize("shards", [[], ["shard"], {"0": 3}, None])
+def test_a_step_index_whose_shards_are_not_a_map_is_corrupt_by_name(tmp_path, shards):
+    StepWriter(tmp_path, 0).write({"0": trajectory(1, 4)})
+    index = finalize_step(tmp_path, 0)
+    index.write_text(json.dumps({"shards": shards, "stale": []}))
+    with pytest.raises(CorruptShardError, match=f"step index {index}: 'shards' must map trajectory ids to shard names"):
+        RecordReader(tmp_path, 0)

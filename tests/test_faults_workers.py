@@ -5,6 +5,7 @@ deadline fails; shards of an earlier attempt are set aside; swapped records are 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from trace_core.store_reader import BindingMismatchError
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.rundir import RunLockedError
-from trace_rl.workers import RolloutTimeout
+from trace_rl.workers import InvalidRollout, RolloutTimeout
 
 pytestmark = pytest.mark.faults
 REPO = Path(__file__).resolve().parents[1]
@@ -163,3 +164,154 @@ def test_swapped_records_are_refused_by_the_trainer(model_dir, tmp_path):
             BindingMismatchError, match=f"trajectory '{i}' .*trajectory '{j}' != expected '{i}'.*tokens"
         ):
             ctrl.trainer.step(trajs, rewards, cfg.group_size, str(ctrl.store), 0, batch.version)
+
+
+def test_a_worker_hung_in_weight_sync_is_named_replaced_and_synced(model_dir, tmp_path, capsys):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), weight_sync_timeout_s=5, **TINY)
+    with Controller(cfg) as ctrl:
+        victim = ctrl.pool.workers[1]
+        victim.hang_on_load()
+        run_bounded(ctrl.train_step, 300)  # trains step 0, then syncs policy version 1
+        assert "policy version 1: rollout worker 1 missed weight_sync_timeout_s=5" in capsys.readouterr().err
+        assert ctrl.pool.workers[1] is not victim and ctrl.pool.versions() == [1, 1]
+        run_bounded(ctrl.train_step, 300)  # the replacement rolls out and syncs as any worker
+        assert ctrl.step == 2 and ctrl.pool.versions() == [2, 2]
+    cfg = cfg.replace(out_dir=str(tmp_path / "b"), max_restarts=0)
+    with Controller(cfg) as ctrl:
+        ctrl.pool.workers[0].hang_on_load()
+        with pytest.raises(RolloutTimeout, match="rollout worker 0 missed weight_sync_timeout_s=5.*max_restarts=0"):
+            run_bounded(ctrl.train_step, 300)
+
+
+def test_a_ray_worker_hung_in_weight_sync_is_killed_replaced_and_synced(model_dir, tmp_path, capsys):
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, weight_sync_timeout_s=30, **TINY)
+        with Controller(cfg) as ctrl:
+            victim = ctrl.pool.workers[0]
+            ray.get(victim.hang_on_load.remote())
+            run_bounded(ctrl.train_step, 400)
+            assert "policy version 1: rollout worker 0 missed weight_sync_timeout_s=30" in capsys.readouterr().err
+            assert ctrl.pool.versions() == [1, 1]
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(victim.version.remote())
+            run_bounded(ctrl.train_step, 400)
+            assert ctrl.step == 2
+    finally:
+        ray.shutdown()
+
+
+def _positive_logprob(out: list) -> list:
+    return [out[0], dataclasses.replace(out[1], logprobs=out[1].logprobs.clone().fill_(5.0)), *out[2:]]
+
+
+def _short_logprobs(out: list) -> list:
+    return [dataclasses.replace(out[0], logprobs=out[0].logprobs[:-1]), *out[1:]]
+
+
+def _missing(out: list) -> list:
+    return out[:-1]
+
+
+def _foreign_token(out: list) -> list:
+    tokens = out[0].tokens.clone()
+    tokens[-1] = 10**6
+    return [dataclasses.replace(out[0], tokens=tokens), *out[1:]]
+
+
+def test_invalid_output_of_an_embedded_worker_is_refused_naming_the_trajectory(model_dir, tmp_path):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), **(TINY | {"rollout_workers": 1}))
+    cases = [
+        (_positive_logprob, r"step 0: rollout request 0, trajectory 1: log-prob of response token 0 is 5.0, not fin"),
+        (_short_logprobs, r"step 0: rollout request 0, trajectory 0: log-probs of shape \(\d\,\) for its \d response"),
+        (_missing, r"step 0: rollout request 0 returned 3 trajectories for its 4 rows \[0, 1, 2, 3\]"),
+        (_foreign_token, r"step 0: rollout request 0, trajectory 0: token ids \[1000000\] are not in the vocabulary"),
+    ]
+    with Controller(cfg) as ctrl:
+        worker = ctrl.pool.workers[0]
+        generate = worker.generate
+        for tamper, message in cases:  # the worker's real output, damaged on its way out
+            worker.generate = lambda req, tamper=tamper: tamper(generate(req))
+            with pytest.raises(InvalidRollout, match=message):
+                ctrl.rollout(0)
+        worker.generate = generate
+        assert len(ctrl.rollout(0).trajectories) == 4  # the step finalizes once the output is valid
+
+
+def test_deleting_the_lock_file_or_replacing_the_directory_does_not_let_two_controllers_train(model_dir, tmp_path):
+    out = tmp_path / "run"
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(out), **TINY)
+    with Controller(cfg) as first:
+        (out / ".lock").unlink()
+        with pytest.raises(RunLockedError, match=f"{out} is in use by another controller: unknown .*was deleted"):
+            Controller(cfg)
+        first.train_step()  # the holder goes on and writes the holder file again
+        assert f'"pid": {os.getpid()}' in (out / ".lock").read_text()
+        out.rename(tmp_path / "moved")
+        out.mkdir()
+        with pytest.raises(RunLockedError, match=f"run directory {out} was moved or replaced"):
+            first.train_step()
+
+
+HOLD_IN_A_MODULE = """
+import sys
+from pathlib import Path
+import trace_rl.rundir as rundir
+rundir.held = rundir.RunLock(Path(sys.argv[1]))  # alive until the interpreter clears the module's names
+raise RuntimeError("crash")
+"""
+
+
+def test_a_lock_left_to_interpreter_exit_closes_quietly(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.run(
+        [sys.executable, "-c", HOLD_IN_A_MODULE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 1 and "RuntimeError: crash" in child.stderr
+    assert "Exception ignored" not in child.stderr and "AttributeError" not in child.stderr, child.stderr
+
+
+START = """
+from trace_rl.controller import Controller
+Controller(CFG)
+"""
+
+
+def _without_root_override() -> list[str]:
+    """The command prefix that makes file modes hold for this process: root ignores them unless it gives up
+    CAP_DAC_OVERRIDE (setpriv); no prefix for other users."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a read-only directory cannot be made")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+@pytest.mark.parametrize("read_only", ["out_dir", "records"])
+def test_an_unwritable_run_directory_is_named_by_its_absolute_path(model_dir, tmp_path, read_only):
+    out = tmp_path / "run"
+    (out / "records").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    locked = out if read_only == "out_dir" else out / "records"
+    locked.chmod(0o555)
+    try:
+        cfg = RLConfig(model_dir=model_dir, out_dir="run", **TINY)  # relative, as an operator writes it
+        code = f"from trace_rl.config import RLConfig\nCFG = RLConfig(**{dataclasses.asdict(cfg)!r})\n{START}"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        child = subprocess.run(
+            [*_without_root_override(), sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        locked.chmod(0o755)
+    last = child.stderr.strip().splitlines()[-1]
+    if read_only == "out_dir":
+        assert last == f"trace_rl.rundir.RunDirError: run directory {out}: cannot create {out}/.lock: Permission denied"
+    else:
+        assert last == f"trace_rl.rundir.RunDirError: record store {out}/records is not writable: Permission denied"
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing written is lost
