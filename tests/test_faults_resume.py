@@ -18,7 +18,7 @@ import torch
 
 from trace_core.store import StoreError, list_steps, step_dir
 from trace_rl.config import ConfigError, RLConfig
-from trace_rl.controller import Controller
+from trace_rl.controller import Controller, PairingError
 from trace_rl.rundir import CorruptCheckpointError, checkpoints, load_latest, save_checkpoint
 
 pytestmark = pytest.mark.faults
@@ -90,7 +90,10 @@ ctrl.train_step(), ctrl.train_step()  # checkpoint 4 does not fit
 def test_disk_full_and_corrupt_checkpoints_fall_back_to_the_previous_one(model_dir, tmp_path, capsys):
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), steps=5, async_lag=1, checkpoint_every=2, **TINY)
     child = run_child(FILL_THE_DISK, cfg)
-    assert child.returncode == 1 and "File too large" in child.stderr, child.stderr[-3000:]
+    assert child.returncode == 1, child.stderr[-3000:]
+    # The OS error and the directory, not only Megatron's "Worker failure": the run's last line.
+    error = f"OSError: [Errno 27] File too large (writing the trainer checkpoint): '{tmp_path.resolve()}/.checkpoint-"
+    assert child.stderr.strip().splitlines()[-1].endswith(f"{error}00000004.dist.tmp'"), child.stderr[-3000:]
     assert [s for s, _ in checkpoints(tmp_path)] == [2]
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]  # the failed write left nothing
     needed = step_dir(tmp_path / "records", 2)
@@ -167,3 +170,102 @@ def test_checkpoint_files_are_verified(tmp_path):
     save_checkpoint(tmp_path, 3, {"x": torch.arange(6)})
     assert [s for s, _ in checkpoints(tmp_path)] == [2, 3]
     assert torch.equal(load_latest(tmp_path).state["x"], torch.arange(6))
+
+
+DATA = Path(__file__).parent / "data" / "math_tiny.jsonl"
+
+
+def test_changed_data_settings_are_refused_and_pending_trajectories_keep_their_prompts(tmp_path):
+    from tests.hf_tiny import make_hf_checkpoint
+
+    data = tmp_path / "math.jsonl"
+    data.write_text(DATA.read_text())
+    cfg = RLConfig(
+        model_dir=str(make_hf_checkpoint(tmp_path / "hf")),
+        out_dir=str(tmp_path / "run"),
+        data=str(data),
+        prompt_key="question",
+        answer_key="solution.answer",
+        steps=4,
+        async_lag=1,
+        checkpoint_every=2,
+        loggers="none",
+        **(TINY | {"max_new_tokens": 4}),
+    )
+    with Controller(cfg) as ctrl:
+        ctrl.train_step(), ctrl.train_step()  # checkpoint 2, step 2's trajectories pending
+    changes = {
+        "shuffle=True, the config has False": {"shuffle": False},
+        "system_prompt='', the config has 'Be brief.'": {"system_prompt": "Be brief."},
+        "reward='exact_match', the config has 'math'": {"reward": "math"},
+    }
+    for message, change in changes.items():
+        with pytest.raises(ValueError, match=f"{message} .*force_resume=true"):
+            Controller(cfg.replace(**change))
+    # Forced, or the dataset file edited under the same name: the pending trajectories are not trained against
+    # prompts they were not generated from.
+    for change in ({"shuffle": False}, {"system_prompt": "Be brief."}):
+        with Controller(cfg.replace(force_resume=True, **change)) as ctrl:
+            assert ctrl.step == 2 and [b.step for b in ctrl.pending] == [2]
+            with pytest.raises(PairingError, match=r"step 2: trajectory \d was generated from prompt \d+:\w+ of"):
+                ctrl.train_step()
+    rows = DATA.read_text().splitlines()
+    data.write_text("\n".join(rows[1:] + rows[:1]) + "\n")
+    with Controller(cfg) as ctrl, pytest.raises(PairingError, match="the dataset file changed"):
+        ctrl.train_step()
+    data.write_text(DATA.read_text())
+    with Controller(cfg) as ctrl:
+        ctrl.run()
+        assert ctrl.step == 4
+        with pytest.raises(RuntimeError, match=r"is finished: 4 of steps=4 trained \(raise steps to go on\)"):
+            ctrl.train_step()
+
+
+KILL_BETWEEN_DELETIONS = """
+import os, signal, pathlib
+from trace_rl.controller import Controller
+unlink = pathlib.Path.unlink
+def unlink_then_die(self, *args, **kwargs):  # the chosen point: one checkpoint file deleted, the other not yet
+    unlink(self, *args, **kwargs)
+    if self.name.startswith("checkpoint-") and self.name.endswith(".pt"):
+        os.kill(os.getpid(), signal.SIGKILL)
+pathlib.Path.unlink = unlink_then_die
+Controller(CFG, resume=False)
+"""
+
+
+def test_a_fresh_start_killed_between_its_deletions_does_not_resume_the_old_run(model_dir, tmp_path):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), steps=2, checkpoint_every=1, loggers="none", **TINY)
+    with Controller(cfg) as ctrl:
+        ctrl.run()
+    assert [s for s, _ in checkpoints(tmp_path)] == [1, 2]
+    child = run_child(KILL_BETWEEN_DELETIONS, cfg)
+    assert child.returncode == -9, child.stderr[-3000:]
+    assert len(checkpoints(tmp_path)) == 1  # the old run's other checkpoint is still there
+    with Controller(cfg) as ctrl:  # the default start (resume) finishes the fresh start
+        assert ctrl.step == 0 and not ctrl.pending and not checkpoints(tmp_path)
+    assert not (tmp_path / ".fresh-start").exists()
+
+
+KILL_BEFORE_THE_RENAME = """
+import os, signal
+from trace_rl.controller import Controller
+replace = os.replace
+def die_before_a_checkpoint_rename(src, dst, *args, **kwargs):  # the chosen point: the .pt temp file written
+    if str(dst).endswith(".pt"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst, *args, **kwargs)
+os.replace = die_before_a_checkpoint_rename
+Controller(CFG).train_step()
+"""
+
+
+def test_a_checkpoint_temp_file_of_a_killed_run_is_removed_at_start(model_dir, tmp_path, capsys):
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), steps=2, checkpoint_every=1, loggers="none", **TINY)
+    child = run_child(KILL_BEFORE_THE_RENAME, cfg)
+    assert child.returncode == -9, child.stderr[-3000:]
+    (temp,) = tmp_path.glob(".checkpoint-00000001.pt.*.tmp")
+    assert not checkpoints(tmp_path)
+    with Controller(cfg) as ctrl:
+        assert ctrl.step == 0 and not temp.exists()
+        assert f"removed {temp}, a temporary file of a controller that was killed" in capsys.readouterr().err

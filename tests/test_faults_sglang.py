@@ -93,6 +93,10 @@ def _token_mismatch(answers):
     answers[0]["meta_info"]["output_token_logprobs"][0][1] = (answers[0]["output_ids"][0] + 1) % VOCAB
 
 
+def _no_id(answers):
+    del answers[0]["meta_info"]["id"]
+
+
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
@@ -104,6 +108,7 @@ def _token_mismatch(answers):
         (_abort, r"trajectory 5: request did not finish normally: .*abort"),
         (_prompt_count, r"trajectory 4: meta_info counts prompt_tokens=3"),
         (_token_mismatch, r"trajectory 4: output_token_logprobs\[0\] = .* does not name token"),
+        (_no_id, r"trajectory 4: answer for request id None, not '4#"),
     ],
 )
 def test_malformed_answers_are_errors_naming_the_server(model_dir, tmp_path, tamper, message):
