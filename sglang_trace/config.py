@@ -192,6 +192,9 @@ def check_server_args(server_args) -> TraceArgs:
         raise ValueError(f"--trace-step must be a non-negative integer, got {args.step!r}")
     if not args.enabled:
         return args
+    from sglang_trace.plugin import check_registered
+
+    check_registered()
     problems = []
     if not args.store:
         problems.append("--trace-store is required (the record store root the trainer reads)")

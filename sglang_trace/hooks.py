@@ -250,10 +250,25 @@ def on_moe_input(layer, dispatch_output):
     return dispatch_output._replace(hidden_states=x)
 
 
+def _check_off() -> None:
+    """RuntimeError when `--trace-mode` is on but no TRACE capturer is installed (its plugin hook did not run): the
+    MoE sites would run unquantized and unrecorded."""
+    try:
+        args = _server_args()
+    except (AttributeError, LookupError, RuntimeError):  # no server arguments in this process: not a server
+        return
+    if args is not None and getattr(args, "trace_mode", "off") != "off":
+        raise RuntimeError(
+            f"--trace-mode {args.trace_mode}: the MoE runs without TRACE's capturer (its SGLang plugin hooks are not "
+            "applied in this process); records would be missing"
+        )
+
+
 def on_fc2_input(layer_id: int, h: torch.Tensor) -> torch.Tensor:
     """Expert path between the activation and the second GEMM: the FC2-input site. Returns what FC2 runs on."""
     capturer = _capturer()
     if capturer is None:
+        _check_off()
         return h
     return capturer.fc2_input(layer_id, h)
 
@@ -265,6 +280,7 @@ def on_fc2_input_rows(h: torch.Tensor, rows: int, sorted_rows: bool) -> torch.Te
     records'."""
     capturer = _capturer()
     if capturer is None:
+        _check_off()
         return h
     if sorted_rows or h.shape[0] != rows:
         raise ValueError(

@@ -6,8 +6,10 @@ SGLang's `HookRegistry`. Every hook calls `sglang_trace.hooks`, whose functions 
 off. Where no seam exists (the server-argument fields, the FC2 input inside the fused MoE kernel sequence, the
 FP4-KV attention call), a file patch calls the same module (`patches/sglang/v0.5.15.post1/`).
 
-SGLang logs and swallows a plugin or hook that fails to apply, so `check_applied` verifies every hook in place and
-the capturer refuses to start without them (`hooks.install_capturer`).
+SGLang logs and swallows a plugin or hook that fails to apply, so TRACE checks: the server arguments refuse
+`--trace-mode` on unless every hook is registered (`check_registered`), the capturer refuses to start unless every
+hook is applied in the scheduler process (`check_applied`), and the file-patched FC2-input site refuses to run
+while TRACE is on without a capturer (`hooks.on_fc2_input_rows`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,21 @@ def _wraps(fn, hook: Callable) -> bool:
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
+
+
+def check_registered() -> None:
+    """RuntimeError unless every TRACE hook is registered with SGLang's `HookRegistry` in this process (the plugin
+    entry point was loaded: installed, and not filtered out by `SGLANG_PLUGINS`). Checked with the server
+    arguments, before SGLang starts its scheduler processes."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    missing = [h.target for h in HOOKS if not any(fn is h.fn for _, fn, _ in HookRegistry._hooks.get(h.target, ()))]
+    if missing:
+        raise RuntimeError(
+            f"--trace-mode is on but TRACE's SGLang plugin hooks are not registered ({len(missing)} of {len(HOOKS)}, "
+            f"e.g. {missing[0]}): install trace-rl in the server's environment (entry point sglang.srt.plugins: "
+            "trace) and keep 'trace' in SGLANG_PLUGINS if it is set"
+        )
 
 
 def check_applied() -> None:
