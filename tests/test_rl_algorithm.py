@@ -134,7 +134,7 @@ def test_top_k_1_samples_greedily_and_zero_variance_is_warned(model_dir, tmp_pat
     """top_k = 1 samples each group's argmax response, so every group's samples (and rewards) are equal: each step
     warns and counts its zero-variance groups, and the run says how many steps trained nothing. The samples land in
     samples.jsonl with prompt, response, reward, Δ logp and version."""
-    cfg = _cfg(model_dir, tmp_path, top_k=1, samples_per_step=2)
+    cfg = _cfg(model_dir, tmp_path, top_k=1, samples_per_step=2, loggers="tensorboard")
     with Controller(cfg, resume=False) as ctrl:
         batch = ctrl.rollout(0)
         for g in range(cfg.prompts_per_step):
@@ -151,6 +151,13 @@ def test_top_k_1_samples_greedily_and_zero_variance_is_warned(model_dir, tmp_pat
     assert set(rows[0]) == {"step", "version", "trajectory", "prompt", "response", "reward", "logprob_abs_diff"}
     assert rows[0]["prompt"].endswith("=") and rows[2]["version"] == 1
     assert 0 <= rows[0]["logprob_abs_diff"] < 0.1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/text_summary")]
+    assert len(text) == 2 and text[0].startswith("| step | version | trajectory | reward |")
+    assert rows[0]["response"].replace("|", "\\|") in text[0]
 
 
 _calls = {"n": 0}
@@ -177,6 +184,19 @@ def test_ctrl_c_saves_a_checkpoint_at_the_step_end_and_resume_says_so(model_dir,
         assert ctrl.step == 1
         assert "resumed from step 1" in capsys.readouterr().out
         assert len(ctrl.run()) == 3
+    assert " 1/3 " in capsys.readouterr().err  # the progress bar starts at the resumed step
+
+
+def test_eval_before_train_evaluates_a_fresh_run_once(model_dir, tmp_path, capsys):
+    cfg = _cfg(model_dir, tmp_path, steps=1, eval_data="addition", eval_every=1, eval_prompts=4, eval_k=2)
+    with Controller(cfg.replace(eval_before_train=True), resume=False) as ctrl:
+        ctrl.run()
+    out = capsys.readouterr().out
+    initial = json.loads(out.split("evaluation before training: ", 1)[1].splitlines()[0])
+    assert set(initial) >= {"eval/mean@2", "eval/pass@1", "eval/pass@2"}
+    with Controller(cfg.replace(eval_before_train=True, steps=2)) as ctrl:  # resumed: not again
+        ctrl.run()
+    assert "evaluation before training" not in capsys.readouterr().out
 
 
 def raising_reward(response: str, answer: str | None, metadata: dict) -> float:

@@ -139,3 +139,11 @@ def test_report_makes_the_table_and_plots_of_a_train_and_a_demo_dir(tmp_path, ca
     capsys.readouterr()
     (line,) = _errors(capsys, "report", str(tmp_path))
     assert line.startswith(f"{tmp_path} holds no metrics.jsonl (nor <mode>/metrics.jsonl, nor warmup.json)")
+
+
+def test_report_help_works(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: trace-rl report [-h] run_dir [out]") and "a `trace-rl demo` directory" in out
