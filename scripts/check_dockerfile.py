@@ -169,12 +169,12 @@ def check_base(instructions: list[Instruction], sglang: str) -> list[str]:
         errors.append(f"{where}: base image {image!r} is not the official SGLang release image {BASE_REPOSITORY}")
     if not tag or tag == "latest":
         errors.append(
-            f"{where}: base image {image!r} is not pinned to a release tag; use {BASE_REPOSITORY}:v{sglang}-cu129"
+            f"{where}: base image {image!r} is not pinned to a release tag; use {BASE_REPOSITORY}:v{sglang}-cu130"
         )
     elif not re.fullmatch(rf"v{re.escape(sglang)}(-cu\d+)?(-amd64|-arm64)?", tag):
         errors.append(
             f"{where}: base image tag {tag!r} is not SGLang {sglang}, the version {PATCH_SCRIPT} patches; "
-            f"use v{sglang}-cu129"
+            f"use v{sglang}-cu130"
         )
     if digest and not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
         errors.append(f"{where}: digest {digest!r} is not sha256:<64 hex digits>")

@@ -19,10 +19,10 @@ cd = importlib.util.module_from_spec(_spec)
 sys.modules["check_dockerfile"] = cd  # dataclasses resolve their module through sys.modules
 _spec.loader.exec_module(cd)
 
-BASE = "FROM lmsysorg/sglang:v0.5.10.post1-cu129"
+BASE = "FROM lmsysorg/sglang:v0.5.15.post1-cu130"
 PATCH_RUN = "RUN python3 scripts/sglang_patches.py apply && python3 scripts/sglang_patches.py check"
 MEGATRON_RUN = "    && python3 scripts/megatron_patches.py apply && python3 scripts/megatron_patches.py check"
-REINSTALL = "    && python3 -m pip install --no-deps --force-reinstall sglang==0.5.10.post1 \\\n"
+REINSTALL = "    && python3 -m pip install --no-deps --force-reinstall sglang==0.5.15.post1 \\\n"
 
 
 def broken(tmp_path: Path, old: str, new: str) -> Path:
@@ -42,7 +42,7 @@ def test_real_dockerfile_passes():
     [
         (BASE, "FROM lmsysorg/sglang:latest", "is not pinned to a release tag"),
         (BASE, "FROM lmsysorg/sglang", "is not pinned to a release tag"),
-        (BASE, "FROM lmsysorg/sglang:v0.5.9-cu129", "is not SGLang 0.5.10.post1"),
+        (BASE, "FROM lmsysorg/sglang:v0.5.10.post1-cu129", "is not SGLang 0.5.15.post1"),
         (BASE, "FROM python:3.12", "is not the official SGLang release image"),
         (BASE, "FROM ${BASE_IMAGE}", "uses a build variable"),
         (BASE, BASE + "@sha256:1234", "is not sha256:<64 hex digits>"),
@@ -62,7 +62,7 @@ def test_real_dockerfile_passes():
         ("ray==2.60.0", "ray>=2.40", "pip package 'ray>=2.40' is not pinned"),
         ("megatron-core==0.19.2 ", "", "megatron-core is not installed"),
         ("megatron-core==0.19.2", "megatron-core==0.19.1", "pyproject.toml pins megatron-core==0.19.2"),
-        ("sglang==0.5.10.post1", "sglang==0.5.9", "patches sglang 0.5.10.post1"),
+        ("sglang==0.5.15.post1", "sglang==0.5.10.post1", "patches sglang 0.5.15.post1"),
         ("pip install --no-deps .", "pip install .", "installed with its dependencies"),
         ("USER trace", "USER root", "must not run as root"),
         ("USER trace", "USER 0:0", "must not run as root"),
@@ -84,7 +84,7 @@ def test_cli_reports_the_problem_and_fails(tmp_path, capsys):
     path = broken(tmp_path, BASE, "FROM lmsysorg/sglang:latest")
     assert cd.main(["--dockerfile", str(path), "--static-only"]) == 1
     err = capsys.readouterr().err
-    assert "1 problem(s)" in err and "lmsysorg/sglang:latest" in err and "v0.5.10.post1-cu129" in err
+    assert "1 problem(s)" in err and "lmsysorg/sglang:latest" in err and "v0.5.15.post1-cu130" in err
 
 
 def copy_repo(tmp_path: Path) -> Path:
@@ -115,7 +115,7 @@ def test_missing_dockerignore_fails(tmp_path):
 @pytest.mark.slow
 def test_patch_step_runs_on_the_pinned_wheel():
     out = cd.run_patch_step(DOCKERFILE)
-    stacks = (REPO / "patches" / "sglang" / "v0.5.10.post1", REPO / "patches" / "megatron" / "v0.19.2")
+    stacks = (REPO / "patches" / "sglang" / "v0.5.15.post1", REPO / "patches" / "megatron" / "v0.19.2")
     patches = sorted(p.name for stack in stacks for p in stack.glob("*.patch"))
     assert any(n.startswith("0004-local-l2-norm") for n in patches)
     for name in patches:  # "applied": the scratch wheels were pristine, not the venv's patched packages
@@ -125,14 +125,14 @@ def test_patch_step_runs_on_the_pinned_wheel():
 @pytest.mark.slow
 def test_patch_step_fails_on_a_hunk_that_does_not_apply(tmp_path):
     repo = copy_repo(tmp_path)
-    patch = repo / "patches" / "sglang" / "v0.5.10.post1" / "0001-server-args.patch"
+    patch = repo / "patches" / "sglang" / "v0.5.15.post1" / "0001-server-args.patch"
     text = patch.read_text()
-    context = " keep_mm_feature_on_device: bool = False\n"
+    context = '         "Enable returning routed experts of each layer with responses.",\n'
     assert context in text, "update this test: the context line it corrupts is gone"
-    patch.write_text(text.replace(context, " keep_mm_feature_on_device: bool = True\n", 1))
+    patch.write_text(text.replace(context, '         "Enable returning routed experts with responses.",\n', 1))
     with pytest.raises(cd.CheckError, match=r"patch step \(Dockerfile line \d+\) failed") as failure:
         cd.run_patch_step(DOCKERFILE, repo)
-    assert "0001-server-args.patch: hunk @@ -661 +661 does not match" in str(failure.value)
+    assert "0001-server-args.patch: hunk @@ -2602 +2602 does not match" in str(failure.value)
 
 
 def run_entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
