@@ -257,3 +257,15 @@ def test_the_group_applies_the_settings_as_one_rank(model_dir, tmp_path, layout)
                 assert g[k] >= v
             elif isinstance(v, float):
                 assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (s["step"], k)
+
+
+def test_reward_processes_ignore_ctrl_c():
+    """A terminal's Ctrl-C reaches the reward processes too: they ignore it, so the step they score finishes."""
+    from trace_rl.rewards import RewardPool, _sigint_ignored
+
+    pool = RewardPool("exact_match", 1, "process")
+    try:
+        assert pool.executor.submit(_sigint_ignored).result() is True
+    finally:
+        pool.close()
+    assert not _sigint_ignored()  # the controller's own process keeps its handler

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import multiprocessing
+import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -92,6 +93,16 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def ignore_sigint() -> None:
+    """A reward process ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the controller
+    finishes its step (scoring included) before it stops (`Controller.run`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _sigint_ignored() -> bool:
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 def _score(spec: str, response: str, answer: str | None, metadata: dict) -> float:
     return float(load_reward(spec)(response, answer, metadata))
 
@@ -109,7 +120,9 @@ class RewardPool:
         if workers > 0 and kind == "thread":
             self.executor = ThreadPoolExecutor(workers, thread_name_prefix="reward")
         elif workers > 0:
-            self.executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            self.executor = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=ignore_sigint
+            )
 
     def submit(self, samples: Sequence[tuple[str, str | None, dict]]) -> list[Future]:
         if self.executor is not None:
