@@ -270,7 +270,7 @@ def test_weight_sync_failures_name_the_server_and_response(model_dir, tmp_path):
     server.weight_version = "default"
     with pytest.raises(SGLangError, match="weight_version='default'.*--weight-version 0"):
         SGLangWorker(server.url, ctrl.cfg, VOCAB)
-    with pytest.raises(SGLangError, match="http://127.0.0.1:9/model_info: ConnectionError"):
+    with pytest.raises(SGLangError, match="http://127.0.0.1:9/model_info: ConnectionRefusedError"):
         SGLangWorker("http://127.0.0.1:9", ctrl.cfg, VOCAB)
 
 
