@@ -233,7 +233,11 @@ SETTINGS = dict(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(tp=2, ep=2), GROUP], ids=["tp2_ep2", "dp2_microbatch2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2, ep=2), GROUP, dict(pp=2, train_micro_batch=4)],
+    ids=["tp2_ep2", "dp2_microbatch2", "pp2_microbatch4"],
+)
 def test_the_group_applies_the_settings_as_one_rank(model_dir, tmp_path, layout):
     """Every non-default setting at once (GSPO, clip-higher, sequence aggregation, KL with its reference forward
     through Megatron's schedule, entropy over the vocab-parallel logits, warm-up, weight decay) on the trainer group
