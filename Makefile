@@ -14,6 +14,7 @@ setup: $(STAMP)
 
 # The venv is rebuilt when the project metadata changes. SGLang is installed without its dependencies: its GPU
 # stack (sglang-kernel, flashinfer) does not install on CPU machines; tests import only its pure-torch modules.
+# The editable install registers TRACE's SGLang plugin entry point (sglang.srt.plugins: trace).
 # megatron-core is patched so that its optimizers run on CPU parameters (patches/megatron; no change on CUDA).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +26,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) scripts/megatron_patches.py apply
 	touch $(STAMP)
 
+# The SGLang side must import and be patched before any test runs: a broken import fails `make test` here instead
+# of letting its test modules error or skip (the sgl_kernel stand-in replaces only the compiled kernel package).
 test: $(STAMP)
+	$(PY) scripts/sglang_patches.py check
+	$(PY) -c "from tests.sglang_cpu import install_sgl_kernel_stand_in as s; s(); \
+	import sglang.srt.server_args, sglang.srt.managers.scheduler, sglang_trace.plugin as p, sglang.srt.plugins as sp; \
+	sp.load_plugins(); p.check_applied(); print('SGLang', sglang.__version__, 'imports with the TRACE plugin applied')"
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 # On a machine with a CUDA GPU.
