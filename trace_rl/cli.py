@@ -56,7 +56,7 @@ FIELD_HELP = {
     "sglang_admin_api_key": "where the servers' --admin-api-key is: env:VARIABLE or file:PATH",
     "rollout_call_timeout_s": "deadline of one rollout request (the worker is then restarted)",
     "rollout_step_timeout_s": "deadline of a whole rollout step (the run then fails)",
-    "weight_sync_timeout_s": "deadline of one weight sync of the rollout workers (a late embedded worker is replaced)",
+    "weight_sync_timeout_s": "deadline of one worker's weight sync (a late embedded worker is replaced, synced again)",
     "sglang_start_timeout_s": "deadline of reaching every SGLang server at start (/model_info)",
     "force_resume": "resume a checkpoint although settings that shape data, pairing, reward or numerics differ",
     "tp": "trainer tensor parallelism (with sequence parallelism); tp * pp * dp > 1 runs the trainer as a Ray group",

@@ -80,9 +80,9 @@ class RLConfig:
     sglang_api_key / sglang_admin_api_key: where the servers' --api-key / --admin-api-key are, `env:VARIABLE` or
     `file:PATH` (a key itself is refused: configs land in checkpoints).
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
-    and of a whole rollout step (the run then fails). weight_sync_timeout_s: deadline of one weight sync of the
-    rollout workers (an embedded worker that misses it is replaced and synced again; an SGLang server that misses
-    it fails the run, naming it). sglang_start_timeout_s: deadline of reaching every SGLang server at start.
+    and of a whole rollout step (the run then fails). weight_sync_timeout_s: deadline of one worker's weight sync (an
+    embedded worker that misses it is replaced and synced again; an SGLang server that misses it fails the run,
+    naming it). sglang_start_timeout_s: deadline of reaching every SGLang server at start.
     sglang_timeout_s: wall-clock deadline of one SGLang HTTP call and of one wait for a request's records.
     force_resume: resume a checkpoint although settings that shape the data, pairing, reward or numerics differ
     (`trace_rl.controller.RESUME_FREE` lists the keys a resume may change; docs/reliability.md).

@@ -1,8 +1,12 @@
 """A run directory's exclusive lock and its checkpoints (fsynced, checksummed, the last two kept).
 
-`RunLock` takes an exclusive `flock` on `<out_dir>/.lock` for the controller's lifetime and writes who holds it
-(host, pid, start time) into the file; a second controller on the same directory is refused with that holder. The
-kernel drops the lock when the holder exits, SIGKILL included, so a crashed run never leaves a stale lock.
+`RunLock` takes an exclusive `flock` on the run directory itself (and on `<out_dir>/.lock`) for the controller's
+lifetime and writes who holds it (host, pid, start time) into `.lock`; a second controller on the same directory is
+refused with that holder. Deleting `.lock` does not free the directory; `RunLock.check` (every step) stops a
+controller whose directory was moved or replaced. The kernel drops the lock when the holder exits, SIGKILL
+included, so a crashed run never leaves a stale lock. `fresh_start` deletes the old run's checkpoints under a marker
+written first, so a crash midway cannot leave one a resume would take; `remove_stale_temps` removes what a killed
+controller left between a write and its rename.
 
 Checkpoint files are `checkpoint-<step>.pt`: a preamble (magic, payload length, SHA-256 of the payload) and the
 `torch.save` payload, written to a temporary file, fsynced, renamed into place, the directory fsynced; the newest

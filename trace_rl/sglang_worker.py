@@ -15,10 +15,16 @@ logged), every call carries `Authorization: Bearer <key>`: the API key on `/gene
 key (or the API key when there is none) on `/update_weights_from_disk`, as SGLang's --api-key / --admin-api-key
 expect.
 
+Every HTTP call has a wall-clock deadline (`trace_rl.http_deadline`: connect to last byte), `sglang_timeout_s`, or
+less when the enclosing start-up (`sglang_start_timeout_s`) or weight sync (`weight_sync_timeout_s`) ends sooner.
+An answer's text is redacted of the keys before anything reads it, so no error message or log can carry a key a
+server echoes.
+
 `SGLangPool` is the pool the controller drives (`run`, `load_weights`, `versions`, as `LocalPool`): weight sync
 writes the trainer's HF tensors as safetensors into `<out_dir>/weights/v<version>` (a directory the servers must
-see) and calls every server's `/update_weights_from_disk` with `weight_version=str(version)`, then checks that
-`/model_info` reports that version. A server failure raises with the server URL and its response; nothing retries.
+see) and calls every server's `/update_weights_from_disk` with `weight_version=str(version)` (the servers
+concurrently), then checks that `/model_info` reports that version. A server failure raises with the server URL and
+its response; nothing retries.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ returns the trajectories without records: the trainer reads records from the sto
 a worker that dies mid-request (a lost process, `WorkerDied` in-process) or misses the per-call deadline
 `rollout_call_timeout_s`, loads it with the current policy version and runs the request again with the same seed
 as a new attempt (the earlier attempt's shard, if any, is set aside when the step is finalized); restarts are
-counted. A step that exceeds `rollout_step_timeout_s` fails with `RolloutTimeout`.
+counted. A step that exceeds `rollout_step_timeout_s` fails with `RolloutTimeout`. A weight sync gives each worker
+`weight_sync_timeout_s`: a worker that misses it (or dies) is named on stderr, replaced and synced again, at most
+`max_restarts` times a sync. `check_results` validates every pool's output as the SGLang worker validates answers.
 """
 
 from __future__ import annotations
