@@ -1,5 +1,6 @@
 """Fault injection, config (docs/reliability.md items 3 and 8): syntax errors name file and line, `.yaml` is YAML,
-unknown suffixes and non-finite or literal-secret values are refused."""
+unknown suffixes and non-finite or literal-secret values (on every backend) are refused, so are values that would
+fail later; every key is decided for resume."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Fault injection, resume and checkpoints (docs/reliability.md items 2 and 6): a controller process SIGKILLed in the
 last interval before a checkpoint resumes with `async_lag = 1`; a checkpoint write that runs out of disk (a file
 size limit in a real process) leaves the previous checkpoint in use; a corrupt latest checkpoint falls back to the
-previous one; settings that change the numerics are refused unless forced."""
+previous one (its OS error named); settings that change the numerics are refused unless forced; changed data
+settings are refused and a pending trajectory is never trained against another prompt; a fresh start SIGKILLed
+between its deletions does not resume the old run; a killed run's temporary checkpoint file is removed at start."""
 
 from __future__ import annotations
 

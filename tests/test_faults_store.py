@@ -1,6 +1,7 @@
 """Fault injection, record store (docs/reliability.md items 1, 4 and 7): records bound to what produced them,
 writer ids that cannot replace another writer's shard, a write racing `finalize_step` (a real writer process
-stopped at a chosen point), and memory bounded by frames of bounded size."""
+stopped at a chosen point), memory bounded by frames of bounded size, and a step index whose shards are not a map
+is corrupt by name."""
 
 from __future__ import annotations
 

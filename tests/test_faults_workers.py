@@ -1,7 +1,10 @@
 """Fault injection, run directory and rollout workers (docs/reliability.md items 1, 3 and 4): a second controller on
 a run directory is refused naming the holder (a real process, then SIGKILLed: the lock goes with it); a hung rollout
 worker misses its per-call deadline and is restarted (in-process and as a Ray actor), a step that misses its
-deadline fails; shards of an earlier attempt are set aside; swapped records are refused by the trainer by name."""
+deadline fails; shards of an earlier attempt are set aside; swapped records are refused by the trainer by name; a
+worker hung in its weight sync is named, replaced and synced; invalid worker output is refused naming the
+trajectory; a deleted `.lock` or a replaced directory lets no second controller train; an unwritable run directory
+is named by its absolute path; a lock left to interpreter exit closes quietly."""
 
 from __future__ import annotations
 
