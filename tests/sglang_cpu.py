@@ -69,6 +69,20 @@ def install_sgl_kernel_stand_in() -> bool:
     return True
 
 
+def load_trace_plugin() -> None:
+    """TRACE's SGLang plugin in this process as a server process has it: the `sgl_kernel` stand-in where the real
+    package is absent, then SGLang's own `load_plugins` (the `sglang.srt.plugins` entry point `trace` registers the
+    hooks, SGLang applies them) and `plugin.check_applied` (SGLang only logs a hook that failed to apply).
+    Idempotent; call it before building layers (the FusedMoE weight loader is bound into the parameters then)."""
+    install_sgl_kernel_stand_in()
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_trace.plugin import check_applied
+
+    load_plugins()
+    check_applied()
+
+
 def init_cpu_parallel_state(world_size: int = 1, rank: int = 0, port: int | None = None) -> None:
     """SGLang's TP/PP/EP groups on CPU (gloo), so layers such as FusedMoE can be built; idempotent. With
     `world_size` > 1 every rank calls this with the same free `port`. SGLang would add a PyNccl communicator to
@@ -104,6 +118,7 @@ def trace_server_args(store: str, **overrides):
     (`overrides` replace or add fields: sites, layers, recipe, KV dtype, R3)."""
     from sglang.srt.server_args import ServerArgs
 
+    load_trace_plugin()  # trace mode on: the server arguments refuse to validate without the plugin's hooks
     base = dict(model_path="dummy", device="cpu", trace_mode="emulate", trace_store=store)
     return ServerArgs(**(base | overrides))
 

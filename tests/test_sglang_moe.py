@@ -1,27 +1,25 @@
-"""Emulated NVFP4 W4A4 routed experts (`--trace-mode emulate`) in SGLang's real, patched `FusedMoE` on CPU.
+"""Emulated NVFP4 W4A4 routed experts (`--trace-mode emulate`) in SGLang's real `FusedMoE` on CPU.
 
-What runs for real: `FusedMoE` (sglang 0.5.10.post1 with the TRACE patches) built on a one-process gloo TP group,
-its `weight_loader` (the path the initial load and every `update_weights_from_*` take), its `forward_impl` with
-the standard dispatcher and SGLang's CPU expert path (`moe_forward_native`), and the TRACE site in between. The
-layer module imports the compiled `sgl_kernel`; where it is absent `tests/sglang_cpu.py` installs an import
-stand-in whose placeholders raise if called — none is called on these paths.
+What runs for real: `FusedMoE` (sglang 0.5.15.post1, TRACE's plugin hooks applied by SGLang's `load_plugins`)
+built on a one-process gloo TP group, its `weight_loader` with the plugin's AFTER hook (the path the initial load
+and every `update_weights_from_*` take), its `forward_impl` with the standard dispatcher, the plugin's BEFORE hook
+on `run_moe_core` (the MoE-input site) and SGLang's CPU expert path (`moe_forward_native`, patch 0003: the FC2-input
+site). The layer module imports the compiled `sgl_kernel`; where it is absent `tests/sglang_cpu.py` installs an
+import stand-in whose placeholders raise if called — none is called on these paths.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import load_trace_plugin
 
-install_sgl_kernel_stand_in()
-layer_mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
+load_trace_plugin()
 
-from sglang.srt.layers.moe.routed_experts_capturer import (  # noqa: E402
-    _RoutedExpertsCapturerNoop,
-    set_global_experts_capturer,
-)
+import sglang.srt.layers.moe.fused_moe_triton.layer as layer_mod  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 from sglang.srt.server_args import set_global_server_args_for_scheduler  # noqa: E402
+from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer  # noqa: E402
 
 from sglang_trace import hooks  # noqa: E402
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input  # noqa: E402
@@ -39,7 +37,7 @@ def emulate_args():
     args = trace_server_args("/unused", trace_sites="moe_in")
     set_global_server_args_for_scheduler(args)
     yield args
-    set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+    set_global_experts_capturer(None)
 
 
 def checkpoint(seed: int) -> dict[str, torch.Tensor]:
@@ -143,7 +141,14 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
             h = dequantize(quantize(F.silu(gate) * up, "nvfp4", per_token=True), x.dtype)
             rows.append(F.linear(h, layer.w2_weight[e])[0].float() * topk.topk_weights[t, k])
     reference = torch.stack(rows).view(6, TOPK, H).sum(dim=1).to(x.dtype)
-    unquantized = layer.forward_impl(x, topk)
+    # TRACE on without its capturer (the plugin's capturer hook did not run): the FC2-input site refuses to run on
+    with pytest.raises(RuntimeError, match="without TRACE's capturer"):
+        layer.forward_impl(x, topk)
+    set_global_server_args_for_scheduler(trace_server_args(str(tmp_path), trace_mode="off"))
+    try:
+        unquantized = layer.forward_impl(x, topk)  # TRACE off: SGLang's own expert path
+    finally:
+        set_global_server_args_for_scheduler(emulate_args)
     layout = ModelLayout("Qwen3MoeForCausalLM", 2, (0, 1), (0, 1), H, 1, 16, TOPK)
     args = trace_server_args(str(tmp_path), trace_sites="moe_in", trace_record_bits=4)
     cap = cpu_capturer(args, layout, max_tokens=8, num_slots=16, max_request_tokens=8, weights=hooks.EXPERT_WEIGHTS)
@@ -151,7 +156,7 @@ def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_
     try:
         traced = layer.forward_impl(x, topk)
     finally:
-        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+        set_global_experts_capturer(None)
     assert torch.equal(traced, reference)
     assert not torch.equal(traced, unquantized)
     staged = cap.records.site_buffers((1, "moe_in"))
