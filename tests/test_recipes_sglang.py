@@ -1,9 +1,10 @@
 """Per precision recipe: SGLang's emulated expert path and the trainer's site code give bit-identical FP4 / FP8
 operands to both expert GEMMs, and SGLang's MoE-input records hold the trainer's codes.
 
-The SGLang side is the real patched `FusedMoE` of sglang 0.5.10.post1 (weight loader, `--trace-mode emulate
---trace-recipe NAME`, the MoE-input hook and the CPU expert path with its FC2-input hook), driven as
-tests/test_sglang_fc2.py drives it; the trainer side is `megatron_trace.sites.SiteNumerics` under the same recipe.
+The SGLang side is the real `FusedMoE` of sglang 0.5.15.post1 with TRACE's plugin hooks (weight loader,
+`--trace-mode emulate --trace-recipe NAME`, the MoE-input hook and the CPU expert path with its FC2-input hook),
+driven as tests/test_sglang_fc2.py drives it; the trainer side is `megatron_trace.sites.SiteNumerics` under the
+same recipe.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import load_trace_plugin
 
-install_sgl_kernel_stand_in()
-pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
+load_trace_plugin()
 
-from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer  # noqa: E402
+from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer  # noqa: E402
 
 from megatron_trace.config import TraceConfig  # noqa: E402
 from megatron_trace.sites import SiteNumerics  # noqa: E402
@@ -71,7 +71,7 @@ def test_sglang_emulate_and_trainer_agree_per_recipe(name, tmp_path):
 def test_sglang_refuses_what_a_recipe_cannot_trace():
     with pytest.raises(ValueError, match="--trace-recipe mxfp4-w4a8-kv4 does not record moe_in"):
         trace_server_args("/r", trace_recipe="mxfp4-w4a8-kv4")
-    with pytest.raises(ValueError, match="--trace-mode native with --trace-recipe mxfp4-w4a4-kv4: SGLang 0.5.10.post1"):
+    with pytest.raises(ValueError, match="--trace-mode native with --trace-recipe mxfp4-w4a4-kv4: SGLang 0.5.15.post1"):
         trace_server_args(
             "/r",
             trace_mode="native",

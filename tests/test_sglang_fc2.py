@@ -1,10 +1,10 @@
 """Rollout, trainer and embedded engine feed the same FP4 values into both expert GEMMs (FC1 and FC2 inputs).
 
 Three real code paths on one BF16 checkpoint and one routed input:
-  * SGLang: the patched `FusedMoE` (sglang 0.5.10.post1) with `--trace-mode emulate`, its weight loader and
-    its CPU expert path (`moe_forward_native`, patch 0012 hooks the FC2 input there as 0011 does in the triton
-    runner), on one process and on a two-process MoE-TP group (gloo), where each rank holds half of the
-    intermediate width;
+  * SGLang: `FusedMoE` (sglang 0.5.15.post1, TRACE's plugin hooks applied) with `--trace-mode emulate`, its
+    weight loader and its CPU expert path (`moe_forward_native`, patch 0003 hooks the FC2 input there as 0002 does
+    in the fused kernel sequence on the GPU), on one process and on a two-process MoE-TP group (gloo), where each
+    rank holds half of the intermediate width;
   * the trainer's site code: `megatron_trace.sites.SiteNumerics` (MoE input, expert weight, FC2 input);
   * the embedded engine: `trace_rl.engine.EmbeddedEngine`'s expert forward on a transformers Qwen3-MoE.
 The tensors entering every expert's FC1 and FC2 GEMM are observed with a `TorchFunctionMode` on `F.linear` (the
@@ -24,10 +24,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import load_trace_plugin
 
-install_sgl_kernel_stand_in()
-layer_mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
+load_trace_plugin()
+
+import sglang.srt.layers.moe.fused_moe_triton.layer as layer_mod  # noqa: E402
 
 from tests.test_sglang_moe import load  # noqa: E402
 
@@ -101,8 +102,8 @@ def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = 
     """A patched FusedMoE (layer LAYER) loaded from `checkpoint()` through its weight loader, TRACE emulate on;
     its capturer is SGLang's global one. `server_args` override the `ServerArgs` below (a recipe, other sites)."""
     from sglang.srt.distributed.parallel_state import get_moe_tp_group, get_tp_group
-    from sglang.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
     from sglang.srt.server_args import set_global_server_args_for_scheduler
+    from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
 
     from sglang_trace import hooks
     from sglang_trace.config import ModelLayout
@@ -131,7 +132,7 @@ def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = 
 @contextmanager
 def installed_layer(store: str, **server_args):
     """`sglang_layer` on a one-process SGLang TP group, its capturer SGLang's global one until the block ends."""
-    from sglang.srt.layers.moe.routed_experts_capturer import _RoutedExpertsCapturerNoop, set_global_experts_capturer
+    from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
 
     from tests.sglang_cpu import init_cpu_parallel_state
 
@@ -139,7 +140,7 @@ def installed_layer(store: str, **server_args):
     try:
         yield sglang_layer(store, **server_args)
     finally:
-        set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+        set_global_experts_capturer(None)
 
 
 def run_sglang(layer) -> tuple[dict, torch.Tensor]:
@@ -253,6 +254,7 @@ def test_fc1_and_fc2_inputs_are_identical_on_rollout_trainer_and_engine(sglang_t
 def _tp_worker(rank: int, port: int, store: str, out: dict) -> None:
     from tests.sglang_cpu import init_cpu_parallel_state
 
+    load_trace_plugin()  # a spawned process: SGLang's plugins load per process, as in every scheduler process
     init_cpu_parallel_state(world_size=2, rank=rank, port=port)
     rows, result = run_sglang(sglang_layer(store, tp_group_world=2))
     out[rank] = ({k: {t: r for t, r in v.items()} for k, v in rows.items() if k[1] == "fc2"}, result)
