@@ -152,7 +152,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         kv_pool: the FP4 KV pool (`MHATokenToKVPoolFP4`); None when no k/v site is recorded.
         max_tokens: most token rows one forward runs (staging rows). num_slots: KV slots + page size.
         max_request_tokens: the longest request (SGLang's context length); the host ring holds at least one.
-        device: where staging and the record store live. return_routes: answer R3's `get_topk` (`--enable-return-routed-experts`).
+        device: where staging and the record store live.
+        return_routes: answer R3's `get_topk` (`--enable-return-routed-experts`).
         weights: the emulated expert weights whose completeness every forward checks.
         tp_rank, tp_size: attention-TP rank and size. Each rank keeps the MoE-input records, hook markers and
             routes of its share of the MoE layers (`record_shards`); rank 0 merges the shards and writes the store.
@@ -604,4 +605,3 @@ class TraceCapturer(RoutedExpertsCapturer):
     def close(self) -> None:
         self.flush()
         self._pool.shutdown()
-

@@ -309,7 +309,11 @@ def _untraceable_parallelism(server_args) -> list[str]:
     """Parallel layouts added in SGLang 0.5.15 under which a rank's forward rows or KV slots are not whole tokens of
     its requests, each named; read from the final settings (after `materialize_declarations`)."""
     problems = []
-    for field_name, flag in (("dcp_size", "--dcp-size"), ("attn_cp_size", "--attn-cp-size"), ("moe_dp_size", "--moe-dp-size")):
+    for field_name, flag in (
+        ("dcp_size", "--dcp-size"),
+        ("attn_cp_size", "--attn-cp-size"),
+        ("moe_dp_size", "--moe-dp-size"),
+    ):
         value = getattr(server_args, field_name, 1)
         if value not in (None, 1):
             problems.append(f"{flag} {value} is not supported (context / MoE data parallelism splits a request's rows)")

@@ -38,7 +38,9 @@ class DebugTap:
             "moe_in": torch.zeros(max_tokens, hidden, dtype=torch.bfloat16, device=device),
             "fc2_in": torch.zeros(max_tokens, topk, intermediate, dtype=torch.bfloat16, device=device),
         }
-        self.store = {k: torch.zeros(num_slots, *v.shape[1:], dtype=v.dtype, device=device) for k, v in self.staging.items()}
+        self.store = {
+            k: torch.zeros(num_slots, *v.shape[1:], dtype=v.dtype, device=device) for k, v in self.staging.items()
+        }
 
     def moe_input(self, layer_id: int, x: torch.Tensor) -> None:
         """The experts of `layer_id` run on `x` `[T, hidden]`."""
@@ -65,6 +67,11 @@ class DebugTap:
             from sglang_trace.fp4_attention import _layer_fp4
 
             kc, ks, vc, vs = _layer_fp4(self.kv_pool, self.layer)
-            out |= {"k_codes": kc[slots].cpu(), "k_scales": ks[slots].cpu(), "v_codes": vc[slots].cpu(), "v_scales": vs[slots].cpu()}
+            out |= {
+                "k_codes": kc[slots].cpu(),
+                "k_scales": ks[slots].cpu(),
+                "v_codes": vc[slots].cpu(),
+                "v_scales": vs[slots].cpu(),
+            }
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(out, path)

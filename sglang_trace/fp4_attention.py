@@ -75,7 +75,9 @@ def backend_phases(backend) -> frozenset[str]:
     if getattr(backend, "use_verify_splitkv", False):
         problems.append("the split-KV speculative verify path")
     if problems:
-        raise ValueError(f"{ENV}={','.join(sorted(selected))}: the FP4-KV attention kernels do not cover " + "; ".join(problems))
+        raise ValueError(
+            f"{ENV}={','.join(sorted(selected))}: the FP4-KV attention kernels do not cover " + "; ".join(problems)
+        )
     return selected
 
 

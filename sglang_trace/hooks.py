@@ -4,7 +4,7 @@ as upstream unless TRACE is switched on.
 
 | hook | called from |
 |---|---|
-| `add_cli_args`, `check_server_args` | patch 0001: `ServerArgs.add_cli_args`, `ServerArgs.__post_init__` (first and last) |
+| `add_cli_args`, `check_server_args` | patch 0001: `ServerArgs.add_cli_args`, `__post_init__` (first and last) |
 | `on_expert_weight_loaded` | plugin: after `FusedMoE.weight_loader` (initial load and every weight update) |
 | `record_bytes_per_token` | plugin: after `DefaultPoolConfigurator._compute_cell_size` (added to the KV cell size) |
 | `hybrid_full_kv_pool_class` | plugin: before `HybridLinearKVPool.__init__` |

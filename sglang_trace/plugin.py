@@ -97,7 +97,9 @@ def _hybrid_pool(pool, *args, **kwargs):
 HOOKS = (
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "BEFORE", _moe_input),
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader", "AFTER", _weight_loaded),
-    Hook("sglang.srt.model_executor.model_runner.ModelRunner.init_routed_experts_capturer", "AROUND", _install_capturer),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_routed_experts_capturer", "AROUND", _install_capturer
+    ),
     Hook(
         f"{_SCHED}.batch_result_processor.SchedulerBatchResultProcessor._maybe_collect_routed_experts",
         "BEFORE",
@@ -105,7 +107,11 @@ HOOKS = (
     ),
     Hook(f"{_SCHED}.output_streamer.SchedulerOutputStreamer.stream_output", "BEFORE", _batch_done),
     *(
-        Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_{src}", "AFTER", _weights_updated)
+        Hook(
+            f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_{src}",
+            "AFTER",
+            _weights_updated,
+        )
         for src in ("disk", "distributed", "ipc")
     ),
     Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", "AROUND", _tensor_update),

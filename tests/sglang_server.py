@@ -40,7 +40,10 @@ class Server:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(self.port)]
         with open(log, "w") as f:
             self.proc = subprocess.Popen(
-                [*cmd, *BASE_FLAGS, *flags], stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                [*cmd, *BASE_FLAGS, *flags],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
 

@@ -38,7 +38,7 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_trace_on_without_the_plugin_is_refused_by_name() -> None:
-    """SGLANG_PLUGINS without `trace`: SGLang skips the plugin (it only logs that); the TRACE server arguments refuse."""
+    """SGLANG_PLUGINS without `trace`: SGLang skips the plugin (it only logs that); TRACE's server arguments refuse."""
     import os
 
     code = """

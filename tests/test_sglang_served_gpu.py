@@ -54,7 +54,8 @@ START_S = 480
 
 def _server_flags(store: Path, kv: str, extra: tuple[str, ...] = ()) -> list[str]:
     return [
-        "--mem-fraction-static", "0.25", "--max-total-tokens", "32768", "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "16",
+        "--mem-fraction-static", "0.25", "--max-total-tokens", "32768", "--chunked-prefill-size", str(CHUNK),
+        "--max-running-requests", "16",
         "--cuda-graph-max-bs-decode", "16", "--skip-server-warmup", "--page-size", "1",
         "--kv-cache-dtype", kv, "--trace-mode", "emulate", "--trace-store", str(store), "--trace-record-bits", "4",
         "--trace-layers", "all", "--trace-debug-layer", str(DEBUG_LAYER), "--enable-return-routed-experts",
@@ -92,10 +93,14 @@ def _run(server: Server, reqs: list[dict]) -> dict[str, dict]:
     def send(payload: dict) -> None:
         try:
             out[payload["rid"]] = server.generate(payload)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
-    abort = {"rid": "aborted#0", "input_ids": reqs[0]["input_ids"], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    abort = {
+        "rid": "aborted#0",
+        "input_ids": reqs[0]["input_ids"],
+        "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+    }
     threads = [threading.Thread(target=send, args=(r,)) for r in [*reqs, abort]]
     for t in threads:
         t.start()
@@ -169,7 +174,10 @@ def _check_served(tmp_path: Path, kv: str) -> dict:
         if kv == "fp4_e2m1":  # K and V: the records are the pool bytes the FP4-KV attention read
             for kind in ("k", "v"):
                 rec = recs.records[(DEBUG_LAYER, kind)]
-                assert torch.equal(rec.code_bits()[0], unpack_fp4(debug[f"{kind}_codes"].flatten(1))), (req["rid"], kind)
+                assert torch.equal(rec.code_bits()[0], unpack_fp4(debug[f"{kind}_codes"].flatten(1))), (
+                    req["rid"],
+                    kind,
+                )
                 assert torch.equal(rec.scales[0], debug[f"{kind}_scales"].flatten(1)), (req["rid"], kind)
         # R3: the routes in the records are the routes SGLang's R3 interface returns for the same positions
         assert recs.routes is not None and bool(recs.has_routes.all()), req["rid"]
