@@ -72,14 +72,16 @@ def sglang_parts(stand_in: bool) -> tuple[str, object, object]:
         def req_pool(context, device):
             return ReqToTokenPool(size=2, max_context_len=context, device=device, enable_memory_saver=False)
 
-        return "sglang 0.5.10.post1", pool, req_pool
+        import sglang
+
+        return f"sglang {sglang.__version__}", pool, req_pool
     except Exception as e:
         if not stand_in:
             raise
         reason = f"{type(e).__name__}: {e}"
     for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
         del sys.modules[name]
-    path = "sglang.srt.layers.moe.routed_experts_capturer"
+    path = "sglang.srt.state_capturer.routed_experts"
     for i, part in enumerate(path.split(".")):
         sys.modules[".".join(path.split(".")[: i + 1])] = types.ModuleType(part)
     sys.modules[path].RoutedExpertsCapturer = type("RoutedExpertsCapturer", (), {})

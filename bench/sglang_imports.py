@@ -1,4 +1,4 @@
-"""Which sglang 0.5.10.post1 modules import without the compiled kernel package (`sgl_kernel`), and where each
+"""Which sglang 0.5.15.post1 modules import without the compiled kernel package (`sgl_kernel`), and where each
 failing one first needs it. Run in an environment without sgl_kernel (no stand-in installed):
 
     python bench/sglang_imports.py > docs/measurements/sglang_cpu_imports.txt
@@ -13,7 +13,7 @@ MODULES = (
     "sglang.srt.server_args",
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.radix_cache",
-    "sglang.srt.layers.moe.routed_experts_capturer",
+    "sglang.srt.state_capturer.routed_experts",
     "sglang.srt.layers.moe.topk",
     "sglang.srt.layers.moe.fused_moe_triton.layer",
     "sglang.srt.layers.moe.moe_runner.triton",
@@ -21,13 +21,16 @@ MODULES = (
     "sglang.srt.layers.attention.torch_native_backend",
     "sglang.srt.layers.attention.triton_backend",
     "sglang.srt.model_executor.forward_batch_info",
-    "sglang.srt.model_executor.cuda_graph_runner",
+    "sglang.srt.model_executor.pool_configurator",
+    "sglang.srt.plugins",
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.model_executor.model_runner_kv_cache_mixin",
     "sglang.srt.models.qwen3_moe",
     "sglang.srt.managers.scheduler",
-    "sglang.srt.managers.scheduler_output_processor_mixin",
-    "sglang.srt.managers.scheduler_update_weights_mixin",
+    "sglang.srt.managers.scheduler_components.batch_result_processor",
+    "sglang.srt.managers.scheduler_components.output_streamer",
+    "sglang.srt.managers.scheduler_components.weight_updater",
+    "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe",
 )
 
 
