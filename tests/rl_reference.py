@@ -2,10 +2,11 @@
 algorithm settings, on the single-rank trainer and on the trainer group (DP = 2, two micro-batches per rank), as
 `tests/data/rl_defaults_reference.json`: every metric of every step but the times, and the SHA-256 of the final
 policy's HF tensors. `tests/test_rl_algorithm.py` requires the current code to reproduce them bit for bit, so a new
-algorithm setting at its default changes nothing. Regenerate only on purpose (a change of the numerics), on the
-machine the tests run on:
+algorithm setting at its default changes nothing. Bit-exact numbers hold for one torch build on one CPU kind: the
+file records both (`torch`, `cpu_capability`) and the test is skipped, saying why, elsewhere. To record them for
+another machine, run this at commit 8d649f8 (the code before the settings existed, plus this script):
 
-    python -m tests.rl_reference tests/data/rl_defaults_reference.json [--group]
+    git worktree add /tmp/rl-ref 8d649f8 && cd /tmp/rl-ref && python -m tests.rl_reference OUT.json --group
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
         ref = {
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "single": run(str(model), str(Path(tmp) / "single")),
         }
         if args.group:
