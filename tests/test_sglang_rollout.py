@@ -1,43 +1,54 @@
-"""Record capture through the patched SGLang rollout path on CPU, from forward to record store to handle.
+"""Record capture through SGLang's rollout path on CPU, from forward to record store to handle.
 
-Real SGLang code (0.5.10.post1 with the TRACE patches): `ServerArgs`, `FusedMoE` (weight loader and
-`forward_impl`, CPU expert path), `MHATokenToKVPoolFP4.set_kv_buffer`, `ReqToTokenPool`, the global experts
-capturer seam, `SchedulerOutputProcessorMixin.maybe_collect_routed_experts` (request finish) and
-`SchedulerUpdateWeightsMixin.update_weights_from_disk` (weight update). The scheduler loop, model runner,
-ForwardBatch and top-k layer are not built (they need the GPU stack); the test drives the calls they make with
-plain data holders (`SimpleNamespace`) in their place: `capture(layer_id, topk_ids)` as `select_experts` does,
-`on_forward_end(forward_batch, ...)` as `ModelRunner.forward` does. `sgl_kernel` is an import stand-in where absent
-(`tests/sglang_cpu.py`); nothing here calls it.
+Real SGLang code (0.5.15.post1 with TRACE's plugin hooks applied by SGLang's `load_plugins`, and its four file
+patches): `ServerArgs`, `FusedMoE` (weight loader and `forward_impl`, CPU expert path), `MHATokenToKVPoolFP4.
+set_kv_buffer`, `ReqToTokenPool`, `Req`, the global experts capturer seam (`sglang.srt.state_capturer`),
+`SchedulerBatchResultProcessor._maybe_collect_routed_experts` (request finish), `SchedulerOutputStreamer.
+stream_output` (the result batch streamed: TRACE's batch-done hook, then SGLang's `BatchTokenIDOutput` with the
+handle in its `customized_info`), `SchedulerWeightUpdaterManager.update_weights_from_*` (weight updates) and
+`DefaultPoolConfigurator` (the KV cell size). The scheduler loop, model runner and top-k layer are not built (they
+need the GPU stack); the test drives the calls they make with plain data holders (`SimpleNamespace`) in their
+place: `capture(layer_id, topk_indices)` as `select_experts` does, `on_forward_end(forward_batch, ...)` as
+`ModelRunner.forward` does. `sgl_kernel` is an import stand-in where absent (`tests/sglang_cpu.py`); nothing here
+calls it.
 """
 
+import dataclasses
 import shutil
-from types import MethodType, SimpleNamespace
+from array import array
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.sglang_cpu import init_cpu_parallel_state, install_sgl_kernel_stand_in
+from tests.sglang_cpu import init_cpu_parallel_state, load_trace_plugin
 
-install_sgl_kernel_stand_in()
-layer_mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason="sglang CPU deps: make setup")
+load_trace_plugin()
 
-from sglang.srt.layers.moe.routed_experts_capturer import (  # noqa: E402
-    _RoutedExpertsCapturerNoop,
-    get_global_experts_capturer,
-    set_global_experts_capturer,
-)
+import sglang.srt.layers.moe.fused_moe_triton.layer as layer_mod  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
-from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput  # noqa: E402
-from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin  # noqa: E402
-from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin  # noqa: E402
+from sglang.srt.managers.io_struct import (  # noqa: E402
+    BatchTokenIDOutput,
+    UpdateWeightFromDiskReqInput,
+    unwrap_from_pickle,
+)
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor  # noqa: E402
+from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer  # noqa: E402
+from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer, set_global_experts_capturer  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
 from sglang_trace import hooks  # noqa: E402
 from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot  # noqa: E402
+from sglang_trace.handle import from_meta_info  # noqa: E402
 from trace_core.quant import quantize  # noqa: E402
 from trace_core.records import Binding, Record, token_digest  # noqa: E402
 from trace_core.store_reader import FailedRecordError, RecordReader  # noqa: E402
@@ -127,6 +138,7 @@ class Rollout:
         )
         assert hooks.install_capturer(runner)
         self.capturer: TraceCapturer = get_global_experts_capturer()
+        self.sent: list = []  # what the output streamers sent to the detokenizer
         self.seen: dict[int, dict] = {}  # KV slot -> what the last forward that wrote it computed
 
     def load_weights(self, shards: tuple[str, ...] = ("w1", "w3", "w2")) -> None:
@@ -153,7 +165,7 @@ class Rollout:
             x = torch.randn(t, H, generator=self.gen).to(torch.bfloat16) * (layer + 1)
             ids = torch.stack([torch.randperm(EXPERTS, generator=self.gen)[:TOPK] for _ in range(t)]).to(torch.int32)
             if layer not in skip_routes:
-                get_global_experts_capturer().capture(layer_id=layer, topk_ids=ids)
+                get_global_experts_capturer().capture(layer_id=layer, topk_indices=ids)
             topk = StandardTopKOutput(torch.rand(t, TOPK, generator=self.gen), ids, None)
             if layer not in skip_moe:
                 self.moe[layer].forward_impl(x, topk)
@@ -168,44 +180,79 @@ class Rollout:
         for slot, row in zip(slots, rows, strict=True):
             self.seen[slot] = row
         batch = forward_batch(mode, loc)
-        get_global_experts_capturer().on_forward_end(
-            forward_batch=batch, can_run_graph=graph_replay, cuda_graph_batch=None
+        routes_output = get_global_experts_capturer().on_forward_end(
+            forward_batch=batch, can_run_graph=graph_replay, cuda_graph_batch=None, no_copy_to_cpu=False
         )
+        assert routes_output is None  # nothing for SGLang's result processing to finalize
 
-    def scheduler(self) -> SimpleNamespace:
-        """The scheduler fields `maybe_collect_routed_experts` and `stream_output` read."""
-        scheduler = SimpleNamespace(req_to_token_pool=self.req_to_token_pool, is_generation=True, get_load=lambda: None)
-        scheduler.stream_output_generation = MethodType(
-            SchedulerOutputProcessorMixin.stream_output_generation, scheduler
+    def processors(self) -> tuple[SchedulerBatchResultProcessor, SchedulerOutputStreamer]:
+        """SGLang's result processor and output streamer of one scheduler, built by their own dataclass
+        constructors; the fields the finish and streaming paths read are real (the request pool, server arguments,
+        parallel ranks), the others None. The streamer's detokenizer socket is `self.sent`."""
+        streamer = SchedulerOutputStreamer(
+            send_to_detokenizer=SimpleNamespace(send_output=lambda out, *a, **k: self.sent.append(out)),
+            tree_cache=None,
+            ps=SimpleNamespace(dp_rank=0, attn_tp_rank=0),
+            server_args=self.args,
+            is_generation=True,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+            disaggregation_mode=DisaggregationMode.NULL,
+            enable_hicache_storage=lambda: False,
         )
-        return scheduler
+        fields = {f.name: None for f in dataclasses.fields(SchedulerBatchResultProcessor)}
+        processor = SchedulerBatchResultProcessor(
+            **fields
+            | dict(
+                is_generation=True,
+                server_args=self.args,
+                req_to_token_pool=self.req_to_token_pool,
+                output_streamer=streamer,
+            )
+        )
+        return processor, streamer
 
-    def finish(self, rid: str, req_pool_idx: int, slots: list[int]):
+    def request(self, rid: str, req_pool_idx: int, slots: list[int], *, r3: bool = True) -> Req:
+        """SGLang's `Req` of a request that finished by length after one output token: its prompt ids are its slot
+        numbers (the tests use slots as token ids), `req_to_token` holds its slots, and seqlen = len(slots) + 1
+        (the last sampled token has no KV yet). `r3`: it asked for its routed experts."""
+        self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        req = Req(rid, "", array("q", slots), SamplingParams(max_new_tokens=1), return_routed_experts=r3)
+        req.req_pool_idx = req_pool_idx
+        req.output_ids.append(0)
+        req.finished_reason, req.finished_len = FINISH_LENGTH(length=1), 1
+        return req
+
+    def finish(self, rid: str, req_pool_idx: int, slots: list[int]) -> Req:
         """One request finishes alone in its result batch (see `finish_batch`)."""
         return self.finish_batch([(rid, req_pool_idx, slots)])[0]
 
-    def finish_batch(self, requests: list[tuple[str, int, list[int]]]):
-        """Result processing as the scheduler runs it: each finished request (rid, req_pool_idx, slots) is
-        collected (req_to_token holds its slots, seqlen = len(slots) + 1: the last sampled token has no KV yet),
-        its req_to_token row is freed, and then the batch's outputs are streamed (the patched `stream_output`
-        moves the batch's records)."""
-        scheduler = self.scheduler()
+    def finish_batch(self, requests: list[tuple[str, int, list[int]]]) -> list[Req]:
+        """Result processing as SGLang's processor runs it: each finished request (rid, req_pool_idx, slots) is
+        collected by `_maybe_collect_routed_experts` (TRACE's hook runs first, for every request), and then the
+        batch's outputs are streamed (`stream_output`: TRACE's hook moves the batch's records, then SGLang sends the
+        `BatchTokenIDOutput` carrying each handle)."""
+        processor, streamer = self.processors()
         reqs = []
         for rid, req_pool_idx, slots in requests:
-            self.req_to_token_pool.req_to_token[req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
-            req = SimpleNamespace(
-                rid=rid,
-                req_pool_idx=req_pool_idx,
-                seqlen=len(slots) + 1,
-                routed_experts=None,
-                origin_input_ids=list(slots),
-                output_ids=[0],
-            )
-            SchedulerOutputProcessorMixin.maybe_collect_routed_experts(scheduler, req)
+            req = self.request(rid, req_pool_idx, slots, r3=self.args.enable_return_routed_experts)
+            processor._maybe_collect_routed_experts(req)
             req.output_ids.append(-1)  # the ids are read by reference on the writer thread: a later id is not
             reqs.append(req)
-        SchedulerOutputProcessorMixin.stream_output(scheduler, [], False)
+        sent = len(self.sent)
+        streamer.stream_output(reqs, False)
+        (out,) = self.sent[sent:]
+        assert isinstance(out, BatchTokenIDOutput) and out.rids == [r.rid for r in reqs]
+        streamed = unwrap_from_pickle(out.customized_info) or {}
+        for i, req in enumerate(reqs):  # what reaches meta_info["trace"]: the handle at the last output token
+            trace = streamed["trace"][i] if "trace" in streamed else None
+            assert (trace and from_meta_info({"trace": trace})) == handle(req)
         return reqs
+
+
+def handle(req: Req) -> dict | None:
+    """The TRACE handle of a finished request, as `meta_info["trace"]` carries it (None when it has none)."""
+    info = req.customized_info or {}
+    return from_meta_info({"trace": info["trace"]}) if "trace" in info else None
 
 
 def expected(rollout: Rollout, slots: list[int], site) -> Record:
@@ -235,7 +282,7 @@ def rollout(tmp_path):
     r = Rollout(str(tmp_path / "records"))
     yield r
     r.capturer.close()
-    set_global_experts_capturer(_RoutedExpertsCapturerNoop())
+    set_global_experts_capturer(None)
 
 
 def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
@@ -246,7 +293,7 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     slots_a, slots_b = prompt + [20, 21], prompt + [30, 31]
     req_a = rollout.finish("traj-A", 0, slots_a)
     req_b = rollout.finish("traj-B", 1, slots_b)
-    assert req_a.trace_handle == {
+    assert handle(req_a) == {
         "store": rollout.args.trace_store,
         "step": 0,
         "trajectory": "traj-A",
@@ -264,17 +311,29 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
 
 
+def weight_updater(tp_worker) -> SchedulerWeightUpdaterManager:
+    """SGLang's scheduler weight updater (its own constructor) over `tp_worker`; no draft worker, the barrier on
+    the world group, a cache flush that succeeds."""
+    return SchedulerWeightUpdaterManager(
+        tp_worker=tp_worker,
+        draft_worker=None,
+        tp_cpu_group=None,
+        memory_saver_adapter=None,
+        flush_cache=lambda empty_cache=False: True,
+        is_fully_idle=lambda: True,
+    )
+
+
 def disk_update(rollout: Rollout, version: str | None, flush_cache: bool = False):
-    """`update_weights_from_disk` through the patched scheduler mixin; the tp worker's reload runs the same FusedMoE
-    weight loader."""
+    """`update_weights_from_disk` through SGLang's weight updater with TRACE's AFTER hook; the tp worker's reload
+    runs the same FusedMoE weight loader."""
 
     def reload(recv_req):
         rollout.load_weights()
         return True, "ok"
 
-    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(update_weights_from_disk=reload))
     req = UpdateWeightFromDiskReqInput(model_path="unused", weight_version=version, flush_cache=flush_cache)
-    return SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req)
+    return weight_updater(SimpleNamespace(update_weights_from_disk=reload)).update_weights_from_disk(req)
 
 
 def test_retraction_slot_reuse_and_weight_update_step(rollout):
@@ -288,7 +347,7 @@ def test_retraction_slot_reuse_and_weight_update_step(rollout):
     assert hooks.EXPERT_WEIGHTS.stats.w13 - before == LAYERS * EXPERTS
     rollout.forward([1, 4, 5], ForwardMode.EXTEND)  # A after the update (cache flushed: recomputed)
     finished = rollout.finish("traj-A", 0, [1, 4, 5])
-    assert finished.trace_handle["step"] == 7 and "error" not in finished.trace_handle
+    assert handle(finished)["step"] == 7 and "error" not in handle(finished)
     check_store(rollout, 7, "traj-A", [1, 4, 5])
 
 
@@ -299,7 +358,7 @@ def test_old_weight_tokens_are_never_filed_under_the_new_step(rollout):
     assert disk_update(rollout, "7", flush_cache=False).success
     rollout.forward([4], ForwardMode.DECODE)  # decodes on with the new weights
     req = rollout.finish("mixed", 0, [1, 2, 3, 4])
-    assert req.trace_handle["step"] == 7 and "weight versions [0, 7]" in req.trace_handle["error"]
+    assert handle(req)["step"] == 7 and "weight versions [0, 7]" in handle(req)["error"]
     assert req.routed_experts is None
     rollout.forward([10, 11], ForwardMode.EXTEND)
     rollout.finish("fresh", 1, [10, 11])
@@ -313,10 +372,10 @@ def test_an_update_without_weight_version_refuses_records_until_a_versioned_one(
     assert disk_update(rollout, None).success
     rollout.forward([1, 2], ForwardMode.EXTEND)
     req = rollout.finish("unversioned", 0, [1, 2])
-    assert req.trace_handle["step"] is None and "without a weight_version" in req.trace_handle["error"]
+    assert handle(req)["step"] is None and "without a weight_version" in handle(req)["error"]
     assert disk_update(rollout, "3").success
     rollout.forward([1, 2], ForwardMode.EXTEND)
-    assert "error" not in rollout.finish("versioned", 0, [1, 2]).trace_handle
+    assert "error" not in handle(rollout.finish("versioned", 0, [1, 2]))
     check_store(rollout, 3, "versioned", [1, 2])
 
 
@@ -328,12 +387,16 @@ def test_tensor_update_that_bypasses_the_expert_loader_is_refused_and_ipc_moves_
         update_weights_from_tensor=lambda req: applied.append(req) or (True, "ok"),
         update_weights_from_ipc=lambda req: (rollout.load_weights(), (True, "ok"))[1],
     )
-    scheduler = SimpleNamespace(tp_worker=worker, draft_worker=None, tp_cpu_group=None)  # barrier: world group
+    updater = weight_updater(worker)  # barrier: the world group
     req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[], load_format="direct", weight_version="4")
-    out = SchedulerUpdateWeightsMixin.update_weights_from_tensor(scheduler, req)
+    out = updater.update_weights_from_tensor(req)
     assert not out.success and "load_format='direct'" in out.message and applied == []
+    assert rollout.capturer.step == 0
+    req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[], load_format=None, weight_version="4")
+    assert updater.update_weights_from_tensor(req).success and applied == [req]  # the loader path: applied
+    assert rollout.capturer.step == 4
     ipc = UpdateWeightsFromIPCReqInput(zmq_handles={}, weight_version="5", flush_cache=False)
-    assert SchedulerUpdateWeightsMixin.update_weights_from_ipc(scheduler, ipc).success
+    assert updater.update_weights_from_ipc(ipc).success
     assert rollout.capturer.step == 5
 
 
@@ -343,7 +406,7 @@ def test_a_graph_replay_in_which_a_hook_did_not_run_is_refused_not_stored(rollou
     rollout.forward([1, 2], ForwardMode.EXTEND, graph_replay=True)
     rollout.forward([3, 4], ForwardMode.EXTEND, graph_replay=True, skip_moe=(1,))
     ok, stale = rollout.finish("ok", 0, [1, 2]), rollout.finish("stale", 1, [3, 4])
-    assert "error" not in ok.trace_handle and "a hook did not run" in stale.trace_handle["error"]
+    assert "error" not in handle(ok) and "a hook did not run" in handle(stale)["error"]
     check_store(rollout, 0, "ok", [1, 2])
     assert rollout.capturer.stats.failed == ["stale"]
 
@@ -355,7 +418,7 @@ def test_a_graph_replay_in_which_a_route_capture_did_not_run_is_refused_not_stor
     rollout.forward([1, 2, 3], ForwardMode.EXTEND, graph_replay=True)
     rollout.forward([4, 5], ForwardMode.EXTEND, graph_replay=True, skip_routes=(1,))
     ok, stale = rollout.finish("ok", 0, [1, 2, 3]), rollout.finish("stale", 1, [4, 5])
-    assert "error" not in ok.trace_handle and "routes of a layer were not staged" in stale.trace_handle["error"]
+    assert "error" not in handle(ok) and "routes of a layer were not staged" in handle(stale)["error"]
     check_store(rollout, 0, "ok", [1, 2, 3])
     assert rollout.capturer.stats.failed == ["stale"]
 
@@ -390,7 +453,7 @@ def test_each_moe_layer_writes_its_routes_and_hook_marker_in_one_launch(rollout)
         rollout.forward([3, 4, 5], ForwardMode.EXTEND)
     assert writes.count == LAYERS + 1
     assert rollout.capturer.records.marks == 0  # this rank keeps every layer's routes: no marker bytes
-    assert "error" not in rollout.finish("a", 0, [3, 4, 5]).trace_handle
+    assert "error" not in handle(rollout.finish("a", 0, [3, 4, 5]))
     check_store(rollout, 0, "a", [3, 4, 5])
 
 
@@ -400,7 +463,7 @@ def test_a_missed_site_or_unwritten_slot_fails_loudly(rollout):
     with pytest.raises(ValueError, match="nothing was captured"):
         rollout.capturer.on_forward_end(forward_batch(ForwardMode.DECODE, loc), False, None)
     req = rollout.finish("never-run", 2, [40, 41])  # R3 on: the routes are read at once
-    assert "no captured record" in req.trace_handle["error"] and req.routed_experts is None
+    assert "no captured record" in handle(req)["error"] and req.routed_experts is None
 
 
 def test_failed_gathers_and_writes_are_counted_and_the_server_keeps_serving(rollout, tmp_path):
@@ -408,8 +471,8 @@ def test_failed_gathers_and_writes_are_counted_and_the_server_keeps_serving(roll
     logged on the writer thread, that trajectory is not stored, and later requests are."""
     rollout.capturer.return_routes = False
     rollout.forward([1, 2], ForwardMode.EXTEND)
-    assert rollout.finish("ok", 0, [1, 2]).trace_handle["tokens"] == 2
-    assert rollout.finish("never-run", 2, [40, 41]).trace_handle["trajectory"] == "never-run"
+    assert handle(rollout.finish("ok", 0, [1, 2]))["tokens"] == 2
+    assert handle(rollout.finish("never-run", 2, [40, 41]))["trajectory"] == "never-run"
     rollout.capturer.flush()
     good = rollout.capturer._writer
     rollout.capturer._writer = broken = type(good)(str(tmp_path / "other-store"), 0)
@@ -439,14 +502,14 @@ def test_chunked_update_may_split_gate_and_up_but_no_forward_runs_half_updated(r
         rollout.load_weights(next(chunks))
         return True, "ok"
 
-    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(update_weights_from_disk=reload))
+    updater = weight_updater(SimpleNamespace(update_weights_from_disk=reload))
     req = UpdateWeightFromDiskReqInput(model_path="unused", weight_version="2", flush_cache=False)
-    assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success  # gates only
+    assert updater.update_weights_from_disk(req).success  # gates only
     with pytest.raises(RuntimeError, match="half updated"):
         rollout.forward([1], ForwardMode.EXTEND)
-    assert SchedulerUpdateWeightsMixin.update_weights_from_disk(scheduler, req).success  # ups and downs
+    assert updater.update_weights_from_disk(req).success  # ups and downs
     rollout.forward([1, 2], ForwardMode.EXTEND)
-    assert rollout.finish("after-update", 0, [1, 2]).trace_handle["step"] == 2
+    assert handle(rollout.finish("after-update", 0, [1, 2]))["step"] == 2
 
 
 def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_refused(rollout):
@@ -463,12 +526,8 @@ def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_
     )
     check_store(rollout, 0, "a", [1, 2, 3])
     check_store(rollout, 0, "b", [4, 5])
-    req = SimpleNamespace(rid="unclosed", req_pool_idx=2, seqlen=3, routed_experts=None, origin_input_ids=[4, 5])
-    req.output_ids = [0]
-    rollout.req_to_token_pool.req_to_token[2, :2] = torch.tensor([4, 5], dtype=torch.int32)
-    SchedulerOutputProcessorMixin.maybe_collect_routed_experts(
-        SimpleNamespace(req_to_token_pool=rollout.req_to_token_pool), req
-    )
+    processor, _ = rollout.processors()
+    processor._maybe_collect_routed_experts(rollout.request("unclosed", 2, [4, 5], r3=False))  # no stream_output
     rollout.forward([4, 5], ForwardMode.EXTEND)  # the next forward before the batch was streamed
     rollout.capturer.flush()
     assert stats.failed == ["unclosed"] and stats.transfers == 1
@@ -523,38 +582,41 @@ def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
 
 
 def test_the_kv_budget_counts_the_record_store(rollout):
-    """Patch 0013: SGLang's own `profile_max_num_token` (the real mixin, on the CPU's free memory) adds the record
-    store's bytes per slot to the KV cell size, so the pool it sizes leaves room for the store."""
-    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin as KVMixin
+    """TRACE's AFTER hook on `DefaultPoolConfigurator._compute_cell_size`: SGLang's own pool configurator (chosen by
+    its factory, as `_resolve_memory_pool_config` does) adds the record store's bytes per slot to the KV cell size,
+    so the pool it sizes from the available memory leaves room for the store; TRACE off leaves SGLang's cell."""
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator, create_memory_pool_configurator
 
-    def runner(server_args):
+    def runner(server_args: ServerArgs) -> SimpleNamespace:
         config = SimpleNamespace(
             hf_config=qwen3_moe(),
-            is_hybrid_swa=False,
             head_dim=HEAD_DIM,
             v_head_dim=HEAD_DIM,
             get_num_kv_heads=lambda tp: KV_HEADS // tp,
         )
-        r = SimpleNamespace(
+        return SimpleNamespace(
             server_args=server_args,
             model_config=config,
-            device="cpu",
-            gpu_id=0,
+            is_hybrid_swa=False,
             is_draft_worker=False,
             mambaish_config=None,
             num_effective_layers=LAYERS,
             kv_cache_dtype=torch.float4_e2m1fn_x2,
             use_mla_backend=False,
-            mem_fraction_static=0.9,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
             tp_size=1,
         )
-        r.get_cell_size_per_token = MethodType(KVMixin.get_cell_size_per_token, r)
-        return r
 
-    off = runner(ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1"))
-    on = runner(rollout.args)
-    cell, record = KVMixin.get_cell_size_per_token(off, LAYERS), rollout.capturer.records.row.row_bytes
-    tokens_off, tokens_on = KVMixin.profile_max_num_token(off, 0), KVMixin.profile_max_num_token(on, 0)
-    # the same free memory (to the noise of a shared machine) split into cells with and without the record row
-    assert abs(tokens_on * (cell + record) / (tokens_off * cell) - 1) < 0.02
+    off = create_memory_pool_configurator(
+        runner(ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1"))
+    )
+    on = create_memory_pool_configurator(runner(rollout.args))
+    assert type(off) is type(on) is DefaultPoolConfigurator
+    record = rollout.capturer.records.row.row_bytes
+    cell = off._cell_size  # SGLang's own KV cell (TRACE off adds nothing)
+    assert cell > 0 and on._cell_size == cell + record
+    available = 10**9
+    tokens_off = off.calculate_pool_sizes(available, page_size=1).max_total_num_tokens
+    tokens_on = on.calculate_pool_sizes(available, page_size=1).max_total_num_tokens
+    assert (tokens_off, tokens_on) == (available // cell, available // (cell + record))
     assert tokens_on < 0.95 * tokens_off  # the record row is a real share of each cell here
