@@ -1,23 +1,23 @@
-"""TRACE records when SGLang's own prefix cache and KV allocator choose the slots (sglang 0.5.10.post1, CPU).
+"""TRACE records when SGLang's own prefix cache and KV allocator choose the slots (sglang 0.5.15.post1, CPU).
 
 The scheduler's path for each request, with the real `RadixCache` (`match_prefix`, `inc_lock_ref`,
 `cache_finished_req`, `evict`), the real `TokenToKVPoolAllocator` and the real `Req`: match the prompt in the radix
 tree, allocate slots for the rest, run the forwards (patched FusedMoE layers, FP4 KV pool, TRACE capturer: see
-`test_sglang_rollout.Rollout`), then at finish the patched `maybe_collect_routed_experts`, the radix cache's
-`cache_finished_req` (which frees the duplicate slots), and the patched `stream_output`, in that order. Records are
+`test_sglang_rollout.Rollout`), then at finish SGLang's result processor's `_maybe_collect_routed_experts` (TRACE's
+plugin hook before it), the radix cache's `cache_finished_req` (which frees the duplicate slots), and the output
+streamer's `stream_output` (TRACE's batch-done hook before it), in that order. Records are
 checked against what the forward that last wrote each slot computed.
 """
 
-import pytest
+from array import array
+
 import torch
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import load_trace_plugin
 
-install_sgl_kernel_stand_in()  # the radix cache's module imports the hierarchical cache's host pool (sgl_kernel)
-pytest.importorskip("sglang.srt.mem_cache.radix_cache", reason="sglang and its CPU deps: make setup")
+load_trace_plugin()
 
-from sglang.srt.managers.schedule_batch import Req  # noqa: E402
-from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from tests.test_sglang_rollout import Rollout, check_store, rollout  # noqa: E402, F401 (the fixture)
+from tests.test_sglang_rollout import Rollout, check_store, handle, rollout  # noqa: E402, F401 (the fixture)
 
 
 class Scheduler:
@@ -42,13 +42,13 @@ class Scheduler:
                 page_size=1,
             )
         )
-        self.ns = engine.scheduler()
+        self.processor, self.streamer = engine.processors()
 
     def run(self, rid: str, pool_idx: int, prompt: list[int], output: list[int]) -> tuple[Req, list[int]]:
         """Prefill the uncached part of `prompt`, decode `output` (its last token is sampled, never fed back),
         finish. Returns the request and the KV slots of its positions."""
-        req = Req(rid, "", list(prompt), SamplingParams())
-        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(list(prompt))))
+        req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=len(output)))
+        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt))))
         prefix = match.device_indices.tolist()
         self.tree.inc_lock_ref(match.last_device_node)
         req.last_node, req.cache_protected_len, req.req_pool_idx = match.last_device_node, len(prefix), pool_idx
@@ -63,9 +63,10 @@ class Scheduler:
         req.output_ids.append(output[-1])
         self.rollout.req_to_token_pool.req_to_token[pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
         req.kv_committed_len = len(slots)
-        SchedulerOutputProcessorMixin.maybe_collect_routed_experts(self.ns, req)
+        req.finished_reason, req.finished_len = FINISH_LENGTH(length=len(output)), len(output)
+        self.processor._maybe_collect_routed_experts(req)
         self.tree.cache_finished_req(req)  # frees the slots the tree already held
-        SchedulerOutputProcessorMixin.stream_output(self.ns, [], False)
+        self.streamer.stream_output([req], False)
         return req, slots
 
 
@@ -74,7 +75,7 @@ def test_slots_chosen_by_sglangs_radix_cache_and_allocator_carry_the_right_recor
     a, slots_a = sched.run("A", 0, [11, 12, 13, 14], [21, 22])
     b, slots_b = sched.run("B", 1, [11, 12, 13, 15], [31, 32])
     assert slots_b[:3] == slots_a[:3] and not set(slots_b[3:]) & set(slots_a)  # B's prompt hit A's cached prefix
-    assert "error" not in a.trace_handle and "error" not in b.trace_handle
+    assert "error" not in handle(a) and "error" not in handle(b) and handle(b)["tokens"] == len(slots_b)
     check_store(rollout, 0, "A", slots_a)
     check_store(rollout, 0, "B", slots_b)  # B's first three positions: what A's prefill computed
     hold = sched.alloc.alloc(sched.alloc.available_size())  # the allocator can only hand out evicted slots now
