@@ -147,3 +147,13 @@ def test_report_help_works(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: trace-rl report [-h] run_dir [out]") and "a `trace-rl demo` directory" in out
+
+
+def test_report_of_a_results_raw_dir_writes_its_tables(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    warmup = dict(preset="tiny", parameters=2.5e6, digits=1, steps=60, teacher_forced_accuracy=0.61)
+    (raw / "warmup.json").write_text(json.dumps(warmup))
+    main(["report", str(raw)])
+    tables = (tmp_path / "docs" / "tables.md").read_text()
+    assert tables.startswith("Model: preset `tiny`, 2.5 M parameters, 1-digit addition, 60 warm-up steps")
