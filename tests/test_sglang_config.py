@@ -1,23 +1,29 @@
-"""TRACE server arguments in the real, patched `sglang.srt.server_args` (sglang 0.5.10.post1 with
-`patches/sglang/v0.5.10.post1` applied, as `make setup` does), and the record spec they select on real model configs.
+"""TRACE server arguments in the real, patched `sglang.srt.server_args` (sglang 0.5.15.post1 with
+`patches/sglang/v0.5.15.post1` applied, as `make setup` does), and the record spec they select on real model configs.
 
 `ServerArgs(model_path="dummy")` runs the patched `__post_init__` up to SGLang's dummy-model short-circuit, which is
-after the TRACE check, so validation runs without a model or a GPU.
+after the first TRACE check, so validation runs without a model or a GPU. With `--trace-mode` on, the check also
+needs TRACE's plugin hooks registered (`tests.sglang_cpu.load_trace_plugin`, as SGLang's `load_plugins` does in a
+server's main process).
 """
 
 import argparse
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (patched) and its CPU deps: make setup")
+from tests.sglang_cpu import load_trace_plugin, trace_server_args
+
+load_trace_plugin()
+
 from sglang.srt.configs.qwen3_next import Qwen3NextConfig  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig  # noqa: E402
 
 from sglang_trace.config import SERVER_ARGS_FIELDS, TraceArgs, check_server_args, model_layout, model_spec  # noqa: E402
-from tests.sglang_cpu import trace_server_args  # noqa: E402
-
-ServerArgs = server_args.ServerArgs
 
 
 def make(**kw):
@@ -109,11 +115,67 @@ def test_cli_flags_parse_into_server_args():
             (dict(moe_runner_backend=runner), f"--moe-runner-backend {runner}")
             for runner in ("flashinfer_cutlass", "flashinfer_mxfp4", "cutlass", "deep_gemm", "marlin", "aiter")
         ],
+        # modes new in SGLang 0.5.15, refused by name
+        (dict(dcp_size=2), "--dcp-size 2"),
+        (dict(attn_cp_size=2), "--attn-cp-size 2"),
+        (dict(moe_dp_size=2), "--moe-dp-size 2"),
+        (dict(enable_prefill_cp=True), "--enable-prefill-cp"),
+        (dict(enable_unified_memory=True), "--enable-unified-memory"),
+        (dict(enable_page_major_kv_layout=True), "--enable-page-major-kv-layout"),
+        (dict(enable_hisparse=True), "--enable-hisparse"),
+        (dict(elastic_ep_backend="mooncake"), "--elastic-ep-backend mooncake"),
+        (dict(enable_fused_moe_sum_all_reduce=True), "--enable-fused-moe-sum-all-reduce"),
+        (dict(enable_flashinfer_allreduce_fusion=True, tp_size=2), "FlashInfer all-reduce fusion at TP > 1"),
+        (dict(trace_debug_layer=-3), "--trace-debug-layer must be a layer id or -1"),
+        (
+            dict(trace_debug_layer=1, trace_mode="native", quantization="modelopt_fp4"),
+            "--trace-debug-layer needs --trace-mode emulate",
+        ),
     ],
 )
 def test_bad_trace_args_fail_naming_the_problem(kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make(**kw)
+
+
+def test_flashinfer_allreduce_fusion_at_one_rank_and_the_debug_tap_are_accepted():
+    assert trace_args(enable_flashinfer_allreduce_fusion=True).mode == "emulate"
+    assert trace_args(trace_debug_layer=3).debug_layer == 3 and trace_args().debug_layer is None
+
+
+def test_trace_on_is_refused_unless_the_plugin_hooks_are_registered():
+    """A fresh process that never loaded TRACE's plugin (or whose `SGLANG_PLUGINS` filters it out) refuses
+    `--trace-mode` on when the server arguments are built, naming the fix; SGLang's own `load_plugins` finds the
+    installed `sglang.srt.plugins` entry point `trace`, after which the same settings validate. TRACE off needs no
+    plugin."""
+    script = textwrap.dedent(
+        """
+        import os
+        from tests.sglang_cpu import install_sgl_kernel_stand_in
+        install_sgl_kernel_stand_in()
+        import sglang.srt.plugins as plugins
+        from sglang.srt.server_args import ServerArgs
+        kw = dict(model_path="dummy", device="cpu", trace_mode="emulate", trace_store="/r", trace_sites="moe_in")
+        assert ServerArgs(model_path="dummy", device="cpu").trace_mode == "off"
+        for filtered in (None, "some_other_plugin"):
+            if filtered:
+                os.environ["SGLANG_PLUGINS"] = filtered
+                plugins.load_plugins()
+            try:
+                ServerArgs(**kw)
+            except RuntimeError as e:
+                assert "plugin hooks are not registered" in str(e) and "SGLANG_PLUGINS" in str(e), e
+            else:
+                raise AssertionError("accepted without the plugin")
+        del os.environ["SGLANG_PLUGINS"]
+        plugins._plugins_loaded = False  # load_plugins runs once per process; this one saw the filter
+        plugins.load_plugins()
+        assert ServerArgs(**kw).trace_mode == "emulate"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_native_mode_accepts_the_observable_blackwell_setup():
@@ -173,9 +235,10 @@ def test_qwen2_moe_layout_follows_sparse_step_and_mlp_only_layers():
 
 def test_final_settings_are_validated_after_sglang_defaults(tmp_path):
     """The patched `__post_init__` runs the TRACE check again as its last statement, after every `_handle_*` step
-    that applies SGLang's per-model / per-GPU defaults (e.g. `flashinfer_trtllm` for Qwen3-MoE on SM100). No such
-    default fires on a CPU machine, so the placement is checked on the installed source, and the full
-    `__post_init__` (real model directory, CPU) is run once with a refused setting to see the check fire there."""
+    and after `materialize_declarations`, which applies SGLang 0.5.15's per-model / per-GPU declarations (e.g.
+    `flashinfer_trtllm` for Qwen3-MoE on SM100). No such default fires on a CPU machine, so the placement is checked
+    on the installed source, and the full `__post_init__` (real model directory, CPU) is run once with a refused
+    setting to see the check fire there."""
     import ast
     import inspect
     import textwrap
@@ -185,6 +248,7 @@ def test_final_settings_are_validated_after_sglang_defaults(tmp_path):
     calls = [ast.unparse(n.value.func) for n in body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
     handlers = [i for i, c in enumerate(calls) if c.startswith("self._handle_")]
     assert calls[-1] == "check_trace_args" and handlers and handlers[-1] < len(calls) - 1
+    assert calls[-2] == "materialize_declarations" and calls.count("check_trace_args") == 2
     qwen3_moe(layers=2).save_pretrained(tmp_path / "qwen3-moe-tiny")
     model = dict(model_path=str(tmp_path / "qwen3-moe-tiny"), trace_sites="moe_in")
     assert trace_server_args("/r", **model).load_format == "auto"
