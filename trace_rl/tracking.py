@@ -59,7 +59,9 @@ class Tracker:
             for name, value in values.items():
                 writer.add_scalar(name, value, step)
             writer.flush()
-        if self.wandb is not None:
+        if self.wandb is not None and step < 0:  # W&B steps start at 0: a value before training (step -1) goes to
+            self.wandb.summary.update({f"before_train/{k}": v for k, v in values.items()})  # the run's summary
+        elif self.wandb is not None:
             self.wandb.log(values, step=step)
 
     def log_text(self, tag: str, rows: list[dict], text: str, step: int) -> None:
