@@ -1,7 +1,9 @@
 """Run by tests/test_sglang_model.py in a child process with `SGLANG_USE_CPU_ENGINE=1` (SGLang's CPU engine mode,
-read when its modules are imported): SGLang's real `Qwen3MoeForCausalLM`, built on CPU, loaded through its own
-`load_weights` (the patched FusedMoE weight loader quantizes the experts), TRACE installed by its start-up hook
-(`hooks.install_capturer`, the model-load layer check included), and one prefill forward through SGLang's
+read when its modules are imported): TRACE's SGLang plugin loaded by SGLang's `load_plugins` before the model is
+built (as a scheduler process does), SGLang's real `Qwen3MoeForCausalLM` (sglang 0.5.15.post1), built on CPU,
+loaded through its own `load_weights` (the plugin's hook on the FusedMoE weight loader quantizes the experts), TRACE
+installed by the plugin's hook around `ModelRunner.init_routed_experts_capturer` (`hooks.install_capturer`, the
+model-load layer check included), and one prefill forward through SGLang's
 `torch_native` attention backend and FP4 KV pool. The request's stored records must equal the reference
 quantization of what each layer actually saw (observed with forward hooks on SGLang's modules): MoE inputs, K and
 V, and the routes the model's top-k chose.
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.interpret import run_cases
-from tests.sglang_cpu import init_cpu_parallel_state, install_sgl_kernel_stand_in
+from tests.sglang_cpu import init_cpu_parallel_state, load_trace_plugin
 
 LAYERS, H, HEADS, KV_HEADS, HEAD_DIM, E, TOPK, INTER, VOCAB, T = 2, 64, 4, 2, 32, 4, 2, 32, 128, 7
 
@@ -54,18 +56,20 @@ def checkpoint(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def prefill_records_equal_what_the_layers_saw() -> None:
-    install_sgl_kernel_stand_in()
+    load_trace_plugin()
     init_cpu_parallel_state()
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.dp_attention import initialize_dp_attention
-    from sglang.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
     from transformers import Qwen3MoeConfig
 
-    from sglang_trace import hooks
+    from sglang_trace.capturer import TraceCapturer
     from trace_core.formats import KV_FP4
     from trace_core.quant import quantize
     from trace_core.records import Record
@@ -75,11 +79,11 @@ def prefill_records_equal_what_the_layers_saw() -> None:
     args = ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1", attention_backend="torch_native",
                       trace_mode="emulate", trace_store=store)  # fmt: skip
     set_global_server_args_for_scheduler(args)
-    initialize_dp_attention(args, SimpleNamespace(hidden_size=H, dtype=torch.bfloat16))
     cfg = Qwen3MoeConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=E, num_experts_per_tok=TOPK,
                          moe_intermediate_size=INTER, intermediate_size=2 * INTER, vocab_size=VOCAB,
                          norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
+    initialize_dp_attention(args, SimpleNamespace(hidden_size=H, dtype=torch.bfloat16, hf_config=cfg))
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # SGLang's model loader builds the model under the checkpoint dtype
     try:
@@ -93,9 +97,11 @@ def prefill_records_equal_what_the_layers_saw() -> None:
     req_to_token = ReqToTokenPool(size=2, max_context_len=32, device="cpu", enable_memory_saver=False)
     runner = SimpleNamespace(server_args=args, model_config=SimpleNamespace(hf_config=cfg, context_len=32),
                              model=model, token_to_kv_pool=pool, max_running_requests=2, max_total_num_tokens=32,
-                             page_size=1, device="cpu")  # fmt: skip
-    assert hooks.install_capturer(runner)
+                             page_size=1, device="cpu", is_draft_worker=False,
+                             req_to_token_pool=req_to_token)  # fmt: skip
+    assert ModelRunner.init_routed_experts_capturer(runner) is None  # the plugin's hook installs TRACE's capturer
     capturer = get_global_experts_capturer()
+    assert isinstance(capturer, TraceCapturer)
 
     seen: dict = {}
     for i, layer in enumerate(model.model.layers):
@@ -122,14 +128,16 @@ def prefill_records_equal_what_the_layers_saw() -> None:
         extend_prefix_lens_cpu=[0],
         extend_seq_lens_cpu=[T],
         extend_num_tokens=T,
-        req_to_token_pool=req_to_token,
-        token_to_kv_pool=pool,
-        attn_backend=TorchNativeAttnBackend(runner),
         capture_hidden_mode=CaptureHiddenMode.NULL,
     )
-    with torch.no_grad():
+    # SGLang 0.5.15 reaches the attention backend and its pools through the forward context, as ModelRunner sets it
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=TorchNativeAttnBackend(runner))):
         out = model.forward(ids, batch.positions, batch)
-    capturer.on_forward_end(batch, False, None)  # as ModelRunner.forward does after the model's forward
+    # as ModelRunner.forward does after the model's forward
+    assert (
+        capturer.on_forward_end(forward_batch=batch, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=False)
+        is None
+    )
     assert bool(out.next_token_logits.isfinite().all())
     # the request: prompt of T - 1 tokens plus one sampled token, so positions [0, T - 1) have records
     handle = capturer.finish_request("req", 0, T, req_to_token, ids[: T - 1].tolist(), [int(ids[T - 1])])

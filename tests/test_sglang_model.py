@@ -1,16 +1,13 @@
 """SGLang's real Qwen3-MoE model class on CPU with TRACE on (`tests/sglang_model_cpu.py`, in a child process:
 SGLang reads its CPU engine mode, `SGLANG_USE_CPU_ENGINE=1`, when its modules are imported).
 
-The child builds `Qwen3MoeForCausalLM` (sglang 0.5.10.post1, patched), loads a random checkpoint through its own
-`load_weights`, installs TRACE with the start-up hook, runs one prefill through the `torch_native` attention
+The child loads TRACE's plugin through SGLang's `load_plugins`, builds `Qwen3MoeForCausalLM` (sglang 0.5.15.post1),
+loads a random checkpoint through its own `load_weights`, installs TRACE through the plugin's hook on
+`ModelRunner.init_routed_experts_capturer`, runs one prefill through the `torch_native` attention
 backend and the FP4 KV pool, and checks the stored records of the finished request against the reference
 quantization of what every layer saw. `sgl_kernel` is replaced by the import stand-in of `tests/sglang_cpu.py`
 (placeholders that raise if called); none is called.
 """
-
-import pytest
-
-pytest.importorskip("sglang.srt.server_args", reason="sglang (patched) and its CPU deps: make setup")
 
 
 def test_the_real_qwen3_moe_model_prefill_stores_what_its_layers_saw():

@@ -1,4 +1,4 @@
-"""The SGLang patch stack (`patches/sglang/v0.5.10.post1/`) against the pip-installed sglang 0.5.10.post1 wheel.
+"""The SGLang patch stack (`patches/sglang/v0.5.15.post1/`) against the pip-installed sglang 0.5.15.post1 wheel.
 
 Pristine files are the wheel's, proven by the sha256 digests in its `dist-info/RECORD`; `make setup` applies the
 stack to the installed package, so these tests also check that the tested sglang is the patched one.
@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("sglang", reason="sglang==0.5.10.post1 is installed by make setup")
+import sglang
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sglang_patches.py"
 _spec = importlib.util.spec_from_file_location("sglang_patches", SCRIPT)
@@ -28,8 +27,15 @@ def installed():
 
 def test_every_patch_applies_to_the_wheel_and_regenerates_byte_identically(installed):
     root, digests = installed
+    assert sglang.__version__ == sp.SGLANG_VERSION == "0.5.15.post1"
     patches = sp.load_patches()
-    assert len(patches) >= 5
+    # what no plugin seam reaches: server-argument fields, the fused and native FC2 inputs, the FP4-KV attention read
+    assert [p.package_path for p in patches] == [
+        "sglang/srt/server_args.py",
+        "sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe.py",
+        "sglang/srt/layers/moe/fused_moe_native.py",
+        "sglang/srt/layers/attention/triton_backend.py",
+    ]
     for patch in patches:
         original, state = sp.pristine(patch, root, digests)
         assert state == "patched", f"{patch.package_path} is not patched; run `make setup`"
@@ -51,7 +57,9 @@ def test_a_changed_context_line_is_refused_naming_the_hunk(installed):
     root, digests = installed
     patch = next(p for p in sp.load_patches() if p.path.endswith("server_args.py"))
     original, _ = sp.pristine(patch, root, digests)
-    drifted = original.replace("enable_return_routed_experts: bool = False", "enable_return_routed_experts = False")
+    context = '"Enable returning routed experts of each layer with responses.",'  # a context line of hunk 1
+    assert original.count(context) == 1
+    drifted = original.replace(context, '"Return routed experts.",')
     with pytest.raises(sp.PatchError, match=r"0001-server-args.patch: hunk @@ -\d+"):
         sp.apply_hunks(patch, drifted)
 
