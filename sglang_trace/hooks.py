@@ -20,6 +20,7 @@ as upstream unless TRACE is switched on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import timedelta
 
@@ -318,9 +319,25 @@ def hybrid_full_kv_pool_class(dtype) -> type | None:
     FP4 pool for FP4 (so its k/v sites exist), else None (SGLang's choice)."""
     if dtype is None or not hasattr(torch, "float4_e2m1fn_x2") or dtype != torch.float4_e2m1fn_x2:
         return None
+    return _hybrid_fp4_pool_class()
+
+
+@functools.cache
+def _hybrid_fp4_pool_class() -> type:
+    """SGLang's FP4 pool as the full-attention pool of a `HybridLinearKVPool`, whose `set_kv_buffer` passes a
+    `dcp_kv_mask` keyword that `MHATokenToKVPoolFP4.set_kv_buffer` does not take (upstream never pairs the two)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
 
-    return MHATokenToKVPoolFP4
+    class HybridFullKVPoolFP4(MHATokenToKVPoolFP4):
+        """`MHATokenToKVPoolFP4` accepting the hybrid pool's `dcp_kv_mask=None` (decode context parallelism, the
+        only source of a mask, is refused with TRACE on)."""
+
+        def set_kv_buffer(self, *args, dcp_kv_mask: torch.Tensor | None = None, **kwargs) -> None:
+            if dcp_kv_mask is not None:
+                raise ValueError("SGLang's FP4 KV pool of a hybrid model takes no DCP KV mask (--dcp-size > 1)")
+            return super().set_kv_buffer(*args, **kwargs)
+
+    return HybridFullKVPoolFP4
 
 
 def on_batch_done(scheduler) -> None:

@@ -1,4 +1,4 @@
-"""K/V records read from SGLang's real FP4 KV pool (`MHATokenToKVPoolFP4`, sglang 0.5.10.post1, on CPU).
+"""K/V records read from SGLang's real FP4 KV pool (`MHATokenToKVPoolFP4`, sglang 0.5.15.post1, on CPU).
 
 The pool is written through its own `set_kv_buffer` (SGLang's `KVFP4QuantizeUtil`, torch.compile'd as in serving);
 the records `sglang_trace.kv` reads back by a request's `req_to_token` slots must equal `trace_core`'s `kv_fp4`
@@ -12,10 +12,11 @@ path calls into it (its placeholders raise if called).
 import pytest
 import torch
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import install_sgl_kernel_stand_in, load_trace_plugin
 
-install_sgl_kernel_stand_in()
-memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason="sglang and its CPU deps: make setup")
+load_trace_plugin()  # the hybrid pool's FP4 choice is the plugin's hook on HybridLinearKVPool.__init__
+
+import sglang.srt.mem_cache.memory_pool as memory_pool  # noqa: E402
 
 from sglang_trace.kv import gather_kv_records, gather_kv_shard, merge_tp_shards, request_slots  # noqa: E402
 from trace_core.formats import KV_FP4  # noqa: E402
@@ -156,22 +157,28 @@ def test_bad_input_is_named():
 
 
 def test_hybrid_linear_pool_stores_fp4_and_records_full_attention_layers(req_pool):
-    """Patch 0010: `HybridLinearKVPool` (Qwen3-Next) builds an FP4 pool for its full-attention layers; written
-    through the hybrid pool's own `set_kv_buffer`, read back by model layer id."""
+    """The plugin's hook before `HybridLinearKVPool.__init__` (0.5.10's patch 0010): the hybrid pool (Qwen3-Next)
+    builds an FP4 pool for its full-attention layers even where SGLang's KV mixin passes its plain MHA pool class;
+    written through the hybrid pool's own `set_kv_buffer`, read back by model layer id. A BF16 hybrid pool keeps
+    SGLang's choice."""
     from types import SimpleNamespace
 
-    hybrid = memory_pool.HybridLinearKVPool(
-        size=SLOTS,
-        dtype=torch.float4_e2m1fn_x2,
-        page_size=1,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        full_attention_layer_ids=[3, 7],
-        enable_kvcache_transpose=False,
-        device="cpu",
-        mamba_pool=None,
-    )
-    assert type(hybrid.full_kv_pool).__name__ == "MHATokenToKVPoolFP4"
+    def hybrid_pool(dtype: torch.dtype):
+        return memory_pool.HybridLinearKVPool(
+            size=SLOTS,
+            dtype=dtype,
+            page_size=1,
+            head_num=HEADS,
+            head_dim=HEAD_DIM,
+            full_attention_layer_ids=[3, 7],
+            device="cpu",
+            mamba_pool=None,
+            full_kv_pool_class=memory_pool.MHATokenToKVPool,  # what SGLang's KV mixin passes
+        )
+
+    assert type(hybrid_pool(torch.bfloat16).full_kv_pool) is memory_pool.MHATokenToKVPool
+    hybrid = hybrid_pool(torch.float4_e2m1fn_x2)
+    assert isinstance(hybrid.full_kv_pool, memory_pool.MHATokenToKVPoolFP4)
     k, v = kv_values(5, 9), kv_values(5, 10)
     slots = torch.tensor([3, 1, 4, 15, 9])
     layer = SimpleNamespace(layer_id=7)  # RadixAttention: the hybrid pool reads only its layer_id
@@ -246,7 +253,7 @@ def run_rank(rank: int, world: int, group, store: str, return_routes: bool) -> d
         cap.finish_request(rid, i, n, req_to_token, list(range(n)))
         for i, (rid, n) in enumerate((("a", 5), ("b", 4), ("c", 4)))
     ]
-    r3 = cap.get_routed_experts(0, 5, req_to_token) if return_routes and rank == 0 else None
+    r3 = cap.get_topk(req_pool_idx=0, seqlen=5, req_to_token_pool=req_to_token) if return_routes and rank == 0 else None
     cap.on_batch_done()
     cap.flush()
     s = cap.stats
