@@ -23,6 +23,8 @@ def call(method: str, url: str, payload: object | None, headers: dict[str, str],
     """(HTTP status, body) of `method url` with `payload` as a JSON body, all of it within `seconds` of wall-clock
     time; `DeadlineExceeded` past it, the transport's `OSError` / `http.client.HTTPException` otherwise."""
     parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise http.client.InvalidURL(f"{url!r} names no host")
     connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = connection(parts.hostname, parts.port, timeout=seconds)
     path = parts.path + (f"?{parts.query}" if parts.query else "")
