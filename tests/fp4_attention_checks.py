@@ -63,7 +63,7 @@ def sglang_module(relpath: str) -> types.ModuleType:
     the prefill kernel is dropped); the rest of the source runs as shipped."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
+        raise ModuleNotFoundError("sglang==0.5.15.post1 is not installed (make setup)")
     path = Path(spec.origin).parent / relpath
     source = path.read_text()
     for line, stand_in in STAND_INS.items():

@@ -16,7 +16,6 @@ move an output across one BF16 rounding boundary (relative 2^-8) or a probabilit
 (relative 2^-8 of one term), hence 2^-7 relative plus 2^-7 absolute.
 """
 
-import importlib.util
 from functools import partial
 
 import pytest
@@ -83,8 +82,6 @@ def test_bad_cache_is_named():
 def interpreted() -> Interpreted:
     """Every case of `tests.fp4_attention_interpret`, run once in one interpreter subprocess."""
     pytest.importorskip("triton")
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
     return interpret("tests.fp4_attention_interpret")
 
 
@@ -108,8 +105,52 @@ def test_sglang_option_is_refused_by_name(monkeypatch):
         fp4_attention.reads_fp4(object(), "prefill")
     monkeypatch.setenv(fp4_attention.ENV, "decode")
     assert fp4_attention.phases() == {"decode"}
-    monkeypatch.delenv(fp4_attention.ENV)
+    monkeypatch.setenv(fp4_attention.ENV, "off")
     assert fp4_attention.phases() == frozenset()
+    monkeypatch.delenv(fp4_attention.ENV)
+    assert fp4_attention.phases() == {"decode", "extend"}  # on by default (over an FP4 pool)
+
+
+def test_the_triton_backend_reads_fp4_by_default_over_an_fp4_pool_and_refuses_what_the_kernels_skip(monkeypatch):
+    """Patch 0004 asks `backend_phases(backend)` when SGLang's triton backend is built: over SGLang's real FP4 pool
+    (and a hybrid pool holding one) both phases read FP4 unless `TRACE_FP4_ATTENTION` narrows them; a BF16 pool keeps
+    SGLang's path; backend settings the kernels do not cover are refused by name. The backend is the fields
+    `backend_phases` reads (the real one needs CUDA)."""
+    from types import SimpleNamespace
+
+    from tests.sglang_cpu import install_sgl_kernel_stand_in
+
+    install_sgl_kernel_stand_in()
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolFP4
+
+    from sglang_trace import fp4_attention
+
+    kw = dict(size=8, page_size=1, head_num=2, head_dim=32, layer_num=1, device="cpu", enable_memory_saver=False,
+              enable_alt_stream=False)  # fmt: skip
+    fp4, bf16 = MHATokenToKVPoolFP4(dtype=torch.float4_e2m1fn_x2, **kw), MHATokenToKVPool(dtype=torch.bfloat16, **kw)
+
+    def backend(pool, **settings) -> SimpleNamespace:
+        base = dict(token_to_kv_pool=pool, page_size=1, dcp_size=1, use_mla=False, enable_deterministic=False)
+        return SimpleNamespace(**(base | settings))
+
+    monkeypatch.delenv(fp4_attention.ENV, raising=False)
+    assert fp4_attention.backend_phases(backend(fp4)) == {"decode", "extend"}
+    assert fp4_attention.backend_phases(backend(SimpleNamespace(full_kv_pool=fp4))) == {"decode", "extend"}
+    assert fp4_attention.backend_phases(backend(bf16)) == frozenset()
+    assert fp4_attention.backend_phases(backend(bf16, page_size=16)) == frozenset()  # SGLang's path: nothing refused
+    for settings, message in (
+        (dict(page_size=16), "page size 16"),
+        (dict(dcp_size=2), "decode context parallelism"),
+        (dict(use_mla=True), "MLA"),
+        (dict(enable_deterministic=True), "--enable-deterministic-inference"),
+        (dict(use_verify_splitkv=True), "split-KV speculative verify"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fp4_attention.backend_phases(backend(fp4, **settings))
+    monkeypatch.setenv(fp4_attention.ENV, "decode")
+    assert fp4_attention.backend_phases(backend(fp4, enable_deterministic=True)) == {"decode"}
+    monkeypatch.setenv(fp4_attention.ENV, "off")
+    assert fp4_attention.backend_phases(backend(fp4, page_size=16)) == frozenset()
 
 
 def test_extend_refuses_what_it_does_not_replay():
@@ -150,16 +191,12 @@ def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", checks.CASES, ids=str)
 def test_bf16_kernels_on_the_gpu(case):
-    if importlib.util.find_spec("sglang") is None:  # not imported: sglang/__init__ needs SGLang's server stack
-        pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
     checks.check_decode(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", checks.EXTEND_CASES, ids=str)
 def test_bf16_extend_on_the_gpu(case):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang==0.5.10.post1 is not installed (pip install --no-deps)")
     checks.check_extend(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
 
 

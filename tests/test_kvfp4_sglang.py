@@ -1,37 +1,26 @@
-"""KV_FP4 against SGLang's own `KVFP4QuantizeUtil` (sglang 0.5.10.post1), bit for bit.
-
-How SGLang is imported: `make test` installs the pinned wheel with `pip install --no-deps` (its GPU stack does not
-install on CPU machines). `import sglang.srt...` would run `sglang/__init__.py`, which pulls in the whole
-frontend and its dependencies, so the test loads the single module `srt/layers/quantization/kvfp4_tensor.py` from
-the installed wheel by file path. That module imports only torch, so what runs is SGLang's real code, compiled with
-`torch.compile` exactly as the FP4 KV pool calls it.
+"""KV_FP4 against SGLang's own `BlockFP4KVQuantizeUtil` (sglang 0.5.15.post1), bit for bit: the quantizer
+`MHATokenToKVPoolFP4.set_kv_buffer` calls for `--kv-cache-dtype fp4_e2m1` (0.5.10's `KVFP4QuantizeUtil`), run as
+SGLang runs it (`torch.compile`'d). SGLang is imported as the rest of the SGLang suite imports it (its CPU deps,
+the `sgl_kernel` stand-in where the compiled package is absent): a broken SGLang import fails here, it does not
+skip.
 """
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.sglang_cpu import install_sgl_kernel_stand_in
 from trace_core.e2m1 import pack_fp4, unpack_fp4
 from trace_core.formats import KV_FP4
 from trace_core.quant import Quantized, dequantize, quantize
 
-
-def _load_sglang_kvfp4():
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        pytest.skip("sglang==0.5.10.post1 is not installed (make test installs it with --no-deps)")
-    path = Path(spec.origin).parent / "srt" / "layers" / "quantization" / "kvfp4_tensor.py"
-    module_spec = importlib.util.spec_from_file_location("sglang_kvfp4_tensor", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.KVFP4QuantizeUtil
+install_sgl_kernel_stand_in()
 
 
 @pytest.fixture(scope="module")
 def sglang_kvfp4():
-    return _load_sglang_kvfp4()
+    from sglang.srt.layers.quantization.kvfp4_tensor import BlockFP4KVQuantizeUtil
+
+    return BlockFP4KVQuantizeUtil
 
 
 def kv_like(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:

@@ -1,10 +1,12 @@
 """The SGLang rollout backend (`trace_rl.sglang_worker`) against a protocol stand-in of a patched SGLang server.
 
 A real SGLang server cannot run here (no sglang-kernel, no CUDA), so `StandIn` is a stdlib `http.server` in a
-thread that speaks the JSON of sglang 0.5.10.post1's endpoints as read from the installed source:
+thread that speaks the JSON of sglang 0.5.15.post1's endpoints as read from the installed source:
 `/generate` (`GenerateReqInput`: batched `input_ids`, `rid`, `sampling_params`, `return_logprob`; each output
 `{"output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version",
-"output_token_logprobs": [[logprob, token_id, None], ...], "trace": handle}}`), `/update_weights_from_disk`
+"output_token_logprobs": [[logprob, token_id, None], ...], "trace": [None, ..., handle]}}`: TRACE's handle rides
+SGLang's per-output-token `customized_info` channel, so `meta_info["trace"]` is a list with the handle at the last
+output token; the pre-0.5.15 dict form is still read, `legacy_handle`), `/update_weights_from_disk`
 (`UpdateWeightFromDiskReqInput.model_path` / `weight_version` -> `{"success", "message", "num_paused_requests"}`,
 HTTP 400 on failure) and `/model_info` (`weight_version`), behind SGLang's own `--api-key` / `--admin-api-key`
 decision (`sglang.srt.utils.auth.decide_request_auth`, with the endpoints' auth levels of `http_server.py`). It
@@ -27,6 +29,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+# SGLang's package root imports its server dependencies (pybase64, ...): installed by `make setup`.
+from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
 from trace_core.records import Binding, token_digest
 from trace_core.store import StepWriter, TrajectoryRecords, list_steps, parse_rollout_rid, write_failure
 from trace_core.store_reader import RecordReader
@@ -39,12 +44,8 @@ from trace_rl.task import VOCAB
 from trace_rl.warmup import HF_DIR, load_megatron_state
 from trace_rl.workers import Request
 
-# SGLang's package root imports its server dependencies (pybase64, ...): installed by `make setup`.
-_auth = pytest.importorskip("sglang.srt.utils.auth", reason="sglang and its CPU deps: make setup")
-AuthLevel, decide_request_auth = _auth.AuthLevel, _auth.decide_request_auth
-
 SMALL = dict(prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace", rollout_backend="sglang")
-AUTH_LEVELS = {  # sglang 0.5.10.post1 http_server.py
+AUTH_LEVELS = {  # sglang 0.5.15.post1 http_server.py
     "/generate": AuthLevel.NORMAL,
     "/model_info": AuthLevel.NORMAL,
     "/update_weights_from_disk": AuthLevel.ADMIN_OPTIONAL,
@@ -82,6 +83,7 @@ class StandIn:
         self.api_key: str | None = None
         self.admin_api_key: str | None = None
         self.tamper = None  # called with the answers of every /generate before they are sent
+        self.legacy_handle = False  # meta_info["trace"] as the handle dict itself (TRACE on SGLang 0.5.10)
         self.updates: list[dict] = []
         self.seed = 0
         stand_in = self
@@ -163,7 +165,7 @@ class StandIn:
                 "output_token_logprobs": [
                     [float(lp), int(tok), None] for lp, tok in zip(t.logprobs, t.response, strict=True)
                 ],
-                "trace": handle,
+                "trace": handle if self.legacy_handle else [None] * (len(t.response) - 1) + [handle],
             }
             answers.append({"output_ids": t.response.tolist(), "meta_info": meta})
         if self.tamper is not None:
@@ -217,9 +219,12 @@ def test_config_validates_the_sglang_backend():
             RLConfig(**kw)
 
 
-def test_controller_trains_on_sglang_servers(model_dir, tmp_path):
+@pytest.mark.parametrize("legacy_handle", [False, True], ids=["handle-list", "handle-dict"])
+def test_controller_trains_on_sglang_servers(model_dir, tmp_path, legacy_handle):
     out = tmp_path / "run"
     servers = [StandIn(model_dir, (out / "records").resolve()) for _ in range(2)]
+    for server in servers:
+        server.legacy_handle = legacy_handle
     ctrl = Controller(_cfg(model_dir, out, *servers))
     history = ctrl.run()
     assert [m["step"] for m in history] == [0, 1]
