@@ -1,6 +1,6 @@
-"""TRACE under SGLang's own scheduler on CPU: the `Scheduler` of sglang 0.5.10.post1 (patched), built by its own
-constructor, takes requests, schedules batches and processes their results; only the model worker and the sockets
-are replaced.
+"""TRACE under SGLang's own scheduler on CPU: the `Scheduler` of sglang 0.5.15.post1 (TRACE's plugin hooks applied
+by SGLang's `load_plugins`), built by its own constructor, takes requests, schedules batches and processes their
+results; only the model worker and the sockets are replaced.
 
 What runs for real:
   * `Scheduler.__init__`: server-args parsing, the model config read from a model directory, the radix cache and
@@ -8,8 +8,9 @@ What runs for real:
     policy, the request dispatcher, the grammar manager;
   * one iteration of `event_loop_normal` at a time (`step`): `get_next_batch_to_run` (the prefill adder with prefix
     matching and chunked prefill, `update_running_batch` with its decode memory check and retraction), `run_batch`
-    and `process_batch_result` (finish checks, `release_kv_cache`, the patched `maybe_collect_routed_experts` and
-    `stream_output`), which sends `BatchTokenIDOutput` with the TRACE handles (patch 0006);
+    and `process_batch_result` (its `SchedulerBatchResultProcessor`: finish checks, `release_kv_cache`,
+    `_maybe_collect_routed_experts` with TRACE's finish hook; its `SchedulerOutputStreamer.stream_output` with
+    TRACE's batch-done hook), which sends `BatchTokenIDOutput` with each TRACE handle in its `customized_info`;
   * `process_input_requests` with `TokenizedGenerateReqInput` and `AbortReq`, as the tokenizer manager sends them.
 Replaced: the model worker (`CpuWorker`, SGLang's `BaseTpWorker` whose forward is `test_sglang_rollout.Rollout`'s:
 SGLang's patched FusedMoE layers, its FP4 KV pool and the TRACE capturer; sampled ids from a seeded generator) and
@@ -21,30 +22,50 @@ Every request's stored records must equal the reference quantization of what the
 its KV slots computed, read when the request finished (later requests may overwrite the slots).
 """
 
+from array import array
 from collections import deque
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import load_trace_plugin
 
-install_sgl_kernel_stand_in()
-pytest.importorskip("sglang.srt.managers.scheduler", reason="sglang and its CPU deps (setproctitle): make setup")
+load_trace_plugin()
+
+import dataclasses  # noqa: E402
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
-from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
+from sglang.srt.managers.io_struct import (  # noqa: E402
+    AbortReq,
+    BatchTokenIDOutput,
+    TokenizedGenerateReqInput,
+    unwrap_from_pickle,
+)
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels  # noqa: E402
 from sglang.srt.managers.tp_worker import BaseTpWorker  # noqa: E402
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
+from sglang_trace.handle import from_meta_info  # noqa: E402
 from tests.test_sglang_rollout import LAYERS, expected, qwen3_moe, rollout  # noqa: E402, F401 (the fixture)
 from trace_core.store_reader import RecordReader  # noqa: E402
 
 MAX_RUNNING, CONTEXT = 4, 32  # the rollout's ReqToTokenPool: 4 rows of 32 slots
+
+
+@pytest.fixture(autouse=True)
+def fresh_runtime_context():
+    """A `Scheduler` freezes SGLang's process-wide runtime flags (one scheduler per process in a server); each test
+    builds its own, so the context is reset around it (SGLang's own test teardown, `reset_context`)."""
+    from sglang.srt.runtime_context import reset_context
+
+    reset_context()
+    yield
+    reset_context()
 
 
 class CpuWorker(BaseTpWorker):
@@ -60,8 +81,18 @@ class CpuWorker(BaseTpWorker):
                 kv_slots, torch.bfloat16, "cpu", engine.pool, need_sort=False
             ),
             is_hybrid_swa=False,
+            sliding_window_size=None,
+            full_max_total_num_tokens=kv_slots,
+            swa_max_total_num_tokens=None,
+            memory_pool_config=SimpleNamespace(max_total_num_tokens=kv_slots),  # the pools are built already
+            linear_attn_model_spec=None,
             hybrid_gdn_config=None,
             mamba2_config=None,
+            kimi_linear_config=None,
+            hybrid_lightning_config=None,
+            canary_manager=None,
+            attn_backend=None,
+            prefill_aware_swa=False,
             model=None,
             forward_stream=torch.cpu.Stream(),  # what the overlap scheduler launches forwards on
             update_weights_from_disk=self.reload_weights,
@@ -71,6 +102,12 @@ class CpuWorker(BaseTpWorker):
     @property
     def model_runner(self):
         return self.runner
+
+    def init_attention_backends(self) -> None:
+        """The forward needs none (the rollout's layers write the pool themselves)."""
+
+    def init_cuda_graphs(self) -> None:
+        """No CUDA graphs on CPU."""
 
     def reload_weights(self, model_path: str, load_format, recapture_cuda_graph: bool = False) -> tuple[bool, str]:
         """The model runner's `update_weights_from_disk`: new expert weights through the FusedMoE weight loader."""
@@ -106,18 +143,37 @@ class CpuScheduler(Scheduler):
         self.schedule_stream.synchronize = lambda: None
 
     def init_ipc_channels(self, port_args) -> None:
-        self.idle_sleeper = self.recv_from_tokenizer = self.recv_from_rpc = None
-        self.send_to_tokenizer = self.send_to_detokenizer = SimpleNamespace(
-            send_output=lambda out, *args, **kwargs: self.sent.append(out)
+        send = SimpleNamespace(send_output=lambda out, *args, **kwargs: self.sent.append(out))
+        self.ipc_channels = SchedulerIpcChannels(
+            recv_from_tokenizer=None,
+            recv_from_rpc=None,
+            send_to_tokenizer=send,
+            send_to_detokenizer=send,
+            send_metrics_from_scheduler=None,
         )
+        self.load_snapshot_writer = None
 
     def init_tp_model_worker(self) -> None:
         self.tp_worker = CpuWorker(self.engine, self.kv_slots, self.model_config)
 
-    def maybe_collect_routed_experts(self, req) -> None:
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1].tolist()
-        self.finished_slots[req.rid] = (slots, {s: self.engine.seen[s] for s in slots})
-        super().maybe_collect_routed_experts(req)
+    def init_batch_result_processor(self) -> None:
+        """SGLang's result processor, with one addition at request finish: before SGLang's (and TRACE's) finish
+        path runs, note the request's KV slots and what the forwards that last wrote them saw."""
+        super().init_batch_result_processor()
+        sched, base = self, type(self.batch_result_processor)
+
+        class NotingProcessor(base):
+            __slots__ = ()
+
+            def _maybe_collect_routed_experts(self, req) -> None:
+                slots = sched.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1].tolist()
+                sched.finished_slots[req.rid] = (slots, {s: sched.engine.seen[s] for s in slots})
+                super()._maybe_collect_routed_experts(req)
+
+        fields = dataclasses.fields(self.batch_result_processor)
+        self.batch_result_processor = NotingProcessor(
+            **{f.name: getattr(self.batch_result_processor, f.name) for f in fields}
+        )
 
     def step(self):
         """One iteration of the event loop SGLang runs (`event_loop_overlap` or `event_loop_normal`) after
@@ -168,13 +224,16 @@ class CpuScheduler(Scheduler):
         raise AssertionError(f"not idle after {steps} steps: {self.launched[-3:]}")
 
     def outputs(self) -> dict[str, tuple]:
-        """rid -> (TRACE handle, finish reason, retraction count) of every finished request streamed so far."""
+        """rid -> (TRACE handle, finish reason, retraction count) of every finished request streamed so far; the handle
+        as `meta_info["trace"]` carries it (the last entry of the request's `customized_info["trace"]` list)."""
         done = {}
         for out in self.sent:
             if isinstance(out, BatchTokenIDOutput):
+                info = unwrap_from_pickle(out.customized_info) or {}
                 for i, rid in enumerate(out.rids):
                     if out.finished_reasons[i] is not None:
-                        done[rid] = (out.trace_handles[i], out.finished_reasons[i], out.retraction_counts[i])
+                        handle = from_meta_info({"trace": info["trace"][i]}) if "trace" in info else None
+                        done[rid] = (handle, out.finished_reasons[i], out.retraction_counts[i])
         return done
 
 
@@ -185,8 +244,10 @@ def request(rid: str, prompt: list[int], new_tokens: int) -> TokenizedGenerateRe
     return TokenizedGenerateReqInput(
         rid=rid,
         input_text="",
-        input_ids=list(prompt),
+        input_ids=array("q", prompt),
+        input_embeds=None,
         mm_inputs=None,
+        token_type_ids=None,
         sampling_params=params,
         return_logprob=False,
         logprob_start_len=-1,
@@ -311,12 +372,11 @@ def test_cache_and_batch_modes_through_sglangs_scheduler(rollout, tmp_path, over
 
 def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_path):  # noqa: F811
     """With `--skip-tokenizer-init` the scheduler sends its `BatchTokenIDOutput` straight to the tokenizer manager,
-    whose real `_handle_batch_output` (patch 0009) puts each finished request's handle into
-    `meta_info["trace"]`. The manager is built without its constructor (no sockets, no tokenizer): only the state
-    its output handler reads, one `ReqState` per request as `generate_request` registers it. The multi-tokenizer
-    split of the same output (patch 0008's token-id branch) cannot run: SGLang's own `_handle_output_by_index`
-    leaves out two required fields there, with or without TRACE."""
-    pytest.importorskip("sglang.srt.managers.tokenizer_manager", reason="fastapi, uvloop: the sglang-cpu extra")
+    whose real `_handle_batch_output` accumulates each request's `customized_info` into `meta_info`: `meta_info[
+    "trace"]` is the per-output-token list whose last entry is the handle (`sglang_trace.handle.from_meta_info`),
+    with no TRACE patch on that path. The manager is built without its constructor (no sockets, no tokenizer):
+    only the state its output handler reads, one `ReqState` per request as `generate_request` registers it. The
+    multi-tokenizer split of the same output (`_handle_output_by_index`) keeps each request's handle."""
     import asyncio
 
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -327,6 +387,7 @@ def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_
     sched = scheduler(rollout, tmp_path, kv_slots=24, chunked_prefill_size=4)
     run_four_requests(sched)
     handles = {rid: handle for rid, (handle, _, _) in sched.outputs().items()}
+    assert sorted(handles) == list("ABCD") and all(h["trajectory"] == rid for rid, h in handles.items())
     manager = TokenizerManager.__new__(TokenizerManager)
     manager.server_args, manager.enable_metrics = sched.server_args, False
     manager.dump_requests_folder = manager.crash_dump_folder = None
@@ -335,22 +396,26 @@ def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_
         for rid in "ABCD"
     }
     manager.rid_to_state = dict(states)
-    for out in sched.sent:
-        if isinstance(out, BatchTokenIDOutput) and out.rids:
-            manager._handle_batch_output(out)
+    outputs = [out for out in sched.sent if isinstance(out, BatchTokenIDOutput) and out.rids]
+    for out in outputs:
+        asyncio.run(manager._handle_batch_output(out))
     for rid, state in states.items():
         meta = state.out_list[-1]["meta_info"]
-        assert state.finished and meta["trace"] == handles[rid] and meta["trace"]["trajectory"] == rid
+        assert state.finished and from_meta_info(meta) == handles[rid]
+        assert len(meta["trace"]) == len(state.out_list[-1]["output_ids"])  # one entry per output token
     assert not manager.rid_to_state  # every request finished and was released
-    last = next(out for out in reversed(sched.sent) if isinstance(out, BatchTokenIDOutput) and out.rids)
-    with pytest.raises(TypeError, match="routed_experts"):
-        _handle_output_by_index(last, 0)
+    for out in outputs:
+        for i, rid in enumerate(out.rids):
+            if out.finished_reasons[i] is not None:
+                single = _handle_output_by_index(out, i)
+                assert from_meta_info({"trace": unwrap_from_pickle(single.customized_info)["trace"][0]}) == handles[rid]
 
 
 def test_weight_updates_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F811
-    """`UpdateWeightFromDiskReqInput` through the scheduler's dispatcher and its real `update_weights_from_disk`
-    (patch 0005): with `flush_cache=False` a request reusing a prompt cached under the old weights is refused
-    (error in its handle, marked failed in the store), never filed under the new step; with a flush (SGLang's real
+    """`UpdateWeightFromDiskReqInput` through the scheduler's dispatcher and its real `SchedulerWeightUpdaterManager.
+    update_weights_from_disk` (TRACE's AFTER hook sets the step): with `flush_cache=False` a request reusing a
+    prompt cached under the old weights is refused (error in its handle, marked failed in the store), never filed
+    under the new step; with a flush (SGLang's real
     `flush_cache` empties the radix tree) the next request's records are stored under the new step."""
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
