@@ -10,6 +10,7 @@ server starts, naming the flag. What needs the model (architecture, layer ids, w
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trace_core.formats import KV_FP4
@@ -401,6 +402,28 @@ def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
         attn_layers=attn if args.kv_sites else (),
         recipe=args.recipe.name,
     )
+
+
+def served_spec(server_info: Mapping, hf_config) -> RecordSpec:
+    """The record spec a running server captures, from its `/server_info` answer (its `--trace-*` fields) and the
+    model's HF config: what a trainer compares with its own before guiding with the server's records. ValueError
+    naming the field when TRACE is off there or a field is missing or invalid."""
+    missing = [name for name in SERVER_ARGS_FIELDS if name not in server_info]
+    if missing:
+        raise ValueError(f"/server_info has no {missing} (not a TRACE-patched SGLang server)")
+    mode = server_info["trace_mode"]
+    if mode not in MODES or mode == "off":
+        raise ValueError(f"trace_mode={mode!r}: the server records nothing (start it with --trace-mode emulate)")
+    args = TraceArgs(
+        mode=mode,
+        bits=check_bits(server_info["trace_record_bits"]),
+        layers=parse_layers(str(server_info["trace_layers"])),
+        sites=parse_sites(str(server_info["trace_sites"])),
+        store=server_info["trace_store"],
+        step=server_info["trace_step"],
+        recipe=get_recipe(server_info["trace_recipe"]),
+    )
+    return model_spec(args, model_layout(hf_config))
 
 
 def kv_kinds(args: TraceArgs) -> tuple[str, ...]:

@@ -17,6 +17,14 @@ import requests
 BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none")
 
 
+def stand_in_server_info(**trace_fields: object) -> dict:
+    """The `--trace-*` part of a patched server's `/server_info`, for HTTP stand-ins: emulate mode with TRACE's
+    defaults (the project's default capture policy) unless overridden."""
+    from sglang_trace.config import SERVER_ARGS_FIELDS
+
+    return {**SERVER_ARGS_FIELDS, "trace_mode": "emulate", **trace_fields}
+
+
 def free_port() -> int:
     """A free port in [20000, 40000): SGLang derives further ports from it (e.g. its gRPC port), which must stay
     below 65536."""

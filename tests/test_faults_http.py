@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.sglang_server import stand_in_server_info
 from trace_rl.config import RLConfig
 from trace_rl.controller import record_spec
 from trace_rl.policy import RolloutTask
@@ -47,6 +48,8 @@ class Trickle:
                     body, code = json.dumps({"error": "bad request", "headers": dict(self.headers)}).encode(), 500
                 elif self.path == "/model_info":
                     body, code = json.dumps({"weight_version": "0"}).encode(), 200
+                elif self.path == "/server_info":
+                    body, code = json.dumps(stand_in_server_info()).encode(), 200
                 else:
                     body, code = json.dumps({"success": True, "message": "ok", "num_paused_requests": 0}).encode(), 200
                 self.send_response(code)

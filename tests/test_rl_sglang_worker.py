@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +33,7 @@ from safetensors.torch import load_file
 # SGLang's package root imports its server dependencies (pybase64, ...): installed by `make setup`.
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
+from tests.sglang_server import stand_in_server_info
 from trace_core.records import Binding, token_digest
 from trace_core.store import StepWriter, TrajectoryRecords, list_steps, parse_rollout_rid, write_failure
 from trace_core.store_reader import RecordReader
@@ -48,6 +50,7 @@ SMALL = dict(prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="
 AUTH_LEVELS = {  # sglang 0.5.15.post1 http_server.py
     "/generate": AuthLevel.NORMAL,
     "/model_info": AuthLevel.NORMAL,
+    "/server_info": AuthLevel.NORMAL,
     "/update_weights_from_disk": AuthLevel.ADMIN_OPTIONAL,
 }
 
@@ -78,6 +81,7 @@ class StandIn:
             str(Path(model_dir) / HF_DIR), fp4=True, spec=record_spec(tiny.layers, cfg), max_batch=16, max_len=32
         )
         self.store, self.weight_version, self.step_offset = store, weight_version, step_offset
+        self.policy: dict[str, object] = {}  # --trace-* fields /server_info reports beyond the defaults
         self.fail_update = self.ignore_version = self.drop_records = self.fail_records = False
         self.delay = 0.0  # seconds /generate takes before answering
         self.api_key: str | None = None
@@ -114,8 +118,11 @@ class StandIn:
                 return decision.allowed
 
             def do_GET(self) -> None:
-                assert self.path == "/model_info", self.path
+                assert self.path in ("/model_info", "/server_info"), self.path
                 if not self._allowed("GET"):
+                    return
+                if self.path == "/server_info":
+                    self._send(200, stand_in_server_info(trace_store=str(stand_in.store), **stand_in.policy))
                     return
                 info = {"model_path": model_dir, "is_generation": True, "weight_version": stand_in.weight_version}
                 self._send(200, info)
@@ -288,3 +295,32 @@ def test_launch_runs_one_mode_on_sglang_servers(model_dir, tmp_path):
         main(["--modes", "qat,trace", *args])
     assert list(main(args)) == ["trace"]
     assert len((tmp_path / "trace" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "policy, named",
+    [
+        ({"trace_record_bits": 2}, "bits: server 2, trainer 1"),
+        ({"trace_layers": "latter-half"}, "moe_layers: server (1,), trainer (0, 1)"),
+        ({"trace_sites": "moe_in"}, "attn_layers: server (), trainer (0, 1)"),
+        ({"trace_mode": "off"}, "the server records nothing"),
+    ],
+)
+def test_a_server_capturing_another_policy_is_refused_by_name(model_dir, tmp_path, policy, named):
+    """One capture policy: the pool reads each server's `--trace-*` settings from `/server_info` at start-up and
+    refuses one whose record spec differs from the trainer's (its records would leave trainer sites to RTN)."""
+    from trace_rl.policy import RolloutTask
+    from trace_rl.sglang_worker import SGLangPool
+    from trace_rl.task import EOS
+
+    server = StandIn(model_dir, tmp_path)
+    server.policy = policy
+    try:
+        cfg = _cfg(model_dir, tmp_path, server)
+        task = RolloutTask(str(Path(model_dir) / HF_DIR), 16, (EOS,))
+        with pytest.raises(SGLangError, match=re.escape(named)):
+            SGLangPool(cfg, record_spec(2, cfg), task)
+        server.policy = {}
+        SGLangPool(cfg, record_spec(2, cfg), task)  # the same server with the trainer's policy is taken
+    finally:
+        server.server.shutdown()

@@ -8,7 +8,9 @@ weight version, bound to (step, policy version, trajectory, attempt, token diges
 `meta_info["trace"]`; the worker checks every handle against the request and the policy version it pushed (a
 mismatch is a stale rollout: an error), then waits until a shard bound to exactly this attempt and these tokens is
 on disk (shards of earlier attempts do not count), or a failure marker of the server says it will not come.
-Waiting reads each new shard header once (`StepWatcher`).
+Waiting reads each new shard header once (`StepWatcher`). At start-up the pool reads every server's `--trace-*`
+settings from `/server_info` and refuses one whose capture policy (record bits, MoE and attention layers, recipe)
+is not the trainer's (`SGLangWorker.check_policy`).
 
 With `sglang_api_key` / `sglang_admin_api_key` (references `env:VARIABLE` or `file:PATH`, read at start, never
 logged), every call carries `Authorization: Bearer <key>`: the API key on `/generate` and `/model_info`, the admin
@@ -41,7 +43,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoConfig
 
+from sglang_trace.config import served_spec
 from sglang_trace.handle import from_meta_info
 from trace_core.records import Binding, RecordSpec, token_digest
 from trace_core.store import StepWatcher, rollout_rid
@@ -167,6 +171,27 @@ class SGLangWorker:
                 f"SGLang server {self.url}/model_info reports weight_version={version!r}; TRACE needs an integer "
                 "policy version (start the server with --weight-version 0 --trace-step 0)"
             ) from None
+
+    def check_policy(self, spec: RecordSpec, hf_config, *, deadline: float | None = None, budget: str = "") -> None:
+        """SGLangError unless the server captures exactly `spec` (bits, MoE and attention layers, recipe), read
+        from its `/server_info` (its `--trace-*` settings) on the model's HF config: a server recording another
+        policy would leave the trainer's sites without records, and the trainer would fall back to RTN there."""
+        info = self._call("GET", "/server_info", deadline=deadline, budget=budget)
+        try:
+            served = served_spec(info if isinstance(info, dict) else {}, hf_config)
+        except ValueError as e:
+            raise SGLangError(f"SGLang server {self.url}/server_info: {e}") from None
+        diff = [
+            f"{name}: server {getattr(served, name)!r}, trainer {getattr(spec, name)!r}"
+            for name in ("bits", "moe_layers", "attn_layers", "recipe")
+            if getattr(served, name) != getattr(spec, name)
+        ]
+        if diff:
+            raise SGLangError(
+                f"SGLang server {self.url} captures another policy than the trainer guides with ({'; '.join(diff)}): "
+                "start it with --trace-record-bits / --trace-layers / --trace-sites / --trace-recipe matching the "
+                "config's record_bits, record_all_layers and recipe"
+            )
 
     # ----------------------------------------------------------------- rollout
     def generate(self, req: Request) -> list[Trajectory]:
@@ -332,6 +357,9 @@ class SGLangPool:
         vocab = json.loads(self.hf_config.read_text())["vocab_size"]
         deadline = time.monotonic() + cfg.sglang_start_timeout_s  # reaching every server, each call bounded too
         self.workers = [SGLangWorker(url, cfg, vocab, task.eos, deadline=deadline) for url in cfg.sglang_url_list()]
+        hf_config = AutoConfig.from_pretrained(task.hf_dir)
+        for worker in self.workers:  # one capture policy: each server's must be the trainer's
+            worker.check_policy(spec, hf_config, deadline=deadline, budget="sglang_start_timeout_s")
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
 
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
