@@ -1,7 +1,7 @@
 """Scheduler-thread time per finished request for TRACE (`TraceCapturer.finish_request` for every request of a
 result batch, then `on_batch_done`, the batched transfer into the host ring: wall time until control returns to
 the scheduler, the device idle at the start), for Qwen3-30B-A3B shapes: 48 layers, 4 KV heads of 128 in an FP4 KV
-pool (`MHATokenToKVPoolFP4`, sglang 0.5.10.post1), the default `--trace-layers` and `--trace-sites` (MoE-input
+pool (`MHATokenToKVPoolFP4`, the installed sglang), the default `--trace-layers` and `--trace-sites` (MoE-input
 records and K/V of the recorded layers, routes of every layer), b = 1, one rank. The writer thread's work and the
 asynchronous copy are not counted (they run off the scheduler thread); the next batch starts once the previous
 one's writes finished, so queues stay short. On a CPU "device" the transfer's copies are synchronous memcpys.

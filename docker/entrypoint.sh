@@ -7,7 +7,7 @@
 #   trainer    [CONFIG] [key=value ...]  the same command as `controller`: the controller starts the trainer in this
 #                                        release. Start one of the two per job: a second controller on the same
 #                                        out_dir is refused (it names the holder of the run lock).
-#   rollout    [SGLANG ARGS ...]         python3 -m sglang.launch_server: the patched SGLang 0.5.10.post1 server,
+#   rollout    [SGLANG ARGS ...]         python3 -m sglang.launch_server: the patched SGLang 0.5.15.post1 server,
 #                                        TRACE flags --trace-mode, --trace-store, ...; the files named by
 #                                        TRACE_API_KEY_FILE / TRACE_ADMIN_API_KEY_FILE give --api-key / --admin-api-key.
 #                                        --host 0.0.0.0 without both key files is refused (it would expose weight

@@ -12,8 +12,9 @@ loads into `w13_input_scale` / `w2_input_scale`; its native NVFP4 kernels quanti
 activation calibration (`calibrate_input_amax`). Any TP / EP / PP layout: the shards are gathered first
 (`megatron_trace.parallel.gather_full_state`).
 
-Packed experts exist for the `nvfp4-w4a4-kv4` recipe only (`check_packed_export`): SGLang 0.5.10.post1 has no MXFP4
-MoE method for Qwen3-MoE, so the MXFP4 recipes export BF16 experts, which `--trace-mode emulate` quantizes at load.
+Packed experts exist for the `nvfp4-w4a4-kv4` recipe only (`check_packed_export`): SGLang (read in 0.5.10.post1) has
+no MXFP4 MoE method for Qwen3-MoE, so the MXFP4 recipes export BF16 experts, which `--trace-mode emulate` quantizes at
+load.
 """
 
 from __future__ import annotations
@@ -95,13 +96,13 @@ def _split_qkv(w: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple
 
 
 def check_packed_export(recipe: str | PrecisionRecipe) -> None:
-    """Raise ValueError unless `recipe`'s routed-expert weights have a packed checkpoint format SGLang 0.5.10.post1
-    loads for Qwen3-MoE: ModelOpt NVFP4 (`nvfp4-w4a4-kv4`) only."""
+    """Raise ValueError unless `recipe`'s routed-expert weights have a packed checkpoint format SGLang
+    loads for Qwen3-MoE (read in 0.5.10.post1): ModelOpt NVFP4 (`nvfp4-w4a4-kv4`) only."""
     recipe = get_recipe(recipe)
     if recipe.weights != NVFP4_W4A4_KV4.weights:
         raise ValueError(
             f"packed routed-expert export for recipe {recipe.name} ({recipe.weights.fmt.name} weights) is refused: "
-            "SGLang 0.5.10.post1 loads packed FP4 experts of Qwen3-MoE only as ModelOpt NVFP4; its mxfp4 MoE method "
+            "SGLang loads packed FP4 experts of Qwen3-MoE only as ModelOpt NVFP4; its mxfp4 MoE method "
             "is GPT-OSS's (W4A16 through the triton_kernels package, or MXFP8 activations with GPT-OSS's clamped "
             "SwiGLU on SM100). Export BF16 experts: --trace-mode emulate quantizes them at load"
         )
