@@ -1,10 +1,13 @@
-"""Import stand-in for SGLang's compiled kernel package (`sgl_kernel`) on machines without it (CPU CI).
+"""What the CPU tests of the SGLang side share: TRACE's SGLang plugin loaded as a server process loads it
+(`load_trace_plugin`), SGLang's parallel groups on gloo (`init_cpu_parallel_state`), trace-mode `ServerArgs` and a
+small `TraceCapturer`, and an import stand-in for SGLang's compiled kernel package (`sgl_kernel`) on machines
+without it.
 
 Some CPU-runnable SGLang code imports modules that import `sgl_kernel` at module level without calling it on the
 paths tested here (e.g. `MHATokenToKVPoolFP4.set_kv_buffer` imports `cuda_graph_runner` for `get_is_capture_mode`).
 The stand-in satisfies those imports only: every attribute is a placeholder that raises if it is called, so a
 tested path that reaches a compiled kernel fails loudly instead of running a fake. Installed only when the real
-package is not importable.
+package is not importable. SGLang itself is imported directly: a broken SGLang import fails the tests.
 """
 
 from __future__ import annotations
