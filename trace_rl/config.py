@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import json
 import math
+import shlex
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from trace_core.modes import MODES
 from trace_core.recipe import DEFAULT_RECIPE, get_recipe, recipe_names
 from trace_core.records import check_bits
 from trace_rl.algorithm import algorithm_errors
+from trace_rl.servers import launch_errors
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 FP4_ATTENTION = ("off", "decode")
@@ -83,6 +85,9 @@ class RLConfig:
     and of a whole rollout step (the run then fails). weight_sync_timeout_s: deadline of one worker's weight sync (an
     embedded worker that misses it is replaced and synced again; an SGLang server that misses it fails the run,
     naming it). sglang_start_timeout_s: deadline of reaching every SGLang server at start.
+    sglang_launch = "local": the launcher starts the servers itself on this host (`trace_rl.servers.ServerGroup`),
+    one per `;`-separated entry of `sglang_gpus` (its GPU ids, TP = their number), on ports `sglang_port_base + i`,
+    with the extra flags `sglang_args`; it then sets `sglang_urls` to them and tears them down at the end.
     sglang_timeout_s: wall-clock deadline of one SGLang HTTP call and of one wait for a request's records.
     force_resume: resume a checkpoint although settings that shape the data, pairing, reward or numerics differ
     (`trace_rl.controller.RESUME_FREE` lists the keys a resume may change; docs/reliability.md).
@@ -153,6 +158,10 @@ class RLConfig:
     rollout_step_timeout_s: float = 3600.0
     weight_sync_timeout_s: float = 600.0
     sglang_start_timeout_s: float = 600.0
+    sglang_launch: str = "off"
+    sglang_gpus: str = ""
+    sglang_args: str = ""
+    sglang_port_base: int = 30000
     force_resume: bool = False
     tp: int = 1
     ep: int = 1
@@ -183,6 +192,8 @@ class RLConfig:
     samples_per_step: int = 4
 
     def __post_init__(self) -> None:
+        if isinstance(self.sglang_launch, bool):  # `sglang_launch = true` in code, as in a config file
+            object.__setattr__(self, "sglang_launch", "local" if self.sglang_launch else "off")
         errors = [f"{k}={v!r} must be finite" for k, v in self._floats().items() if not math.isfinite(v)]
         if self.mode not in MODES:
             errors.append(f"mode={self.mode!r} is not one of {MODES}")
@@ -233,6 +244,7 @@ class RLConfig:
             errors.append(f"device={self.device!r} must be cpu or cuda")
         errors += self._secret_errors()
         errors += self._sglang_errors()
+        errors += launch_errors(self)
         errors += self._fp4_attention_errors()
         errors += self._layout_errors()
         errors += self._data_errors()
@@ -253,7 +265,7 @@ class RLConfig:
         if self.rollout_backend == "embedded":
             return [f"sglang_urls={self.sglang_urls!r} needs rollout_backend='sglang'"] if urls else []
         errors = []
-        if not urls:
+        if not urls and self.sglang_launch != "local":  # a local group's URLs are set by the launcher
             errors.append("rollout_backend='sglang' needs sglang_urls (comma-separated http://host:port)")
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
@@ -387,6 +399,12 @@ class RLConfig:
 
 
 def _coerce(name: str, value: Any, kind: type) -> Any:
+    if name == "sglang_launch" and (isinstance(value, bool) or str(value).lower() in ("true", "false", "on", "1", "0")):
+        return "local" if value is True or str(value).lower() in ("true", "on", "1") else "off"
+    if name in ("sglang_args", "sglang_gpus") and isinstance(value, list | tuple):
+        if not all(isinstance(x, str | int) and not isinstance(x, bool) for x in value):
+            raise ConfigError(f"{name}={value!r} must be a list of strings (or one string)")
+        return shlex.join(map(str, value)) if name == "sglang_args" else ";".join(map(str, value))
     if name in LIST_KEYS and isinstance(value, list | tuple):
         if not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{name}={value!r} must be a list of strings (or one comma-separated string)")

@@ -5,8 +5,9 @@
 Builds the tiny model first if `model_dir` holds none. Writes, under `out_dir`: one run directory per mode
 (metrics.jsonl, checkpoint, record store), metrics.csv, PNG plots and summary.txt / summary.json. With
 `rollout_backend = "sglang"` one mode runs (the config's, or `--modes`) on the servers of `sglang_urls`, whose
-`--trace-store` must be `<out_dir>/<mode>/records` (docs/deploy.md). With `fp4_attention = "decode"` the FP4
-modes run (qat, trace): the BF16 baseline has no FP4 KV cache.
+`--trace-store` must be `<out_dir>/<mode>/records` (docs/deploy.md); with `sglang_launch = "local"` the launcher
+starts those servers itself (`trace_rl.servers.ServerGroup`, logs in `<out_dir>/<mode>/servers/`) and stops them at
+the end. With `fp4_attention = "decode"` the FP4 modes run (qat, trace): the BF16 baseline has no FP4 KV cache.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from trace_core.modes import FP4_MODES
 from trace_rl.config import MODES, ConfigError, load_config
 from trace_rl.controller import Controller
 from trace_rl.experiments.report import plot, print_table, summary, write_csv
+from trace_rl.servers import ServerGroup
 from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 
 
@@ -58,6 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for mode in modes:
         cfg = base.replace(mode=mode, out_dir=str(out / mode))
+        if cfg.sglang_launch == "local":  # start the servers, run on them, tear them down (also on error / signal)
+            with ServerGroup(cfg) as group:
+                print(f"SGLang servers up: {', '.join(group.urls)} (logs in {Path(cfg.out_dir) / 'servers'})")
+                with Controller(cfg.replace(sglang_urls=",".join(group.urls))) as ctrl:
+                    runs[mode] = ctrl.run(desc=mode)
+            continue
         with Controller(cfg) as ctrl:
             runs[mode] = ctrl.run(desc=mode)
     write_csv(runs, out / "metrics.csv")

@@ -1,0 +1,59 @@
+"""A stand-in for `python -m sglang.launch_server` (tests/test_server_group.py): takes the launcher's flags, answers
+`/health` on `--host`/`--port`, and misbehaves on demand with `--stand-in MODE`: `healthy` (default), `exit` (an
+error message and status 3 at once), `never-healthy` (listens, answers /health 503), `sleep` (never listens),
+`die-after` (healthy, then exits after `--stand-in-delay` seconds). `--stand-in-child` forks a child process that
+sleeps (as SGLang's scheduler processes do), and every process writes its pid to `--stand-in-pids`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--stand-in", default="healthy")
+    ap.add_argument("--stand-in-delay", type=float, default=1.0)
+    ap.add_argument("--stand-in-child", action="store_true")
+    ap.add_argument("--stand-in-pids", default="")
+    args, rest = ap.parse_known_args()
+    print(f"stand-in server: port {args.port}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}")
+    print("argv " + json.dumps(sys.argv[1:]), flush=True)
+    if args.stand_in_pids:
+        with open(args.stand_in_pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    if args.stand_in_child:
+        code = f"import os,time; open({args.stand_in_pids!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(3600)"
+        subprocess.Popen([sys.executable, "-c", code])
+    if args.stand_in == "exit":
+        print("RuntimeError: stand-in: CUDA error: invalid device ordinal", flush=True)
+        sys.exit(3)
+    if args.stand_in == "sleep":
+        time.sleep(3600)
+    healthy = args.stand_in != "never-healthy"
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.path == "/health" and healthy
+            self.send_response(200 if ok else 503)
+            self.end_headers()
+
+        def log_message(self, *a) -> None:
+            pass
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    if args.stand_in == "die-after":
+        threading.Timer(args.stand_in_delay, lambda: os._exit(4)).start()
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
