@@ -332,8 +332,8 @@ class TraceCapturer(RoutedExpertsCapturer):
     ) -> None:
         """After every forward: copy the staged rows into the record store at the batch's KV slots (on the GPU).
         Returns None: nothing is copied to the host per forward, so SGLang's overlap path has nothing to finalize."""
-        self._topk = None
-        self._fc2_layer = None  # routes a FusedMoE hook did not stage stay -1: never carried into the next forward
+        self._topk = None  # routes a FusedMoE hook did not stage stay -1: never carried into the next forward
+        self._fc2_layer = None
         if self._pending:  # finished requests whose batch was never closed: their slots may have been reused
             self._refuse_pending("its result batch was not closed before the next forward (slots may be reused)")
         self.weights.check_complete()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from trace_core.formats import KV_FP4
 from trace_core.modes import ROLLOUT_MODES
@@ -159,6 +160,36 @@ class TraceArgs:
         return self.enabled and ("k" in self.sites or "v" in self.sites)
 
 
+def parse_trace_args(fields) -> TraceArgs:
+    """The `--trace-*` fields of a ServerArgs (or any object carrying them) parsed and checked on their own;
+    ValueError naming the flag. `check_server_args` adds the checks against the rest of the settings."""
+    mode = fields.trace_mode
+    if mode not in MODES:
+        raise ValueError(f"--trace-mode {mode!r} is not one of {MODES}")
+    try:
+        bits = check_bits(fields.trace_record_bits)
+        recipe = get_recipe(fields.trace_recipe)
+    except ValueError as e:
+        raise ValueError(f"--trace-record-bits / --trace-recipe: {e}") from None
+    args = TraceArgs(
+        mode=mode,
+        bits=bits,
+        layers=parse_layers(fields.trace_layers),
+        sites=parse_sites(fields.trace_sites),
+        store=fields.trace_store,
+        step=fields.trace_step,
+        recipe=recipe,
+        debug_layer=None if fields.trace_debug_layer in (None, -1) else fields.trace_debug_layer,
+    )
+    if args.debug_layer is not None and (not isinstance(args.debug_layer, int) or args.debug_layer < 0):
+        raise ValueError(f"--trace-debug-layer must be a layer id or -1 (off), got {args.debug_layer!r}")
+    if args.debug_layer is not None and mode != "emulate":
+        raise ValueError("--trace-debug-layer needs --trace-mode emulate")
+    if isinstance(args.step, bool) or not isinstance(args.step, int) or args.step < 0:
+        raise ValueError(f"--trace-step must be a non-negative integer, got {args.step!r}")
+    return args
+
+
 def check_server_args(server_args) -> TraceArgs:
     """Validate the `--trace-*` fields of a ServerArgs against the rest of its settings; return them parsed.
 
@@ -167,35 +198,13 @@ def check_server_args(server_args) -> TraceArgs:
     this twice: on the flags as given, and at the end of `__post_init__` on the final settings (after SGLang's
     per-model and per-GPU defaults, e.g. its switch to `flashinfer_trtllm` for Qwen3-MoE on SM100).
     """
-    mode = server_args.trace_mode
-    if mode not in MODES:
-        raise ValueError(f"--trace-mode {mode!r} is not one of {MODES}")
-    try:
-        bits = check_bits(server_args.trace_record_bits)
-        recipe = get_recipe(server_args.trace_recipe)
-    except ValueError as e:
-        raise ValueError(f"--trace-record-bits / --trace-recipe: {e}") from None
-    args = TraceArgs(
-        mode=mode,
-        bits=bits,
-        layers=parse_layers(server_args.trace_layers),
-        sites=parse_sites(server_args.trace_sites),
-        store=server_args.trace_store,
-        step=server_args.trace_step,
-        recipe=recipe,
-        debug_layer=None if server_args.trace_debug_layer in (None, -1) else server_args.trace_debug_layer,
-    )
-    if args.debug_layer is not None and (not isinstance(args.debug_layer, int) or args.debug_layer < 0):
-        raise ValueError(f"--trace-debug-layer must be a layer id or -1 (off), got {args.debug_layer!r}")
-    if args.debug_layer is not None and mode != "emulate":
-        raise ValueError("--trace-debug-layer needs --trace-mode emulate")
-    if isinstance(args.step, bool) or not isinstance(args.step, int) or args.step < 0:
-        raise ValueError(f"--trace-step must be a non-negative integer, got {args.step!r}")
+    args = parse_trace_args(server_args)
     if not args.enabled:
         return args
     from sglang_trace.plugin import check_registered
 
     check_registered()
+    mode, recipe = args.mode, args.recipe
     problems = []
     if not args.store:
         problems.append("--trace-store is required (the record store root the trainer reads)")
@@ -411,18 +420,9 @@ def served_spec(server_info: Mapping, hf_config) -> RecordSpec:
     missing = [name for name in SERVER_ARGS_FIELDS if name not in server_info]
     if missing:
         raise ValueError(f"/server_info has no {missing} (not a TRACE-patched SGLang server)")
-    mode = server_info["trace_mode"]
-    if mode not in MODES or mode == "off":
-        raise ValueError(f"trace_mode={mode!r}: the server records nothing (start it with --trace-mode emulate)")
-    args = TraceArgs(
-        mode=mode,
-        bits=check_bits(server_info["trace_record_bits"]),
-        layers=parse_layers(str(server_info["trace_layers"])),
-        sites=parse_sites(str(server_info["trace_sites"])),
-        store=server_info["trace_store"],
-        step=server_info["trace_step"],
-        recipe=get_recipe(server_info["trace_recipe"]),
-    )
+    args = parse_trace_args(SimpleNamespace(**{name: server_info[name] for name in SERVER_ARGS_FIELDS}))
+    if not args.enabled:
+        raise ValueError("trace_mode='off': the server records nothing (start it with --trace-mode emulate)")
     return model_spec(args, model_layout(hf_config))
 
 

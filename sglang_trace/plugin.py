@@ -125,17 +125,15 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for hook in HOOKS:
-        if not any(h is hook.fn for _, h, _ in HookRegistry._hooks.get(hook.target, ())):
+        if not _registered(hook):
             HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
 
 
-def apply() -> None:
-    """Register and apply the hooks in this process (what `load_plugins` does; for processes that load none)."""
+def _registered(hook: Hook) -> bool:
+    """Whether `hook` is registered with SGLang's `HookRegistry` in this process."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    register()
-    HookRegistry.apply_hooks()
-    check_applied()
+    return any(fn is hook.fn for _, fn, _ in HookRegistry._hooks.get(hook.target, ()))
 
 
 def _wraps(fn, hook: Callable) -> bool:
@@ -152,9 +150,7 @@ def check_registered() -> None:
     """RuntimeError unless every TRACE hook is registered with SGLang's `HookRegistry` in this process (the plugin
     entry point was loaded: installed, and not filtered out by `SGLANG_PLUGINS`). Checked with the server
     arguments, before SGLang starts its scheduler processes."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    missing = [h.target for h in HOOKS if not any(fn is h.fn for _, fn, _ in HookRegistry._hooks.get(h.target, ()))]
+    missing = [h.target for h in HOOKS if not _registered(h)]
     if missing:
         raise RuntimeError(
             f"--trace-mode is on but TRACE's SGLang plugin hooks are not registered ({len(missing)} of {len(HOOKS)}, "
