@@ -105,20 +105,25 @@ def test_a_hung_in_process_worker_is_restarted_and_a_step_deadline_fails(model_d
             run_bounded(lambda: ctrl.rollout(0), 300)
 
 
-def test_a_hung_ray_worker_is_killed_and_restarted(model_dir, tmp_path):
+@pytest.fixture
+def local_ray():
+    """A local Ray instance on two CPUs for one test."""
     ray = pytest.importorskip("ray")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, rollout_call_timeout_s=30, **TINY)
-        with Controller(cfg) as ctrl:
-            victim = ctrl.pool.workers[1]
-            ray.get(victim.hang_after.remote(1))
-            batch = run_bounded(lambda: ctrl.rollout(0), 400)
-            assert batch.restarts == 1 and len(batch.trajectories) == 4
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(victim.version.remote())
-    finally:
-        ray.shutdown()
+    yield ray
+    ray.shutdown()
+
+
+def test_a_hung_ray_worker_is_killed_and_restarted(model_dir, tmp_path, local_ray):
+    ray = local_ray
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, rollout_call_timeout_s=30, **TINY)
+    with Controller(cfg) as ctrl:
+        victim = ctrl.pool.workers[1]
+        ray.get(victim.hang_after.remote(1))
+        batch = run_bounded(lambda: ctrl.rollout(0), 400)
+        assert batch.restarts == 1 and len(batch.trajectories) == 4
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(victim.version.remote())
 
 
 def test_shards_of_an_earlier_attempt_are_set_aside(model_dir, tmp_path):
@@ -186,23 +191,19 @@ def test_a_worker_hung_in_weight_sync_is_named_replaced_and_synced(model_dir, tm
             run_bounded(ctrl.train_step, 300)
 
 
-def test_a_ray_worker_hung_in_weight_sync_is_killed_replaced_and_synced(model_dir, tmp_path, capsys):
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, weight_sync_timeout_s=30, **TINY)
-        with Controller(cfg) as ctrl:
-            victim = ctrl.pool.workers[0]
-            ray.get(victim.hang_on_load.remote())
-            run_bounded(ctrl.train_step, 400)
-            assert "policy version 1: rollout worker 0 missed weight_sync_timeout_s=30" in capsys.readouterr().err
-            assert ctrl.pool.versions() == [1, 1]
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(victim.version.remote())
-            run_bounded(ctrl.train_step, 400)
-            assert ctrl.step == 2
-    finally:
-        ray.shutdown()
+def test_a_ray_worker_hung_in_weight_sync_is_killed_replaced_and_synced(model_dir, tmp_path, capsys, local_ray):
+    ray = local_ray
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, weight_sync_timeout_s=30, **TINY)
+    with Controller(cfg) as ctrl:
+        victim = ctrl.pool.workers[0]
+        ray.get(victim.hang_on_load.remote())
+        run_bounded(ctrl.train_step, 400)
+        assert "policy version 1: rollout worker 0 missed weight_sync_timeout_s=30" in capsys.readouterr().err
+        assert ctrl.pool.versions() == [1, 1]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(victim.version.remote())
+        run_bounded(ctrl.train_step, 400)
+        assert ctrl.step == 2
 
 
 def _positive_logprob(out: list) -> list:
