@@ -3,7 +3,7 @@ shard, two ways, alternating in one process.
 
 - `per_trajectory`: each trajectory gathered on the device (`RecordCapturer.gather`), its record fields copied to
   the host one by one as the shard is encoded (every copy a host sync on CUDA): what `EmbeddedEngine.generate`
-  did in the round-4 runs of docs/results.md.
+  did in the trainer-at-EP = 2 runs of docs/results.md (docs/results/trainer_ep2_and_seeds_29_steps).
 - `batched`: the batch's rows gathered and copied to the host in one transfer, each trajectory split from them on
   the host (`RecordCapturer.read`): what `EmbeddedEngine.generate` does (`_gather_batch`).
 Both end in `trace_core.store.encode_shard` (the bytes written), and must give the same shard.

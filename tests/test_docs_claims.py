@@ -1,7 +1,8 @@
-"""What README.md and docs/*.md say that the repository determines, checked against it: docs/rl.md's configuration
-table (every `RLConfig` field with its default, nothing else), docs/records.md's capture-memory example, and that
-every test, measurement file and repository file the pages name exists, every link between the pages resolves,
-and the record-store sizing rule of docs/deploy.md."""
+"""What the current pages (README.md and docs/*.md) say that the repository determines, checked against it:
+docs/rl.md's configuration table (every `RLConfig` field with its default, nothing else), docs/records.md's
+capture-memory example, that every test, measurement file and repository file the pages name exists and every file
+under docs/measurements/ is cited by a page, that every link between the pages resolves, and the record-store sizing
+rule of docs/deploy.md. CHANGELOG.md is history: the files it names are not checked."""
 
 from __future__ import annotations
 
@@ -80,40 +81,106 @@ def _expand(path: str) -> list[str]:
     return [path[: m.start()] + alt + path[m.end() :] for alt in m.group(1).split(",")]
 
 
+ROOT = DOCS.parent
+MEASUREMENTS = DOCS / "measurements"
+
+
 def _doc_pages() -> list[Path]:
-    return [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    """The current pages: README.md and docs/*.md. CHANGELOG.md is history: its file names are not checked."""
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def missing_tests(pages: list[Path]) -> list[str]:
+    """`test_file.py::test_name` on the pages that names no test function of that file in tests/."""
+    missing = []
+    for page in pages:
+        for file, name in sorted(set(re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text()))):
+            source = ROOT / "tests" / file
+            if not source.exists() or not re.search(rf"def {name}\(", source.read_text()):
+                missing.append(f"{page.name}: {file}::{name}")
+    return missing
+
+
+def cited_data_paths(page: Path) -> set[str]:
+    """Paths under docs/measurements/ and docs/results/ quoted on a page (brace groups expanded)."""
+    found = re.findall(r"docs/(?:measurements|results)/[\w./{},-]*[\w}/]", page.read_text())
+    return {p for path in found for p in _expand(path)}
+
+
+def missing_data_files(pages: list[Path], root: Path = ROOT) -> list[str]:
+    """Measurement and result paths quoted on the pages that do not exist under `root`."""
+    return [f"{page.name}: {p}" for page in pages for p in sorted(cited_data_paths(page)) if not (root / p).exists()]
+
+
+def missing_repository_files(pages: list[Path], root: Path = ROOT) -> list[str]:
+    """Files of the repository (a path with a suffix under one of its top-level directories) named on the pages that
+    do not exist: scripts, benches, configs, tests, modules, patches."""
+    tops = "tests|bench|scripts|configs|trace_core|trace_rl|megatron_trace|sglang_trace|patches|docker"
+    suffixes = "py|sh|toml|yaml|json|jsonl|md|txt|patch|png|csv"
+    missing = []
+    for page in pages:
+        for path in sorted(
+            set(re.findall(rf"(?<![\w/.])(?:{tops})/[\w./{{}},-]*\.(?:{suffixes})\b", page.read_text()))
+        ):
+            missing += [f"{page.name}: {p}" for p in _expand(path) if not (root / p).exists()]
+    return missing
+
+
+def uncited_measurements(pages: list[Path], measurements: Path = MEASUREMENTS) -> list[str]:
+    """Files under docs/measurements/ that no page cites. A file directly in it must be quoted by its path; a file
+    in a subfolder (one run's outputs) is cited with its folder, or with a file of that folder."""
+    root = measurements.parents[1]
+    cited = {p.rstrip("/") for page in pages for p in cited_data_paths(page)}
+    uncited = []
+    for f in sorted(x for x in measurements.rglob("*") if x.is_file()):
+        rel = f.relative_to(root).as_posix()
+        folders = {parent.relative_to(root).as_posix() for parent in f.parents if measurements in parent.parents}
+        siblings = {s.relative_to(root).as_posix() for s in f.parent.iterdir()} if folders else set()
+        if rel not in cited and not folders & cited and not siblings & cited:
+            uncited.append(rel)
+    return uncited
 
 
 def test_every_test_the_docs_name_exists():
     """`test_file.py::test_name` in README.md and docs/*.md names a test function of that file in tests/."""
-    missing = []
-    for page in _doc_pages():
-        for file, name in set(re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text())):
-            source = DOCS.parent / "tests" / file
-            if not source.exists() or not re.search(rf"def {name}\(", source.read_text()):
-                missing.append(f"{page.name}: {file}::{name}")
-    assert missing == []
+    assert missing_tests(_doc_pages()) == []
 
 
 def test_every_measurement_and_result_file_the_docs_name_exists():
     """Paths under docs/measurements/ and docs/results/ quoted in README.md and docs/*.md exist."""
-    missing = []
-    for page in _doc_pages():
-        for path in set(re.findall(r"docs/(?:measurements|results)/[\w./{},-]*[\w}/]", page.read_text())):
-            missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
-    assert missing == []
+    assert missing_data_files(_doc_pages()) == []
 
 
 def test_every_repository_file_the_docs_name_exists():
-    """Files of the repository (a path with a suffix under one of its top-level directories) named in README.md and
-    docs/*.md exist: scripts, benches, configs, tests, modules, patches."""
-    tops = "tests|bench|scripts|configs|trace_core|trace_rl|megatron_trace|sglang_trace|patches|docker"
-    suffixes = "py|sh|toml|yaml|json|jsonl|md|txt|patch|png|csv"
-    missing = []
-    for page in _doc_pages():
-        for path in set(re.findall(rf"(?<![\w/.])(?:{tops})/[\w./{{}},-]*\.(?:{suffixes})\b", page.read_text())):
-            missing += [f"{page.name}: {p}" for p in _expand(path) if not (DOCS.parent / p).exists()]
-    assert missing == []
+    """Files of the repository named in README.md and docs/*.md exist."""
+    assert missing_repository_files(_doc_pages()) == []
+
+
+def test_every_measurement_file_is_cited_by_a_page():
+    """docs/measurements/ holds what the current pages cite, not every file ever cited: a raw file no page names is
+    deleted (its history is in CHANGELOG.md and git)."""
+    assert uncited_measurements(_doc_pages()) == []
+
+
+def test_the_checks_report_a_missing_file_a_missing_test_and_an_uncited_file(tmp_path):
+    """The checks above fail on a page that cites a file or a test that does not exist, and on a raw file no page
+    cites."""
+    (tmp_path / "docs" / "measurements" / "run").mkdir(parents=True)
+    for name in ("kept.txt", "stray.txt", "run/a.json", "run/b.json"):
+        (tmp_path / "docs" / "measurements" / name).write_text("x")
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "raw `docs/measurements/kept.txt`, `docs/measurements/gone.{json,txt}` and `docs/measurements/run/a.json`; "
+        "`bench/no_such_bench.py`; `test_docs_claims.py::test_no_such_test`, "
+        "`test_docs_claims.py::test_every_test_the_docs_name_exists`"
+    )
+    assert missing_data_files([page], tmp_path) == [
+        "page.md: docs/measurements/gone.json",
+        "page.md: docs/measurements/gone.txt",
+    ]
+    assert missing_repository_files([page], tmp_path) == ["page.md: bench/no_such_bench.py"]
+    assert missing_tests([page]) == ["page.md: test_docs_claims.py::test_no_such_test"]
+    assert uncited_measurements([page], tmp_path / "docs" / "measurements") == ["docs/measurements/stray.txt"]
 
 
 def test_a_shard_holds_bytes_per_token_of_records_plus_the_routes(tmp_path):
@@ -144,10 +211,10 @@ def _slug(heading: str) -> str:
 
 
 def test_every_link_between_the_pages_resolves():
-    """`[text](page.md)` and `[text](page.md#anchor)` links in README.md and docs/*.md name an existing page and,
-    with an anchor, one of its headings (code blocks excluded)."""
+    """`[text](page.md)` and `[text](page.md#anchor)` links in README.md and docs/*.md name an existing page
+    (CHANGELOG.md included) and, with an anchor, one of its headings (code blocks excluded)."""
     headings = {}
-    for page in _doc_pages():
+    for page in [*_doc_pages(), ROOT / "CHANGELOG.md"]:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         headings[page.resolve()] = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
     broken = []
