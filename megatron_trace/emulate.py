@@ -16,8 +16,9 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.rows import MicroBatch, TokenRows
 from megatron_trace.session import TraceSession
 from megatron_trace.source import Site, TensorRolloutSource
+from trace_core.formats import FP4Format
 from trace_core.modes import Mode
-from trace_core.recipe import PrecisionRecipe, Role, Scale
+from trace_core.recipe import PrecisionRecipe, Role
 from trace_core.records import Record, RecordSpec, packed_len
 from trace_core.role_quant import quantize_role
 
@@ -30,8 +31,8 @@ class _Table:
         self.role, self.fmt, self.bits, self.width = role, role.fmt, spec.bits, width
         self.low = torch.zeros(t, p, packed_len(width, spec.bits), dtype=torch.uint8, device=device)
         self.scales = torch.zeros(t, p, width // role.fmt.block, dtype=torch.uint8, device=device)
-        per_token = role.scale is Scale.PER_TOKEN
-        self.gs = torch.ones(t, p, 1, dtype=torch.float32, device=device) if per_token else None
+        has_gs = isinstance(role.fmt, FP4Format) and role.fmt.has_global_scale  # per token, or static repeated
+        self.gs = torch.ones(t, p, 1, dtype=torch.float32, device=device) if has_gs else None
         self.has = torch.zeros(t, p, dtype=torch.bool, device=device)
 
     def put(self, rows: TokenRows, x: torch.Tensor) -> None:

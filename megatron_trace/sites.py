@@ -3,7 +3,8 @@
 Every site takes its format and scale granularity from the config's precision recipe (`trace_core.recipe`) and
 quantizes through `trace_core.role_quant`:
 - MoE input (`moe_in`) and K / V (`k`, `v`): guided rounding toward the rollout's record at captured sites in
-  `trace` mode, RTN elsewhere (and always RTN for a role the recipe does not record, e.g. W4A8's FP8 MoE input).
+  `trace` mode (rows without a record: the role's RTN), RTN elsewhere (and always RTN for a role the recipe does
+  not record, e.g. W4A8's FP8 MoE input).
 - Routed-expert weights: RTN under the `weights` role (NVFP4: one global scale per expert matrix, gate and up as
   one FC1 matrix); FC2 input: `trace_core.fc2`'s convention under the `fc2_in` role. Both straight-through.
 Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site as device
@@ -80,7 +81,9 @@ class SiteNumerics:
                     f"{tuple(x.shape)} (micro-batch rows or head slicing disagree)"
                 )
             # guided_fake_quant refuses a record narrower than the spec's bits
-            y = guided_fake_quant(x, rows.record, self.cfg.spec.bits, has_record=rows.has_record, stats=stats.guidance)
+            y = guided_fake_quant(
+                x, rows.record, self.cfg.spec.bits, has_record=rows.has_record, stats=stats.guidance, role=role
+            )
         else:
             y = fake_quant(role, x)
         if self.cfg.measure and rows is not None:

@@ -2,7 +2,8 @@
 test on CPU.
 
 Each case builds an FP4 pool layer (SGLang's layout: codes `[slots, heads, D/2]`, scale bytes `[slots, heads*D/16]`)
-from K/V-like values, pages a batch of requests over shuffled slots, and compares the kernel with
+of either pool format (`kv_fp4`, or NVFP4 KV: E4M3 scale bytes under the static unit global scale) from K/V-like
+values, pages a batch of requests over shuffled slots, and compares the kernel with
 - SGLang's own triton `decode_attention_fwd` on the dequantized buffers (what `MHATokenToKVPoolFP4.get_key_buffer`
   hands it): equal bit for bit, same attention math on the same values (GQA; MHA in FP32 only, since in BF16
   SGLang's MHA kernel sums q . k in BF16 and the FP4 kernel in FP32);
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from trace_core.e2m1 import pack_fp4
-from trace_core.formats import KV_FP4
+from trace_core.formats import KV_FP4, NVFP4, FP4Format
 from trace_core.kernels.fp4_attention import KV_DTYPES, _fp4_tile, fp4_decode_attention, fp4_words
 from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
 from trace_core.kv_attention import (
@@ -32,7 +33,7 @@ from trace_core.kv_attention import (
     extend_attention_reference,
     extend_tiles,
 )
-from trace_core.quant import quantize
+from trace_core.quant import quantize, static_global_scale
 
 # (kv heads, q heads per kv head, head dim, request lengths, kv splits per request, logit cap, sinks)
 CASES = [
@@ -84,52 +85,87 @@ def sglang_extend_attention():
     return sglang_module("srt/layers/attention/triton_ops/extend_attention.py").extend_attention_fwd
 
 
-def fp4_layer(slots: int, heads: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scale bytes of one pool layer holding K/V-like rows (magnitudes over two decades per slot)."""
+def fp4_layer(
+    slots: int, heads: int, d: int, gen: torch.Generator, kv_fmt: FP4Format = KV_FP4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scale bytes of one pool layer of format `kv_fmt` holding K/V-like rows (magnitudes over two
+    decades per slot; NVFP4 with the static S_enc = 1)."""
     x = torch.randn(slots, heads * d, generator=gen) * torch.logspace(-1, 1, slots)[:, None]
     x[0] = 0.0  # SGLang's padding slot
-    q = quantize(x, KV_FP4)
+    q = quantize(x, kv_fmt, **({"global_scale": static_global_scale("cpu")} if kv_fmt is NVFP4 else {}))
     return pack_fp4(q.codes).view(slots, heads, d // 2), q.scales
 
 
 @triton.jit
 def _tile_kernel(codes, scales, loc_ptr, out, stride_cs, stride_ch, stride_ss, head, rows, D: tl.constexpr,
-                 KV_DTYPE: tl.constexpr):  # fmt: skip
+                 KV_DTYPE: tl.constexpr, KV_FMT: tl.constexpr):  # fmt: skip
     offs = tl.arange(0, 32)
     tile = _fp4_tile(codes, scales, tl.load(loc_ptr + offs), head, stride_cs, stride_ch, stride_ss, offs < rows, D, 32,
-                     KV_DTYPE)  # fmt: skip
+                     KV_DTYPE, 0, KV_FMT)  # fmt: skip
     tl.store(out + offs[:, None] * D + tl.arange(0, D)[None, :], tile)
 
 
-def check_tile(d: int, kv_dtype: torch.dtype, device: str) -> None:
-    """`_fp4_tile` == `dequantize_kv` bit for bit over every slot of a 3-head pool layer (tiles of 32 gathered
-    slots, 3 of them masked in each head's first tile), random codes and every E8M0 scale byte but NaN (0 and 1:
-    subnormal scales and values; 254: values that overflow to inf)."""
+def _tiles(codes, scales, head, order, rows, kv_dtype, device, kv_fmt) -> list[torch.Tensor]:
+    """`_fp4_tile` of KV head `head` at the slots `order` in tiles of 32, the first with `rows` unmasked rows."""
+    d = 2 * codes.shape[-1]
+    kw, sw = fp4_words(codes.to(device), scales.to(device))
+    out = []
+    for start in range(0, len(order), 32):
+        loc = order[start : start + 32]
+        tile = torch.full((32, d), float("nan"), dtype=kv_dtype, device=device)
+        _tile_kernel[(1,)](kw, sw, loc.to(device), tile, kw.stride(0), kw.stride(1), sw.stride(0), head,
+                           rows if start == 0 else 32, D=d, KV_DTYPE=KV_DTYPES[kv_dtype],
+                           KV_FMT=kv_fmt.kernel_id)  # fmt: skip
+        out.append(tile.cpu())
+    return out
+
+
+def scale_bytes(kv_fmt: FP4Format) -> torch.Tensor:
+    """Every scale byte of the format but NaN: E8M0 0..254 (0 and 1: subnormal scales and values; 254: values that
+    overflow to inf), E4M3 all but 0x7F / 0xFF (subnormal, normal, signed)."""
+    every = torch.arange(256, dtype=torch.uint8)
+    return every[:255] if kv_fmt is KV_FP4 else every[(every & 0x7F) != 0x7F]
+
+
+def check_tile(d: int, kv_dtype: torch.dtype, device: str, kv_fmt: FP4Format = KV_FP4) -> None:
+    """`_fp4_tile` == `dequantize_kv` bit for bit over every slot of a 3-head pool layer of format `kv_fmt` (tiles of
+    32 gathered slots, 3 of them masked in each head's first tile), random codes and every scale byte but NaN
+    (`scale_bytes`)."""
     gen = torch.Generator().manual_seed(d)
     heads, slots = 3, 256
     codes = torch.randint(0, 256, (slots, heads, d // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(0, 255, (slots, heads * d // 16), dtype=torch.uint8, generator=gen)
-    scales.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
-    want = dequantize_kv(codes, scales, kv_dtype)
-    kw, sw = fp4_words(codes.to(device), scales.to(device))
+    every = scale_bytes(kv_fmt)
+    scales = every[torch.randint(0, len(every), (slots, heads * d // 16), generator=gen)]
+    scales.view(-1)[: len(every)] = every
+    want = dequantize_kv(codes, scales, kv_dtype, fmt=kv_fmt)
     bits = torch.int16 if kv_dtype.itemsize == 2 else torch.int32
     for head in range(heads):
         order = torch.randperm(slots, generator=gen)
-        for start in range(0, slots, 32):
-            loc, rows = order[start : start + 32], 29 if start == 0 else 32
-            tile = torch.full((32, d), float("nan"), dtype=kv_dtype, device=device)
-            _tile_kernel[(1,)](kw, sw, loc.to(device), tile, kw.stride(0), kw.stride(1), sw.stride(0), head, rows,
-                               D=d, KV_DTYPE=KV_DTYPES[kv_dtype])  # fmt: skip
+        for i, tile in enumerate(_tiles(codes, scales, head, order, 29, kv_dtype, device, kv_fmt)):
+            loc = order[32 * i : 32 * i + 32]
             ref = want[loc, head]
-            ref[rows:] = 0
-            assert torch.equal(tile.cpu().view(bits), ref.view(bits)), f"d={d} head={head} slots {loc.tolist()}"
+            if i == 0:
+                ref[29:] = 0
+            assert torch.equal(tile.view(bits), ref.view(bits)), f"d={d} head={head} slots {loc.tolist()}"
 
 
-def make_case(heads, group, d, lens, splits, dtype, device, seed=0):
+def check_e4m3_decode(device: str) -> None:
+    """The tile's in-kernel E4M3 decode (`fp4_attention._scale_values`) of every byte value but the NaNs 0x7F and
+    0xFF equals `torch.float8_e4m3fn`'s value bit for bit (the sign of -0 included): one head of 16 elements per
+    slot, every code 1.0 (code 2), so each slot's values are its one scale byte's value."""
+    every = torch.arange(256, dtype=torch.uint8)
+    codes = torch.full((256, 1, 8), 0x22, dtype=torch.uint8)  # two codes 2 (E2M1 1.0) per byte
+    tiles = torch.cat(_tiles(codes, every[:, None], 0, torch.arange(256), 32, torch.float32, device, NVFP4))
+    want = every.view(torch.float8_e4m3fn).float()[:, None].expand(256, 16)
+    finite = (every & 0x7F) != 0x7F
+    assert torch.equal(tiles[finite].view(torch.int32), want[finite].view(torch.int32))
+
+
+def make_case(heads, group, d, lens, splits, dtype, device, seed=0, kv_fmt: FP4Format = KV_FP4):
     gen = torch.Generator().manual_seed(seed)
     slots = sum(lens) + 7
-    kc, ks = fp4_layer(slots, heads, d, gen)
-    vc, vs = fp4_layer(slots, heads, d, gen)
+    kc, ks = fp4_layer(slots, heads, d, gen, kv_fmt)
+    vc, vs = fp4_layer(slots, heads, d, gen, kv_fmt)
     q = torch.randn(len(lens), heads * group, d, generator=gen).to(dtype)
     indices = torch.randperm(slots - 1, generator=gen)[: sum(lens)] + 1
     indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -138,11 +174,13 @@ def make_case(heads, group, d, lens, splits, dtype, device, seed=0):
     return to(q, kc, ks, vc, vs, indptr, indices, nsplit)
 
 
-def check_decode(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, twin_rtol: float, twin_atol: float):
-    """Kernel == SGLang's triton decode on the dequantized cache (bit for bit), and == the twin within tolerance."""
+def check_decode(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, twin_rtol: float, twin_atol: float,
+                 kv_fmt: FP4Format = KV_FP4):  # fmt: skip
+    """Kernel == SGLang's triton decode on the dequantized cache (bit for bit), and == the twin within tolerance,
+    over a pool of format `kv_fmt`."""
     decode_attention_fwd = sglang_decode_attention()
     heads, group, d, lens, splits, cap, with_sinks = case
-    q, kc, ks, vc, vs, indptr, indices, nsplit = make_case(heads, group, d, lens, splits, dtype, device)
+    q, kc, ks, vc, vs, indptr, indices, nsplit = make_case(heads, group, d, lens, splits, dtype, device, 0, kv_fmt)
     b, hq, max_splits = q.shape[0], q.shape[1], max(splits)
     sinks = torch.linspace(-1, 1, hq, device=device) if with_sinks else None
     sm = 1 / math.sqrt(d)
@@ -153,17 +191,17 @@ def check_decode(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, t
         o = torch.full_like(q, float("nan"))
         if fp4:
             fp4_decode_attention(q, kc, ks, vc, vs, o, indptr, indices, logits, lse, nsplit, max_splits, sm,
-                                 logit_cap=cap, sinks=sinks, kv_dtype=kv_dtype)  # fmt: skip
+                                 logit_cap=cap, sinks=sinks, kv_dtype=kv_dtype, kv_fmt=kv_fmt)  # fmt: skip
         else:
-            kb, vb = dequantize_kv(kc, ks, kv_dtype), dequantize_kv(vc, vs, kv_dtype)
+            kb, vb = dequantize_kv(kc, ks, kv_dtype, fmt=kv_fmt), dequantize_kv(vc, vs, kv_dtype, fmt=kv_fmt)
             decode_attention_fwd(q, kb, vb, o, indptr, indices, logits, lse, nsplit, max_splits, sm, 1.0, 1.0,
                                  logit_cap=cap, sinks=sinks)  # fmt: skip
         outs.append(o)
-    label = f"heads={heads} group={group} d={d} lens={lens} splits={splits} {dtype}"
+    label = f"heads={heads} group={group} d={d} lens={lens} splits={splits} {dtype} {kv_fmt.name}"
     if group > 1 or dtype == torch.float32:  # MHA in BF16: SGLang sums q . k in BF16, the kernel in FP32
         assert torch.equal(outs[0], outs[1]), f"{label}: differs from SGLang's dequantize-then-attend path"
     ref = decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, nsplit, sm, logit_cap=cap, sinks=sinks,
-                                     kv_dtype=kv_dtype)  # fmt: skip
+                                     kv_dtype=kv_dtype, kv_fmt=kv_fmt)  # fmt: skip
     torch.testing.assert_close(outs[0], ref, rtol=twin_rtol, atol=twin_atol, msg=lambda m: f"{label}: {m}")
     return (outs[0].float() - ref.float()).abs().max().item()
 
@@ -178,13 +216,14 @@ EXTEND_CASES = [
 ]
 
 
-def make_extend_case(case, dtype, device, seed=0):
-    """(q, k, v of the new tokens, pool codes/scales for K and V, qo_indptr, kv_indptr, kv_indices, max extend)."""
+def make_extend_case(case, dtype, device, seed=0, kv_fmt: FP4Format = KV_FP4):
+    """(q, k, v of the new tokens, pool codes/scales for K and V of format `kv_fmt`, qo_indptr, kv_indptr,
+    kv_indices, max extend)."""
     heads, group, d, prefix, extend = case[:5]
     gen = torch.Generator().manual_seed(seed)
     slots = sum(prefix) + 7
-    kc, ks = fp4_layer(slots, heads, d, gen)
-    vc, vs = fp4_layer(slots, heads, d, gen)
+    kc, ks = fp4_layer(slots, heads, d, gen, kv_fmt)
+    vc, vs = fp4_layer(slots, heads, d, gen, kv_fmt)
     n = sum(extend)
     q = torch.randn(n, heads * group, d, generator=gen).to(dtype)
     k = (torch.randn(n, heads, d, generator=gen) * 2).to(dtype)
@@ -196,11 +235,13 @@ def make_extend_case(case, dtype, device, seed=0):
     return (*to(q, k, v, kc, ks, vc, vs, qo, kvp, indices), max(extend))
 
 
-def check_extend(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, rtol: float, atol: float) -> dict:
-    """Kernel vs SGLang's triton extend on the dequantized cache (bit for bit when `rtol == atol == 0`, else within
-    them) and vs the twin (within them); returns the largest differences and the unequal fraction vs SGLang."""
+def check_extend(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, rtol: float, atol: float,
+                 kv_fmt: FP4Format = KV_FP4) -> dict:  # fmt: skip
+    """Kernel vs SGLang's triton extend on the dequantized cache of format `kv_fmt` (bit for bit when
+    `rtol == atol == 0`, else within them) and vs the twin (within them); returns the largest differences and the
+    unequal fraction vs SGLang."""
     heads, group, d, prefix, extend, causal, cap, with_sinks = case
-    q, k, v, kc, ks, vc, vs, qo, kvp, indices, max_ext = make_extend_case(case, dtype, device)
+    q, k, v, kc, ks, vc, vs, qo, kvp, indices, max_ext = make_extend_case(case, dtype, device, 0, kv_fmt)
     sinks = torch.linspace(-1, 1, heads * group, device=device) if with_sinks else None
     sm = 1 / math.sqrt(d)
     outs = []
@@ -208,18 +249,19 @@ def check_extend(case, dtype: torch.dtype, kv_dtype: torch.dtype, device: str, r
         o = torch.full_like(q, float("nan"))
         if fp4:
             fp4_extend_attention(q, k, v, o, kc, ks, vc, vs, qo, kvp, indices, None, causal, None, max_ext, 1.0, 1.0,
-                                 sm, logit_cap=cap, sinks=sinks, kv_dtype=kv_dtype)  # fmt: skip
+                                 sm, logit_cap=cap, sinks=sinks, kv_dtype=kv_dtype, kv_fmt=kv_fmt)  # fmt: skip
         else:
-            kb, vb = dequantize_kv(kc, ks, kv_dtype), dequantize_kv(vc, vs, kv_dtype)
+            kb, vb = dequantize_kv(kc, ks, kv_dtype, fmt=kv_fmt), dequantize_kv(vc, vs, kv_dtype, fmt=kv_fmt)
             sglang_extend_attention()(q, k, v, o, kb, vb, qo, kvp, indices, None, causal, None, max_ext, 1.0, 1.0,
                                       sm, logit_cap=cap, sinks=sinks)  # fmt: skip
         outs.append(o)
-    label = f"heads={heads} group={group} d={d} prefix={prefix} extend={extend} causal={causal} {dtype}"
+    label = f"heads={heads} group={group} d={d} prefix={prefix} extend={extend} causal={causal} {dtype} {kv_fmt.name}"
     if rtol == atol == 0:
         assert torch.equal(outs[0], outs[1]), f"{label}: differs from SGLang's dequantize-then-attend path"
     torch.testing.assert_close(outs[0], outs[1], rtol=rtol, atol=atol, msg=lambda m: f"{label} vs SGLang: {m}")
     ref = extend_attention_reference(q, k, v, kc, ks, vc, vs, qo, kvp, indices, sm, is_causal=causal, logit_cap=cap,
-                                     sinks=sinks, kv_dtype=kv_dtype, tiles=extend_tiles(d, q.device)[:2])  # fmt: skip
+                                     sinks=sinks, kv_dtype=kv_dtype, kv_fmt=kv_fmt,
+                                     tiles=extend_tiles(d, q.device)[:2])  # fmt: skip
     tw_rtol, tw_atol = (1e-4, 1e-4) if rtol == atol == 0 else (rtol, atol)
     torch.testing.assert_close(outs[0], ref, rtol=tw_rtol, atol=tw_atol, msg=lambda m: f"{label} vs twin: {m}")
     return {

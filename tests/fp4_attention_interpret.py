@@ -4,7 +4,9 @@
    dequantized cache, bit for bit, and against the pure-torch twin; FP32 queries and values (the interpreter
    truncates FP32 to BF16 where GPUs round, so the BF16 twin comparison runs on the GPU only).
 2. Every `EXTEND_CASES` case the same way against SGLang's triton extend kernel, bit for bit (FP32).
-3. End to end through the SGLang glue: a real `MHATokenToKVPoolFP4` written by its own `set_kv_buffer`, decode
+3. NVFP4 KV pools (E4M3 scale bytes, static unit global scale): the in-kernel E4M3 decode of every byte value
+   against `torch.float8_e4m3fn`, the tile, and a few decode and extend cases as in 1. and 2.
+4. End to end through the SGLang glue: a real `MHATokenToKVPoolFP4` written by its own `set_kv_buffer`, decode
    through `sglang_trace.fp4_attention.forward_decode` and extend through `forward_extend` (what patch 0020
    calls) against SGLang's path on that pool (`get_key_buffer` / `get_value_buffer`, then `decode_attention_fwd`
    / `extend_attention_fwd`), BF16 queries, bit for bit.
@@ -20,6 +22,7 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests.interpret import run_cases
 from tests.sglang_cpu import install_sgl_kernel_stand_in
+from trace_core.formats import NVFP4
 
 
 def check_sglang_pool() -> None:
@@ -79,9 +82,15 @@ def check_sglang_pool() -> None:
     assert torch.equal(outs[0], outs[1]), "FP4 extend through the glue differs from SGLang's path on its pool"
 
 
+NVFP4_DECODE = (0, 1, 5)
+"""The `CASES` run over an NVFP4 pool here (GQA, MHA, head dim 16; the GPU test runs them all)."""
+NVFP4_EXTEND = (0, 3)
+"""The `EXTEND_CASES` run over an NVFP4 pool here (prefixes over one block and none, head dim 16)."""
+
+
 def cases() -> dict[str, Callable[[], object]]:
     """Case id -> check (`tests.interpret`): the dequantized tile (FP32: the interpreter has no BF16 arithmetic),
-    each decode and extend case, then the SGLang pool end to end."""
+    each decode and extend case, the NVFP4 pool's, then the SGLang pool end to end."""
     out: dict[str, Callable[[], object]] = {}
     for d in (16, 32, 64, 128):
         out[f"tile-{d}"] = partial(checks.check_tile, d, torch.float32, "cpu")
@@ -89,6 +98,15 @@ def cases() -> dict[str, Callable[[], object]]:
         out[f"decode-{i}"] = partial(checks.check_decode, case, torch.float32, torch.float32, "cpu", 1e-4, 1e-4)
     for i, case in enumerate(checks.EXTEND_CASES):
         out[f"extend-{i}"] = partial(checks.check_extend, case, torch.float32, torch.float32, "cpu", 0, 0)
+    out["nvfp4-e4m3-decode"] = partial(checks.check_e4m3_decode, "cpu")
+    for d in (16, 64):
+        out[f"nvfp4-tile-{d}"] = partial(checks.check_tile, d, torch.float32, "cpu", NVFP4)
+    for i in NVFP4_DECODE:
+        out[f"nvfp4-decode-{i}"] = partial(checks.check_decode, checks.CASES[i], torch.float32, torch.float32, "cpu",
+                                           1e-4, 1e-4, NVFP4)  # fmt: skip
+    for i in NVFP4_EXTEND:
+        out[f"nvfp4-extend-{i}"] = partial(checks.check_extend, checks.EXTEND_CASES[i], torch.float32, torch.float32,
+                                           "cpu", 0, 0, NVFP4)  # fmt: skip
     out["sglang-pool"] = check_sglang_pool
     return out
 

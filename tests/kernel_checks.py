@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from trace_core.formats import FP4Format, get_format
-from trace_core.guided import guided_quantize
+from trace_core.formats import NVFP4, FP4Format, get_format
+from trace_core.guided import fallback_scale, guided_quantize, guided_round
 from trace_core.kernels import ops
 from trace_core.quant import dequantize, quantize
+from trace_core.recipe import Role, Scale
 from trace_core.records import Record, pack_low_bits
+from trace_core.role_quant import fake_quant
 
 SCALE_MODES = {"nvfp4": ("per_token", "scalar", "row"), "mxfp4": ("none",), "mxfp4_ocp": ("none",), "kv_fp4": ("none",)}
 
@@ -109,3 +111,34 @@ def check_guided(
             ref_redirected &= mask.unsqueeze(-1)
         assert torch.equal(out, dequantize(ref_q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}/{record_bits}: differs"
         assert int(redirected) == 5 + int(ref_redirected.sum()), f"{fmt.name} b={bits}: redirected count differs"
+
+
+def check_static_kv(t: int, d: int, dtype, bits: int, device: str, quantize_fn, guided_fn) -> None:
+    """NVFP4 K/V under the static unit S_enc (`Scale.STATIC`) through the kernels as the rollout and trainer run
+    them: the record (kernel at S_enc = 1) holds the reference's codes and scale bytes; the trainer's guided values
+    from it (S_enc 1 per row, as the store holds it) are `guided_round`'s, and rows without a record take the
+    role's RTN exactly (`fallback_scale`, as `ops.guided_fake_quant` composes them): `fake_quant(role, row)`."""
+    role = Role(NVFP4, Scale.STATIC, recorded=True)
+    rollout = make_input(t, d, dtype, device, seed=1)
+    q = quantize(rollout.cpu(), NVFP4, global_scale=1.0)
+    low, scales, _ = ops.record_buffers(t, d, NVFP4, bits, device)
+    static = fallback_scale(q, role)["global_scale"].to(device)
+    quantize_fn(rollout, NVFP4, bits, static, False, None, low, scales, None)
+    assert torch.equal(low.cpu(), pack_low_bits(q.codes, bits)) and torch.equal(scales.cpu(), q.scales), f"b={bits}"
+    rec = Record(NVFP4, bits, d, low, scales, torch.ones(t, 1, device=device))
+    gen = torch.Generator().manual_seed(2)
+    noise = torch.randn(t, d, generator=gen).to(device) * rollout.float().abs().amax(-1, keepdim=True) * 0.02
+    train = (rollout.float() + noise).to(dtype)
+    has = torch.arange(t, device=device) % 3 != 1
+    redirected = torch.zeros((), dtype=torch.int64, device=device)
+    guided = guided_fn(train, NVFP4.name, bits, bits, low, scales, rec.global_scale, has, redirected)
+    fallback = fallback_scale(rec, role)
+    rtn = torch.full_like(train, float("nan"))
+    quantize_fn(train, NVFP4, 0, fallback.get("global_scale"), fallback.get("per_token", False), rtn, None, None, None)
+    out = torch.where(has[:, None], guided, rtn).cpu()
+    cpu = Record(NVFP4, bits, d, low.cpu(), scales.cpu(), rec.global_scale.cpu())
+    want = guided_round(train.cpu(), cpu, bits, has_record=has.cpu(), role=role)
+    assert torch.equal(out, want), f"b={bits}: guided values differ"
+    rows = ~has.cpu()
+    assert torch.equal(out[rows], fake_quant(role, train.cpu())[rows]), f"b={bits}: rows without a record differ"
+    assert not torch.equal(want[rows], fake_quant(Role(NVFP4, Scale.PER_TOKEN), train.cpu())[rows])  # not per token

@@ -96,6 +96,9 @@ def cases() -> dict[str, Callable[[], None]]:
             out[f"quant-nvfp4-per_token-b{bits}-token-groups-d{d}-ahead{ahead}"] = partial(
                 _token_groups, q, d, {"chunk": chunk, "group_record_chunk": record_chunk, "group_ahead": ahead}
             )
+    for bits in (1, 4):  # NVFP4 K/V under the static unit S_enc: records, guided values, rows without a record
+        out[f"static-kv-nvfp4-b{bits}"] = partial(kernel_checks.check_static_kv, 7, 80, torch.float32, bits, "cpu",
+                                                  ops.triton_quantize_record, ops.triton_guided)  # fmt: skip
     return out
 
 

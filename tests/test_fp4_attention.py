@@ -7,7 +7,8 @@ the twins. On the GPU (`-m gpu`) the same checks run in BF16, the dtype SGLang's
 GQA equal to SGLang bit for bit; MHA against the twin only: SGLang's MHA kernel sums q . k in BF16, ours in FP32.
 Extend: within one BF16 rounding of SGLang, as of the twin: the FP4 kernel's prefix K and V reach the tensor-core
 dot from registers, SGLang's from memory, and the compiled dots need not sum in the same order; the fraction of
-outputs that differ is measured by bench/fp4_attention.py).
+outputs that differ is measured by bench/fp4_attention.py). Both pool formats: `kv_fp4` (E8M0 scale bytes) and
+NVFP4 KV (E4M3 scale bytes under the static unit global scale), at the same tolerances.
 
 Tolerance of kernel vs twin: the twin replays the kernels' splits, blocks, online softmax and casts, so what differs
 is the order of FP32 sums inside the two dot products and `exp` (`ex2.approx` on the GPU): a few FP32 ulps of the
@@ -24,19 +25,25 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests import fp4_attention_interpret
 from tests.interpret import Interpreted, interpret
+from trace_core.formats import KV_FP4, MXFP4, NVFP4
 from trace_core.kernels import fp4_attention
 from trace_core.kernels.fp4_attention import check_fp4_cache, fp4_words
-from trace_core.kv_attention import decode_attention_reference, dequantize_kv
+from trace_core.kv_attention import decode_attention_reference, dequantize_kv, extend_attention_reference
+
+KV_FMTS = [KV_FP4, NVFP4]
 
 
-def test_twin_is_softmax_attention_over_the_dequantized_cache():
+@pytest.mark.parametrize("kv_fmt", KV_FMTS, ids=lambda f: f.name)
+def test_twin_is_softmax_attention_over_the_dequantized_cache(kv_fmt):
     heads, group, d, lens = 2, 4, 64, [70, 9]
-    q, kc, ks, vc, vs, indptr, indices, nsplit = checks.make_case(heads, group, d, lens, [3, 1], torch.float32, "cpu")
-    out = decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, nsplit, 0.125, kv_dtype=torch.float32)
+    q, kc, ks, vc, vs, indptr, indices, nsplit = checks.make_case(heads, group, d, lens, [3, 1], torch.float32, "cpu",
+                                                                  kv_fmt=kv_fmt)  # fmt: skip
+    out = decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, nsplit, 0.125, kv_dtype=torch.float32,
+                                     kv_fmt=kv_fmt)  # fmt: skip
     for b in range(len(lens)):
         slots = indices[indptr[b] : indptr[b + 1]]
-        k = dequantize_kv(kc[slots], ks[slots], torch.float32).repeat_interleave(group, 1)
-        v = dequantize_kv(vc[slots], vs[slots], torch.float32).repeat_interleave(group, 1)
+        k = dequantize_kv(kc[slots], ks[slots], torch.float32, fmt=kv_fmt).repeat_interleave(group, 1)
+        v = dequantize_kv(vc[slots], vs[slots], torch.float32, fmt=kv_fmt).repeat_interleave(group, 1)
         w = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * 0.125, dim=-1)
         torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", w, v), rtol=1e-5, atol=1e-5)
 
@@ -46,6 +53,35 @@ def test_dequantize_kv_is_the_kv_fp4_value():
     scales = torch.tensor([[128]], dtype=torch.uint8)  # 2^1
     out = dequantize_kv(codes, scales, torch.float32)
     assert out[0, 0, :4].tolist() == [1.0, 2.0, -0.0, -12.0]
+
+
+def test_dequantize_kv_is_the_nvfp4_value_under_the_static_unit_scale():
+    codes = torch.tensor([[[0x21, 0xF8, 0, 0, 0, 0, 0, 0]]], dtype=torch.uint8)  # codes 1, 2, 8, 15: low nibble first
+    for byte, sf in ((0x3A, 1.25), (0x01, 2.0**-9), (0x7E, 448.0)):  # E4M3 1.25, the least subnormal, the largest
+        out = dequantize_kv(codes, torch.tensor([[byte]], dtype=torch.uint8), torch.float32, fmt=NVFP4)
+        assert out[0, 0, :4].tolist() == [0.5 * sf, 1.0 * sf, -0.0, -6.0 * sf]
+    assert torch.equal(dequantize_kv(codes, torch.tensor([[0x3A]], dtype=torch.uint8), fmt=NVFP4)[0, 0, :4],
+                       torch.tensor([0.625, 1.25, -0.0, -7.5], dtype=torch.bfloat16))  # fmt: skip
+
+
+def test_other_kv_formats_are_refused_by_name():
+    from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
+
+    q, kc, ks, vc, vs, indptr, indices, nsplit = checks.make_case(1, 2, 64, [5], [1], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="reads \\['kv_fp4', 'nvfp4'\\] pools, not mxfp4"):
+        dequantize_kv(kc, ks, fmt=MXFP4)
+    with pytest.raises(ValueError, match="not mxfp4"):
+        decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, nsplit, 0.125, kv_fmt=MXFP4)
+    logits, lse = torch.empty(1, 2, 1, 64), torch.empty(1, 2, 1)
+    with pytest.raises(ValueError, match="not mxfp4"):
+        fp4_attention.fp4_decode_attention(q, kc, ks, vc, vs, torch.empty_like(q), indptr, indices, logits, lse, nsplit,
+                                           1, 0.125, kv_fmt=MXFP4)  # fmt: skip
+    q, k, v, kc, ks, vc, vs, qo, kvp, idx, n = checks.make_extend_case(checks.EXTEND_CASES[0], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="not mxfp4"):
+        extend_attention_reference(q, k, v, kc, ks, vc, vs, qo, kvp, idx, 0.125, kv_fmt=MXFP4)
+    with pytest.raises(ValueError, match="not mxfp4"):
+        fp4_extend_attention(q, k, v, torch.empty_like(q), kc, ks, vc, vs, qo, kvp, idx, None, True, None, n, 1.0, 1.0,
+                             kv_fmt=MXFP4)  # fmt: skip
 
 
 def test_grouped_launch_is_restored_in_place():
@@ -168,19 +204,19 @@ def test_extend_refuses_what_it_does_not_replay():
         fp4_extend_attention(q, k[..., :32], *args[2:], None, True, None, n, 1.0, 1.0)
 
 
-def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():
-    from trace_core.kv_attention import extend_attention_reference
-
+@pytest.mark.parametrize("kv_fmt", KV_FMTS, ids=lambda f: f.name)
+def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens(kv_fmt):
     case = checks.EXTEND_CASES[0]
     heads, group, d = case[:3]
-    q, k, v, kc, ks, vc, vs, qo, kvp, idx, _ = checks.make_extend_case(case, torch.float32, "cpu")
+    q, k, v, kc, ks, vc, vs, qo, kvp, idx, _ = checks.make_extend_case(case, torch.float32, "cpu", kv_fmt=kv_fmt)
     out = extend_attention_reference(q, k, v, kc, ks, vc, vs, qo, kvp, idx, 0.125, kv_dtype=torch.float32,
-                                     tiles=(16, 32))  # fmt: skip
+                                     kv_fmt=kv_fmt, tiles=(16, 32))  # fmt: skip
     for b in range(len(qo) - 1):
         slots = idx[kvp[b] : kvp[b + 1]]
         new = slice(int(qo[b]), int(qo[b + 1]))
-        keys = torch.cat([dequantize_kv(kc[slots], ks[slots], torch.float32), k[new]]).repeat_interleave(group, 1)
-        vals = torch.cat([dequantize_kv(vc[slots], vs[slots], torch.float32), v[new]]).repeat_interleave(group, 1)
+        pre_k, pre_v = (dequantize_kv(c[slots], s[slots], torch.float32, fmt=kv_fmt) for c, s in ((kc, ks), (vc, vs)))
+        keys = torch.cat([pre_k, k[new]]).repeat_interleave(group, 1)
+        vals = torch.cat([pre_v, v[new]]).repeat_interleave(group, 1)
         n_pre, n_new = len(slots), new.stop - new.start
         allowed = torch.arange(n_pre + n_new)[None, :] <= n_pre + torch.arange(n_new)[:, None]
         w = torch.einsum("mhd,nhd->hmn", q[new], keys) * 0.125
@@ -189,21 +225,29 @@ def test_extend_twin_is_causal_softmax_attention_over_prefix_and_new_tokens():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_fmt", KV_FMTS, ids=lambda f: f.name)
 @pytest.mark.parametrize("case", checks.CASES, ids=str)
-def test_bf16_kernels_on_the_gpu(case):
-    checks.check_decode(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
+def test_bf16_kernels_on_the_gpu(case, kv_fmt):
+    checks.check_decode(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7, kv_fmt)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_fmt", KV_FMTS, ids=lambda f: f.name)
 @pytest.mark.parametrize("case", checks.EXTEND_CASES, ids=str)
-def test_bf16_extend_on_the_gpu(case):
-    checks.check_extend(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7)
+def test_bf16_extend_on_the_gpu(case, kv_fmt):
+    checks.check_extend(case, torch.bfloat16, torch.bfloat16, "cuda", 2**-7, 2**-7, kv_fmt)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_fmt", KV_FMTS, ids=lambda f: f.name)
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
-def test_bf16_tile_on_the_gpu(d):
-    checks.check_tile(d, torch.bfloat16, "cuda")
+def test_bf16_tile_on_the_gpu(d, kv_fmt):
+    checks.check_tile(d, torch.bfloat16, "cuda", kv_fmt)
+
+
+@pytest.mark.gpu
+def test_e4m3_decode_on_the_gpu():
+    checks.check_e4m3_decode("cuda")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The embedded engine with FP4-KV decode attention (`trace_rl.fp4_kv_engine`): its pool holds exactly the FP4 K/V
 the engine attends over, in SGLang's pool layout at the engine's slots, decode steps read it, and the engine gives
-its sampled tokens the log-probs that the engine attending over the dequantized values (SDPA) gives them.
+its sampled tokens the log-probs that the engine attending over the dequantized values (SDPA) gives them; under the
+default recipe (`kv_fp4` pool) and under `nvfp4-w4a4-nvfp4kv` (NVFP4 pool: E4M3 scale bytes, static unit scale).
 
 On CPU decode runs the pure-torch twin; on CUDA the Triton kernel, checked on every call against the twin on the
 same pool within the kernel-vs-twin tolerance of tests/test_fp4_attention.py (one BF16 rounding: 2^-7 relative +
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from trace_core.kv_attention import decode_attention_reference, dequantize_kv
+from trace_core.recipe import DEFAULT_RECIPE, get_recipe
 from trace_core.records import RecordSpec
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
@@ -36,7 +38,7 @@ from trace_rl.task import EOS, AdditionTask
 from trace_rl.warmup import HF_DIR, make_tiny_model
 
 TASK = AdditionTask(1)
-SPEC = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,))
+RECIPES = [DEFAULT_RECIPE, "nvfp4-w4a4-nvfp4kv"]  # a kv_fp4 pool and an NVFP4 one
 pytestmark = pytest.mark.slow
 
 
@@ -89,11 +91,14 @@ def _forced(engine: EmbeddedEngine, prompts: torch.Tensor, tokens: torch.Tensor)
     return torch.stack(out, 1).cpu(), top
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
+def test_pool_holds_the_attended_values_and_decode_reads_it(request, device, recipe):
     model_dir = request.getfixturevalue("tiny_dir" if device == "cpu" else "small_dir")
     prompts = TASK.prompts(torch.tensor([[3, 4], [9, 9], [0, 1]]))
-    engine = FP4AttentionEngine(model_dir, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
+    spec = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,), recipe=recipe)
+    engine = FP4AttentionEngine(model_dir, spec=spec, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
+    assert engine.kv_fmt is get_recipe(recipe).k.fmt
     engine.tap = tap = _KVTap()
     calls = []
     decode = engine.decode_attention
@@ -103,7 +108,8 @@ def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
         calls.append(layer)
         if out.is_cuda:  # the kernel ran: against the twin on the same pool and pages
             pool = (*engine.kv_pool[(layer, "k")], *engine.kv_pool[(layer, "v")])
-            twin = decode_attention_reference(q.contiguous(), *pool, *engine.decode_pages(q.shape[0]), scaling)
+            twin = decode_attention_reference(q.contiguous(), *pool, *engine.decode_pages(q.shape[0]), scaling,
+                                              kv_fmt=engine.kv_fmt)  # fmt: skip
             torch.testing.assert_close(out, twin, rtol=2**-7, atol=2**-7)
         return out
 
@@ -115,13 +121,13 @@ def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
     for values, slots in zip(tap.values, tap.slots, strict=False):
         for (layer, kind), y in values.items():
             codes, scales = engine.kv_pool[(layer, kind)]
-            got = dequantize_kv(codes[slots], scales[slots]).reshape(y.shape)
+            got = dequantize_kv(codes[slots], scales[slots], fmt=engine.kv_fmt).reshape(y.shape)
             assert torch.equal(got, y), (layer, kind)
 
     # the reference scores our tokens (rows past their EOS are padded with it; those positions are not compared)
     n = max(len(t.logprobs) for t in ours)
     tokens = torch.stack([torch.cat([t.tokens[t.prompt_len :], torch.full((n,), EOS)])[:n] for t in ours])
-    ref = EmbeddedEngine(model_dir, fp4=True, spec=SPEC, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
+    ref = EmbeddedEngine(model_dir, fp4=True, spec=spec, max_batch=4, max_len=TASK.prompt_len + 4, device=device)
     theirs, top = _forced(ref, prompts, tokens)
     for i, t in enumerate(ours):
         torch.testing.assert_close(t.logprobs, theirs[i, : len(t.logprobs)], rtol=0, atol=_logprob_atol(top))
@@ -130,11 +136,11 @@ def test_pool_holds_the_attended_values_and_decode_reads_it(request, device):
 RL = dict(prompts_per_step=2, group_size=2, max_new_tokens=3, steps=1, loggers="none", fp4_attention="decode")
 
 
-def test_rl_step_with_fp4_attention_reads_the_pool(tiny_model, tmp_path):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_rl_step_with_fp4_attention_reads_the_pool(tiny_model, tmp_path, recipe):
     evaluation = dict(eval_data="addition", eval_every=1, eval_prompts=2, eval_k=2)
-    cfg = RLConfig(
-        model_dir=str(tiny_model(10)), out_dir=str(tmp_path), mode="trace", rollout_workers=1, **RL, **evaluation
-    )
+    cfg = RLConfig(model_dir=str(tiny_model(10)), out_dir=str(tmp_path), mode="trace", rollout_workers=1,
+                   recipe=recipe, **RL, **evaluation)  # fmt: skip
     with Controller(cfg) as ctrl:
         (worker,) = ctrl.pool.workers
         engine = worker.engine

@@ -19,7 +19,9 @@ from trace_core.kernels import (
     rtn_fake_quant,
 )
 from trace_core.quant import quantize
+from trace_core.recipe import DEFAULT_RECIPE, get_recipe
 from trace_core.records import Record
+from trace_core.role_quant import fake_quant
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_ocp", "kv_fp4"])
@@ -48,6 +50,30 @@ def test_guided_fake_quant_matches_guided_round_with_fallback_rows():
         theirs.redirected,
     )
     assert ours.rtn_fallback == 3 * 64
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_static_kv_role_through_the_cpu_ops(bits):
+    kernel_checks.check_static_kv(7, 64, torch.bfloat16, bits, "cpu", _op_quantize, ops._guided_op)
+
+
+def test_rows_without_a_record_take_the_roles_rtn():
+    """An NVFP4 K/V record of the static unit scale, as the store returns it (S_enc 1 on every row): with the role,
+    rows without a record are `fake_quant(role, row)` on both paths, not rescaled per token as the record's per-row
+    scale would otherwise read; a role of another format is refused."""
+    role = get_recipe("nvfp4-w4a4-nvfp4kv").k
+    x = kernel_checks.make_input(9, 64, torch.bfloat16, "cpu")
+    roll = quantize(kernel_checks.make_input(9, 64, torch.bfloat16, "cpu", seed=3), "nvfp4", global_scale=1.0)
+    rec = Record(roll.fmt, 4, 64, Record.from_quantized(roll, 4).low_bits, roll.scales, torch.ones(9, 1))
+    has = torch.tensor([True, False, True] * 3)
+    ours, theirs = GuidanceStats(), GuidanceStats()
+    out = guided_fake_quant(x, rec, 2, has_record=has, stats=ours, role=role)
+    assert torch.equal(out, ref_guided.guided_round(x, rec, 2, has_record=has, stats=theirs, role=role))
+    assert torch.equal(out[~has], fake_quant(role, x)[~has])
+    assert not torch.equal(out[~has], guided_fake_quant(x, rec, 2, has_record=has, stats=GuidanceStats())[~has])
+    assert (int(ours.rtn_fallback), int(ours.redirected)) == (theirs.rtn_fallback, theirs.redirected)
+    with pytest.raises(ValueError, match="role of format kv_fp4 given for a nvfp4 record"):
+        guided_fake_quant(x, rec, 2, has_record=has, role=get_recipe(DEFAULT_RECIPE).k)
 
 
 def test_straight_through_gradients():

@@ -18,7 +18,9 @@ from trace_core.kernels import (
     rtn_fake_quant,
 )
 from trace_core.quant import dequantize, quantize
+from trace_core.recipe import DEFAULT_RECIPE, get_recipe
 from trace_core.records import Record
+from trace_core.role_quant import fake_quant, kv_pool_bytes
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -181,6 +183,41 @@ def test_guided_wrapper_matches_guided_round_with_fallback_rows():
         theirs.rtn_fallback,
         theirs.redirected,
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_static_kv_records_guided_values_and_fallback_rows_are_bit_exact(dtype):
+    # NVFP4 K/V at the static unit S_enc (nvfp4-w4a4-nvfp4kv): the Triton launchers and the public guided op with
+    # the role, rows without a record being the role's RTN
+    role = get_recipe("nvfp4-w4a4-nvfp4kv").k
+    for bits in (1, 2, 4) if dtype == torch.bfloat16 else (1, 4):
+        kernel_checks.check_static_kv(37, 544, dtype, bits, "cuda", ops.triton_quantize_record, ops.triton_guided)
+        kernel_checks.check_static_kv(37, 544, dtype, bits, "cuda", _via_op, _guided_via_op)
+    x = kernel_checks.make_input(33, 1024, dtype, "cuda")
+    roll = quantize(kernel_checks.make_input(33, 1024, dtype, "cuda", seed=3), "nvfp4", global_scale=1.0)
+    rec = Record(roll.fmt, 1, 1024, Record.from_quantized(roll, 1).low_bits, roll.scales, torch.ones(33, 1).cuda())
+    has = torch.arange(33, device="cuda") % 4 != 0
+    out = guided_fake_quant(x, rec, 1, has_record=has, stats=GuidanceStats(), role=role)
+    assert torch.equal(out, guided_round(x, rec, 1, has_record=has, stats=GuidanceStats(), role=role))
+    assert torch.equal(out[~has], fake_quant(role, x)[~has])
+
+
+@pytest.mark.parametrize("name", [DEFAULT_RECIPE, "nvfp4-w4a4-nvfp4kv"])
+def test_kv_pool_bytes_inside_a_captured_cuda_graph(name):
+    # the pool bytes of a kv_fp4 and an NVFP4 (S_enc = 1) role, captured once and replayed on new rows
+    role = get_recipe(name).k
+    t, d = 64, 512
+    x = kernel_checks.make_input(t, d, torch.bfloat16, "cuda")
+    kv_pool_bytes(role, x)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        codes, scales = kv_pool_bytes(role, x)
+    for seed in range(3):
+        x.copy_(kernel_checks.make_input(t, d, torch.bfloat16, "cuda", seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        q = quantize(x, role.fmt, **({"global_scale": 1.0} if role.fmt.has_global_scale else {}))
+        assert torch.equal(codes, pack_fp4(q.codes)) and torch.equal(scales, q.scales), (name, seed)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4", "mxfp4"])

@@ -19,6 +19,7 @@ from megatron_trace.sites import SiteNumerics
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.guided import GuidanceStats, guided_round
 from trace_core.quant import dequantize, quantize
+from trace_core.recipe import DEFAULT_RECIPE, Scale, get_recipe
 from trace_core.records import Record, RecordSpec
 
 CFG = TinyMoEConfig()
@@ -42,23 +43,25 @@ def perturb(model: torch.nn.Module, rel: float = 2e-3, seed: int = 1) -> None:
             p.add_((torch.randn(p.shape, generator=g) * rel * p.float().abs().mean()).to(p.dtype))
 
 
-def fmt_of(kind: str) -> str:
-    return "nvfp4" if kind == "moe_in" else "kv_fp4"
+def quantize_as(recipe: str, kind: str, x: torch.Tensor):
+    """The reference quantization of rows `x` under the recipe's role `kind`: the default recipe's per-token NVFP4
+    MoE input and kv_fp4 K/V, or `nvfp4-w4a4-nvfp4kv`'s NVFP4 K/V at the static S_enc = 1."""
+    role = get_recipe(recipe).role(kind)
+    scale = {Scale.PER_TOKEN: {"per_token": True}, Scale.STATIC: {"global_scale": 1.0}}.get(role.scale, {})
+    return quantize(x, role.fmt, **scale)
 
 
 def rollout_rows(model, trajs, spec: RecordSpec) -> dict:
     """Independent rollout capture: {(site, traj, pos): rollout-side Quantized of that token row}."""
     table = {}
+    recipe = spec.recipe or DEFAULT_RECIPE
 
     def tap(site, rows, x, y):
-        per_token = site[1] == "moe_in"
-        q = quantize(x.detach(), fmt_of(site[1]), per_token=per_token)
+        q = quantize_as(recipe, site[1], x.detach())
         assert torch.equal(y, dequantize(q, x.dtype)), f"qat site {site} is not RTN"
         for i in range(len(rows)):
             if rows.traj[i] != PAD:
-                table[(site, int(rows.traj[i]), int(rows.pos[i]))] = quantize(
-                    x[i : i + 1].detach(), fmt_of(site[1]), per_token=per_token
-                )
+                table[(site, int(rows.traj[i]), int(rows.pos[i]))] = quantize_as(recipe, site[1], x[i : i + 1].detach())
 
     session = TraceSession(model, TraceConfig(mode="qat", spec=spec, replay_routes=False), tap=tap)
     mb = pack_microbatch(trajs)
@@ -69,9 +72,12 @@ def rollout_rows(model, trajs, spec: RecordSpec) -> dict:
     return table
 
 
+@pytest.mark.parametrize("recipe", [DEFAULT_RECIPE, "nvfp4-w4a4-nvfp4kv"])
 @pytest.mark.parametrize("bits", [1, 4])
-def test_guided_sites_equal_guided_round_of_rollout_records(bits):
-    spec = RecordSpec(bits=bits, moe_layers=(0, 1), attn_layers=(0, 1))
+def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
+    """Every captured site guided from its records; padding rows (no record) take the role's RTN: per-token NVFP4
+    MoE input, kv_fp4 K/V, or NVFP4 K/V at the static S_enc = 1 under `nvfp4-w4a4-nvfp4kv`."""
+    spec = RecordSpec(bits=bits, moe_layers=(0, 1), attn_layers=(0, 1), recipe=recipe)
     model = build_tiny_moe(CFG, dtype=torch.bfloat16)
     trajs = trajectories()
     expected_records = rollout_rows(model, trajs, spec)
@@ -94,7 +100,7 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits):
         for i in range(len(rows)):
             xi, yi = x[i : i + 1].detach(), y[i : i + 1].detach()
             if rows.traj[i] == PAD:
-                rtn = dequantize(quantize(xi, fmt_of(site[1]), per_token=site[1] == "moe_in"), xi.dtype)
+                rtn = dequantize(quantize_as(recipe, site[1], xi), xi.dtype)
                 assert torch.equal(yi, rtn), f"{site}: padding row is not RTN"
                 continue
             q = expected_records[(site, int(rows.traj[i]), int(rows.pos[i]))]
@@ -159,7 +165,7 @@ def test_uncaptured_sites_use_rtn_and_need_no_record():
     metrics = session.end_step()
     for site, _, x, y in taps:
         if site[0] == 0:
-            rtn = dequantize(quantize(x, fmt_of(site[1]), per_token=site[1] == "moe_in"), x.dtype)
+            rtn = dequantize(quantize_as(DEFAULT_RECIPE, site[1], x), x.dtype)
             assert torch.equal(y, rtn), site
     assert "trace/L0.moe_in/rtn_fallback" not in metrics and "trace/L1.moe_in/rtn_fallback" in metrics
 

@@ -20,12 +20,15 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.sites import SiteNumerics
 from megatron_trace.source import SiteRows
 from trace_core import e2m1
-from trace_core.formats import MXFP4, FP4Format
+from trace_core.capture import SiteBuffers
+from trace_core.e2m1 import pack_fp4
+from trace_core.formats import KV_FP4, MXFP4, NVFP4, FP4Format
+from trace_core.kernels import record_buffers
 from trace_core.mxfp8 import MXFP8, dequantize_mxfp8, quantize_mxfp8
-from trace_core.quant import dequantize, quantize
+from trace_core.quant import dequantize, quantize, scale_factors
 from trace_core.recipe import DEFAULT_RECIPE, Role, Scale, get_recipe, recipe_names
 from trace_core.records import Binding, Record, RecordSpec, pack_low_bits
-from trace_core.role_quant import quantize_role
+from trace_core.role_quant import kv_pool_bytes, kv_pool_format, quantize_role, rollout_rtn
 from trace_rl.config import ConfigError, RLConfig
 
 RECIPES = recipe_names()
@@ -33,7 +36,8 @@ H, INTER, E, TOPK, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 4, 2, 2, 4, 2, 16
 
 
 def test_shipped_recipes_and_lookup_errors():
-    assert RECIPES == ("nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4", "mxfp4-w4a8-kv4") and DEFAULT_RECIPE == RECIPES[0]
+    assert RECIPES == ("nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4", "mxfp4-w4a8-kv4", "nvfp4-w4a4-nvfp4kv")
+    assert DEFAULT_RECIPE == RECIPES[0]
     with pytest.raises(ValueError, match=r"'nvfp5-w4a4'.*known recipes: \['nvfp4-w4a4-kv4', 'mxfp4-w4a4-kv4', "):
         get_recipe("nvfp5-w4a4")
     with pytest.raises(ConfigError, match=r"recipe='mxfp4' is not one of"):
@@ -44,6 +48,10 @@ def test_shipped_recipes_and_lookup_errors():
         Binding(0, 0, "t", "a", "d", recipe="nvfp4")
     with pytest.raises(ValueError, match="mxfp4 has only E8M0 block scales"):
         Role(MXFP4, Scale.PER_TOKEN)
+    with pytest.raises(ValueError, match="kv_fp4 has only E8M0 block scales; got scale static"):
+        Role(KV_FP4, Scale.STATIC)  # a static scale sits above the blocks: formats with a global scale only
+    with pytest.raises(ValueError, match="nvfp4 has a global scale above its blocks; got scale per_block"):
+        Role(NVFP4, Scale.PER_BLOCK)
     with pytest.raises(ValueError, match="records hold FP4 codes only"):
         Role(MXFP8, Scale.PER_BLOCK, recorded=True)
     with pytest.raises(ValueError, match="unknown role 'fc1_in'"):
@@ -60,6 +68,8 @@ def test_record_spec_layout_follows_the_recipe():
     assert (mx.moe_format, mx.kv_format, mx.moe_layers, mx.attn_layers) == ("mxfp4", "kv_fp4", layers, layers)
     w4a8 = RecordSpec.default(layers, layers, recipe="mxfp4-w4a8-kv4")  # FP8 MoE input: nothing to record there
     assert (w4a8.moe_format, w4a8.moe_layers, w4a8.sites()) == (None, (), [(i, kv) for i in layers for kv in "kv"])
+    nvkv = RecordSpec.default(layers, layers, recipe="nvfp4-w4a4-nvfp4kv")
+    assert (nvkv.moe_format, nvkv.kv_format, nvkv.per_token_scale, nvkv.sites()) == ("nvfp4", "nvfp4", True, nv.sites())
     with pytest.raises(ValueError, match=r"RecordSpec.moe_format='nvfp4' disagrees with recipe 'mxfp4-w4a4-kv4'"):
         RecordSpec(moe_layers=(1,), moe_format="nvfp4", recipe="mxfp4-w4a4-kv4")
     with pytest.raises(ValueError, match="'mxfp4-w4a8-kv4' does not record moe_in"):
@@ -69,6 +79,8 @@ def test_record_spec_layout_follows_the_recipe():
         TraceConfig(spec=mx, recipe="nvfp4-w4a4-kv4")
     with pytest.raises(ValueError, match="is not what recipe mxfp4-w4a4-kv4 records"):
         TraceConfig(spec=today, recipe="mxfp4-w4a4-kv4")
+    with pytest.raises(ValueError, match=r"k/v kv_fp4\) is not what recipe nvfp4-w4a4-nvfp4kv records .* k/v nvfp4\)"):
+        TraceConfig(spec=today, recipe="nvfp4-w4a4-nvfp4kv")
     assert TraceConfig(spec=today).recipe.name == DEFAULT_RECIPE and TraceConfig(spec=mx).recipe.name == mx.recipe
 
 
@@ -105,8 +117,8 @@ def _reference_values(role: Role, x: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest values of rows `x` under `role` from the reference quantizers (not `role_quant`)."""
     if not isinstance(role.fmt, FP4Format):
         return dequantize_mxfp8(*quantize_mxfp8(x), x.dtype)
-    per_token = {"per_token": True} if role.scale is Scale.PER_TOKEN else {}
-    return dequantize(quantize(x, role.fmt, **per_token), x.dtype)
+    scale = {Scale.PER_TOKEN: {"per_token": True}, Scale.STATIC: {"global_scale": 1.0}}.get(role.scale, {})
+    return dequantize(quantize(x, role.fmt, **scale), x.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +210,8 @@ def test_engine_rollout_and_trainer_sites_agree_bit_for_bit(tiny_hf, name):
             assert rec.fmt == q.fmt and torch.equal(rec.low_bits, pack_low_bits(q.codes, 4)), (name, site)
             assert torch.equal(rec.scales, q.scales)
             assert (rec.global_scale is None) == (q.global_scale is None)
-            if q.global_scale is not None:
-                assert torch.equal(rec.global_scale, q.global_scale)
+            if q.global_scale is not None:  # per token, or the static S_enc repeated per row
+                assert torch.equal(rec.global_scale, q.global_scale.expand_as(rec.global_scale))
 
     # expert weights and FC2 inputs: each FC1 GEMM of an expert is followed by its FC2 GEMM
     original = Qwen3MoeForCausalLM.from_pretrained(tiny_hf, dtype=torch.bfloat16)
@@ -223,33 +235,62 @@ def test_engine_rollout_and_trainer_sites_agree_bit_for_bit(tiny_hf, name):
     assert checked >= LAYERS * 3  # prefill + 3 decode forwards route to experts of every layer
 
 
+RECORDED = [(n, kind) for n in RECIPES for kind in ("moe_in", "k") if get_recipe(n).recorded(kind)]
+"""(recipe, site kind) of every recorded role (V is K's role in every recipe)."""
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_mxfp4_guided_rounding_recovers_every_adjacent_rollout_codeword(bits):
-    """The rollout's MXFP4 MoE-input record (`mxfp4-w4a4-kv4`, from the rollout quantizer) guides the trainer's
-    site on a perturbed copy of the rows: every rollout codeword adjacent to the trainer's bracket is recovered."""
-    name = "mxfp4-w4a4-kv4"
-    role = get_recipe(name).moe_in
+@pytest.mark.parametrize(("name", "kind"), RECORDED)
+def test_guided_rounding_recovers_every_adjacent_rollout_codeword(name, kind, bits):
+    """The record the rollout-side quantizer writes (`role_quant.rollout_rtn` into staging buffers, as the engines
+    do; an NVFP4 K/V record carries S_enc = 1 per row) holds the reference's codes, and guides the trainer's site on
+    a perturbed copy of the rows: every rollout codeword adjacent to the trainer's bracket is recovered, and rows
+    without a record take exactly the role's RTN (the reference's, not a per-token rescale)."""
+    role = get_recipe(name).role(kind)
     gen = torch.Generator().manual_seed(bits)
     rollout = (torch.randn(16, H, generator=gen) * 2).to(torch.bfloat16)
     train = (rollout.float() + 0.15 * torch.randn(rollout.shape, generator=gen)).to(torch.bfloat16)
+    low, scales, _ = record_buffers(16, H, role.fmt, bits, "cpu")
+    gs = torch.full((16, 1), float("nan")) if role.fmt.has_global_scale else None
+    rollout_rtn(role, rollout, bits, SiteBuffers(low, scales, gs))
     q = quantize_role(role, rollout)
-    record = Record.from_quantized(q, bits)
-    spec = RecordSpec(bits=bits, moe_layers=(0,), recipe=name)
+    assert torch.equal(low, pack_low_bits(q.codes, bits)) and torch.equal(scales, q.scales)
+    if gs is not None:
+        assert torch.equal(gs, q.global_scale.expand_as(gs))
+    has = torch.arange(16) % 5 != 4
+    spec = RecordSpec.of_recipe(name, (0,), (0,), bits)
     trainer = SiteNumerics(TraceConfig(mode="trace", spec=spec))
-    y = trainer.activation((0, "moe_in"), train, SiteRows(record, torch.ones(16, dtype=torch.bool)))
-    scale = torch.exp2(q.scales.float() - 127).repeat_interleave(MXFP4.block, dim=-1)
-    z = torch.clamp(train.float() / scale, -6, 6)
+    y = trainer.activation((0, kind), train, SiteRows(Record(role.fmt, bits, H, low, scales, gs), has))
+    assert torch.equal(y[~has], _reference_values(role, train)[~has])
+    _, encode = scale_factors(role.fmt, q.scales, q.global_scale)
+    z = torch.clamp(train.float() * encode.repeat_interleave(role.fmt.block, dim=-1), -6, 6)
     grid = sorted({s * m for m in e2m1.MAGNITUDES for s in (-1.0, 1.0)})
-    rolled = e2m1.code_values(q.codes)
+    rolled, rollout_values = e2m1.code_values(q.codes), dequantize(q, torch.bfloat16)
     adjacent = 0
-    columns = (z.flatten().tolist(), rolled.flatten().tolist(), y.flatten().tolist(), scale.flatten().tolist())
-    for zi, qr, yi, si in zip(*columns, strict=True):
+    columns = (z[has].flatten().tolist(), rolled[has].flatten().tolist(), (y[has] == rollout_values[has]).flatten())
+    for zi, qr, same in zip(*columns, strict=True):
         lo, hi = max(g for g in grid if g <= zi), min(g for g in grid if g >= zi)
         if qr in (lo, hi):
             adjacent += 1
-            assert yi == qr * si
-    assert adjacent > 0.9 * y.numel()
-    assert trainer.metrics()["trace/L0.moe_in/guided"] == y.numel()
+            assert same
+    assert adjacent > 0.9 * y[has].numel()
+    metrics = trainer.metrics()
+    assert metrics[f"trace/L0.{kind}/guided"] == y[has].numel() and metrics["trace/rtn_fallback"] == y[~has].numel()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_kv_pool_bytes_are_the_reference_quantizers(name):
+    """`role_quant.kv_pool_bytes` of K/V rows under the recipe's K role: the pool's packed codes and scale bytes of
+    the reference quantizer (kv_fp4, or NVFP4 at S_enc = 1), byte for byte; other roles have no pool."""
+    role = get_recipe(name).k
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(9, KV_HEADS * HEAD_DIM, generator=gen) * torch.logspace(-2, 2, 9)[:, None]).to(torch.bfloat16)
+    codes, scales = kv_pool_bytes(role, x)
+    q = quantize(x, role.fmt, **({"global_scale": 1.0} if role.fmt is NVFP4 else {}))
+    assert kv_pool_format(role) is role.fmt and torch.equal(codes, pack_fp4(q.codes)) and torch.equal(scales, q.scales)
+    for other in (Role(MXFP4, Scale.PER_BLOCK), Role(NVFP4, Scale.PER_TOKEN)):
+        with pytest.raises(ValueError, match=f"holds kv_fp4 or static-scale nvfp4 K/V; got {other.fmt.name} with"):
+            kv_pool_bytes(other, x)
 
 
 def test_packed_expert_export_only_where_sglang_loads_it():
@@ -319,4 +360,4 @@ def test_fc2_input_codes_do_not_depend_on_the_tp_split(name):
     full_amax = torch.maximum(*(row_amax(p) for p in halves)) if needs_row_amax(role) else None
     split = torch.cat([fc2_input_fake_quant(p, role, full_amax) for p in halves], dim=1)
     assert torch.equal(split, fc2_input_fake_quant(h, role))
-    assert needs_row_amax(role) == (name == "nvfp4-w4a4-kv4")
+    assert needs_row_amax(role) == (name in ("nvfp4-w4a4-kv4", "nvfp4-w4a4-nvfp4kv"))

@@ -93,3 +93,19 @@ def test_paper_mantissa_only_size():
     # Paper §4.2: b = 1 on the latter 20 MoE layers = 2048 * 20 * 1.5 bits = 7.5 KB per token.
     spec = RecordSpec(1, tuple(range(20, 40)), (), per_token_scale=False)
     assert bytes_per_token(QWEN35_35B, spec).total == 7.5 * 1024
+
+
+def test_record_bytes_are_the_capture_rows_fields_nvfp4_kv_with_its_static_scale():
+    """`bytes_per_token` is what a captured token row holds of its sites: an NVFP4 K/V record carries its static
+    S_enc = 1 as a 4-byte global scale per row (`nvfp4-w4a4-nvfp4kv`), kv_fp4 none."""
+    from trace_core.capture import record_row_layout
+
+    shape = ModelShape(hidden=64, num_kv_heads=2, head_dim=16)
+    kv = {}
+    for recipe in ("nvfp4-w4a4-kv4", "nvfp4-w4a4-nvfp4kv"):
+        spec = RecordSpec.default((0, 1), (0, 1), bits=1, recipe=recipe)
+        _, row = record_row_layout(spec, shape)
+        stored = sum(size for (owner, _), (_, size) in row.fields.items() if owner != "meta")
+        assert stored == bytes_per_token(shape, spec).total, recipe
+        kv[recipe] = bytes_per_token(shape, spec).kv
+    assert kv["nvfp4-w4a4-nvfp4kv"] == kv["nvfp4-w4a4-kv4"] + 4 * 4  # K and V of two layers

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megatron_trace.config import TraceConfig
+from trace_core.recipe import recipe_names
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
 from trace_rl.launch import main
@@ -64,6 +65,14 @@ def test_missing_config_file_and_model(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(FileNotFoundError, match="no tiny model"):
         Controller(RLConfig(model_dir=str(tmp_path), out_dir=str(tmp_path / "out")))
+
+
+def test_fp4_attention_serves_every_recipe():
+    """Every recipe's K/V fit the FP4 pool the decode attention reads: kv_fp4, or NVFP4 under its static unit scale
+    (`nvfp4-w4a4-nvfp4kv`; tests/test_fp4_kv_engine.py runs it)."""
+    for name in recipe_names():
+        cfg = load_config(None, ["fp4_attention=decode", f"recipe={name}"])
+        assert (cfg.fp4_attention, cfg.recipe) == ("decode", name)
 
 
 def test_launcher_refuses_fp4_attention_with_the_bf16_arm(tmp_path):

@@ -9,7 +9,8 @@ For each element x with rollout decode scale s and rollout code bits c (docs/num
      recovered exactly), else the matching magnitude nearest |z|; q* = the bracket end nearer q_hat, and RTN
      when both outer candidates are equally near;
   5. forward s * q*, backward identity.
-Rows without a record use the format's RTN; every such element is counted in a `GuidanceStats`.
+Rows without a record use the RTN of the rollout's role (`fallback_scale`); every such element is counted in a
+`GuidanceStats`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 
 from trace_core import e2m1
 from trace_core.formats import FP4Format, get_format
-from trace_core.quant import Quantized, check_input, dequantize, quantize, scale_factors
+from trace_core.quant import Quantized, check_input, dequantize, quantize, scale_factors, static_global_scale
+from trace_core.recipe import Role, Scale
 from trace_core.records import Record, check_bits, low_bits_mask
 
 _NONE = -1
@@ -138,19 +140,28 @@ def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, fmt: FP4Format) ->
     return sign_bits | k.to(torch.uint8), sign_bits | rtn.to(torch.uint8)
 
 
-def fallback_scale(rollout_global_scale: torch.Tensor | None) -> dict:
-    """`quantize` scale arguments for rows without a record: per-token dynamic when the rollout scaled per token,
-    else the rollout's per-tensor global scale applied statically (E8M0 formats need neither)."""
-    if rollout_global_scale is None:
+def fallback_scale(rollout: Quantized | Record, role: Role | None = None) -> dict:
+    """`quantize` scale arguments for rows without a record: the RTN of the rollout's `role` (per-token dynamic, the
+    static S_enc = 1, or the rollout's per-tensor scale; E8M0 formats take none). Without a role the granularity is
+    read off the record: per-token dynamic where it holds one scale per row, its 0-d scale applied statically. A
+    static scale stored per row (an NVFP4 KV record from the store) reads as per token there: pass the role.
+    ValueError for a role of another format than the record's."""
+    if role is not None and role.fmt != rollout.fmt:
+        raise ValueError(f"role of format {role.fmt.name} given for a {rollout.fmt.name} record")
+    gs = rollout.global_scale
+    if gs is None:
         return {}
-    if rollout_global_scale.dim():
+    scale = None if role is None else role.scale
+    if scale is Scale.STATIC:
+        return {"global_scale": static_global_scale(gs.device)}
+    if scale is Scale.PER_TOKEN or scale is None and gs.dim():
         return {"per_token": True}
-    return {"global_scale": rollout_global_scale}
+    return {"global_scale": gs}  # per tensor: the rollout's S_enc (0-d, or repeated per row)
 
 
-def _fallback_rtn(x: torch.Tensor, rollout: Quantized | Record) -> torch.Tensor:
+def _fallback_rtn(x: torch.Tensor, rollout: Quantized | Record, role: Role | None) -> torch.Tensor:
     """RTN for rows without a record, under `fallback_scale`."""
-    return dequantize(quantize(x, rollout.fmt, **fallback_scale(rollout.global_scale)), x.dtype)
+    return dequantize(quantize(x, rollout.fmt, **fallback_scale(rollout, role)), x.dtype)
 
 
 def _check_rollout(x: torch.Tensor, rollout: Quantized | Record, bits: int, finite: bool = True) -> FP4Format:
@@ -189,12 +200,14 @@ def guided_round(
     *,
     has_record: torch.Tensor | None = None,
     stats: GuidanceStats | None = None,
+    role: Role | None = None,
 ) -> torch.Tensor:
     """Round `x` to the FP4 grid under the rollout's scales, toward the rollout's codes (straight-through).
 
     `rollout` is the rollout-side `Quantized` or a `Record` of the same shape as `x`; `bits` (1..4) of each code
-    guide the choice. `has_record` (bool, `x.shape[:-1]`) marks rows that have a record; other rows get RTN and
-    are counted in `stats` (or `GLOBAL_STATS`). Returns a tensor of x's dtype and shape.
+    guide the choice. `has_record` (bool, `x.shape[:-1]`) marks rows that have a record; other rows get the RTN of
+    the rollout's `role` (`fallback_scale`) and are counted in `stats` (or `GLOBAL_STATS`). Returns a tensor of x's
+    dtype and shape.
     """
     _check_rollout(x, rollout, bits)
     if has_record is not None and (has_record.dtype != torch.bool or tuple(has_record.shape) != tuple(x.shape[:-1])):
@@ -207,7 +220,7 @@ def guided_round(
     value = dequantize(guided, x.dtype)
     fallback = 0
     if has_record is not None and not bool(has_record.all()):
-        value = torch.where(has_record.unsqueeze(-1), value, _fallback_rtn(xd, rollout))
+        value = torch.where(has_record.unsqueeze(-1), value, _fallback_rtn(xd, rollout, role))
         redirected &= has_record.unsqueeze(-1)
         fallback = int((~has_record).sum()) * x.shape[-1]
     stats.guided += x.numel() - fallback

@@ -1,9 +1,10 @@
 """Pure-torch decode attention over an FP4 KV cache: the reference twin of `trace_core.kernels.fp4_attention`.
 
 The cache layout is SGLang's `MHATokenToKVPoolFP4` per layer: codes uint8 `[slots, heads, D/2]` (element 2i in the
-low nibble of byte i), E8M0 scale bytes uint8 `[slots, heads * D / 16]` (16 elements per byte, exponent + 127),
-i.e. `kv_fp4` rows of `heads * D` elements. Requests are paged as in SGLang's triton backend: request b attends
-over slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`.
+low nibble of byte i), scale bytes uint8 `[slots, heads * D / 16]` (16 elements per byte), i.e. rows of
+`heads * D` elements of the pool's format (`KV_FORMATS`): `kv_fp4` (E8M0 bytes, exponent + 127), or NVFP4 KV (E4M3
+bytes under the static global scale S_enc = 1: `trace_core.recipe.Scale.STATIC`). Requests are paged as in SGLang's
+triton backend: request b attends over slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`.
 
 The twin follows the kernels' algorithm step by step (SGLang's split-KV decode: per split, blocks of `block_n`
 slots with an online softmax, the probabilities cast to the value dtype before the P V product on the grouped
@@ -18,17 +19,32 @@ import math
 import torch
 
 from trace_core.e2m1 import unpack_fp4
-from trace_core.formats import KV_FP4
-from trace_core.quant import Quantized, dequantize
+from trace_core.formats import KV_FP4, NVFP4, FP4Format
+from trace_core.quant import Quantized, dequantize, static_global_scale
 
 MIN_BLOCK_KV = 32
+KV_FORMATS = (KV_FP4, NVFP4)
+"""Formats of an FP4 KV pool the attention kernels and twins read."""
 
 
-def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Values `[slots, heads, D]` of FP4 pool rows (what `KVFP4QuantizeUtil.batched_dequantize` returns)."""
+def check_kv_format(fmt: FP4Format) -> FP4Format:
+    """`fmt` if it is one of `KV_FORMATS`, else ValueError naming it."""
+    if fmt not in KV_FORMATS:
+        name = getattr(fmt, "name", repr(fmt))
+        raise ValueError(f"FP4 KV attention reads {[f.name for f in KV_FORMATS]} pools, not {name}")
+    return fmt
+
+
+def dequantize_kv(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *, fmt: FP4Format = KV_FP4
+) -> torch.Tensor:
+    """Values `[slots, heads, D]` of FP4 pool rows of format `fmt` (`KV_FORMATS`; for kv_fp4 what
+    `KVFP4QuantizeUtil.batched_dequantize` returns, for NVFP4 e2m1 x e4m3 under S_enc = 1, exact)."""
+    check_kv_format(fmt)
     slots, heads, half = codes.shape
     codes = unpack_fp4(codes).reshape(slots, heads * 2 * half)
-    q = Quantized(codes=codes, scales=scales, global_scale=None, fmt=KV_FP4)
+    gs = static_global_scale(codes.device) if fmt.has_global_scale else None
+    q = Quantized(codes=codes, scales=scales, global_scale=gs, fmt=fmt)
     return dequantize(q, dtype).view(slots, heads, 2 * half)
 
 
@@ -68,10 +84,12 @@ def decode_attention_reference(
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
     kv_dtype: torch.dtype = torch.bfloat16,
+    kv_fmt: FP4Format = KV_FP4,
 ) -> torch.Tensor:
-    """Decode attention output `[B, Hq, D]` (q's dtype) of queries q `[B, Hq, D]` over the FP4 cache, computed on
-    the CPU in the kernels' order (MHA: blocks of 64 slots, FP32 probabilities; GQA: blocks of 32, probabilities
-    cast to `kv_dtype`)."""
+    """Decode attention output `[B, Hq, D]` (q's dtype) of queries q `[B, Hq, D]` over the FP4 cache of format
+    `kv_fmt` (`KV_FORMATS`), computed on the CPU in the kernels' order (MHA: blocks of 64 slots, FP32
+    probabilities; GQA: blocks of 32, probabilities cast to `kv_dtype`)."""
+    check_kv_format(kv_fmt)
     heads = k_codes.shape[1]
     group = q.shape[1] // heads
     block_n, cast_p = (64, False) if group == 1 else (32, True)
@@ -79,8 +97,10 @@ def decode_attention_reference(
     out = torch.empty(q.shape, dtype=q.dtype)
     for b in range(q.shape[0]):
         slots = indices[indptr[b] : indptr[b + 1]]
-        k = dequantize_kv(k_codes[slots.to(k_codes.device)].cpu(), k_scales[slots.to(k_codes.device)].cpu(), kv_dtype)
-        v = dequantize_kv(v_codes[slots.to(v_codes.device)].cpu(), v_scales[slots.to(v_codes.device)].cpu(), kv_dtype)
+        k = dequantize_kv(k_codes[slots.to(k_codes.device)].cpu(), k_scales[slots.to(k_codes.device)].cpu(), kv_dtype,
+                          fmt=kv_fmt)  # fmt: skip
+        v = dequantize_kv(v_codes[slots.to(v_codes.device)].cpu(), v_scales[slots.to(v_codes.device)].cpu(), kv_dtype,
+                          fmt=kv_fmt)  # fmt: skip
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         n = slots.numel()
         per_split = math.ceil(math.ceil(n / int(splits[b])) / MIN_BLOCK_KV) * MIN_BLOCK_KV
@@ -156,13 +176,15 @@ def extend_attention_reference(
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
     kv_dtype: torch.dtype = torch.bfloat16,
+    kv_fmt: FP4Format = KV_FP4,
     tiles: tuple[int, int] = (64, 64),
 ) -> torch.Tensor:
     """Extend attention output `[tokens, Hq, D]` (q's dtype): request b's new tokens `q_extend[qo_indptr[b]:
     qo_indptr[b + 1]]` attend over its cached prefix (FP4 pool slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`)
     and over its new K/V (causally when `is_causal`), in the order of `trace_core.kernels.fp4_extend_attention`:
     query blocks of `tiles[0]`, key blocks of `tiles[1]` (prefix first), one online softmax, probabilities cast
-    to the values' dtype before P V. Computed on the CPU."""
+    to the values' dtype before P V; the pool of format `kv_fmt` (`KV_FORMATS`). Computed on the CPU."""
+    check_kv_format(kv_fmt)
     block_m, block_n = tiles
     group = q_extend.shape[1] // k_codes.shape[1]
     qo, kvp, idx = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_indices.cpu().long()
@@ -170,8 +192,9 @@ def extend_attention_reference(
     out = torch.empty(q_extend.shape, dtype=q_extend.dtype)
     for b in range(qo.numel() - 1):
         slots = idx[kvp[b] : kvp[b + 1]].to(k_codes.device)
-        k_pre = dequantize_kv(k_codes[slots].cpu(), k_scales[slots].cpu(), kv_dtype).repeat_interleave(group, 1)
-        v_pre = dequantize_kv(v_codes[slots].cpu(), v_scales[slots].cpu(), kv_dtype).repeat_interleave(group, 1)
+        k_pre = dequantize_kv(k_codes[slots].cpu(), k_scales[slots].cpu(), kv_dtype, fmt=kv_fmt)
+        v_pre = dequantize_kv(v_codes[slots].cpu(), v_scales[slots].cpu(), kv_dtype, fmt=kv_fmt)
+        k_pre, v_pre = k_pre.repeat_interleave(group, 1), v_pre.repeat_interleave(group, 1)
         q, k, v = (t[qo[b] : qo[b + 1]] for t in (q_all, k_new, v_new))
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         n_ext, n_pre = q.shape[0], slots.numel()

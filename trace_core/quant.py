@@ -98,6 +98,12 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, s_enc, torch.ones_like(s_enc))
 
 
+def static_global_scale(device: torch.device | str) -> torch.Tensor:
+    """The static `S_enc` of an NVFP4 KV pool (`trace_core.recipe.Scale.STATIC`): 1, a 0-d FP32 tensor made on
+    `device` (no host copy, no sync: CUDA-graph safe). With it every decoded value `e2m1 * e4m3` is exact."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def e8m0_exponent(amax: torch.Tensor, rule: E8M0Rule, elem_max: float = e2m1.E2M1_MAX) -> torch.Tensor:
     """Block exponent e (FP32, integral) of an E8M0 scale 2^e, clamped to the E8M0 range; `elem_max` is the element
     format's largest magnitude (6 for E2M1, 448 for the FP8 E4M3 elements of MXFP8; CEIL rule only)."""

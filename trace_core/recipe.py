@@ -18,11 +18,15 @@ from trace_core.mxfp8 import MXFP8, FP8Format
 
 
 class Scale(enum.Enum):
-    """Granularity of the FP32 scale above the block scales."""
+    """Granularity of the FP32 scale above the block scales.
+
+    STATIC is one FP32 global scale fixed before any data is seen, S_enc = 1: a KV pool cannot rescale the tokens it
+    already holds (SGLang's `NVFP4KVMethod` without checkpoint `k_scale` / `v_scale`)."""
 
     PER_TENSOR = "per_tensor"  # one S_enc per tensor: an expert matrix (gate and up as one FC1 matrix)
     PER_TOKEN = "per_token"  # one S_enc per row: a token, or a (token, expert) pair at the FC2 input
     PER_BLOCK = "per_block"  # none: the E8M0 block scales alone (MX formats, the FP4 KV cache)
+    STATIC = "static"  # one S_enc = 1 fixed before any data: the NVFP4 KV pool
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Role:
     recorded: bool = False
 
     def __post_init__(self) -> None:
+        # per tensor, per token and static scales sit above the blocks: formats with a global scale only
         block_only = self.fmt.scale is ScaleKind.E8M0
         if block_only != (self.scale is Scale.PER_BLOCK):
             kind = "only E8M0 block scales" if block_only else "a global scale above its blocks"
@@ -110,9 +115,19 @@ MXFP4_W4A8_KV4 = PrecisionRecipe(
     k=Role(KV_FP4, Scale.PER_BLOCK, recorded=True),
     v=Role(KV_FP4, Scale.PER_BLOCK, recorded=True),
 )
+NVFP4_W4A4_NVFP4KV = PrecisionRecipe(
+    name="nvfp4-w4a4-nvfp4kv",
+    summary="NVFP4 expert weights, MoE / FC2 inputs and KV cache (static unit global scale); MoE input, K and V "
+    "recorded",
+    weights=NVFP4_W4A4_KV4.weights,
+    moe_in=NVFP4_W4A4_KV4.moe_in,
+    fc2_in=NVFP4_W4A4_KV4.fc2_in,
+    k=Role(NVFP4, Scale.STATIC, recorded=True),
+    v=Role(NVFP4, Scale.STATIC, recorded=True),
+)
 
 DEFAULT_RECIPE = NVFP4_W4A4_KV4.name
-_RECIPES = {r.name: r for r in (NVFP4_W4A4_KV4, MXFP4_W4A4_KV4, MXFP4_W4A8_KV4)}
+_RECIPES = {r.name: r for r in (NVFP4_W4A4_KV4, MXFP4_W4A4_KV4, MXFP4_W4A8_KV4, NVFP4_W4A4_NVFP4KV)}
 
 
 def get_recipe(name: str | PrecisionRecipe) -> PrecisionRecipe:

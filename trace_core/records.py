@@ -287,9 +287,9 @@ def bytes_per_token(shape: ModelShape, spec: RecordSpec) -> RecordBytes:
         if kind == "moe_in":
             token_scale = bool(spec.per_token_scale) and fmt.has_global_scale
             per_site[(layer, kind)] = site_bytes(shape.hidden, spec.bits, fmt.block, token_scale)
-        else:
+        else:  # an nvfp4 K/V row carries its static S_enc (the record's global scale per row)
             width = shape.num_kv_heads * shape.head_dim
-            per_site[(layer, kind)] = site_bytes(width, spec.bits, fmt.block, False)
+            per_site[(layer, kind)] = site_bytes(width, spec.bits, fmt.block, fmt.has_global_scale)
     moe = sum(v for (_, k), v in per_site.items() if k == "moe_in")
     return RecordBytes(moe_in=moe, kv=sum(per_site.values()) - moe, per_site=per_site)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from trace_core import kernels
-from trace_core.formats import FP4Format
+from trace_core.formats import KV_FP4, NVFP4, FP4Format
 from trace_core.guided import straight_through
 from trace_core.mxfp8 import mxfp8_rtn
-from trace_core.quant import Quantized, nvfp4_global_scale, quantize
+from trace_core.quant import Quantized, nvfp4_global_scale, quantize, static_global_scale
 from trace_core.recipe import Role, Scale
 
 
@@ -36,6 +36,8 @@ def _fp4_scale(role: Role, x: torch.Tensor, row_amax: torch.Tensor | None) -> di
         return {"per_token": True}
     if role.scale is Scale.PER_TENSOR:
         return {"global_scale": nvfp4_global_scale(x.detach().abs().amax())}
+    if role.scale is Scale.STATIC:
+        return {"global_scale": static_global_scale(x.device)}
     return {}
 
 
@@ -97,11 +99,39 @@ def rollout_rtn(role: Role, x: torch.Tensor, bits: int, record=None) -> torch.Te
     if not isinstance(role.fmt, FP4Format):
         return mxfp8_rtn(x)
     out = torch.empty_like(x)
+    scale = _fp4_scale(role, x, None)
     buffers = {}
     if record is not None:
-        buffers = {"low_bits": record.low_bits, "scales": record.scales, "token_scale": record.global_scale}
-    kernels.quantize_record(x, role.fmt, bits, out=out, **_fp4_scale(role, x, None), **buffers)
+        buffers = {"low_bits": record.low_bits, "scales": record.scales}
+        if role.scale is Scale.PER_TOKEN:
+            buffers["token_scale"] = record.global_scale  # the kernel writes each row's S_enc
+        elif record.global_scale is not None:  # a static or per-tensor S_enc, repeated per row
+            record.global_scale.copy_(scale["global_scale"].expand_as(record.global_scale))
+    kernels.quantize_record(x, role.fmt, bits, out=out, **scale, **buffers)
     return out
+
+
+def kv_pool_format(role: Role) -> FP4Format:
+    """The format of the FP4 KV pool that holds a K/V role: `kv_fp4` (E8M0 scale bytes) or NVFP4 under the static
+    unit S_enc (E4M3 scale bytes). ValueError for any other role: a pool keeps codes and block scale bytes, no
+    scale per token or tensor."""
+    for fmt, scale in ((KV_FP4, Scale.PER_BLOCK), (NVFP4, Scale.STATIC)):
+        if (role.fmt, role.scale) == (fmt, scale):
+            return fmt
+    raise ValueError(
+        f"an FP4 KV pool holds kv_fp4 or static-scale nvfp4 K/V; got {role.fmt.name} with scale {role.scale.value}"
+    )
+
+
+def kv_pool_bytes(role: Role, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP4 KV pool's bytes of K/V rows `x [N, W]` (W = heads * head_dim, blocks of 16 along W) under `role`
+    (`kv_pool_format`): packed E2M1 codes uint8 `[N, W/2]` (element 2i in the low nibble) and scale bytes uint8
+    `[N, W/16]` (E8M0, or E4M3 bit patterns for NVFP4), SGLang's `MHATokenToKVPoolFP4` layout. Through
+    `trace_core.kernels` (Triton on CUDA): no host sync, shapes from x's only (CUDA-graph safe)."""
+    fmt = kv_pool_format(role)
+    codes, scales, _ = kernels.record_buffers(x.shape[0], x.shape[1], fmt, 4, x.device)
+    kernels.quantize_record(x, fmt, 4, low_bits=codes, scales=scales, **_fp4_scale(role, x, None))
+    return codes, scales
 
 
 def quantize_role(role: Role, x: torch.Tensor, *, check_finite: bool = True) -> Quantized:

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import yaml
 
-from trace_core.formats import KV_FP4
 from trace_core.modes import MODES
-from trace_core.recipe import DEFAULT_RECIPE, get_recipe, recipe_names
+from trace_core.recipe import DEFAULT_RECIPE, recipe_names
 from trace_core.records import check_bits
 from trace_rl.algorithm import algorithm_errors
 from trace_rl.servers import launch_errors
@@ -78,7 +77,8 @@ class RLConfig:
     moves only the trainer into a Ray actor. fp4_attention: `decode` makes the embedded engine's decode attention
     read SGLang's FP4 paged KV pool (`trace_rl.fp4_kv_engine.FP4AttentionEngine`: the Triton kernel on CUDA, its
     pure-torch twin on CPU) instead of SDPA over the dequantized cache; `off` (default) keeps SDPA. It needs an FP4
-    mode, a recipe with kv_fp4 K/V and the embedded backend (an SGLang server selects it with TRACE_FP4_ATTENTION).
+    mode and the embedded backend (an SGLang server selects it with TRACE_FP4_ATTENTION); every recipe's K/V fit
+    the pool (kv_fp4, or NVFP4 under its static unit scale).
     sglang_api_key / sglang_admin_api_key: where the servers' --api-key / --admin-api-key are, `env:VARIABLE` or
     `file:PATH` (a key itself is refused: configs land in checkpoints).
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
@@ -316,13 +316,6 @@ class RLConfig:
                 f"fp4_attention={self.fp4_attention!r} needs an FP4 rollout (mode qat or trace): mode='bf16' is the "
                 "BF16 baseline, whose KV cache is not FP4"
             )
-        if self.recipe in recipe_names():
-            recipe = get_recipe(self.recipe)
-            if recipe.k.fmt.name != KV_FP4.name:
-                errors.append(
-                    f"fp4_attention={self.fp4_attention!r} needs kv_fp4 K/V (SGLang's FP4 pool); recipe "
-                    f"{recipe.name} quantizes K/V as {recipe.k.fmt.name}"
-                )
         return errors
 
     def trainer_world(self) -> int:

@@ -7,8 +7,9 @@ default NVFP4 W4A4 + FP4 KV), quantized through `trace_core.role_quant`:
 - the MoE input is quantize-dequantized per token row (`moe_in` role) by `trace_core.kernels.quantize_record`,
   which writes the record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets
   `trace_core.fc2`'s convention (`fc2_in` role), the top-k weight multiplies the FC2 output;
-- K (after QK-norm and RoPE) and V are quantize-dequantized (`k`, `v` roles: `kv_fp4`) as they enter the KV cache,
-  with records of captured layers; attention reads the quantized cache, as from SGLang's FP4 pool.
+- K (after QK-norm and RoPE) and V are quantize-dequantized (`k`, `v` roles: `kv_fp4`, or NVFP4 at the static unit
+  global scale) as they enter the KV cache, with records of captured layers; attention reads the quantized cache,
+  as from SGLang's FP4 pool.
 Both modes stage every MoE layer's top-k routes for R3; an `ActivationTap` sees every site's rows (analyses).
 Generation is batched with a KV cache; prompts share one length, so token (b, position p) lives in KV slot
 `b * max_len + p` of the capturer's record store.

@@ -1,7 +1,8 @@
 """The embedded engine with SGLang's FP4-KV decode attention.
 
-`FP4AttentionEngine` is the FP4 `EmbeddedEngine` whose K and V also go, as codes and E8M0 scale bytes, into a paged
-FP4 pool in SGLang's `MHATokenToKVPoolFP4` layout (per layer: codes `[slots, kv_heads, D/2]`, scales
+`FP4AttentionEngine` is the FP4 `EmbeddedEngine` whose K and V also go, as codes and scale bytes (E8M0 for `kv_fp4`,
+E4M3 for NVFP4 KV under its static unit global scale: `trace_core.role_quant.kv_pool_bytes`), into a paged FP4
+pool in SGLang's `MHATokenToKVPoolFP4` layout (per layer: codes `[slots, kv_heads, D/2]`, scales
 `[slots, kv_heads * D / 16]`; token (b, position p) in slot `b * max_len + p`, as the engine's records). Decode
 steps attend by reading that pool: `trace_core.kernels.fp4_attention.fp4_decode_attention` on CUDA (SGLang's triton
 decode math), its pure-torch twin `trace_core.kv_attention.decode_attention_reference` elsewhere. The prefill
@@ -17,10 +18,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from trace_core.formats import KV_FP4
-from trace_core.kernels import quantize_record, record_buffers
 from trace_core.kernels.fp4_attention import MIN_HEAD_DIM, fp4_decode_attention
 from trace_core.kv_attention import decode_attention_reference
+from trace_core.role_quant import kv_pool_bytes, kv_pool_format
 from trace_rl.engine import EmbeddedEngine
 
 ATTENTION = "trace_fp4_kv"
@@ -44,10 +44,7 @@ class FP4AttentionEngine(EmbeddedEngine):
 
     def __init__(self, model_dir: str, *, spec, max_batch: int, max_len: int, device: str = "cpu"):
         super().__init__(model_dir, fp4=True, spec=spec, max_batch=max_batch, max_len=max_len, device=device)
-        for kind in ("k", "v"):
-            if self.recipe.role(kind).fmt.name != KV_FP4.name:
-                raise ValueError(f"FP4AttentionEngine needs kv_fp4 K/V (SGLang's FP4 pool); recipe {self.recipe.name} "
-                                 f"quantizes {kind} as {self.recipe.role(kind).fmt.name}")  # fmt: skip
+        self.kv_fmt = kv_pool_format(self.recipe.k)  # K and V share it (PrecisionRecipe)
         c = self.model.config
         heads, d = c.num_key_value_heads, c.head_dim
         if self.device.type == "cuda" and d < MIN_HEAD_DIM:
@@ -56,7 +53,7 @@ class FP4AttentionEngine(EmbeddedEngine):
         self.kv_pool = {
             (layer, kind): (
                 torch.zeros(slots, heads, d // 2, dtype=torch.uint8, device=self.device),
-                torch.zeros(slots, heads * d // KV_FP4.block, dtype=torch.uint8, device=self.device),
+                torch.zeros(slots, heads * d // self.kv_fmt.block, dtype=torch.uint8, device=self.device),
             )
             for layer in range(c.num_hidden_layers)
             for kind in ("k", "v")
@@ -76,10 +73,9 @@ class FP4AttentionEngine(EmbeddedEngine):
 
     def _fp4_activation(self, site: tuple[int, str], x2d: torch.Tensor) -> torch.Tensor:
         out = super()._fp4_activation(site, x2d)
-        if site[1] in ("k", "v"):  # the full codes (b = 4 is the pool's nibble packing) and scales into the pool
+        if site[1] in ("k", "v"):  # the codes and scale bytes into the pool
             codes, scales = self.kv_pool[site]
-            low, sc, _ = record_buffers(x2d.shape[0], x2d.shape[1], KV_FP4, 4, x2d.device)
-            quantize_record(x2d, KV_FP4, 4, low_bits=low, scales=sc)
+            low, sc = kv_pool_bytes(self.recipe.role(site[1]), x2d)
             codes[self._slots] = low.view(-1, *codes.shape[1:])
             scales[self._slots] = sc
         return out
@@ -101,11 +97,12 @@ class FP4AttentionEngine(EmbeddedEngine):
         (kc, ks), (vc, vs) = self.kv_pool[(layer, "k")], self.kv_pool[(layer, "v")]
         q = q.contiguous()
         if not q.is_cuda:
-            return decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, splits, scaling)
+            return decode_attention_reference(q, kc, ks, vc, vs, indptr, indices, splits, scaling, kv_fmt=self.kv_fmt)
         o = torch.empty_like(q)
         logits = torch.empty(b, heads, KV_SPLITS, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, heads, KV_SPLITS, dtype=torch.float32, device=q.device)
-        fp4_decode_attention(q, kc, ks, vc, vs, o, indptr, indices, logits, lse, splits, KV_SPLITS, scaling)
+        fp4_decode_attention(q, kc, ks, vc, vs, o, indptr, indices, logits, lse, splits, KV_SPLITS, scaling,
+                             kv_fmt=self.kv_fmt)  # fmt: skip
         return o
 
     def take_decode_reads(self) -> int:

@@ -1,16 +1,16 @@
-"""Paged decode attention that reads SGLang's FP4 KV pool directly: packed E2M1 codes and E8M0 scale bytes are
-dequantized to BF16 in registers, then attended over exactly as SGLang's triton decode kernels attend over a BF16
-buffer.
+"""Paged decode attention that reads SGLang's FP4 KV pool directly: packed E2M1 codes and their scale bytes (E8M0
+for `kv_fp4`, E4M3 for NVFP4 KV under its static unit global scale: `kv_fmt`) are dequantized to BF16 in registers,
+then attended over exactly as SGLang's triton decode kernels attend over a BF16 buffer.
 
 The kernels are SGLang 0.5.10.post1's `decode_attention.py` (`_fwd_kernel_stage1`, `_fwd_grouped_kernel_stage1`,
 `_fwd_kernel_stage2`, same tiles and splits; the grouped kernel's pipeline stages and register cap are
 `GROUPED_LAUNCH`) with the K and V loads replaced by `_fp4_tile`. The BF16 values a tile holds equal
-`KVFP4QuantizeUtil.batched_dequantize` bit for bit (an E2M1 magnitude times a power of two is exact in FP32 and in
-BF16), and they reach the dots in the register layout SGLang's BF16 loads give them (see `_fp4_tile`), so the
-attention math gets the same inputs, summed in the same order, as SGLang's dequantize-then-attend path
-(`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every call) without materializing
-the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged; MHA sums q . k in FP32 where
-SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
+`KVFP4QuantizeUtil.batched_dequantize` bit for bit (an E2M1 magnitude times a power of two, or times an E4M3 value,
+is exact in FP32 and in BF16), and they reach the dots in the register layout SGLang's BF16 loads give them (see
+`_fp4_tile`), so the attention math gets the same inputs, summed in the same order, as SGLang's
+dequantize-then-attend path (`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every
+call) without materializing the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged;
+MHA sums q . k in FP32 where SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
 `trace_core.kv_attention.decode_attention_reference`.
 """
 
@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.kernels.triton_fp4 import INTERPRET, TWO_126, _pow2
+from trace_core.formats import KV_FP4, FP4Format
+from trace_core.kernels.triton_fp4 import INTERPRET, NVFP4, TWO_126, _e4m3_decode, _pow2
+from trace_core.kv_attention import check_kv_format
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
 MIN_HEAD_DIM = 16
@@ -77,13 +79,26 @@ def _nibble_bits(words, J: tl.constexpr):
 
 
 @triton.jit
+def _scale_values(sw, KV_FMT: tl.constexpr):
+    """FP32 values of scale bytes `sw` (int32 0..255) of the pool format KV_FMT (a kernel id): E8M0, 2^(s - 127)
+    (KV_FP4), or an E4M3 bit pattern decoded exactly from its bits (NVFP4, `triton_fp4._e4m3_decode`: exponent
+    field e = (s >> 3) & 15, mantissa m = s & 7, (8 + m) 2^(e - 10) for e > 0, m 2^-9 for e = 0; a scale's sign
+    bit is never set and it is never NaN, sf saturating at 448)."""
+    if KV_FMT == NVFP4:
+        return _e4m3_decode(sw)
+    return _pow2(sw - 127)
+
+
+@triton.jit
 def _fp4_tile(codes_ptr, scale_ptr, loc, head, stride_cs, stride_ch, stride_ss, n_mask, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr, LD: tl.constexpr = 0):  # fmt: skip
+              BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr, LD: tl.constexpr = 0,
+              KV_FMT: tl.constexpr = KV_FP4.kernel_id):  # fmt: skip
     """[BLOCK_N, D] values of KV head `head` at pool slots `loc`, from the pool's codes read as int32 words
     (strides in words) and its scale bytes read as words of 1, 2 or 4 bytes (`fp4_words`; stride in words):
-    nibble j of a head's code word w (bits 4 j ... 4 j + 3) is element 8 w + j; scale byte i (E8M0, +127, the
-    lowest-addressed byte of a word first) scales elements [16 i, 16 i + 16). Masked rows are 0, as SGLang's
-    masked loads. LD > 0: the pool's head dim, narrower than the tile (columns from LD on are 0).
+    nibble j of a head's code word w (bits 4 j ... 4 j + 3) is element 8 w + j; scale byte i (`_scale_values` of
+    the pool format KV_FMT, the lowest-addressed byte of a word first) scales elements [16 i, 16 i + 16). Masked
+    rows are 0, as SGLang's masked loads. LD > 0: the pool's head dim, narrower than the tile (columns from LD on
+    are 0).
 
     Whole words keep the loads wide enough for triton to pipeline them (asynchronous copies issued blocks ahead,
     the scale bytes too). On the GPU the tile leaves through an identity `mov` that triton cannot see through:
@@ -123,7 +138,7 @@ def _fp4_tile(codes_ptr, scale_ptr, loc, head, stride_cs, stride_ch, stride_ss, 
     # times the scale: exact in FP32, and in BF16 (packed, half the instructions) for a BF16 tile on the GPU (the
     # interpreter has no BF16 arithmetic); the product's one rounding (subnormal or overflowing values) is the same
     MUL: tl.constexpr = tl.bfloat16 if KV_DTYPE == tl.bfloat16 and not INTERPRET else tl.float32
-    scale = _pow2(sw.to(tl.int32) - 127).to(MUL)
+    scale = _scale_values(sw.to(tl.int32), KV_FMT).to(MUL)
     val = (mag.to(MUL).reshape(BLOCK_N, D // 16, 16) * scale[:, :, None]).reshape(BLOCK_N, D).to(KV_DTYPE)
     if not INTERPRET and KV_DTYPE.primitive_bitwidth == 16:
         val = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [val], dtype=val.dtype, is_pure=False, pack=2)
@@ -159,7 +174,7 @@ def _fp4_kernel_stage1(
     stride_qbs, stride_qh, stride_kcs, stride_kch, stride_kss, stride_vcs, stride_vch, stride_vss,
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     kv_group_num: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
-    logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr, KV_DTYPE: tl.constexpr,
+    logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr, KV_DTYPE: tl.constexpr, KV_FMT: tl.constexpr,
 ):  # fmt: skip
     """SGLang's `_fwd_kernel_stage1` (one query head per program, MHA) over the FP4 pool, except that q . k is
     summed in FP32: SGLang's kernel multiplies and sums BF16 q and k in BF16, in an order set by the register
@@ -188,7 +203,7 @@ def _fp4_kernel_stage1(
             n_mask = offs_n < split_kv_end
             kv_loc = tl.load(kv_indices + cur_batch_kv_start_idx + offs_n, mask=n_mask, other=0)
             k = _fp4_tile(K_Codes, K_Scales, kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss, n_mask,
-                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, 0, KV_FMT)  # fmt: skip
             qk = tl.sum(q[None, :].to(tl.float32) * k.to(tl.float32), 1)  # SGLang: BF16 products and sums
             qk *= sm_scale_withk
             if logit_cap > 0:
@@ -197,7 +212,7 @@ def _fp4_kernel_stage1(
                 qk *= xai_temperature_reg
             qk = tl.where(n_mask, qk, float("-inf"))
             v = _fp4_tile(V_Codes, V_Scales, kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, n_mask,
-                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE)  # fmt: skip
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, 0, KV_FMT)  # fmt: skip
             n_e_max = tl.maximum(tl.max(qk, 0), e_max)
             re_scale = tl.exp(e_max - n_e_max)
             p = tl.exp(qk - n_e_max)
@@ -218,7 +233,7 @@ def _fp4_grouped_kernel_stage1(
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     kv_group_num: tl.constexpr, q_head_num: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, logit_cap: tl.constexpr, xai_temperature_len: tl.constexpr,
-    KV_DTYPE: tl.constexpr, Lk: tl.constexpr,
+    KV_DTYPE: tl.constexpr, Lk: tl.constexpr, KV_FMT: tl.constexpr,
 ):  # fmt: skip
     """SGLang's `_fwd_grouped_kernel_stage1` (BLOCK_H query heads of one KV head per program, GQA) over the FP4
     pool; the K tile is built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N].
@@ -261,7 +276,7 @@ def _fp4_grouped_kernel_stage1(
             n_mask = offs_n < split_kv_end
             kv_loc = tl.load(kv_indices + cur_batch_kv_start_idx + offs_n, mask=n_mask, other=0)
             k = _fp4_tile(K_Codes, K_Scales, kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss, n_mask,
-                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, PAD)  # fmt: skip
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, PAD, KV_FMT)  # fmt: skip
             qk = tl.dot(q, tl.trans(k).to(q.dtype))
             qk *= sm_scale_withk
             if logit_cap > 0:
@@ -270,7 +285,7 @@ def _fp4_grouped_kernel_stage1(
                 qk *= xai_temperature_reg[:, None]
             qk = tl.where(mask_h[:, None] & n_mask[None, :], qk, float("-inf"))
             v = _fp4_tile(V_Codes, V_Scales, kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, n_mask,
-                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, PAD)  # fmt: skip
+                          BLOCK_DMODEL, BLOCK_N, KV_DTYPE, PAD, KV_FMT)  # fmt: skip
             n_e_max = tl.maximum(tl.max(qk, 1), e_max)
             re_scale = tl.exp(e_max - n_e_max)
             p = tl.exp(qk - n_e_max[:, None])
@@ -383,10 +398,14 @@ def fp4_decode_attention(
     sinks: torch.Tensor | None = None,
     xai_temperature_len: int = -1,
     kv_dtype: torch.dtype = torch.bfloat16,
+    *,
+    kv_fmt: FP4Format = KV_FP4,
 ) -> None:
     """`decode_attention_fwd` of SGLang's triton backend (same arguments, same result) with each K/V buffer given
     as the FP4 pool's codes and scale bytes of one layer. `kv_dtype` is the dtype the values are dequantized to
-    (SGLang's pool returns BF16; FP32 serves the CPU-interpreter tests)."""
+    (SGLang's pool returns BF16; FP32 serves the CPU-interpreter tests); `kv_fmt` the pool's format, `KV_FP4`
+    (E8M0 scale bytes) or `NVFP4` (E4M3 scale bytes, static unit global scale; `check_kv_format`)."""
+    kv_id = check_kv_format(kv_fmt).kernel_id
     heads, d = check_fp4_cache(q, k_codes, k_scales, v_codes, v_scales)
     batch, q_heads = q.shape[0], q.shape[1]
     if max_kv_splits != attn_logits.shape[2] or batch > kv_indptr.shape[0] - 1 or batch > attn_logits.shape[0]:
@@ -395,7 +414,7 @@ def fp4_decode_attention(
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype {kv_dtype} is not one of {tuple(KV_DTYPES)}")
     common = dict(MIN_BLOCK_KV=MIN_BLOCK_KV, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
-                  KV_DTYPE=KV_DTYPES[kv_dtype])  # fmt: skip
+                  KV_DTYPE=KV_DTYPES[kv_dtype], KV_FMT=kv_id)  # fmt: skip
     (kc, ks), (vc, vs) = fp4_words(k_codes, k_scales), fp4_words(v_codes, v_scales)
     args = (
         q, kc, ks, vc, vs, sm_scale * k_scale, kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits,

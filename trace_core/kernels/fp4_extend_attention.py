@@ -3,9 +3,10 @@
 The kernel is SGLang 0.5.10.post1's `extend_attention.py` `_fwd_kernel` (same tiles, launch settings and math):
 each program takes `BLOCK_M` new tokens of one query head, attends first over the request's cached prefix (paged
 through `kv_indices`) and then over the new tokens themselves (`k_extend` / `v_extend`, BF16, causal), with one
-online softmax. Only the prefix's K and V tile loads change: packed E2M1 codes and E8M0 scale bytes are
-dequantized in registers by `_fp4_tile`, to the BF16 values `MHATokenToKVPoolFP4.get_key_buffer` would have
-materialized for the whole layer. The pure-torch twin is `trace_core.kv_attention.extend_attention_reference`.
+online softmax. Only the prefix's K and V tile loads change: packed E2M1 codes and their scale bytes (E8M0 for
+`kv_fp4`, E4M3 for NVFP4 KV: `kv_fmt`) are dequantized in registers by `_fp4_tile`, to the BF16 values
+`MHATokenToKVPoolFP4.get_key_buffer` would have materialized for the whole layer. The pure-torch twin is
+`trace_core.kv_attention.extend_attention_reference`.
 
 Supported: causal or bidirectional extend, logit cap, attention sinks, k/v scales. Refused by name (SGLang
 features the twin does not replay): a custom mask (speculative-decoding verify), a sliding window, xai
@@ -18,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from trace_core.formats import KV_FP4, FP4Format
 from trace_core.kernels.fp4_attention import KV_DTYPES, PAD_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache, fp4_words
-from trace_core.kv_attention import extend_tiles
+from trace_core.kv_attention import check_kv_format, extend_tiles
 
 
 @triton.jit
@@ -52,6 +54,7 @@ def _fp4_extend_kernel(
     stride_kcs, stride_kch, stride_kss, stride_vcs, stride_vch, stride_vss,
     logit_cap: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, KV_DTYPE: tl.constexpr, Lk: tl.constexpr,
+    KV_FMT: tl.constexpr,
 ):  # fmt: skip
     """SGLang's `_fwd_kernel` without the features refused above (module docstring); prefix K/V from the FP4
     pool, the K tile built [BLOCK_N, D] and transposed for the dot, as SGLang loads it [D, BLOCK_N].
@@ -92,11 +95,11 @@ def _fp4_extend_kernel(
         final_mask = mask_m[:, None] & mask_n[None, :]
         offs_kv_loc = tl.load(kv_indices + cur_seq_kv_start_idx + start_n + offs_n, mask=mask_n, other=0)
         k = tl.trans(_fp4_tile(K_Codes, K_Scales, offs_kv_loc, cur_kv_head, stride_kcs, stride_kch, stride_kss,
-                               mask_n, D, BLOCK_N, KV_DTYPE, PAD))  # fmt: skip
+                               mask_n, D, BLOCK_N, KV_DTYPE, PAD, KV_FMT))  # fmt: skip
         qk = tl.dot(q.to(k.dtype), k)
         qk *= sm_scale * k_scale
         v = _fp4_tile(V_Codes, V_Scales, offs_kv_loc, cur_kv_head, stride_vcs, stride_vch, stride_vss, mask_n, D,
-                      BLOCK_N, KV_DTYPE, PAD)  # fmt: skip
+                      BLOCK_N, KV_DTYPE, PAD, KV_FMT)  # fmt: skip
         acc, deno, e_max = _online_step(qk, final_mask, v, acc, deno, e_max, logit_cap, v_scale, True)
 
     # stage 2: the new tokens (SGLang's "triangle part"), from k_extend / v_extend
@@ -152,9 +155,13 @@ def fp4_extend_attention(
     window_kv_offsets: torch.Tensor | None = None,
     xai_temperature_len: int = -1,
     kv_dtype: torch.dtype = torch.bfloat16,
+    *,
+    kv_fmt: FP4Format = KV_FP4,
 ) -> None:
     """`extend_attention_fwd` of SGLang's triton backend (same arguments, same result) with the layer's K/V
-    buffers given as the FP4 pool's codes and scale bytes; ValueError for the features this kernel refuses."""
+    buffers given as the FP4 pool's codes and scale bytes of format `kv_fmt` (`KV_FP4` or `NVFP4`, as
+    `fp4_decode_attention`); ValueError for the features this kernel refuses."""
+    kv_id = check_kv_format(kv_fmt).kernel_id
     if custom_mask is not None:
         raise ValueError("FP4 extend attention does not take a custom mask (speculative-decoding verify)")
     if sliding_window_size is not None and sliding_window_size > -1:
@@ -179,5 +186,5 @@ def fp4_extend_attention(
         vc.stride(0), vc.stride(1), vs.stride(0),
         logit_cap=logit_cap, D=max(d, PAD_HEAD_DIM) if q_extend.is_cuda else d, BLOCK_M=block_m, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, HAS_SINK=sinks is not None, KV_DTYPE=KV_DTYPES[kv_dtype], num_warps=warps, num_stages=1,
-        Lk=d,
+        Lk=d, KV_FMT=kv_id,
     )  # fmt: skip

@@ -28,6 +28,7 @@ except ImportError:  # CPU-only installs: the reference serves every device
 from trace_core.formats import FP4Format, ScaleKind, get_format
 from trace_core.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize, straight_through
 from trace_core.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
+from trace_core.recipe import Role
 from trace_core.records import Record, check_bits, pack_low_bits, packed_len
 
 SCALE_NONE, SCALE_SCALAR, SCALE_ROW, SCALE_PER_TOKEN = 0, 1, 2, 3
@@ -618,9 +619,11 @@ def guided_fake_quant(
     *,
     has_record: torch.Tensor | None = None,
     stats: GuidanceStats | None = None,
+    role: Role | None = None,
 ) -> torch.Tensor:
-    """Kernel twin of `trace_core.guided.guided_round` for `[T, D]` inputs: same values, same fallback rule for
-    rows without a record, same counts in `stats` (default `GLOBAL_STATS`)."""
+    """Kernel twin of `trace_core.guided.guided_round` for `[T, D]` inputs: same values, same fallback for rows
+    without a record (the RTN of the rollout's `role`, `fallback_scale`), same counts in `stats` (default
+    `GLOBAL_STATS`)."""
     check_bits(bits)
     if not isinstance(record, Record):
         raise ValueError(f"guided_fake_quant needs a Record, got {type(record).__name__}")
@@ -652,7 +655,7 @@ def guided_fake_quant(
     if has_record is not None:
         # Every row gets the RTN candidate and rows without a record take it: no data-dependent shapes, so
         # nothing waits on the device (CUDA graphs, torch.compile, CPU run-ahead).
-        rtn = rtn_fake_quant(x, record.fmt, **fallback_scale(gs))
+        rtn = rtn_fake_quant(x, record.fmt, **fallback_scale(record, role))
         out = torch.where(has_record.unsqueeze(-1), out, rtn)
         fallback = (~has_record).sum() * x.shape[1]
     stats.guided += x.numel() - fallback

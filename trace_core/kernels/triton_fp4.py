@@ -90,11 +90,14 @@ def _e4m3_round(v):
 
 @triton.jit
 def _e4m3_decode(byte):
-    """FP32 value of an E4M3 byte (non-negative scales only)."""
+    """FP32 value of an E4M3 byte (int32 0..255), exact, from its bits: exponent field e = (byte >> 3) & 15,
+    mantissa m = byte & 7, (8 + m) 2^(e - 10) for e > 0, m 2^-9 for e = 0, the sign from bit 7. The NaN bytes
+    0x7F / 0xFF decode as +-480 (a scale never is NaN: sf saturates at 448)."""
     e = (byte >> 3) & 0xF
     m = byte & 0x7
     normal = (((e - 7 + 127) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return (value.to(tl.int32, bitcast=True) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
