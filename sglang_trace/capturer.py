@@ -530,6 +530,7 @@ class TraceCapturer(RoutedExpertsCapturer):
                     self.spec.bits,
                     shard_width=pool.head_num * pool.head_dim,
                     num_kv_heads=self.layout.num_kv_heads,
+                    fmt=self.args.recipe.k.fmt,
                 )
             records = {**gathered.records, **kv}
             length = rows[0].shape[0]

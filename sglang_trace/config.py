@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from trace_core.formats import KV_FP4
+from trace_core.formats import KV_FP4, NVFP4
 from trace_core.modes import ROLLOUT_MODES
-from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, get_recipe, recipe_names
+from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, Role, Scale, get_recipe, recipe_names
 from trace_core.records import RecordSpec, check_bits
 from trace_core.sites import SITE_KINDS
 
@@ -160,6 +160,12 @@ class TraceArgs:
         return self.enabled and ("k" in self.sites or "v" in self.sites)
 
 
+def pool_role(role: Role) -> bool:
+    """Whether SGLang's FP4 KV pool can hold K/V of `role`: its own kv_fp4 (E8M0 bytes), or NVFP4 with a static
+    unit global scale (E4M3 bytes written and read by TRACE: `hooks.kv_pool_quantize`, the FP4-KV attention)."""
+    return role.fmt is KV_FP4 or (role.fmt is NVFP4 and role.scale is Scale.STATIC)
+
+
 def parse_trace_args(fields) -> TraceArgs:
     """The `--trace-*` fields of a ServerArgs (or any object carrying them) parsed and checked on their own;
     ValueError naming the flag. `check_server_args` adds the checks against the rest of the settings."""
@@ -221,10 +227,10 @@ def check_server_args(server_args) -> TraceArgs:
         problems.append("speculative decoding is not supported (draft forwards would write records)")
     if server_args.pp_size != 1:
         problems.append("pipeline parallelism is not supported")
-    if args.kv_sites and {recipe.k.fmt.name, recipe.v.fmt.name} != {KV_FP4.name}:
+    if server_args.kv_cache_dtype == "fp4_e2m1" and not pool_role(recipe.k):
         problems.append(
-            f"--trace-recipe {recipe.name} quantizes K / V as {recipe.k.fmt.name}; SGLang's fp4_e2m1 KV pool stores "
-            f"{KV_FP4.name}"
+            f"--trace-recipe {recipe.name} quantizes K / V as {recipe.k.fmt.name} ({recipe.k.scale.value} scale); "
+            f"the fp4_e2m1 KV pool holds {KV_FP4.name} or NVFP4 with a static unit global scale"
         )
     if "moe_in" in args.sites and not recipe.recorded("moe_in"):
         problems.append(

@@ -9,7 +9,8 @@ server process narrows it: `off` (SGLang's dequantize-then-attend path), or a co
 cover (paged KV, decode context parallelism, MLA, the deterministic unified extend kernel, speculative verify).
 The kernels give SGLang's dequantize-then-attend result (`trace_core.kernels.fp4_attention`,
 `fp4_extend_attention`; tests/test_fp4_attention.py); extend features they refuse (custom mask, xai temperature)
-raise ValueError naming them.
+raise ValueError naming them. The pool's scale bytes are E8M0 (kv_fp4) or, under an NVFP4-KV recipe, E4M3
+(`kv.pool_format`); both kernels and SGLang's dequantize path (`hooks.kv_pool_dequantize`) read them so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from sglang_trace.kv import _layer_index, check_fp4_pool
+from sglang_trace.kv import _layer_index, check_fp4_pool, pool_format
 
 ENV = "TRACE_FP4_ATTENTION"
 PHASES = ("decode", "extend")
@@ -94,7 +95,7 @@ def forward_decode(pool, layer_id: int, q: torch.Tensor, o: torch.Tensor, *args,
     from trace_core.kernels.fp4_attention import fp4_decode_attention
 
     kc, ks, vc, vs = _layer_fp4(pool, layer_id)
-    fp4_decode_attention(q, kc, ks, vc, vs, o, *args, **kwargs)
+    fp4_decode_attention(q, kc, ks, vc, vs, o, *args, kv_fmt=pool_format(), **kwargs)
 
 
 def forward_extend(pool, layer_id: int, q, k, v, o, *args, **kwargs) -> None:
@@ -103,4 +104,4 @@ def forward_extend(pool, layer_id: int, q, k, v, o, *args, **kwargs) -> None:
     from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
 
     kc, ks, vc, vs = _layer_fp4(pool, layer_id)
-    fp4_extend_attention(q, k, v, o, kc, ks, vc, vs, *args, **kwargs)
+    fp4_extend_attention(q, k, v, o, kc, ks, vc, vs, *args, kv_fmt=pool_format(), **kwargs)

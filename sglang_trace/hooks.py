@@ -8,6 +8,7 @@ as upstream unless TRACE is switched on.
 | `on_expert_weight_loaded` | plugin: after `FusedMoE.weight_loader` (initial load and every weight update) |
 | `record_bytes_per_token` | plugin: after `DefaultPoolConfigurator._compute_cell_size` (added to the KV cell size) |
 | `hybrid_full_kv_pool_class` | plugin: before `HybridLinearKVPool.__init__` |
+| `kv_pool_quantize` / `kv_pool_dequantize` | plugin: around `BlockFP4KVQuantizeUtil.batched_(de)quantize` |
 | `install_capturer` | plugin: around `ModelRunner.init_routed_experts_capturer` (KV pool built, CUDA graphs not yet) |
 | `on_moe_input` | plugin: before `FusedMoE.run_moe_core` (right after dispatch) |
 | `on_fc2_input_rows` | patch 0002: `_fused_moe_kernel_sequence`, between the activation and the second GEMM (GPU) |
@@ -37,6 +38,8 @@ __all__ = [
     "install_capturer",
     "on_batch_done",
     "hybrid_full_kv_pool_class",
+    "kv_pool_dequantize",
+    "kv_pool_quantize",
     "on_expert_weight_loaded",
     "on_fc2_input",
     "on_fc2_input_rows",
@@ -85,6 +88,37 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
         raise ValueError(f"--trace-mode emulate: layer {layer.layer_id} loads fused experts (no expert id)")
     EXPERT_WEIGHTS.role = get_recipe(args.trace_recipe).weights
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
+
+
+def kv_pool_quantize(original, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP4 KV pool's quantizer, `[T, H, D]` rows to packed codes `[T, H, D/2]` and scale bytes `[T, H*D/16]`:
+    SGLang's own (kv_fp4) unless the pool holds NVFP4 (`kv.pool_format`), whose codes and E4M3 bytes TRACE's
+    quantizer writes (`trace_core.role_quant.kv_pool_bytes`, static S_enc = 1)."""
+    from sglang_trace.kv import pool_format
+    from trace_core.formats import KV_FP4
+
+    fmt = pool_format()
+    if fmt is KV_FP4:
+        return original(tensor)
+    from trace_core.role_quant import kv_pool_bytes
+
+    t, h, d = tensor.shape
+    codes, scales = kv_pool_bytes(get_recipe(_server_args().trace_recipe).k, tensor.reshape(t, h * d))
+    return codes.view(t, h, d // 2), scales
+
+
+def kv_pool_dequantize(original, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """The FP4 KV pool's dequantizer (SGLang's attend-over-BF16 paths): SGLang's own for kv_fp4 rows, TRACE's
+    twin of its FP4-KV attention kernels (`trace_core.kv_attention.dequantize_kv`) for NVFP4 rows."""
+    from sglang_trace.kv import pool_format
+    from trace_core.formats import KV_FP4
+
+    fmt = pool_format()
+    if fmt is KV_FP4:
+        return original(codes, scales, dtype)
+    from trace_core.kv_attention import dequantize_kv
+
+    return dequantize_kv(codes, scales, dtype, fmt=fmt)
 
 
 def forward_rows(server_args, max_running_requests: int, context_len: int) -> int:
@@ -165,6 +199,45 @@ def trace_group(tp):
     return dist.new_group(ranks=list(tp.ranks), backend="gloo", timeout=TRACE_GROUP_TIMEOUT)
 
 
+def quantize_dummy_experts(model, moe_tp_size: int, role) -> None:
+    """emulate with `--load-format dummy`: the routed experts SGLang filled with random values (no weight loader
+    ran) are quantize-dequantized as a load would have, so the served model is the recipe's from the first request.
+    Refused under MoE TP > 1, where no rank holds a whole expert matrix to take its global scale from."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    if moe_tp_size > 1:
+        raise ValueError(
+            f"--trace-mode emulate with --load-format dummy at MoE TP {moe_tp_size}: the experts' global scales need "
+            "whole matrices; load a checkpoint, or serve the dummy model at TP = 1"
+        )
+    EXPERT_WEIGHTS.role = role
+    EXPERT_WEIGHTS.quantize_resident([m for m in model.modules() if isinstance(m, FusedMoE)])
+
+
+def check_static_kv_scales(model, role) -> None:
+    """ValueError naming the layers whose checkpoint brings KV scales (`k_scale` / `v_scale` other than 1) under
+    a K/V role with a static global scale: TRACE's NVFP4 KV supports the unit scale only (both sides use S_enc = 1),
+    and SGLang would divide K/V by the checkpoint's scale before quantizing."""
+    from trace_core.recipe import Scale
+
+    if role.scale is not Scale.STATIC:
+        return
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    scaled = [
+        f"layer {m.layer_id} ({name} = {float(getattr(m, name))})"
+        for m in model.modules()
+        if isinstance(m, RadixAttention)
+        for name in ("k_scale", "v_scale")
+        if getattr(m, name, None) is not None and float(getattr(m, name)) != 1.0
+    ]
+    if scaled:
+        raise ValueError(
+            f"NVFP4 KV with a static unit global scale: the checkpoint sets KV scales ({', '.join(scaled[:4])}); "
+            "TRACE does not trace calibrated KV scales"
+        )
+
+
 def install_capturer(model_runner) -> bool:
     """Install a `TraceCapturer` as SGLang's global experts capturer when TRACE is on; True when installed (the
     caller then skips the built-in R3 capturer, whose role it takes over)."""
@@ -184,14 +257,12 @@ def install_capturer(model_runner) -> bool:
     if check_moe_layers(model_runner.model, args.mode) != len(layout.moe_layers):
         raise ValueError(f"{layout.arch}: expected {len(layout.moe_layers)} FusedMoE layers in the built model")
     EXPERT_WEIGHTS.check_complete()
-    if args.mode == "emulate" and EXPERT_WEIGHTS.stats.w13 == 0:
-        if server_args.load_format != "dummy":
-            raise RuntimeError("--trace-mode emulate: no routed-expert weight was quantized during load")
-        logger.warning(
-            "TRACE emulate with --load-format dummy: routed experts stay unquantized until the first weight "
-            "update writes them (records of earlier requests do not describe the quantized model)"
-        )
+    check_static_kv_scales(model_runner.model, args.recipe.k)
     tp, moe_tp = get_tp_group(), get_moe_tp_group()
+    if args.mode == "emulate" and server_args.load_format == "dummy":
+        quantize_dummy_experts(model_runner.model, moe_tp.world_size, args.recipe.weights)
+    if args.mode == "emulate" and EXPERT_WEIGHTS.stats.w13 == 0:
+        raise RuntimeError("--trace-mode emulate: no routed-expert weight was quantized during load")
     max_tokens = forward_rows(server_args, model_runner.max_running_requests, model_runner.model_config.context_len)
     num_slots = model_runner.max_total_num_tokens + model_runner.page_size
     debug = None

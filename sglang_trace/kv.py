@@ -1,7 +1,9 @@
 """KV records read out of SGLang's FP4 KV pool (`MHATokenToKVPoolFP4`, `--kv-cache-dtype fp4_e2m1`).
 
 The pool already holds what the rollout attended over: per slot and layer, packed E2M1 codes `[H, D/2]` (element
-2i in the low nibble) and one E8M0 byte per 16 elements `[H*D/16]` — exactly `trace_core`'s `kv_fp4` format. A
+2i in the low nibble) and one scale byte per 16 elements `[H*D/16]`: E8M0, exactly `trace_core`'s `kv_fp4` format,
+or, under a recipe whose K/V are NVFP4, an E4M3 byte written by TRACE's quantizer (`hooks.kv_pool_quantize`; global
+scale S_enc = 1, the recipe's `Scale.STATIC`). A
 finished request's K/V records are therefore read, not recomputed: its slots are `req_to_token[req_pool_idx,
 :seqlen-1]` (the last token's KV may still be in flight under the overlap scheduler, SGLang's R3 convention), and
 the read must happen before the request's KV is released. Under attention TP each rank holds its KV heads; the
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from trace_core.e2m1 import unpack_fp4
-from trace_core.formats import KV_FP4
+from trace_core.formats import KV_FP4, FP4Format
 from trace_core.records import Record, check_bits, pack_low_bits
 from trace_core.store import Site
 
@@ -25,7 +27,8 @@ KV_BLOCK = KV_FP4.block
 
 
 def check_fp4_pool(pool) -> None:
-    """Raise ValueError unless `pool` stores FP4 codes and E8M0 scales per layer (MHATokenToKVPoolFP4's layout)."""
+    """Raise ValueError unless `pool` stores FP4 codes and one scale byte per 16 elements per layer
+    (MHATokenToKVPoolFP4's layout)."""
     kind = type(pool).__name__
     scales = getattr(pool, "k_scale_buffer", None)
     if scales is None or getattr(pool, "store_dtype", None) != torch.uint8:
@@ -34,6 +37,22 @@ def check_fp4_pool(pool) -> None:
         )
     if pool.head_dim % KV_BLOCK:
         raise ValueError(f"{kind}: head dim {pool.head_dim} is not a multiple of the FP4 block {KV_BLOCK}")
+
+
+def pool_format() -> FP4Format:
+    """The format of this server's FP4 KV pool rows: SGLang's `kv_fp4`, unless TRACE is on under a recipe whose
+    K/V are NVFP4 (`check_server_args` accepts NVFP4 only with its static unit global scale)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    from trace_core.recipe import get_recipe
+
+    try:
+        args = get_global_server_args()
+    except ValueError:  # a pool outside a server (SGLang publishes the arguments before it builds one)
+        return KV_FP4
+    if getattr(args, "trace_mode", "off") == "off":
+        return KV_FP4
+    return get_recipe(args.trace_recipe).k.fmt
 
 
 def request_slots(req_to_token: torch.Tensor, req_pool_idx: int, seqlen: int) -> torch.Tensor:
@@ -76,11 +95,20 @@ def gather_kv_raw(pool, slots: torch.Tensor, layers: Sequence[int], kinds: Seque
     return torch.cat(parts, dim=1)
 
 
+def kv_record(fmt: FP4Format, bits: int, width: int, low_bits: torch.Tensor, scales: torch.Tensor) -> Record:
+    """A K/V record of pool rows in `fmt`: NVFP4 rows carry the pool's static S_enc = 1 as their global scale."""
+    if fmt.block != KV_BLOCK:
+        raise ValueError(f"the FP4 KV pool holds one scale byte per {KV_BLOCK} elements; {fmt.name} has {fmt.block}")
+    rows = scales.shape[0]
+    gs = torch.ones(rows, 1, dtype=torch.float32, device=scales.device) if fmt.has_global_scale else None
+    return Record(fmt, bits, width, low_bits, scales, gs)
+
+
 def kv_records_from_raw(
-    raw: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], width: int, bits: int
+    raw: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], width: int, bits: int, fmt: FP4Format = KV_FP4
 ) -> dict[Site, Record]:
     """Records (low `bits` of each code, scale bytes) of the sites in `raw` (`gather_kv_raw`'s layout; `width`
-    elements per site row, this shard's)."""
+    elements per site row, this shard's), in the pool's format `fmt`."""
     out: dict[Site, Record] = {}
     offset, codes_len, scales_len = 0, width // 2, width // KV_BLOCK
     if raw.shape[1] != len(layers) * len(kinds) * (codes_len + scales_len):
@@ -91,12 +119,12 @@ def kv_records_from_raw(
             scales = raw[:, offset + codes_len : offset + codes_len + scales_len]
             offset += codes_len + scales_len
             codes = unpack_fp4(packed)  # [L, W]
-            out[(layer, kind)] = Record(KV_FP4, bits, width, pack_low_bits(codes, bits), scales.contiguous(), None)
+            out[(layer, kind)] = kv_record(fmt, bits, width, pack_low_bits(codes, bits), scales.contiguous())
     return out
 
 
 def gather_kv_shard(
-    pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], bits: int
+    pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], bits: int, fmt: FP4Format = KV_FP4
 ) -> dict[Site, Record]:
     """This rank's K/V records of `layers` at KV `slots` `[L]`: rows of `head_num * head_dim` elements.
 
@@ -105,7 +133,7 @@ def gather_kv_shard(
     check_bits(bits)
     fp4 = getattr(pool, "full_kv_pool", pool)
     raw = gather_kv_raw(pool, slots, layers, kinds)
-    return kv_records_from_raw(raw, layers, kinds, fp4.head_num * fp4.head_dim, bits)
+    return kv_records_from_raw(raw, layers, kinds, fp4.head_num * fp4.head_dim, bits, fmt)
 
 
 def merge_tp_shards(shards: Sequence[dict[Site, Record]], tp_size: int, num_kv_heads: int) -> dict[Site, Record]:
@@ -123,7 +151,7 @@ def merge_tp_shards(shards: Sequence[dict[Site, Record]], tp_size: int, num_kv_h
         # a shard is whole heads, a multiple of 16 elements, so its packed low bits end on a byte boundary
         low = torch.cat([p.low_bits for p in parts], dim=-1)
         scales = torch.cat([p.scales for p in parts], dim=-1)
-        merged[site] = Record(KV_FP4, parts[0].bits, sum(p.n for p in parts), low, scales, None)
+        merged[site] = kv_record(parts[0].fmt, parts[0].bits, sum(p.n for p in parts), low, scales)
     return merged
 
 
@@ -149,14 +177,23 @@ def kv_records_from_shards(
     *,
     shard_width: int,
     num_kv_heads: int,
+    fmt: FP4Format = KV_FP4,
 ) -> dict[Site, Record]:
-    """Full-width K/V records from the TP ranks' raw bytes (rank order; one shard: no merge)."""
-    shards = [kv_records_from_raw(raw, layers, kinds, shard_width, bits) for raw in raws]
+    """Full-width K/V records in the pool's format `fmt` from the TP ranks' raw bytes (rank order; one shard: no
+    merge)."""
+    shards = [kv_records_from_raw(raw, layers, kinds, shard_width, bits, fmt) for raw in raws]
     return shards[0] if len(shards) == 1 else merge_tp_shards(shards, len(shards), num_kv_heads)
 
 
 def gather_kv_records(
-    pool, slots: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], bits: int, *, num_kv_heads: int
+    pool,
+    slots: torch.Tensor,
+    layers: Sequence[int],
+    kinds: Sequence[str],
+    bits: int,
+    *,
+    num_kv_heads: int,
+    fmt: FP4Format = KV_FP4,
 ) -> dict[Site, Record]:
     """K/V records of a request at `slots` on one rank holding all `num_kv_heads` KV heads (under attention TP the
     capturer gathers the ranks' raw shards with `gather_to_first` and merges them with `kv_records_from_shards`)."""
@@ -166,4 +203,4 @@ def gather_kv_records(
         raise ValueError(f"pool holds {fp4.head_num} of {num_kv_heads} KV heads but no TP group was given")
     raw = gather_kv_raw(pool, slots, layers, kinds)
     width = fp4.head_num * fp4.head_dim
-    return kv_records_from_shards([raw], layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads)
+    return kv_records_from_shards([raw], layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads, fmt=fmt)

@@ -117,6 +117,17 @@ class ExpertWeights:
     def _qdq(self, w: torch.Tensor, amax: torch.Tensor) -> None:
         w.copy_(weight_rtn(self.role, w, amax))
 
+    def quantize_resident(self, layers) -> None:
+        """Quantize-dequantize the expert matrices the FusedMoE `layers` already hold, each under its own global
+        scale (FC1's gate and up as one matrix): what a load through the weight loader gives, for weights no loader
+        wrote (`--load-format dummy`). Only for unsharded experts (MoE TP = 1): a shard's amax is not its matrix's."""
+        for layer in layers:
+            for w13, w2 in zip(layer.w13_weight.data, layer.w2_weight.data, strict=True):
+                self._qdq(w13, w13.abs().amax().float())
+                self._qdq(w2, w2.abs().amax().float())
+                self.stats.w13 += 1
+                self.stats.w2 += 1
+
     def pending(self) -> list[tuple[int, int]]:
         """(layer id, local expert) of w13 matrices with only one of gate/up written since their last quantization."""
         return [(layer.layer_id, e) for layer, experts in self._halves.items() for e in experts]

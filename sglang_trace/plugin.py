@@ -94,6 +94,18 @@ def _hybrid_pool(pool, *args, **kwargs):
     return (pool, *args), kwargs
 
 
+def _kv_quantize(original, tensor):
+    """AROUND `BlockFP4KVQuantizeUtil.batched_quantize`: the FP4 KV pool's quantizer follows the recipe."""
+    return hooks.kv_pool_quantize(original, tensor)
+
+
+def _kv_dequantize(original, *args, **kwargs):
+    """AROUND `BlockFP4KVQuantizeUtil.batched_dequantize`: the FP4 KV pool's dequantizer follows the recipe."""
+    return hooks.kv_pool_dequantize(original, *args, **kwargs)
+
+
+_KV_UTIL = "sglang.srt.layers.quantization.kvfp4_tensor.BlockFP4KVQuantizeUtil"
+
 HOOKS = (
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "BEFORE", _moe_input),
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader", "AFTER", _weight_loaded),
@@ -117,6 +129,8 @@ HOOKS = (
     Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", "AROUND", _tensor_update),
     Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size", "AFTER", _cell_size),
     Hook("sglang.srt.mem_cache.memory_pool.HybridLinearKVPool.__init__", "BEFORE", _hybrid_pool),
+    Hook(f"{_KV_UTIL}.batched_quantize", "AROUND", _kv_quantize),
+    Hook(f"{_KV_UTIL}.batched_dequantize", "AROUND", _kv_dequantize),
 )
 
 

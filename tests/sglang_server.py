@@ -16,6 +16,48 @@ import requests
 
 BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none")
 
+SERVED_MODEL = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    moe_intermediate_size=128,
+    num_experts=16,
+    num_experts_per_tok=4,
+    max_position_embeddings=2048,
+)
+"""The random Qwen3-MoE the GPU tests serve (`tests.hf_tiny.make_hf_checkpoint` overrides): 4 layers, 16 experts,
+top-4."""
+CHUNK = 128  # prefill chunk of the served tests: a prompt of 3 * CHUNK + 17 tokens takes several
+
+
+def served_flags(
+    store: Path | None,
+    kv: str,
+    *,
+    recipe: str = "nvfp4-w4a4-kv4",
+    sites: str = "moe_in",
+    debug_layer: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """Server flags of the GPU tests: a small pool, chunked prefill, CUDA graphs up to batch 16 (SGLang's defaults
+    otherwise), R3 routes returned; with a `store`, TRACE in emulate mode capturing `sites` of every layer at b = 4
+    under `recipe` (None: TRACE off, a BF16 server)."""
+    flags = [
+        "--mem-fraction-static", "0.25", "--max-total-tokens", "32768", "--chunked-prefill-size", str(CHUNK),
+        "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16", "--skip-server-warmup",
+        "--page-size", "1", "--kv-cache-dtype", kv, "--enable-return-routed-experts",
+    ]  # fmt: skip
+    if store is not None:
+        flags += [
+            "--trace-mode", "emulate", "--trace-store", str(store), "--trace-record-bits", "4", "--trace-layers",
+            "all", "--trace-sites", sites, "--trace-recipe", recipe,
+        ]  # fmt: skip
+        if debug_layer is not None:
+            flags += ["--trace-debug-layer", str(debug_layer)]
+    return [*flags, *extra]
+
 
 def stand_in_server_info(**trace_fields: object) -> dict:
     """The `--trace-*` part of a patched server's `/server_info`, for HTTP stand-ins: emulate mode with TRACE's

@@ -84,15 +84,17 @@ def test_sglang_refuses_what_a_recipe_cannot_trace():
         trace_server_args("/r", trace_recipe="mxfp4")
 
 
-def test_sglang_refuses_a_recipe_whose_kv_format_its_pool_does_not_store():
+@pytest.mark.parametrize("kv", ["mxfp4", "nvfp4-per-token"])
+def test_sglang_refuses_a_recipe_whose_kv_format_its_pool_does_not_store(kv):
     from sglang_trace.config import check_server_args
-    from trace_core.formats import MXFP4
+    from trace_core.formats import MXFP4, NVFP4
     from trace_core.recipe import MXFP4_W4A4_KV4, PrecisionRecipe, Role, Scale
 
-    mx_kv = Role(MXFP4, Scale.PER_BLOCK, recorded=True)
+    role = Role(MXFP4, Scale.PER_BLOCK, recorded=True) if kv == "mxfp4" else Role(NVFP4, Scale.PER_TOKEN, True)
     fields = {f: getattr(MXFP4_W4A4_KV4, f) for f in ("weights", "moe_in", "fc2_in")}
-    recipe = PrecisionRecipe(name="mxfp4-w4a4-mxkv4", summary="32-element MXFP4 KV", k=mx_kv, v=mx_kv, **fields)
+    recipe = PrecisionRecipe(name=f"w4a4-{kv}-kv", summary="a KV format the pool cannot hold", k=role, v=role, **fields)
     sa = trace_server_args("/r", kv_cache_dtype="fp4_e2m1")
     sa.trace_recipe = recipe
-    with pytest.raises(ValueError, match="quantizes K / V as mxfp4; SGLang's fp4_e2m1 KV pool stores kv_fp4"):
+    with pytest.raises(ValueError, match=f"quantizes K / V as {role.fmt.name} \\({role.scale.value} scale\\); the "
+                       "fp4_e2m1 KV pool holds kv_fp4 or NVFP4 with a static unit global scale"):  # fmt: skip
         check_server_args(sa)

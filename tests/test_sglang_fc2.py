@@ -131,16 +131,20 @@ def sglang_layer(store: str, tp_group_world: int = 1, attention_layers: tuple = 
 
 @contextmanager
 def installed_layer(store: str, **server_args):
-    """`sglang_layer` on a one-process SGLang TP group, its capturer SGLang's global one until the block ends."""
+    """`sglang_layer` on a one-process SGLang TP group, its capturer SGLang's global one and its server arguments
+    SGLang's published ones until the block ends (then the earlier ones again: TRACE's KV pool hooks read them)."""
+    from sglang.srt.runtime_context import get_context
     from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
 
     from tests.sglang_cpu import init_cpu_parallel_state
 
     init_cpu_parallel_state()
+    published = get_context()._server_args
     try:
         yield sglang_layer(store, **server_args)
     finally:
         set_global_experts_capturer(None)
+        get_context()._server_args = published
 
 
 def run_sglang(layer) -> tuple[dict, torch.Tensor]:

@@ -19,9 +19,11 @@ load_trace_plugin()  # the hybrid pool's FP4 choice is the plugin's hook on Hybr
 import sglang.srt.mem_cache.memory_pool as memory_pool  # noqa: E402
 
 from sglang_trace.kv import gather_kv_records, gather_kv_shard, merge_tp_shards, request_slots  # noqa: E402
-from trace_core.formats import KV_FP4  # noqa: E402
+from trace_core.formats import KV_FP4, NVFP4  # noqa: E402
 from trace_core.quant import quantize  # noqa: E402
+from trace_core.recipe import get_recipe  # noqa: E402
 from trace_core.records import Record  # noqa: E402
+from trace_core.role_quant import fake_quant, quantize_role  # noqa: E402
 
 HEADS, HEAD_DIM, LAYERS, SLOTS = 4, 32, 3, 64
 
@@ -112,6 +114,54 @@ def test_prefix_sharing_and_slot_reuse_after_retraction(req_pool):
     req_pool.req_to_token[0, 6:9] = torch.tensor([30, 31, 32], dtype=torch.int32)
     rec_a = gather_kv_shard(pool, request_slots(req_pool.req_to_token, 0, 10), [0], ["k"], 1)[(0, "k")]
     assert_same(rec_a, expected(torch.cat([prompt, redo]), 1))
+
+
+@pytest.fixture(autouse=True)
+def pool_outside_a_server():
+    """No published server arguments while a test runs (a pool outside a server holds SGLang's kv_fp4); the
+    earlier ones again after."""
+    from sglang.srt.runtime_context import get_context
+
+    published = get_context()._server_args
+    get_context()._server_args = None
+    yield
+    get_context()._server_args = published
+
+
+@pytest.fixture
+def nvfp4_kv_server():
+    """The published server arguments of a scheduler serving the NVFP4-KV recipe (TRACE on)."""
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    from tests.sglang_cpu import trace_server_args
+
+    set_global_server_args_for_scheduler(
+        trace_server_args("/r", trace_recipe="nvfp4-w4a4-nvfp4kv", kv_cache_dtype="fp4_e2m1", trace_sites="k,v")
+    )
+    return get_recipe("nvfp4-w4a4-nvfp4kv").k
+
+
+def test_an_nvfp4_kv_recipe_writes_and_reads_the_pool_in_nvfp4(req_pool, nvfp4_kv_server):
+    """Under the NVFP4-KV recipe the pool's own `set_kv_buffer` writes TRACE's NVFP4 codes and E4M3 bytes (S_enc = 1)
+    through the plugin's quantizer hook; the records read back are the trainer's quantization of the same K/V, and
+    SGLang's dequantize path (`get_key_buffer`) returns their values, not an E8M0 reading of the bytes."""
+    role = nvfp4_kv_server
+    pool = fp4_pool()
+    slots = torch.tensor([7, 3, 11, 12, 30], dtype=torch.int64)
+    k, v = kv_values(5, 11), kv_values(5, 12)
+    write(pool, 1, slots, k, v)
+    req_pool.req_to_token[3, :5] = slots.to(torch.int32)
+    got = gather_kv_records(
+        pool, request_slots(req_pool.req_to_token, 3, 6), [1], ["k", "v"], 4, num_kv_heads=HEADS, fmt=role.fmt
+    )
+    for kind, x in (("k", k), ("v", v)):
+        rows = x.reshape(5, -1)
+        q = quantize_role(role, rows)
+        rec = got[(1, kind)]
+        assert rec.fmt is NVFP4 and torch.equal(rec.code_bits(), q.codes) and torch.equal(rec.scales, q.scales)
+        assert torch.equal(rec.global_scale, torch.ones(5, 1))
+    read = pool.get_key_buffer(1)[slots].reshape(5, -1)
+    assert torch.equal(read, fake_quant(role, k.reshape(5, -1)))
 
 
 @pytest.mark.parametrize(("tp_size", "kv_heads"), [(2, 4), (4, 2)])

@@ -89,6 +89,21 @@ def test_expert_weights_are_nvfp4_at_load_and_after_every_update(emulate_args):
     assert hooks.EXPERT_WEIGHTS.stats.w13 - before == 2 * E
 
 
+def test_dummy_initialized_experts_are_quantized_as_a_load_would(emulate_args):
+    """`--load-format dummy` writes the experts without the weight loader; `quantize_dummy_experts` gives what
+    loading the same values through the loader gives, and refuses sharded experts."""
+    ckpt = checkpoint(3)
+    loaded, dummy = make_layer(layer_id=6), make_layer(layer_id=7)
+    for e in range(E):  # the dummy loader's random fill, here the checkpoint's values written directly
+        dummy.w13_weight.data[e] = torch.cat([ckpt[f"{e}.gate"], ckpt[f"{e}.up"]])
+        dummy.w2_weight.data[e] = ckpt[f"{e}.down"]
+    load(loaded, ckpt)
+    hooks.quantize_dummy_experts(torch.nn.ModuleList([dummy]), 1, hooks.EXPERT_WEIGHTS.role)
+    assert torch.equal(dummy.w13_weight, loaded.w13_weight) and torch.equal(dummy.w2_weight, loaded.w2_weight)
+    with pytest.raises(ValueError, match="--load-format dummy at MoE TP 2: the experts' global scales need whole"):
+        hooks.quantize_dummy_experts(torch.nn.ModuleList([dummy]), 2, hooks.EXPERT_WEIGHTS.role)
+
+
 def test_half_updated_expert_is_reported_and_refused(emulate_args):
     layer = make_layer(layer_id=5)
     weights = ExpertWeights()

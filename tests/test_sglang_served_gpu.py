@@ -1,11 +1,13 @@
 """The patched SGLang 0.5.15.post1 server, live on a GPU: records are what the server computed.
 
 Each test writes a random Qwen3-MoE HF checkpoint (4 layers, 16 experts, top-4, a `tokenizers` tokenizer), starts
-the server as a subprocess with CUDA graphs on (SGLang's defaults: full decode graphs, breakable prefill graphs),
-sends greedy, sampled, prefix-sharing, chunked-prefill and aborted requests, and checks, against the debug tap
-(`--trace-debug-layer`, which keeps what the expert GEMMs and the FP4-KV attention consumed at one layer), that
-the stored records decode to exactly those tensors, that every request's records are stored (none refused), and
-that the routes in the records are the routes SGLang returns (`--enable-return-routed-experts`).
+the server as a subprocess with CUDA graphs on (SGLang's defaults: full decode graphs, breakable prefill graphs) in
+one of three settings (emulate NVFP4 W/A with BF16 KV, with the FP4 KV pool, and with the NVFP4 KV recipe over the
+same pool: E4M3 block scales), sends greedy, sampled, prefix-sharing, chunked-prefill and aborted requests, and
+checks, against the debug tap (`--trace-debug-layer`, which keeps what the expert GEMMs and the FP4-KV attention
+consumed at one layer), that the stored records decode to exactly those tensors, that every request's records are
+stored (none refused), and that the routes in the records are the routes SGLang returns
+(`--enable-return-routed-experts`).
 
 Run on a GPU machine with SGLang 0.5.15.post1 and this package installed (its `sglang.srt.plugins` entry point):
 `pytest -m gpu tests/test_sglang_served_gpu.py`.
@@ -25,7 +27,7 @@ import requests
 import torch
 
 from tests.hf_tiny import make_hf_checkpoint
-from tests.sglang_server import Server
+from tests.sglang_server import CHUNK, SERVED_MODEL, Server, served_flags
 from trace_core.e2m1 import unpack_fp4
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.formats import NVFP4
@@ -36,31 +38,8 @@ from trace_core.store_reader import RecordReader
 
 pytestmark = pytest.mark.gpu
 
-MODEL = dict(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    moe_intermediate_size=128,
-    num_experts=16,
-    num_experts_per_tok=4,
-    max_position_embeddings=2048,
-)
 DEBUG_LAYER = 1
-CHUNK = 128  # prefill chunk: the long prompt below takes several
 START_S = 480
-
-
-def _server_flags(store: Path, kv: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return [
-        "--mem-fraction-static", "0.25", "--max-total-tokens", "32768", "--chunked-prefill-size", str(CHUNK),
-        "--max-running-requests", "16",
-        "--cuda-graph-max-bs-decode", "16", "--skip-server-warmup", "--page-size", "1",
-        "--kv-cache-dtype", kv, "--trace-mode", "emulate", "--trace-store", str(store), "--trace-record-bits", "4",
-        "--trace-layers", "all", "--trace-debug-layer", str(DEBUG_LAYER), "--enable-return-routed-experts",
-        "--trace-sites", "moe_in,k,v" if kv == "fp4_e2m1" else "moe_in", *extra,
-    ]  # fmt: skip
 
 
 def _requests(vocab: int) -> list[dict]:
@@ -139,10 +118,12 @@ def _r3(answer: dict, tokens: int, layers: int, topk: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.int32).copy()).view(tokens, layers, topk)
 
 
-def _check_served(tmp_path: Path, kv: str) -> dict:
-    model = make_hf_checkpoint(tmp_path / "model", **MODEL)
+def _check_served(tmp_path: Path, kv: str, recipe_name: str) -> dict:
+    model = make_hf_checkpoint(tmp_path / "model", **SERVED_MODEL)
     store = tmp_path / "records"
-    server = Server(model, _server_flags(store, kv), tmp_path / "server.log")
+    sites = "moe_in,k,v" if kv == "fp4_e2m1" else "moe_in"
+    flags = served_flags(store, kv, recipe=recipe_name, sites=sites, debug_layer=DEBUG_LAYER)
+    server = Server(model, flags, tmp_path / "server.log")
     try:
         server.wait_ready(START_S)
         reqs = _requests(128)
@@ -154,7 +135,7 @@ def _check_served(tmp_path: Path, kv: str) -> dict:
     assert "not stored" not in log and "refused" not in log, server.tail()
     finalize_step(store, 0)
     reader = RecordReader(store, 0)
-    recipe = get_recipe("nvfp4-w4a4-kv4")
+    recipe = get_recipe(recipe_name)
     report = {"requests": len(answers), "sites_checked": 0, "tokens": 0}
     for req in reqs:
         answer = answers[req["rid"]]
@@ -182,7 +163,7 @@ def _check_served(tmp_path: Path, kv: str) -> dict:
         # R3: the routes in the records are the routes SGLang's R3 interface returns for the same positions
         assert recs.routes is not None and bool(recs.has_routes.all()), req["rid"]
         if req.get("return_routed_experts"):
-            r3 = _r3(answer, n, MODEL["num_hidden_layers"], MODEL["num_experts_per_tok"])
+            r3 = _r3(answer, n, SERVED_MODEL["num_hidden_layers"], SERVED_MODEL["num_experts_per_tok"])
             assert torch.equal(recs.routes[0].long(), r3.long()), req["rid"]
         report["sites_checked"] += 1
         report["tokens"] += n
@@ -192,17 +173,21 @@ def _check_served(tmp_path: Path, kv: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "fp4_e2m1"])
-def test_records_are_what_the_served_model_computed(tmp_path: Path, kv: str) -> None:
-    report = _check_served(tmp_path, kv)
-    print(json.dumps({"kv": kv, **report}))
+@pytest.mark.parametrize(
+    ("kv", "recipe"),
+    [("bfloat16", "nvfp4-w4a4-kv4"), ("fp4_e2m1", "nvfp4-w4a4-kv4"), ("fp4_e2m1", "nvfp4-w4a4-nvfp4kv")],
+    ids=["bf16-kv", "fp4-kv", "nvfp4-kv"],
+)
+def test_records_are_what_the_served_model_computed(tmp_path: Path, kv: str, recipe: str) -> None:
+    report = _check_served(tmp_path, kv, recipe)
+    print(json.dumps({"kv": kv, "recipe": recipe, **report}))
 
 
 def test_server_without_the_trace_plugin_refuses_to_start(tmp_path: Path) -> None:
     """A deliberately broken hook set (the plugin filtered out by SGLANG_PLUGINS) stops the start, naming the hooks."""
-    model = make_hf_checkpoint(tmp_path / "model", **MODEL)
+    model = make_hf_checkpoint(tmp_path / "model", **SERVED_MODEL)
     server = Server(
-        model, _server_flags(tmp_path / "records", "bfloat16"), tmp_path / "server.log", env={"SGLANG_PLUGINS": "none"}
+        model, served_flags(tmp_path / "records", "bfloat16"), tmp_path / "server.log", env={"SGLANG_PLUGINS": "none"}
     )
     try:
         server.wait_exit(START_S)
