@@ -1,0 +1,920 @@
+"""Serving performance of the live patched SGLang server at Qwen3-30B-A3B shapes (issue 31): what TRACE's emulation
+and capture cost, and what FP4 KV buys, each configuration a server this bench starts itself.
+
+The model is a local HF directory holding only `config.json` (Qwen3-30B-A3B's shape: hidden 2048, 48 layers, 128
+experts top-8, MoE FFN 768, 32 / 4 heads x 128, vocab 151,936), served with random weights (`--load-format dummy
+--skip-tokenizer-init`, input ids only). Every server runs `--attention-backend triton --sampling-backend pytorch
+--grammar-backend none --page-size 1 --dtype bfloat16 --mem-fraction-static 0.85` with SGLang's default CUDA graphs,
+in its own process group (torn down on exit, error, SIGINT and SIGTERM; what a killed run left, its server and
+record store, is found through `PID_FILE` next to `--out` and removed before the next start).
+
+Configurations (`CONFIGS`):
+  bf16                           BF16 W/A, BF16 KV, TRACE off
+  fp4kv                          BF16 W/A, FP4 KV (the project's FP4-KV attention), TRACE off
+  emulate                        NVFP4 W/A emulated, BF16 KV, the smallest capture (see below)
+  emulate+capture-default        emulate, b = 1 MoE-input records of every layer (BF16 KV: no K/V sites)
+  emulate+capture-paper          emulate, b = 1 MoE-input records of the latter half
+  emulate+fp4kv                  emulate, FP4 KV (kv_fp4), the smallest capture
+  emulate+nvfp4kv                emulate, FP4 KV holding NVFP4 (`--trace-recipe nvfp4-w4a4-nvfp4kv`), smallest capture
+  emulate+fp4kv+capture-default  emulate + FP4 KV, b = 1 MoE-input and K/V records of every layer
+  emulate+fp4kv+capture-paper    emulate + FP4 KV, b = 1 MoE-input and K/V records of the latter half
+TRACE cannot emulate without capturing: `--trace-mode emulate` always installs the capturer, `--trace-sites` needs
+a kind and `--trace-layers` a layer (sglang_trace.config). The configurations "without capture" therefore record
+the smallest policy there is: b = 1 MoE-input records of the last layer (`SMALLEST_CAPTURE`; routes of every layer
+and the hook markers are kept whatever the policy).
+
+Points: batch 1, 16, 64, 256 at 1K context (`--batches`, input `--batch-context` tokens), then 8K and 32K contexts
+(`--contexts`) at the largest batch that fits: floor(`--fill` x the server's KV token capacity / (context +
+output)), at most `--max-batch` and the server's max running requests. Every request is `--output-len` tokens
+(ignore_eos), greedy. Each point is one call of SGLang's own batch client, `sglang.benchmark.one_batch_server.
+run_one_case` (the module behind `python -m sglang.bench_one_batch_server`, random-ids dataset of fixed lengths: one
+`/generate` of `batch` streamed requests, the radix cache flushed before it).
+
+Per point (`QUANTITIES` says where each comes from): output tok/s, decode step time (server: SGLang's own step
+timer, `SGLANG_RECORD_STEP_TIME=1`, read from `/server_info`; and client: the time after the last first token over
+the remaining steps), time to first token (of the batch's last request), peak running requests (server log),
+CUDA-graph use of the decode steps, retractions; per server: KV token capacity (`/server_info`
+max_total_num_tokens) and memory; for TRACE configurations the record bytes written per token (shard headers of
+the record store, read and deleted as they appear) against `trace_core.records.bytes_per_token`. The issue's ratio
+targets are evaluated after every point (`TARGETS`), each marked met / missed / not-measured. Not measured: the
+scheduler-thread time per finished request (the live server reports no such counter; bench/sglang_finish.py times
+it on the real TraceCapturer). The requests of a point start and finish together, so the finish path (records
+moved to the writer thread through the host ring) lands after the decode steps: in latency_s, not in the decode
+throughput.
+
+Results go to `--out` (JSON, rewritten after every point) and a PNG next to it; a rerun skips the points already
+measured under the same settings (`--force` remeasures), so a run cut short resumes where it stopped.
+
+    python bench/serve.py --dry-run                                  # every server command and client call
+    timeout -k 30 570 python bench/serve.py --configs bf16,emulate --batches 1 16 64 --contexts \\
+        --budget-s 480 --out out/serve/serve.json                    # one slice of a 10-minute window
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import requests
+
+NUM_LAYERS = 48
+HF_CONFIG: dict[str, object] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": NUM_LAYERS,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": NUM_LAYERS,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+"""Qwen3-30B-A3B's config.json values (the weights are SGLang's dummy init)."""
+
+BASE_FLAGS = (
+    "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+    "--page-size", "1", "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+)  # fmt: skip
+BF16_KV = ("--kv-cache-dtype", "bfloat16")
+FP4_KV = ("--kv-cache-dtype", "fp4_e2m1")
+EMULATE = ("--trace-mode", "emulate")
+
+
+def capture(sites: str, layers: str) -> tuple[str, ...]:
+    """Flags of a b = 1 capture policy over `sites` of `layers` ('all', 'latter-half' or layer ids)."""
+    return ("--trace-sites", sites, "--trace-layers", layers, "--trace-record-bits", "1")
+
+
+SMALLEST_CAPTURE = capture("moe_in", str(NUM_LAYERS - 1))
+
+
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "bf16": BF16_KV,
+    "fp4kv": FP4_KV,
+    "emulate": (*EMULATE, *SMALLEST_CAPTURE, *BF16_KV),
+    "emulate+capture-default": (*EMULATE, *capture("moe_in", "all"), *BF16_KV),
+    "emulate+capture-paper": (*EMULATE, *capture("moe_in", "latter-half"), *BF16_KV),
+    "emulate+fp4kv": (*EMULATE, *SMALLEST_CAPTURE, *FP4_KV),
+    "emulate+nvfp4kv": (*EMULATE, *SMALLEST_CAPTURE, *FP4_KV, "--trace-recipe", "nvfp4-w4a4-nvfp4kv"),
+    "emulate+fp4kv+capture-default": (*EMULATE, *capture("moe_in,k,v", "all"), *FP4_KV),
+    "emulate+fp4kv+capture-paper": (*EMULATE, *capture("moe_in,k,v", "latter-half"), *FP4_KV),
+}
+"""Server flags of each configuration, on top of `BASE_FLAGS` (TRACE ones also get `--trace-store`)."""
+
+WARMUP = (4, 1024, 16)  # batch, input, output of the request each server gets before its points
+SERVER_ENV = {"SGLANG_RECORD_STEP_TIME": "1"}  # SGLang's step timer: step_time_dict in /server_info
+STORE_S_PER_TOKEN = 30e3 / 200e6  # wait for the records: ~30 KB per token at 200 MB/s at least
+PID_FILE = "serve.server.json"  # next to --out: the process group and record store of the server running now
+
+QUANTITIES = {
+    "output_throughput": "output tok/s of the decode phase: batch x output_len / (latency - ttft_s) "
+    "(run_one_case's output_throughput)",
+    "e2e_output_throughput": "batch x output_len / latency (prefill included)",
+    "latency_s": "client wall time of the whole batch, request sent to last token (run_one_case)",
+    "ttft_s": "time to first token of the batch's last request: the batch's prefill (run_one_case's last_ttft)",
+    "decode_step_ms": "median server decode step at the point's batch: SGLang's step timer (SGLANG_RECORD_STEP_TIME=1, "
+    "wall time over each --decode-log-interval steps / the interval, keyed by running requests, in /server_info "
+    "internal_states[0].step_time_dict), the first window of the point dropped (it spans the idle gap and prefill)",
+    "decode_throughput": "batch / decode_step_ms: the server's decode tok/s at the point's batch (what the capture "
+    "target compares)",
+    "decode_step_ms_client": "(latency_s - ttft_s) / (output_len - 1): client-timed step after the last first token",
+    "peak_running_requests": "largest '#running-req' of the server log's Prefill / Decode batch lines in the point",
+    "cuda_graph_decode_fraction": "share of the point's 'Decode batch' log lines with 'cuda graph: True'",
+    "retractions": "'KV cache pool is full. Retract requests.' log lines in the point",
+    "kv_capacity_tokens": "max_total_num_tokens of /server_info (the KV pool in tokens, after the record store's "
+    "share of the cell size)",
+    "record_bytes_per_token": "raw record bytes (MoE-input and K/V sites) per token over the point's trajectories, "
+    "from the record store's shard headers; routes and disk bytes beside it; expected: trace_core.records."
+    "bytes_per_token of the served record spec",
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement: `batch` requests of `context` input tokens; batch None: the largest that fits."""
+
+    context: int
+    batch: int | None
+
+    @property
+    def key(self) -> str:
+        return f"ctx{self.context}-b{self.batch if self.batch is not None else 'fit'}"
+
+
+def plan(batches: Sequence[int], batch_context: int, contexts: Sequence[int]) -> list[Point]:
+    """The points of one configuration: the batch axis at `batch_context`, then each long context at its fit."""
+    return [Point(batch_context, b) for b in batches] + [Point(c, None) for c in contexts]
+
+
+def fit_batch(capacity: int, context: int, output_len: int, fill: float, cap: int) -> tuple[int, bool]:
+    """(batch, capacity_bound): the most requests of `context + output_len` tokens in `fill` of `capacity` KV
+    tokens, at most `cap`; capacity_bound when the KV pool, not `cap`, sets it."""
+    fits = math.floor(capacity * fill / (context + output_len))
+    return min(fits, cap), fits < cap
+
+
+def write_model(directory: Path) -> Path:
+    """`directory` holding only the model's config.json (rewritten only when it differs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.json"
+    text = json.dumps(HF_CONFIG, indent=2) + "\n"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return directory
+
+
+def server_argv(model: Path, flags: Sequence[str], port: int | str, store: Path | None, args) -> list[str]:
+    """The launch command of one configuration's server."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), *BASE_FLAGS, "--mem-fraction-static", str(args.mem_fraction)]
+    argv += ["--decode-log-interval", str(args.decode_log_interval), *flags]
+    if store is not None:
+        argv += ["--trace-store", str(store)]
+    return argv
+
+
+def traced(flags: Sequence[str]) -> bool:
+    return "--trace-mode" in flags
+
+
+def free_port() -> int:
+    """A free port in [20000, 40000): SGLang derives further ports from it, which must stay below 65536."""
+    for port in random.sample(range(20000, 40000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 40000)")
+
+
+def kill_leftover(pid_file: Path) -> None:
+    """Clean up after an earlier run of this bench that was killed: kill the process group it left running (its id
+    in `pid_file`) if its leader is still an SGLang server, and remove that server's record store."""
+    try:
+        left = json.loads(pid_file.read_text())
+    except (OSError, ValueError):
+        pid_file.unlink(missing_ok=True)
+        return
+    try:
+        alive = b"sglang.launch_server" in Path(f"/proc/{left['pgid']}/cmdline").read_bytes()
+    except OSError:
+        alive = False
+    if alive:
+        print(f"serve: killing the leftover server process group {left['pgid']}", file=sys.stderr)
+        try:
+            os.killpg(left["pgid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        time.sleep(5)
+    if left.get("store"):
+        shutil.rmtree(left["store"], ignore_errors=True)
+    pid_file.unlink(missing_ok=True)
+
+
+class Server:
+    """One SGLang server in its own process group, logging to `log`; `stop` kills the group (SIGTERM, then
+    SIGKILL)."""
+
+    def __init__(self, argv: list[str], url: str, log: Path, pid_file: Path, store: Path | None) -> None:
+        self.argv, self.url, self.log, self.pid_file = argv, url, log, pid_file
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            f.write(f"# {' '.join(argv)}\n")
+            f.flush()
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **SERVER_ENV},
+                start_new_session=True,
+            )
+        pid_file.write_text(json.dumps({"pgid": self.proc.pid, "store": str(store) if store else None}))
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until `/health` answers 200; RuntimeError with the log tail if the server exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.tail()}")
+
+    def check(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+
+    def info(self) -> dict:
+        resp = requests.get(f"{self.url}/server_info", timeout=60)
+        resp.raise_for_status()
+        return resp.json()
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        """Kill the server's process group; a SIGTERM to this bench meanwhile waits (no orphan is left)."""
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the scheduler processes too, whatever the leader did
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        finally:
+            self.pid_file.unlink(missing_ok=True)
+            signal.signal(signal.SIGTERM, previous)
+
+
+DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False)")
+PREFILL_LINE = re.compile(r"Prefill batch.*?#running-req: (\d+),")
+RETRACT_LINE = "KV cache pool is full. Retract requests."
+
+
+def parse_log(text: str) -> dict:
+    """Peak running requests, decode lines in CUDA graphs and retractions in a span of the server log. A prefill
+    line counts the requests running before the batch it adds, so the peak comes from the decode lines too."""
+    decode = [(int(n), flag == "True") for n, flag in DECODE_LINE.findall(text)]
+    running = [n for n, _ in decode] + [int(n) for n in PREFILL_LINE.findall(text)]
+    return {
+        "peak_running_requests": max(running, default=0),
+        "decode_log_lines": len(decode),
+        "cuda_graph_decode_fraction": sum(g for _, g in decode) / len(decode) if decode else None,
+        "retractions": text.count(RETRACT_LINE),
+    }
+
+
+def step_time_dict(info: dict) -> dict[int, list[float]]:
+    """SGLang's step timer (`step_time_dict`: running requests -> seconds per decode step of each log window)."""
+    states = info.get("internal_states") or [{}]
+    return {int(k): list(v) for k, v in (states[0].get("step_time_dict") or {}).items()}
+
+
+def new_step_times(before: dict[int, list[float]], after: dict[int, list[float]], batch: int) -> list[float]:
+    """The windows at `batch` running requests timed since `before`, less the first (it spans the gap since the
+    previous point's last window, and the prefill)."""
+    return after.get(batch, [])[len(before.get(batch, [])) :][1:]
+
+
+def expected_record_bytes(info: dict) -> dict:
+    """What the served record spec should write per token (`trace_core.records.bytes_per_token`) and the device
+    bytes its record store adds to every KV slot (`sglang_trace.capturer.record_bytes_per_slot`)."""
+    from sglang_trace.capturer import record_bytes_per_slot
+    from sglang_trace.config import model_layout, parse_trace_args, served_spec
+    from trace_core.records import ModelShape, bytes_per_token
+
+    hf = SimpleNamespace(**HF_CONFIG)
+    spec = served_spec(info, hf)
+    layout = model_layout(hf)
+    shape = ModelShape(layout.hidden, layout.num_kv_heads, layout.head_dim)
+    expected = bytes_per_token(shape, spec)
+    return {
+        "spec": {"bits": spec.bits, "moe_layers": len(spec.moe_layers), "attn_layers": len(spec.attn_layers)},
+        "recipe": spec.recipe,
+        "record_bytes_per_token": expected.total,
+        "moe_in_bytes_per_token": expected.moe_in,
+        "kv_bytes_per_token": expected.kv,
+        "routes_bytes_per_token": len(layout.moe_layers) * layout.topk * 4,  # int32 ids, if stored
+        "record_bytes_per_slot": record_bytes_per_slot(parse_trace_args(SimpleNamespace(**info)), layout),
+    }
+
+
+def store_step_dir(root: Path) -> Path:
+    """The step directory the server writes its records into (`--trace-step` 0, no weight update)."""
+    from trace_core.store import step_dir
+
+    return step_dir(root, 0)
+
+
+class StoreDrain(threading.Thread):
+    """Reads and deletes, as they appear, the shards and failure marks the server writes into a record-store step
+    directory (one shard per finished request): what the trajectories of `tokens` positions hold is summed in
+    `usage` (others, e.g. of a warm-up, are only counted), and the disk holds only the shards not read yet. The step
+    directory stays (the server's writer holds it)."""
+
+    def __init__(self, directory: Path, tokens: int | None = None) -> None:
+        super().__init__(name="serve-store-drain", daemon=True)
+        self.directory, self.tokens = directory, tokens
+        self.usage = {"trajectories": 0, "tokens": 0, "record_raw_bytes": 0, "routes_raw_bytes": 0, "disk_bytes": 0}
+        self.others = 0
+        self.failed: list[str] = []
+        self._stop_event = threading.Event()
+
+    def drain_once(self) -> None:
+        from trace_core.store import FAILED_PREFIX, read_header, shard_paths
+
+        if not self.directory.is_dir():
+            return
+        for path in shard_paths(self.directory):
+            header, size = read_header(path), path.stat().st_size
+            path.unlink()
+            if any(self.tokens not in (None, e["num_tokens"]) for e in header["trajectories"].values()):
+                self.others += len(header["trajectories"])
+                continue
+            self.usage["disk_bytes"] += size
+            for entry in header["trajectories"].values():
+                self.usage["trajectories"] += 1
+                self.usage["tokens"] += entry["num_tokens"]
+                for site in entry["sites"].values():
+                    self.usage["record_raw_bytes"] += sum(f["raw"] for f in site["fields"].values())
+                self.usage["routes_raw_bytes"] += entry.get("routes", {}).get("raw", 0)
+        for path in self.directory.glob(f"{FAILED_PREFIX}*"):
+            self.failed.append(json.loads(path.read_text()).get("message", ""))
+            path.unlink()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.5):
+            self.drain_once()
+
+    def finish(self, expected: int, timeout_s: float, server: Server) -> dict:
+        """Wait until `expected` trajectories were written or marked failed, or `timeout_s`; stop; the totals."""
+        deadline = time.monotonic() + timeout_s
+        while self.usage["trajectories"] + len(self.failed) < expected and time.monotonic() < deadline:
+            server.check()
+            time.sleep(0.5)
+        self._stop_event.set()
+        self.join()
+        self.drain_once()
+        done = self.usage["trajectories"] + len(self.failed)
+        return self.usage | {
+            "failed": len(self.failed),
+            "failures": self.failed[:3],
+            "other_trajectories": self.others,
+            "complete": done >= expected,
+        }
+
+
+def record_bytes(usage: dict, expected: dict) -> dict:
+    tokens = max(1, usage["tokens"])
+    return {
+        "record_bytes_per_token": usage["record_raw_bytes"] / tokens,
+        "expected_record_bytes_per_token": expected["record_bytes_per_token"],
+        "routes_bytes_per_token": usage["routes_raw_bytes"] / tokens,
+        "disk_bytes_per_token": usage["disk_bytes"] / tokens,
+        "trajectories": usage["trajectories"],
+        "failed_trajectories": usage["failed"],
+        "failures": usage["failures"],
+        "other_trajectories": usage["other_trajectories"],
+        "store_complete": usage["complete"],
+    }
+
+
+def client_call(url: str, batch: int, input_len: int, output_len: int, name: str, stream_interval: int) -> dict:
+    """Keyword arguments of SGLang's `run_one_case` for one point (random-ids prompts of fixed lengths)."""
+    return dict(
+        url=url, batch_size=batch, input_len=input_len, output_len=output_len, temperature=0.0,
+        return_logprob=False, stream_interval=stream_interval, input_len_step_percentage=0.0, run_name=name,
+        result_filename="", dataset_name="random-ids",
+    )  # fmt: skip
+
+
+def run_client(call: dict, seed: int):
+    """One `run_one_case`; the random-ids dataset needs only the vocabulary size of a tokenizer."""
+    import numpy as np
+    from sglang.benchmark.one_batch_server import run_one_case
+
+    random.seed(seed)
+    np.random.seed(seed)
+    return run_one_case(**call, tokenizer=SimpleNamespace(vocab_size=HF_CONFIG["vocab_size"]))
+
+
+def measure(server: Server, point: Point, batch: int, args, store: Path | None, expected: dict | None) -> dict:
+    """One point on a running server: the client call, then the server's step timer, log and record store."""
+    call = client_call(server.url, batch, point.context, args.output_len, point.key, args.stream_interval)
+    before, offset = step_time_dict(server.info()), server.log_size()
+    drain = StoreDrain(store, point.context + args.output_len - 1) if store is not None else None
+    if drain is not None:
+        drain.start()
+    res = run_client(call, args.seed)
+    server.check()
+    info = server.info()
+    steps = new_step_times(before, step_time_dict(info), batch)
+    out = {
+        "context": point.context,
+        "batch": batch,
+        "output_len": args.output_len,
+        "output_throughput": res.output_throughput,
+        "e2e_output_throughput": batch * args.output_len / res.latency,
+        "latency_s": res.latency,
+        "ttft_s": res.last_ttft,
+        "decode_step_ms": 1e3 * statistics.median(steps) if steps else None,
+        "decode_throughput": batch / statistics.median(steps) if steps else None,
+        "decode_step_windows": len(steps),
+        "decode_step_ms_client": 1e3 * (res.latency - res.last_ttft) / max(1, args.output_len - 1),
+        "last_gen_throughput": res.last_gen_throughput,
+        **parse_log(server.log_since(offset)),
+    }
+    if drain is not None and expected is not None:
+        tokens = batch * (point.context + args.output_len)
+        usage = drain.finish(batch, max(120.0, tokens * STORE_S_PER_TOKEN), server)
+        out |= record_bytes(usage, expected)
+    return out
+
+
+def server_summary(info: dict, start_s: float) -> dict:
+    """What a started server reports about its capacity and memory."""
+    state = (info.get("internal_states") or [{}])[0]
+    graphs = (info.get("cuda_graph_config") or {}).get("decode") or {}
+    return {
+        "kv_capacity_tokens": info.get("max_total_num_tokens"),
+        "max_running_requests": state.get("effective_max_running_requests_per_dp"),
+        "memory_usage_gb": state.get("memory_usage"),
+        "cuda_graph_decode": {"backend": graphs.get("backend"), "max_bs": graphs.get("max_bs")},
+        "chunked_prefill_size": info.get("chunked_prefill_size"),
+        "context_length": info.get("context_length") or HF_CONFIG["max_position_embeddings"],
+        "sglang": info.get("version"),
+        "start_s": start_s,
+        "trace": {k: v for k, v in info.items() if k.startswith("trace_")},
+    }
+
+
+def signature(name: str, args) -> dict:
+    """What a configuration's stored points depend on: they are remeasured when it changes."""
+    return {
+        "flags": list(BASE_FLAGS + CONFIGS[name]),
+        "mem_fraction_static": args.mem_fraction,
+        "output_len": args.output_len,
+        "batch_context": args.batch_context,
+        "fill": args.fill,
+        "max_batch": args.max_batch,
+        "decode_log_interval": args.decode_log_interval,
+        "stream_interval": args.stream_interval,
+        "seed": args.seed,
+    }
+
+
+def run_config(name: str, points: list[Point], result: dict, args, save: Callable[[], None], left: Callable) -> None:
+    """Start one configuration's server, measure its pending points (saving after each), stop it."""
+    entry = result["configs"].get(name)
+    if entry is None or entry.get("signature") != signature(name, args) or args.force:
+        entry = {"signature": signature(name, args), "points": {}}
+    pending = [p for p in points if p.key not in entry["points"]]
+    if not pending and entry.get("status") == "ok":
+        print(f"serve: {name}: all {len(points)} points measured; skipped (--force remeasures)")
+        result["configs"][name] = entry
+        return
+    if left() <= 0:
+        return
+    flags = CONFIGS[name]
+    out_dir = args.out.parent
+    store = Path(tempfile.mkdtemp(prefix="serve-store-", dir=args.store_dir)).resolve() if traced(flags) else None
+    port = free_port()
+    argv = server_argv(write_model((args.model_dir or out_dir / "model").resolve()), flags, port, store, args)
+    entry |= {"server_command": argv, "log": str(out_dir / "logs" / f"{name}.log")}
+    result["configs"][name] = entry
+    t0 = time.monotonic()
+    server = Server(argv, f"http://127.0.0.1:{port}", out_dir / "logs" / f"{name}.log", out_dir / PID_FILE, store)
+    try:
+        try:
+            server.wait_ready(min(args.start_timeout_s, max(1.0, left())))
+            info = server.info()
+        except RuntimeError as e:
+            entry |= {"status": "failed", "error": str(e)[-4000:]}
+            save()
+            print(f"serve: {name}: {e}", file=sys.stderr)
+            return
+        entry |= {"status": "ok", "server": server_summary(info, time.monotonic() - t0)}
+        entry.pop("error", None)
+        expected = expected_record_bytes(info) if store is not None else None
+        entry["server"]["expected_records"] = expected
+        step_dir = store_step_dir(store) if store is not None else None
+        warm = client_call(server.url, *WARMUP, "warmup", args.stream_interval)
+        run_client(warm, args.seed)
+        if step_dir is not None:  # the warm-up's records (and those of SGLang's own warm-up request) go
+            drain = StoreDrain(step_dir)
+            drain.start()
+            drain.finish(WARMUP[0], 120, server)
+        save()
+        capacity = int(entry["server"]["kv_capacity_tokens"])
+        cap = min(args.max_batch, int(entry["server"]["max_running_requests"] or args.max_batch))
+        for point in pending:
+            if left() <= 0:
+                print(f"serve: budget spent; {name} stops before {point.key}")
+                break
+            if point.batch is None:
+                batch, bound = fit_batch(capacity, point.context, args.output_len, args.fill, cap)
+            else:
+                batch, bound = point.batch, False
+            tokens = batch * (point.context + args.output_len)
+            skip = None
+            if batch < 1 or tokens > capacity or point.context + args.output_len > entry["server"]["context_length"]:
+                skip = f"{batch} x ({point.context} + {args.output_len}) tokens do not fit (KV {capacity})"
+            if skip is not None:
+                entry["points"][point.key] = {"context": point.context, "batch": batch, "skipped": skip}
+                save()
+                continue
+            print(f"serve: {name} {point.key}: batch {batch}", flush=True)
+            try:
+                measured = measure(server, point, batch, args, step_dir, expected)
+            except Exception as e:  # a failed point (e.g. out of memory) is a result; a dead server ends the config
+                entry["points"][point.key] = {"context": point.context, "batch": batch, "error": repr(e)[-2000:]}
+                save()
+                server.check()
+                continue
+            entry["points"][point.key] = {**measured, "capacity_bound": bound}
+            save()
+    finally:
+        server.stop()
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
+        save()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ratio target of the issue for one pair of configurations."""
+
+    name: str
+    text: str
+    config: str
+    baseline: str | None
+    metric: str  # output_throughput | decode_step_ms | kv_capacity_tokens | cuda_graphs | starts | finish_path
+    bound: float | None = None
+    at_least: bool = True  # ratio >= bound (else <=)
+    where: str = "equal"  # equal: points of equal (context, batch); batch16: those with batch >= 16; ...
+
+    def check(self, ratio: float) -> bool:
+        assert self.bound is not None
+        return ratio >= self.bound if self.at_least else ratio <= self.bound
+
+
+FP4_PAIRS = (("fp4kv", "bf16"), ("emulate+fp4kv", "emulate"), ("emulate+nvfp4kv", "emulate"))
+CAPTURE_PAIRS = (
+    ("emulate+capture-default", "emulate"),
+    ("emulate+capture-paper", "emulate"),
+    ("emulate+fp4kv+capture-default", "emulate+fp4kv"),
+    ("emulate+fp4kv+capture-paper", "emulate+fp4kv"),
+)
+TARGETS: tuple[Target, ...] = (
+    *(
+        Target("capture", "decode throughput with capture >= 0.97 x without, at every batch >= 16", c, b,
+               "decode_throughput", 0.97, True, "batch16")
+        for c, b in CAPTURE_PAIRS
+    ),
+    Target("emulation", "emulate NVFP4 W/A decode step <= 1.3 x BF16 at batch 64 (1K context)", "emulate", "bf16",
+           "decode_step_ms", 1.3, False, "batch64"),
+    *(
+        Target("fp4kv_capacity", "FP4 KV token capacity >= 3.5 x BF16 KV at the same memory fraction", c, b,
+               "kv_capacity_tokens", 3.5, True, "server")
+        for c, b in FP4_PAIRS
+    ),
+    *(
+        Target("fp4kv_32k", "at 32K context, output throughput >= 1.5 x BF16 KV when BF16 KV is capacity-bound",
+               c, b, "output_throughput", 1.5, True, "ctx32768")
+        for c, b in FP4_PAIRS
+    ),
+    *(
+        Target("fp4kv_step", "decode step <= 1.15 x BF16 KV at equal batch", c, b, "decode_step_ms", 1.15, False)
+        for c, b in FP4_PAIRS
+    ),
+    *(
+        Target("fp4kv_graphs", "no CUDA-graph capture failure at any pool size; decode runs in the graphs", c, None,
+               "cuda_graphs")
+        for c, _ in FP4_PAIRS
+    ),
+    *(
+        Target("capture_memory", "no OOM with capture at a memory fraction where the server without it runs", c, b,
+               "starts")
+        for c, b in CAPTURE_PAIRS
+    ),
+    Target("finish_path", "<= 1 ms scheduler-thread time per finished 16K-token request", "emulate+fp4kv+capture-"
+           "default", None, "finish_path"),
+)  # fmt: skip
+
+
+def measured_points(entry: dict | None) -> dict[tuple[int, int], dict]:
+    """(context, batch) -> point of a configuration, measured ones only."""
+    if not entry or entry.get("status") != "ok":
+        return {}
+    return {(p["context"], p["batch"]): p for p in entry["points"].values() if "output_throughput" in p}
+
+
+def evaluate(target: Target, configs: dict) -> dict:
+    """A target's comparisons on the results so far and its status: met, missed or not-measured (with why)."""
+    out = {"target": target.name, "text": target.text, "config": target.config, "baseline": target.baseline}
+    out |= {"metric": target.metric, "bound": target.bound}
+    entry, base = configs.get(target.config), configs.get(target.baseline) if target.baseline else None
+    settings = ("mem_fraction_static", "output_len", "batch_context")
+    if entry and base and any(entry["signature"].get(k) != base["signature"].get(k) for k in settings):
+        return out | {"status": "not-measured", "why": f"the two configurations ran under different {settings}"}
+    if target.metric == "finish_path":
+        return out | {
+            "status": "not-measured",
+            "why": "the live server does not report scheduler-thread time per finished request (no counter in "
+            "TraceStats or /server_info); bench/sglang_finish.py measures it on the real TraceCapturer off-server. "
+            "Record bytes per token from the live server are in each TRACE point",
+        }
+    if target.metric == "starts":
+        if not base or base.get("status") != "ok":
+            return out | {"status": "not-measured", "why": f"{target.baseline} not started"}
+        if not entry or "status" not in entry:
+            return out | {"status": "not-measured", "why": f"{target.config} not run"}
+        failed = [k for k, p in entry["points"].items() if "error" in p]
+        ok = entry["status"] == "ok" and not failed
+        return out | {"status": "met" if ok else "missed", "failed": entry.get("error") or failed}
+    if target.metric == "cuda_graphs":
+        if not entry or "status" not in entry:
+            return out | {"status": "not-measured", "why": f"{target.config} not run"}
+        if entry["status"] != "ok":
+            return out | {"status": "missed", "why": "server did not start", "error": entry.get("error")}
+        max_bs = (entry["server"].get("cuda_graph_decode") or {}).get("max_bs") or 0
+        fractions = {
+            f"ctx{c}-b{b}": p["cuda_graph_decode_fraction"]
+            for (c, b), p in measured_points(entry).items()
+            if b <= max_bs and p.get("cuda_graph_decode_fraction") is not None
+        }
+        if not fractions:
+            return out | {"status": "not-measured", "why": "no decode log line at a batch within the graphs"}
+        return out | {"status": "met" if min(fractions.values()) == 1 else "missed", "graph_fraction": fractions}
+    if target.metric == "kv_capacity_tokens":
+        if not (entry and base and entry.get("status") == base.get("status") == "ok"):
+            return out | {"status": "not-measured", "why": "both servers must have started"}
+        ratio = entry["server"]["kv_capacity_tokens"] / base["server"]["kv_capacity_tokens"]
+        return out | {"status": "met" if target.check(ratio) else "missed", "ratio": ratio}
+    mine, theirs = measured_points(entry), measured_points(base)
+    if target.where == "ctx32768":  # each at its own largest batch
+        pairs = [(k, j) for k in mine for j in theirs if k[0] == j[0] == 32768]
+        compared = [(k, j) for k, j in pairs if theirs[j].get("capacity_bound")]
+        if pairs and not compared:
+            return out | {"status": "not-measured", "why": f"{target.baseline} is not capacity-bound at 32K"}
+    else:
+        keep = {
+            "equal": lambda k: True,
+            "batch16": lambda k: k[1] >= 16,
+            "batch64": lambda k: k[1] == 64 and k[0] == 1024,
+        }[target.where]
+        compared = [(k, k) for k in mine if k in theirs and keep(k)]
+    rows = []
+    for k, j in compared:
+        value, baseline = mine[k].get(target.metric), theirs[j].get(target.metric)
+        if value is None or not baseline:
+            continue
+        ratio = value / baseline
+        row = {"context": k[0], "batch": k[1], "baseline_batch": j[1], "value": value, "baseline_value": baseline}
+        rows.append(row | {"ratio": ratio, "met": target.check(ratio)})
+    if not rows:
+        return out | {"status": "not-measured", "why": "no comparable points of both configurations"}
+    return out | {"status": "met" if all(r["met"] for r in rows) else "missed", "comparisons": rows}
+
+
+def plot(result: dict, path: Path, batch_context: int) -> None:
+    """Output throughput against batch (at `batch_context`) and against context (each context's largest batch),
+    one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, entry in result["configs"].items():
+        pts = measured_points(entry)
+        if not pts:
+            continue
+        batch_axis = sorted((b, p["output_throughput"]) for (c, b), p in pts.items() if c == batch_context)
+        if batch_axis:
+            ax_b.plot(*zip(*batch_axis, strict=True), marker="o", label=name)
+        largest: dict[int, tuple[int, float]] = {}
+        for (c, b), p in pts.items():
+            if c not in largest or b > largest[c][0]:
+                largest[c] = (b, p["output_throughput"])
+        contexts = sorted(largest)
+        (line,) = ax_c.plot(contexts, [largest[c][1] for c in contexts], marker="o", label=name)
+        for c in contexts:
+            ax_c.annotate(f"b{largest[c][0]}", (c, largest[c][1]), fontsize=7, color=line.get_color())
+    ax_b.set(xlabel=f"batch (context {batch_context})", ylabel="output tok/s (decode phase)")
+    ax_c.set(xlabel="context (input tokens), at the largest batch measured (bN)", ylabel="output tok/s (decode)")
+    for ax in (ax_b, ax_c):
+        ticks = sorted({x for line in ax.get_lines() for x in line.get_xdata()})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(int(t)) for t in ticks])
+        ax.grid(True, alpha=0.3)
+        if ticks:
+            ax.legend(fontsize=7)
+    fig.suptitle("Live SGLang server, Qwen3-30B-A3B shape, one GPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_json(path: Path, result: dict) -> None:
+    """Write `result` to `path` through a temporary file (a run killed mid-write leaves the previous one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def gpu_name() -> str | None:
+    """The GPU as nvidia-smi names it (the bench process itself opens no CUDA context)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def dry_run(configs: list[str], points: list[Point], args) -> None:
+    """Print every server command and client call, and what each TRACE configuration should write per token."""
+    from sglang_trace.config import SERVER_ARGS_FIELDS
+
+    model = args.model_dir or args.out.parent / "model"
+    print(f"# model: {model}/config.json = {json.dumps(HF_CONFIG)}")
+    print(f"# server env: {SERVER_ENV}")
+    for name in configs:
+        flags = CONFIGS[name]
+        store = Path(args.store_dir or tempfile.gettempdir(), "serve-store-XXXX") if traced(flags) else None
+        print(f"\n## {name}\n{' '.join(server_argv(model, flags, 'PORT', store, args))}")
+        if store is not None:
+            info = dict(SERVER_ARGS_FIELDS)
+            it = iter(flags)
+            for flag in it:
+                if flag.startswith("--trace-"):
+                    field = flag[2:].replace("-", "_")
+                    info[field] = type(SERVER_ARGS_FIELDS[field])(next(it))
+            info["trace_store"] = str(store)
+            exp = expected_record_bytes(info)
+            print(
+                f"# records: {exp['spec']}, {exp['record_bytes_per_token']:.1f} B/token expected "
+                f"(+ routes {exp['routes_bytes_per_token']}), record store {exp['record_bytes_per_slot']} B/slot"
+            )
+        url = "http://127.0.0.1:PORT"
+        print(f"run_one_case(**{client_call(url, *WARMUP, 'warmup', args.stream_interval)})  # warm-up, not recorded")
+        for p in points:
+            call = client_call(url, p.batch or 0, p.context, args.output_len, p.key, args.stream_interval)
+            if p.batch is None:
+                call["batch_size"] = "BATCH"
+            print(f"run_one_case(**{call})")
+            if p.batch is None:
+                print(
+                    f"#   BATCH = min({args.max_batch}, max running requests, floor({args.fill} x KV capacity / "
+                    f"({p.context} + {args.output_len})))"
+                )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("out/serve/serve.json"), help="results JSON (PNG beside it)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256], help="batch axis (none: skip it)")
+    p.add_argument("--batch-context", type=int, default=1024, help="input tokens of the batch axis")
+    p.add_argument(
+        "--contexts", type=int, nargs="*", default=[8192, 32768], help="long contexts at the largest batch that fits"
+    )
+    p.add_argument("--output-len", type=int, default=256, help="output tokens of every request (ignore_eos)")
+    p.add_argument("--max-batch", type=int, default=256, help="most requests of a long-context point")
+    p.add_argument("--fill", type=float, default=0.95, help="share of the KV capacity a long-context point fills")
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="--mem-fraction-static of every server")
+    p.add_argument("--decode-log-interval", type=int, default=20, help="decode steps per SGLang step-timer window")
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="tokens per streamed chunk (SGLang's client default: 1)"
+    )
+    p.add_argument("--seed", type=int, default=42, help="seed of the random prompt ids")
+    p.add_argument("--model-dir", type=Path, help="where config.json is written (default: <out dir>/model)")
+    p.add_argument("--store-dir", help="parent of the record stores of TRACE servers (default: the temp dir)")
+    p.add_argument("--start-timeout-s", type=float, default=600, help="wait for a server's /health")
+    p.add_argument("--budget-s", type=float, help="start no server or point after this many seconds")
+    p.add_argument("--force", action="store_true", help="remeasure points already in --out")
+    p.add_argument("--dry-run", action="store_true", help="print server commands and client calls; start nothing")
+    args = p.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    points = plan(args.batches, args.batch_context, args.contexts)
+    if args.dry_run:
+        dry_run(configs, points, args)
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = json.loads(args.out.read_text()) if args.out.exists() else {"configs": {}}
+    result |= {"bench": "bench/serve.py", "hf_config": HF_CONFIG, "quantities": QUANTITIES, "gpu": gpu_name()}
+    result["smallest_capture"] = {
+        "flags": list(SMALLEST_CAPTURE),
+        "why": "--trace-mode emulate always captures; the configurations without capture record this policy",
+    }
+    start = time.monotonic()
+
+    def left() -> float:
+        return math.inf if args.budget_s is None else args.budget_s - (time.monotonic() - start)
+
+    def save() -> None:
+        result["targets"] = [evaluate(t, result["configs"]) for t in TARGETS]
+        result["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        save_json(args.out, result)
+        plot(result, args.out.with_suffix(".png"), args.batch_context)
+
+    def on_term(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    kill_leftover(args.out.parent / PID_FILE)
+    for name in configs:
+        run_config(name, points, result, args, save, left)
+    save()
+    for t in result["targets"]:
+        print(f"serve: target {t['target']} {t['config']} vs {t['baseline']}: {t['status']}")
+
+
+if __name__ == "__main__":
+    main()
