@@ -33,15 +33,18 @@ same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import capture_graph, device_name, mean_time, sync, write_json
 from trace_core.capture import WORD, RecordCapturer, shard_layers
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.host_ring import HostRing
@@ -51,21 +54,6 @@ from trace_core.records import ModelShape, Record, RecordSpec
 from trace_core.role_quant import rollout_rtn
 from trace_core.store import StepWriter, TrajectoryRecords, read_header, shard_paths
 from trace_core.store_reader import RecordReader
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def mean_time(fn, iters: int, device: torch.device) -> float:
-    """Mean seconds per call of `fn` over `iters` calls, the device synchronised before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / iters
 
 
 def synthetic_activations(rows: int, hidden: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -196,22 +184,6 @@ def paired_overhead(plain, captured, pairs: int, timed) -> dict:
     }
 
 
-def graphed(body, after, device: torch.device):
-    """`body` captured in a CUDA graph after three warm-up calls on a side stream (each followed by `after`, which
-    runs outside the graph); returns the graph's replay."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            body()
-            after(False)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph.replay
-
-
 def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mine = rank_layers(args)  # every layer at --tp-size 1
@@ -262,9 +234,9 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
         step[0] += 1
         cap.on_forward_end(slots[step[0] % 4], graph_replay=replay, version=0)
 
-    if graph:
-        plain = graphed(plain, lambda replay: None, device)
-        recorded = graphed(recorded, forward_end, device)
+    if graph:  # three warm-up forwards on a side stream, each followed by what runs outside the graph
+        plain = capture_graph(plain, warmup=3, device=device)
+        recorded = capture_graph(recorded, warmup=3, after=lambda: forward_end(False), device=device)
 
     def captured() -> None:
         recorded()
@@ -531,7 +503,7 @@ def main() -> None:
         args.iters, args.repeats = min(args.iters, 3), min(args.repeats, 2)
     device = torch.device(args.device)
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "config": {
             k: getattr(args, k)
             for k in (*big, "bits", "record", "record_layers", "tp_size", "level", "trajectories", "traj_tokens")
@@ -539,8 +511,7 @@ def main() -> None:
     }
 
     def done() -> None:  # each part's result is kept as soon as it is measured
-        if args.out:
-            args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result, indent=2)
 
     if "graph" in parts:
         result["graph"] = {"decode": bench_overhead(args, device, args.decode, decode=True, graph=True)}

@@ -25,11 +25,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
-from bench.kernels import graph_ms
+from bench.common import graph_ms, markdown, versions, write_json
 from tests.fp4_attention_checks import sglang_decode_attention, sglang_extend_attention, sglang_module
 from trace_core.kernels import fp4_attention as fa
 from trace_core.kernels.fp4_attention import fp4_decode_attention
@@ -149,7 +148,7 @@ def run(slots: int, kv_heads: int, q_heads: int, d: int) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def table(rows: list[dict]) -> str:
     if not rows:
         return ""
     first = [("batch", "{}"), ("tokens", "{}")] if rows[0]["phase"] == "decode" else [
@@ -159,9 +158,7 @@ def markdown(rows: list[dict]) -> str:
             *([("fp4_kv_GBps", "{:.0f}")] if rows[0]["phase"] == "decode" else []),
             ("fp4_equals_dequant_path", "{}"), ("unequal_fraction", "{:.2g}"),
             ("max_abs_diff", "{:.3g}"), ("max_abs_out", "{:.3g}")]  # fmt: skip
-    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(f.format(r[c]) for c, f in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown(rows, cols)
 
 
 def main() -> None:
@@ -182,12 +179,10 @@ def main() -> None:
     decode = run(*shape) if "decode" in args.phase else []
     extend = run_extend(*shape) if "extend" in args.phase else []
     rows = decode + extend
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}\n")
-    print(markdown(decode) + "\n\n" + markdown(extend))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "args": vars(args), "grouped_launch": fa.GROUPED_LAUNCH,
-                       "rows": rows}, f, indent=1)  # fmt: skip
+    print(versions() + "\n")
+    print(table(decode) + "\n\n" + table(extend))
+    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "args": vars(args), "grouped_launch": fa.GROUPED_LAUNCH,
+                          "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
+from bench.common import graph_ms, versions, write_json
 from bench.fp4_attention import CASES, SPLITS, pool
-from bench.kernels import graph_ms
 from tests.fp4_attention_checks import sglang_decode_attention
 from trace_core.kernels import fp4_attention as fa
 
@@ -72,7 +71,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=2 * 1024 * 1024, help="KV pool slots (default 2M)")
     args = parser.parse_args()
     rows = run(args.slots, 4, 32, 128)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(versions())
     print(f"default: {fa.GROUPED_LAUNCH}\n")
     cols = ["batch", "tokens", "bf16_us"] + [f"{v}: over bf16" for v in VARIANTS]
     print("| " + " | ".join(cols) + " | all equal |\n|" + "---|" * (len(cols) + 1))
@@ -81,9 +80,7 @@ def main() -> None:
         print(
             "| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + f" | {equal} |"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "default": fa.GROUPED_LAUNCH, "rows": rows}, f, indent=1)
+    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "default": fa.GROUPED_LAUNCH, "rows": rows})
 
 
 if __name__ == "__main__":

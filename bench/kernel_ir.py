@@ -6,11 +6,19 @@ instructions) and a hash of them (`ptx_sha`: equal kernels from different `--mod
 triton install ships ptxas (and cuobjdump), registers, spill bytes, the static SASS instruction count, and the
 instructions and global loads / stores of the widest loop's body (`outer_loop`), also per 16 elements a thread
 handles in it, and each global store as width@position in the SASS (`stg_at`).
+
+`--attention`: the grouped decode stage-1 kernels instead, the FP4 one (`trace_core.kernels.fp4_attention`, or an
+older copy of that file given by `--module`) and SGLang's BF16 one, at the attention bench's shape (32 query / 4 KV
+heads, head dim 128, BLOCK_N 32, BLOCK_H 16): the dots' operand layouts (`kWidth` in the TTGIR: SGLang's BF16 loads
+give 2), the loads the software pipeline turns into asynchronous copies, layout conversions, shared memory,
+registers, spills, and the instructions of the loop over key blocks.
+
 The local triton may be newer than the GPU's, so the counts are indicative; compare kernel versions with the same
-triton.
+triton (for the attention kernels, the one the GPU runs).
 
 Usage: python bench/kernel_ir.py [--module path/to/triton_fp4.py] [--d 4096] [--rows R --chunk C --warps W]
        [--dump DIR]
+       python bench/kernel_ir.py --attention [--module old/fp4_attention.py]
 """
 
 from __future__ import annotations
@@ -24,26 +32,16 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+import triton.language as tl
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
-from trace_core.kernels import ops, triton_token_groups  # noqa: E402
-
-PTR_TYPES = {
-    "x_ptr": "*bf16",
-    "out_ptr": "*bf16",
-    "rec_ptr": "*u8",
-    "scale_ptr": "*u8",
-    "gs_ptr": "*fp32",
-    "tok_ptr": "*fp32",
-    "has_ptr": "*i1",
-    "redirect_ptr": "*i32",
-}
+from tests.sm90 import compile_kernel, ptxas_info
+from trace_core.kernels import ops, triton_token_groups
 
 
 def load_module(path: str | None):
+    """The package's `triton_fp4` module, or the kernel file at `path` (another version of a kernel module)."""
     if path is None:
         from trace_core.kernels import triton_fp4
 
@@ -131,28 +129,6 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     return [(label, kernel, args) for label, (kernel, args) in table]
 
 
-def compile_kernel(kernel, constexprs: dict, types: dict[str, str] | None = None):
-    """The kernel compiled for sm_90 with the constexprs and launch options (`num_warps`, `num_stages`, `maxnreg`)
-    in `constexprs`; other arguments are typed by `types`, else `*_ptr` by PTR_TYPES and the rest i32."""
-    names = kernel.arg_names
-    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in constexprs}
-    # non-constexpr params the kernel actually declares; keep only constexprs it knows
-    constexprs = {k: v for k, v in constexprs.items() if k in names}
-    types = {**{name: PTR_TYPES.get(name, "*fp32") for name in names if name.endswith("_ptr")}, **(types or {})}
-    signature = {}
-    attrs = {}
-    for i, name in enumerate(names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types.get(name, "i32")
-        # pointers, D = 4096 and the strides of contiguous buffers
-        if signature[name].startswith("*") or signature[name] == "i32" and name not in ("T", "chunks_per_prog"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 PTX_SKIP = re.compile(r"^\s*($|//|\.|\{|\}|\$|[A-Za-z_$][\w$]*:)")
 
 
@@ -192,63 +168,70 @@ def ptx_sha(body: str) -> str:
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
-def ptxas_info(ptx: str) -> dict:
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia import compiler as nv
-
-    try:
-        ptxas = nv.get_ptxas(90).path
-    except TypeError:  # older triton: no arch argument
-        ptxas = nv.get_ptxas().path
-    cuobjdump = Path(ptxas).with_name("cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        p = Path(d) / "k.ptx"
-        p.write_text(ptx)
-        out = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(p), "-o", str(Path(d) / "k.o")], capture_output=True,
-                             text=True).stderr  # fmt: skip
-        sass = ""
-        if cuobjdump.exists():
-            dump = subprocess.run([str(cuobjdump), "-sass", str(Path(d) / "k.o")], capture_output=True, text=True)
-            sass = dump.stdout
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    # SASS instructions (static, NOP padding excluded): what the scheduler issues, closer to the profile than PTX
-    instr = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s+([^;]*);", sass, re.M)
-             if "NOP" not in m.group(2)]  # fmt: skip
-    # each global store's width and position in the SASS: a thread's two 16-byte output stores merge into whole
-    # sectors in the L1 only when issued back to back (docs/performance.md, "the record before the output")
-    stores = " ".join(f"{m.group(1) or '32'}@{i}" for i, (_, t) in enumerate(instr)
-                      if (m := re.search(r"\bSTG\.E(?:\.(\w+))?", t)))  # fmt: skip
-    return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": int(spill.group(1)) if spill else None,
-            "sass_instr": len(instr) or None, **outer_loop(instr), "stg_at": stores or None}  # fmt: skip
+ATTENTION_SHAPE = dict(kv_group_num=8, q_head_num=32, BLOCK_N=32, BLOCK_H=16, MIN_BLOCK_KV=32, logit_cap=0.0,
+                       xai_temperature_len=-1, Lk=128)  # fmt: skip
+ATTENTION_TYPES = dict(Q="*bf16", kv_indptr="*i32", kv_indices="*i64", Att_Out="*fp32", Att_Lse="*fp32",
+                       num_kv_splits="*i32", sm_scale_withk="fp32")  # fmt: skip
 
 
-def outer_loop(instr: list[tuple[int, str]]) -> dict:
-    """SASS instructions and global loads / stores in the body of the widest loop (a backward branch): the
-    chunk loop of the quantize kernels, run once per chunk of a program's rows, so per-element work without the
-    program's fixed cost."""
-    best: list[tuple[int, str]] = []
-    for addr, text in instr:
-        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            body = [i for i in instr if int(target.group(1), 16) <= i[0] <= addr]
-            best = max(best, body, key=len)
-    if not best:
-        return {}
-    return {"loop_sass": len(best), "loop_ldg_stg": sum(1 for _, t in best if re.search(r"\b(LDG|STG)", t))}
+def attention_stats(compiled) -> dict:
+    ttgir = compiled.asm["ttgir"]
+    row = {
+        "kWidth": sorted(set(re.findall(r"kWidth = (\d+)", ttgir))),
+        "async copies": len(re.findall(r"async_copy_global_to_local", ttgir)),
+        "convert_layout": len(re.findall(r"convert_layout", ttgir)),
+        "shared_B": compiled.metadata.shared,
+    }
+    row.update(ptxas_info(compiled.asm["ptx"]))
+    row.pop("stg_at", None)
+    return row
+
+
+def attention(module: str | None) -> None:
+    """`--attention`: the grouped decode stage-1 kernels, SGLang's BF16 one and the FP4 one under SGLang's launch
+    and under `GROUPED_LAUNCH` (where it differs)."""
+    from tests.fp4_attention_checks import sglang_module
+    from trace_core.kernels import fp4_attention
+
+    fa = load_module(module) if module else fp4_attention
+    words = hasattr(fa, "fp4_words")  # since the tile reads whole words: codes int32, scale bytes int32 at D = 128
+    ptr = "*i32" if words else "*u8"
+    fp4 = {name: ptr for name in ("K_Codes", "K_Scales", "V_Codes", "V_Scales")}
+    sglang = sglang_module("srt/layers/attention/triton_ops/decode_attention.py")
+    launches = [("SGLang's launch", {"num_warps": 4, "num_stages": 2})]
+    if getattr(fa, "GROUPED_LAUNCH", launches[0][1]) != launches[0][1]:
+        launches.append((f"GROUPED_LAUNCH {fa.GROUPED_LAUNCH}", fa.GROUPED_LAUNCH))
+    rows = [(f"SGLang BF16, {launches[0][0]}", attention_stats(compile_kernel(
+        sglang._fwd_grouped_kernel_stage1,
+        {**ATTENTION_SHAPE, "BLOCK_DMODEL": 128, "BLOCK_DPE": 0, "BLOCK_DV": 128, "Lv": 128, **launches[0][1]},
+        {**ATTENTION_TYPES, "K_Buffer": "*bf16", "V_Buffer": "*bf16"})))]  # fmt: skip
+    for label, launch in launches:
+        kernel = fa._fp4_grouped_kernel_stage1
+        constexprs = {**ATTENTION_SHAPE, "BLOCK_DMODEL": 128, "KV_DTYPE": tl.bfloat16, **launch}
+        rows.append((f"FP4 {Path(module).name if module else 'package'}, {label}",
+                     attention_stats(compile_kernel(kernel, constexprs, {**ATTENTION_TYPES, **fp4}))))  # fmt: skip
+    print(f"triton {triton.__version__}, target sm_90")
+    header = ["kernel", "kWidth", "async copies", "convert_layout", "shared_B", "n_regs", "n_spills", "sass_instr",
+              "loop_sass", "loop_ldg_stg"]  # fmt: skip
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for label, row in rows:
+        print("| " + " | ".join([label] + [str(row.get(h, "-")) for h in header[1:]]) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--module", help="a triton_fp4.py to compile instead of the package's (old vs new)")
+    parser.add_argument("--module", help="a triton_fp4.py (with --attention: fp4_attention.py) to compile instead of "
+                        "the package's (old vs new)")  # fmt: skip
     parser.add_argument("--d", type=int, default=4096, help="row width the tiles are chosen for (default 4096)")
     parser.add_argument("--rows", type=int, help="rows per program (default: as ops launches)")
     parser.add_argument("--chunk", type=int, help="chunk columns (default: as ops launches)")
     parser.add_argument("--warps", type=int, help="warps (default: as ops launches)")
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this folder")
+    parser.add_argument("--attention", action="store_true", help="the grouped decode attention kernels instead")
     args = parser.parse_args()
+    if args.attention:
+        attention(args.module)
+        return
     mod = load_module(args.module)
     print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
     header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",

@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
-import triton
-import triton.testing
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import bench_ms, copy_gbps, graph_ms, markdown, versions, write_json
 from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant, ops, quantize_record, record_buffers, rtn_fake_quant
 from trace_core.quant import dequantize, quantize
@@ -36,31 +39,6 @@ from trace_core.records import Record, pack_low_bits
 BITS = 1
 FORMATS = {"nvfp4": {"per_token": True}, "kv_fp4": {}}  # the default formats, and the ones `--tune` sweeps over
 MORE_FORMATS = {"mxfp4": {}, "mxfp4_ocp": {}}  # the 32-element E8M0 formats, timed on request (`--formats`)
-
-
-def bench_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
-
-def graph_ms(fn) -> float:
-    """Median time of `fn` replayed from a CUDA graph: the kernels alone, without Python dispatch (as inside
-    SGLang's and Megatron's CUDA graphs). `fn` runs once first, outside the capture (compilation, allocations)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench_ms(graph.replay)
-
-
-def copy_gbps(nbytes: int) -> float:
-    """Device-to-device copy bandwidth (read + write counted) for a buffer of nbytes / 2, graph-timed."""
-    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / graph_ms(lambda: dst.copy_(src)) / 1e6
 
 
 def reference_quantize_record(x, fmt, kwargs):
@@ -144,20 +122,16 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
     return row
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = [
-        ("format", "{}"), ("T", "{}"), ("D", "{}"), ("quant_record_us", "{:.1f}"), ("quant_plain_us", "{:.1f}"),
-        ("quant_record_GBps", "{:.0f}"),
-        ("copy_GBps", "{:.0f}"), ("copy_ratio", "{:.2f}"), ("record_overhead_pct", "{:+.1f}"),
-        ("guided_over_rtn", "{:.2f}"), ("guided_over_rtn_graph", "{:.2f}"), ("guided_over_rtn_fwd", "{:.2f}"),
-        ("redirected_fraction", "{:.3f}"),
-        ("speedup_vs_compiled_quant", "{:.1f}"),
-        ("speedup_vs_compiled_guided", "{:.1f}"),
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
-    return "\n".join(lines)
+COLUMNS = [
+    ("format", "{}"), ("T", "{}"), ("D", "{}"), ("quant_record_us", "{:.1f}"), ("quant_plain_us", "{:.1f}"),
+    ("quant_record_GBps", "{:.0f}"),
+    ("copy_GBps", "{:.0f}"), ("copy_ratio", "{:.2f}"), ("record_overhead_pct", "{:+.1f}"),
+    ("guided_over_rtn", "{:.2f}"), ("guided_over_rtn_graph", "{:.2f}"), ("guided_over_rtn_fwd", "{:.2f}"),
+    ("redirected_fraction", "{:.3f}"),
+    ("speedup_vs_compiled_quant", "{:.1f}"),
+    ("speedup_vs_compiled_guided", "{:.1f}"),
+]  # fmt: skip
+"""The report's columns (`bench.common.markdown`)."""
 
 
 QUANT_TILES = [(1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (1, 4096, 16), (2, 1024, 4), (2, 2048, 8)]
@@ -213,8 +187,7 @@ def tune(
         best[kernel] = {"rows": rows, "chunk": chunk, "warps": warps} | ({"row_chunk": row_chunk} if row_chunk else {})
     print("best:", json.dumps(best))
     if out:
-        with open(out, "w") as f:
-            json.dump(best, f)
+        write_json(out, best, indent=None)
     return best
 
 
@@ -262,9 +235,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.guided_row_loops:
         rows = guided_row_loops((args.t or [65536])[0], args.d or [4096, 7168], args.guided_row_loops)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.out, {"gpu": torch.cuda.get_device_name(), "rows": rows})
         return
     if args.tune:
         tune(ds=tuple(args.d or (2048, 4096, 7168)), out=args.tune_out, kernels=tuple(args.tune_kernels))
@@ -278,11 +249,9 @@ def main() -> None:
             "guided": torch.compile(reference_guided),
         }
     rows = [run_case(fmt, t, d, compiled) for fmt in args.formats for t in ts for d in ds]
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}\n")
-    print(markdown(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(versions() + "\n")
+    print(markdown(rows, COLUMNS))
+    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

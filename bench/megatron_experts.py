@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import device_name, sync, write_json
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.rows import pack_microbatch
@@ -178,10 +181,6 @@ def main() -> None:
     session.remove()
     source = TensorRolloutSource(tables, routes)
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     # Bit-exactness at these shapes: grouped and sequential chains give the same output in each mode.
     same = {}
     if len(models) == 2:
@@ -270,7 +269,7 @@ def main() -> None:
     }
     routed = b * s * args.topk
     flops = 3 * 2 * routed * args.hidden * 3 * args.expert_ffn * args.layers  # fwd + 2x bwd of FC1 (2I) and FC2 (I)
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    print(f"device: {device_name()}, torch {torch.__version__}")
     print(f"{args.layers} MoE layers, hidden {args.hidden}, {args.experts} local experts top-{args.topk}, "
           f"FFN {args.expert_ffn}, {b * s} tokens ({routed} routed rows), {args.iters} iterations")  # fmt: skip
     print(f"{'run':<20}{'ms median':>11}{'min':>9}{'max':>9}{'expert TFLOP/s':>16}{'peak extra GiB':>16}")
@@ -281,12 +280,11 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}" if v is not None else f"{k}: -")
     if args.out:
-        payload = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+        payload = {"device": device_name(), "torch": torch.__version__}
         payload |= {"args": vars(args), "results": results, "ratios": ratios, "grouped_equals_sequential": same}
         payload["expert_weight_copy_bytes"] = copy_bytes
         payload["profiles"] = profiles
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=2)
+        write_json(args.out, payload, indent=2)
 
 
 if __name__ == "__main__":

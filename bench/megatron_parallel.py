@@ -21,10 +21,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import device_name, sync, write_json
 
 
 def parse_layout(text: str):
@@ -130,7 +135,6 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = PRESETS[args.preset]
     captured = tuple(range(cfg.layers // 2, cfg.layers))  # the latter half, as the RL runs' default spec
     spec = RecordSpec(bits=1, moe_layers=captured, attn_layers=captured)
@@ -210,7 +214,7 @@ def main() -> None:
             "layout": args.layout + (" reversed" if reverse else ""),
             "rank": rank,
             "world": world,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "device": device_name(),
             "deterministic": args.deterministic,
             "loss": losses,
             "grad_norm": norms,
@@ -225,7 +229,7 @@ def main() -> None:
             out["layout"] = f"{args.layout} repeat {r}" + (" reversed" if r % 2 else "")
         print(json.dumps(out), flush=True)
         suffix = "" if r == 0 else "_reversed" if r == 1 else f"_repeat{r}"
-        Path(f"{args.out}{suffix}.rank{rank}.json").write_text(json.dumps(out, indent=1))
+        write_json(f"{args.out}{suffix}.rank{rank}.json", out)
     torch.distributed.destroy_process_group()
 
 

@@ -18,13 +18,17 @@ memory: `max_memory_allocated` during a step above what was allocated before it.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import device_name, sync, write_json
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
@@ -82,11 +86,6 @@ def step_flops(cfg: TinyMoEConfig, tokens: int, seq: int) -> float:
     dense = 6 * (cfg.layers * per_layer + cfg.hidden * cfg.vocab)
     attention = 3 * cfg.layers * 4 * seq * q
     return float(tokens * (dense + attention))
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -175,7 +174,7 @@ def main() -> None:
         }
     ref = results.get("qat", {}).get("step_ms_median")
     tokens = sum(int(mb.valid.sum()) for mb in mbs)
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or 'cpu'}")
+    print(f"device: {device_name() if device == 'cuda' else platform.processor() or 'cpu'}")
     print(f"model: {cfg}; {tokens} tokens / step in {len(mbs)} micro-batches; rollout emulation {emulate_s:.2f} s")
     print(f"{args.iters} steps per mode after {args.warmup} warm-up, modes interleaved")
     print(
@@ -192,15 +191,14 @@ def main() -> None:
         )
     if args.out:
         payload = {
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "device": device_name(),
             "torch": torch.__version__,
             "args": vars(args),
             "tokens_per_step": tokens,
             "model_flops_per_step": flops,
             "results": results,
         }
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=2)
+        write_json(args.out, payload, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """The quantize tile per row width: candidate `LAUNCH["quant"]` settings timed against each other on a CUDA GPU.
 
 For each row width D and T, nvfp4 (per token) and kv_fp4, BF16, b = 1, graph-timed like bench/kernels.py: the
-quantize kernel that `ops` launches under each candidate setting (`CANDIDATES`, applied for that width only), with
-and without the record, its record overhead and its ratio to a device-to-device copy of as many bytes. Every
-candidate's output, record and token scales are checked against the pure-torch reference (bit for bit). The first
-candidate of each width is the default tile. The best candidate of a width has the least sum, over formats and T, of
-its record and no-record times relative to the first candidate's; `--best` writes them as {D: TRACE_FP4_LAUNCH
-JSON}.
+quantize kernel that `ops` launches under each candidate setting (`CANDIDATES`, `tests.kernel_tiles.SWEPT_TILES`:
+the settings the GPU tests check bit for bit; applied for that width only), with and without the record, its record
+overhead and its ratio to a device-to-device copy of as many bytes. Every candidate's output, record and token scales
+are checked against the pure-torch reference (bit for bit). The first candidate of each width is the default tile.
+The best candidate of a width has the least sum, over formats and T, of its record and no-record times relative to
+the first candidate's; `--best` writes them as {D: TRACE_FP4_LAUNCH JSON}.
 
 Usage: python bench/record_tiles.py [--t 4096 65536] [--d 2048 4096 7168] [--candidates 0 6] [--formats nvfp4]
        [--out tiles.json] [--best best.json]
@@ -23,58 +23,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
-from bench.kernels import BITS, FORMATS, copy_gbps, graph_ms
+from bench.common import copy_gbps, graph_ms, write_json
+from bench.kernels import BITS, FORMATS
+from tests.kernel_tiles import SWEPT_TILES as CANDIDATES
 from trace_core.kernels import ops, quantize_record, record_buffers
 from trace_core.quant import dequantize, quantize
 from trace_core.records import pack_low_bits
-
-CANDIDATES: dict[int, list[dict[str, int]]] = {
-    2048: [
-        {},
-        {"row_loop": 2},
-        {"chunk": 2048, "warps": 8},
-        {"prefetch": 2048},
-        {"prefetch": 2048, "prefetch_loop": 2},
-        {"record_regs": 0},
-    ],
-    4096: [{}, {"chunk": 2048, "warps": 4}, {"prefetch": 0}, {"prefetch_loop": 8}, {"record_regs": 0}],
-    7168: [
-        {},
-        {"row_loop": 2},
-        {"chunk": 2048, "warps": 4},
-        {"chunk": 1024, "warps": 2},
-        {"rows": 4, "chunk": 1024},
-        {"row_chunk": 8192},
-        {"whole_chunks": 0},
-        {"token_groups": 0, "prefetch": 8192},
-        {"token_groups": 0, "prefetch_loop": 2},
-        {"token_groups": 0},
-        {"group_record_chunk": 0},
-        {"group_ahead": 1},
-        {"group_ahead": 2},
-        {"group_ahead": 0},
-    ],
-    5120: [{}, {"token_groups": 0}, {"whole_chunks": 0}],
-    6144: [{}, {"token_groups": 0}, {"whole_chunks": 0}],
-}
-"""Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
-2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps, per-token nvfp4 with 4 row tiles per program, each
-loaded before the previous is quantized (`ops.prefetched`, where the programs fill the SMs); 7168 (and 5120, 6144): 1
-x 4096, 8 warps, the row in two chunks; with a record kv_fp4 takes the rows as rows of whole chunks
-(`ops.whole_chunk_rows`), and per-token nvfp4 takes groups of 4 rows (2 at 6144) as whole chunks where the programs
-fill the SMs (`ops.token_groups`), streamed 1 chunk ahead with a record and 3 without (`group_ahead`,
-`group_ahead_plain`). The third at 2048 is the tile launched there before (8 warps: each block split between two
-threads); the others split rows into more or fewer chunks, take two row tiles per program one after the other
-(`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096).
-The seventh at 7168 and the third at 5120 and 6144 keep kv_fp4's rows as they are (at 5120 and 6144 the default takes
-them as rows of whole chunks without a record too). The rest concern per-token nvfp4 only: rows loaded ahead at 2048
-too, or not at 4096 and 7168 (`prefetch`), by 2 or 8 row tiles per program (`prefetch_loop`), the per-token record
-kernel on rows of one chunk not loaded ahead without its 40-register cap (`record_regs` 0), the row-wise kernels
-instead of token groups (`token_groups` 0: rows in two chunks, the second a quarter masked at 7168, loaded ahead as
-at 4096, the row's amax from the loads ahead and a quantize pass that reads x again), and token groups streamed 0, 2
-or 3 chunks ahead with a record, 1 or 2 without."""
 
 
 def tile_label(fmt: str, t: int, d: int) -> str:
@@ -191,12 +147,8 @@ def main() -> None:
     print(f"\nGPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  LAUNCH {ops.LAUNCH['quant']}\n")
     print(markdown(rows) + "\n")
     chosen = best(rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "launch": ops.LAUNCH["quant"], "rows": rows}, f, indent=1)
-    if args.best:
-        with open(args.best, "w") as f:
-            json.dump({str(d): json.dumps({"quant": o}) for d, o in chosen.items()}, f)
+    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "launch": ops.LAUNCH["quant"], "rows": rows})
+    write_json(args.best, {str(d): json.dumps({"quant": o}) for d, o in chosen.items()}, indent=None)
 
 
 if __name__ == "__main__":

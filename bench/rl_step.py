@@ -26,7 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s")
 CHILD = (
     f"PHASES = {PHASES!r}\n"
@@ -108,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         med = {k: statistics.median(r[k] for r in rs) for k in (*PHASES, "cpu_s")}
         cells = " ".join(f"{med[k]:8.3f}" for k in (*PHASES, "cpu_s"))
         print(f"{key:32s} {cells}  {statistics.fmean(rs[0]['dlogp']):.6g}")
-    if args.out:
-        args.out.write_text(json.dumps(runs, indent=1))
+    write_json(args.out, runs)
 
 
 if __name__ == "__main__":

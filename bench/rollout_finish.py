@@ -21,10 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import write_json
 from trace_core.capture import RecordCapturer
 from trace_core.records import ModelShape, RecordSpec
 from trace_core.store import TrajectoryRecords, encode_shard
@@ -87,9 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"args": vars(args), "seconds": times, "median_s": median}
     result["per_trajectory_over_batched"] = median["per_trajectory"] / median["batched"]
     print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

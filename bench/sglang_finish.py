@@ -24,10 +24,14 @@ import sys
 import tempfile
 import time
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import device_name, sync
 from sglang_trace.config import SERVER_ARGS_FIELDS, ModelLayout, TraceArgs, parse_layers, parse_sites
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, TOPK = 48, 4, 128, 2048, 8
@@ -174,8 +178,7 @@ def main() -> None:
     times, cpu_times, finish_times = [], [], []
     prompt, output = list(range(a.tokens)), [0]  # the request's own id lists (SGLang's Req holds them)
     for i in range(a.requests + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        sync(dev)
         t0, c0 = time.perf_counter(), time.thread_time()
         for j in range(a.batch):
             cap.finish_request(f"r{i}-{j}", 0, a.tokens + 1, req_pool, prompt, output)
@@ -194,7 +197,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                "device": device_name(dev),
                 "sglang": ran,
                 "tokens": a.tokens,
                 "batch": a.batch,
@@ -229,8 +232,7 @@ def kv_only(a, pool, req_pool, layout, cap) -> None:
         for _ in range(a.requests + 1):
             t0 = time.perf_counter()
             fn()
-            if slots.device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(slots.device)
             ms.append((time.perf_counter() - t0) * 1e3)
         result[name] = statistics.median(ms[1:])
     print(json.dumps(result))

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
+
+from bench.common import device_name, write_json
 from trace_core.fc2 import fc2_input_fake_quant
 from trace_core.quant import quantize
 from trace_core.recipe import NVFP4_W4A4_KV4
@@ -85,7 +89,7 @@ def main() -> None:
     sampled = torch.multinomial(logp["sglang"].exp(), 1, generator=torch.Generator(device=dev).manual_seed(1))
     dlogp = (logp["sglang"].gather(1, sampled) - logp["trainer"].gather(1, sampled)).abs()
     result = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "device": device_name(dev),
         "shapes": dict(tokens=tokens, hidden=hidden, inter=inter, experts=experts, topk=topk, vocab=vocab),
         "moe_out_rel_l2": float(diff),
         "moe_out_bf16_elements_differing": float((sglang != trainer).float().mean()),
@@ -94,8 +98,7 @@ def main() -> None:
         "sampled_token_abs_dlogp_max": float(dlogp.max()),
     }
     print(json.dumps(result, indent=2))
-    if a.out:
-        a.out.write_text(json.dumps(result, indent=2))
+    write_json(a.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -217,19 +217,26 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
     # Compiled for sm_90 on the CPU with the ptxas triton ships.
     # On every width of the targets, with the tile ops launches there (ops._launch_shape gives each thread whole
     # blocks: 2048 columns on 4 warps, 4096 on 8; 7168 in two chunks of 4096 on 8).
-    from bench import kernel_ir
+    from tests import sm90
+    from trace_core.kernels import triton_fp4
 
     for d in (2048, 4096, 7168):
-        configs = {label: (kernel, args) for label, kernel, args in kernel_ir.configs(kernel_ir.load_module(None), d,
-                                                                                       None, None, None)}  # fmt: skip
-        for label in ("quant kv_fp4 b=1", "quant nvfp4 per-token b=1"):
-            kernel, args = configs[label]
-            assert args["RECORD_FIRST"] and kernel.fn.__name__ == "_quantize_record16_kernel", (d, label)
-            compiled = kernel_ir.compile_kernel(kernel, dict(args))
-            stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
+        for fmt, mode in (("kv_fp4", ops.SCALE_NONE), ("nvfp4", ops.SCALE_PER_TOKEN)):
+            f = ops.get_format(fmt)
+            rb, chunk, warps = ops._launch_shape(f, d, per_token=mode == ops.SCALE_PER_TOKEN)
+            first = ops.record_first(rb, chunk, warps)
+            assert first and ops.block_per_thread(f, True, first, 2), (d, fmt)  # _quantize_record16_kernel
+            one_pass = -(-d // chunk) == 1
+            args = {"RB": rb, "C": chunk, "ONE_PASS": one_pass, "num_warps": warps, "FMT": f.kernel_id,
+                    "SCALE_MODE": mode, "BITS": 1, "WRITE_OUT": True, "REC_UNIT": 2, "RECORD_FIRST": first,
+                    "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"], "PREFETCH": False}  # fmt: skip
+            if regs := ops.record_regs(True, mode, 1 if one_pass else 2, False):
+                args["maxnreg"] = regs  # as ops caps the per-token record kernel
+            compiled = sm90.compile_kernel(triton_fp4._quantize_record16_kernel, args)
+            stores = [s.split("@") for s in sm90.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
             (w1, p1), (w2, p2) = stores[-2:]
-            assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{d} {label}: output stores at {stores}"
-            assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{d} {label}: the record's stores first: {stores}"
+            assert (w1, w2) == ("128", "128") and int(p2) == int(p1) + 1, f"{d} {fmt}: output stores at {stores}"
+            assert {w for w, _ in stores[:-2]} >= {"U8", "U16"}, f"{d} {fmt}: the record's stores first: {stores}"
 
 
 @pytest.mark.slow
@@ -237,7 +244,7 @@ def test_mxfp4_output_stores_follow_the_record_in_the_sm90_sass():
     # the half-block-per-thread kernel of mxfp4 and mxfp4_ocp on the tiles ops launches at the target widths (7168:
     # rows of whole 4096-column chunks): the record's stores (scale byte, 2-byte code word for b = 1) come first, then
     # the thread's two 16-byte output stores with nothing but the exit of the masked lanes between them
-    from bench import kernel_ir
+    from tests import sm90
     from trace_core.kernels import triton_fp4
 
     mx = ops.get_format("mxfp4")
@@ -246,7 +253,7 @@ def test_mxfp4_output_stores_follow_the_record_in_the_sm90_sass():
         args = {"RB": rb, "C": chunk, "num_warps": warps, "FMT": mx.kernel_id, "BITS": 1, "WRITE_OUT": True,
                 "REC_UNIT": 2, "RECORD_FIRST": ops.record_first(rb, chunk, warps)}  # fmt: skip
         assert args["RECORD_FIRST"], d
-        compiled = kernel_ir.compile_kernel(triton_fp4._quantize_record32_halves_kernel, args)
-        stores = [s.split("@") for s in kernel_ir.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
+        compiled = sm90.compile_kernel(triton_fp4._quantize_record32_halves_kernel, args)
+        stores = [s.split("@") for s in sm90.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
         assert [w for w, _ in stores] == ["U8", "U16", "128", "128"], f"{d}: {stores}"
         assert int(stores[3][1]) - int(stores[2][1]) <= 2, f"{d}: output stores apart: {stores}"

@@ -1,12 +1,10 @@
 """The Triton kernels on the GPU, bit for bit (`atol=0`) against the reference, through the public custom ops."""
 
-import ast
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests import kernel_checks
+from tests.kernel_tiles import SWEPT_TILES
 from trace_core.e2m1 import pack_fp4
 from trace_core.guided import GuidanceStats, guided_round
 from trace_core.kernels import (
@@ -57,19 +55,16 @@ def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
 
 
 def _swept_tiles() -> list:
-    """Parameters (D, LAUNCH["quant"] overrides) of every tile bench/record_tiles.py times, its `CANDIDATES` read
-    from the source: importing the module needs triton, collecting the tests must not."""
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "bench" / "record_tiles.py").read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "CANDIDATES")
+    """Parameters (D, LAUNCH["quant"] overrides) of every tile bench/record_tiles.py times (`SWEPT_TILES`)."""
     return [pytest.param(d, tile, id=f"{d}-" + ("-".join(f"{k}{n}" for k, n in tile.items()) or "default"))
-            for d, tiles in ast.literal_eval(node.value).items() for tile in tiles]  # fmt: skip
+            for d, tiles in SWEPT_TILES.items() for tile in tiles]  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
 @pytest.mark.parametrize(("d", "tile"), _swept_tiles())
 def test_quantize_record_on_every_swept_tile(fmt, d, tile):
-    # each quantize tile that bench/record_tiles.py times at this width (LAUNCH["quant"] overrides), on a row count
-    # that leaves the last row tile partly past the end
+    # each quantize tile that bench/record_tiles.py times at this width (SWEPT_TILES: LAUNCH["quant"] overrides), on a
+    # row count that leaves the last row tile partly past the end
     with ops.launch_overrides(tile):
         for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
             for bits in (1, 4):
