@@ -102,8 +102,8 @@ def _fp4_rollout(tmp_path: Path, model: Path, vocab: int, recipe: str) -> tuple[
     try:
         server.wait_ready(START_S)
         cfg = RLConfig(
-            rollout_backend="sglang", sglang_urls=server.url, max_new_tokens=MAX_NEW, temperature=1.0,
-            recipe=recipe, record_bits=4, mode="trace", sglang_timeout_s=120,
+            rollout_backend="sglang", sglang_urls=server.url, rollout_workers=1, max_new_tokens=MAX_NEW,
+            temperature=1.0, recipe=recipe, record_bits=4, mode="trace", sglang_timeout_s=120,
         )  # fmt: skip
         worker = SGLangWorker(server.url, cfg, vocab, eos=(vocab - 1,))
         ids = tuple(range(SERVED_MODEL["num_hidden_layers"]))
