@@ -198,6 +198,11 @@ def test_the_trainer_follows_the_served_records(tmp_path: Path, recipe: str) -> 
                 # b = 4: the only codes guided rounding cannot reproduce are the non-neighbours
                 assert flips[f"L{layer}.{kind}"] == pytest.approx(tap.non_neighbours[(layer, kind)] / n), (layer, kind)
             row["non_neighbour_fraction"] = sum(tap.non_neighbours.values()) / sum(tap.elements.values())
+            # records that describe other tensors (or scale bytes read in another format) are mostly non-neighbours
+            worst = max(tap.non_neighbours[site] / n for site, n in tap.elements.items())
+            assert worst < 0.1, {
+                f"L{layer}.{kind}": tap.non_neighbours[(layer, kind)] / n for (layer, kind), n in tap.elements.items()
+            }
         report[name] = row
     print(json.dumps(report))
     assert report["trace_b4"]["rtn_fallback_real_tokens"] == report["trace_b1"]["rtn_fallback_real_tokens"] == 0
