@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from transformers import AutoConfig
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.rows import pack_microbatch
@@ -107,7 +108,7 @@ def _fp4_rollout(tmp_path: Path, model: Path, vocab: int, recipe: str) -> tuple[
         )  # fmt: skip
         worker = SGLangWorker(server.url, cfg, vocab, eos=(vocab - 1,))
         ids = tuple(range(SERVED_MODEL["num_hidden_layers"]))
-        worker.check_policy(RecordSpec.of_recipe(recipe, ids, ids, 4), json.loads((model / "config.json").read_text()))
+        worker.check_policy(RecordSpec.of_recipe(recipe, ids, ids, 4), AutoConfig.from_pretrained(model))
         prompts = _prompts(8, vocab)
         req = Request(index=0, step=0, prompts=prompts, rows=tuple(range(len(prompts))), seed=0, store=str(store))
         trajs = worker.generate(req.next_attempt())
