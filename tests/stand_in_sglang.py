@@ -1,8 +1,10 @@
 """A stand-in for `python -m sglang.launch_server` (tests/test_server_group.py): takes the launcher's flags, answers
 `/health` on `--host`/`--port`, and misbehaves on demand with `--stand-in MODE`: `healthy` (default), `exit` (an
 error message and status 3 at once), `never-healthy` (listens, answers /health 503), `sleep` (never listens),
-`die-after` (healthy, then exits after `--stand-in-delay` seconds). `--stand-in-child` forks a child process that
-sleeps (as SGLang's scheduler processes do), and every process writes its pid to `--stand-in-pids`."""
+`die-after` (healthy, then exits after `--stand-in-delay` seconds), `rl` (the RL tests' protocol stand-in
+`tests.rl_stand_in.StandIn` on the launcher's flags: generation, records, weight updates through SGLang's receiving
+code, a rank of the weight-update group). `--stand-in-child` forks a child process that sleeps (as SGLang's
+scheduler processes do), and every process writes its pid to `--stand-in-pids`."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
 def main() -> None:
@@ -38,6 +41,12 @@ def main() -> None:
         sys.exit(3)
     if args.stand_in == "sleep":
         time.sleep(3600)
+    if args.stand_in == "rl":  # heavy imports (torch, SGLang, the engine) for this mode only
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.rl_stand_in import serve
+
+        serve(sys.argv[1:])
+        return
     healthy = args.stand_in != "never-healthy"
 
     class Handler(BaseHTTPRequestHandler):

@@ -56,12 +56,21 @@ FIELD_HELP = {
     "sglang_admin_api_key": "where the servers' --admin-api-key is: env:VARIABLE or file:PATH",
     "rollout_call_timeout_s": "deadline of one rollout request (the worker is then restarted)",
     "rollout_step_timeout_s": "deadline of a whole rollout step (the run then fails)",
-    "weight_sync_timeout_s": "deadline of one worker's weight sync (a late embedded worker is replaced, synced again)",
+    "weight_sync_timeout_s": "deadline of one worker's weight sync (a late embedded worker is replaced, synced again); "
+    "also of forming the distributed weight-update group",
     "sglang_start_timeout_s": "deadline of reaching every SGLang server at start (/model_info)",
     "sglang_launch": "off, or local: the launcher starts the SGLang servers itself on this host",
     "sglang_gpus": "GPU ids of each launched server, ';'-separated (e.g. 0,1;2,3: two servers at TP 2)",
     "sglang_args": "extra flags of every launched server (string or list)",
     "sglang_port_base": "port of the first launched server (server i: port_base + i)",
+    "weight_sync": "how weights reach the SGLang servers: disk (HF checkpoint + /update_weights_from_disk), tensor "
+    "(colocated: CUDA IPC buckets, /update_weights_from_tensor) or distributed (NCCL group, "
+    "/update_weights_from_distributed)",
+    "weight_sync_bucket_mb": "MiB per weight-sync bucket (tensor, distributed); a larger tensor is a bucket alone",
+    "weight_sync_disk_fallback": "a failed tensor / distributed sync falls back to disk (counted) instead of failing",
+    "weight_sync_backend": "backend of the distributed weight-update group: nccl, or gloo (CPU)",
+    "weight_sync_master": "this host as the servers reach it for the weight-update group: host or host:port "
+    "(default 127.0.0.1 and a free port; needed for remote servers)",
     "force_resume": "resume a checkpoint although settings that shape data, pairing, reward or numerics differ",
     "tp": "trainer tensor parallelism (with sequence parallelism); tp * pp * dp > 1 runs the trainer as a Ray group",
     "ep": "trainer expert parallelism (divides dp * tp)",

@@ -20,6 +20,7 @@ from trace_core.recipe import DEFAULT_RECIPE, recipe_names
 from trace_core.records import check_bits
 from trace_rl.algorithm import algorithm_errors
 from trace_rl.servers import launch_errors
+from trace_rl.weight_sync import weight_sync_errors
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 FP4_ATTENTION = ("off", "decode")
@@ -84,10 +85,18 @@ class RLConfig:
     rollout_call_timeout_s / rollout_step_timeout_s: deadline of one rollout request (the worker is then restarted)
     and of a whole rollout step (the run then fails). weight_sync_timeout_s: deadline of one worker's weight sync (an
     embedded worker that misses it is replaced and synced again; an SGLang server that misses it fails the run,
-    naming it). sglang_start_timeout_s: deadline of reaching every SGLang server at start.
+    naming it), also of forming the distributed weight-update group. sglang_start_timeout_s: deadline of reaching
+    every SGLang server at start.
     sglang_launch = "local": the launcher starts the servers itself on this host (`trace_rl.servers.ServerGroup`),
     one per `;`-separated entry of `sglang_gpus` (its GPU ids, TP = their number), on ports `sglang_port_base + i`,
     with the extra flags `sglang_args`; it then sets `sglang_urls` to them and tears them down at the end.
+    weight_sync: how the trainer's weights reach the SGLang servers after each step (`trace_rl.weight_sync`): `disk`
+    (an HF checkpoint under out_dir and /update_weights_from_disk), `tensor` (colocated: buckets of at most
+    `weight_sync_bucket_mb` MiB of CUDA IPC handles through /update_weights_from_tensor) or `distributed`
+    (disaggregated: broadcasts over a `weight_sync_backend` group, nccl or gloo, formed at start-up with every
+    server, rendezvous at `weight_sync_master` = this host as the servers reach it, host[:port], default
+    127.0.0.1 for local servers). weight_sync_disk_fallback: a failed tensor / distributed sync falls back to disk
+    (counted, `weight_sync/disk_fallbacks`) instead of failing the run.
     sglang_timeout_s: wall-clock deadline of one SGLang HTTP call and of one wait for a request's records.
     force_resume: resume a checkpoint although settings that shape the data, pairing, reward or numerics differ
     (`trace_rl.controller.RESUME_FREE` lists the keys a resume may change; docs/reliability.md).
@@ -162,6 +171,11 @@ class RLConfig:
     sglang_gpus: str = ""
     sglang_args: str = ""
     sglang_port_base: int = 30000
+    weight_sync: str = "disk"
+    weight_sync_bucket_mb: float = 512.0
+    weight_sync_disk_fallback: bool = False
+    weight_sync_backend: str = "nccl"
+    weight_sync_master: str = ""
     force_resume: bool = False
     tp: int = 1
     ep: int = 1
@@ -245,6 +259,7 @@ class RLConfig:
         errors += self._secret_errors()
         errors += self._sglang_errors()
         errors += launch_errors(self)
+        errors += weight_sync_errors(self)
         errors += self._fp4_attention_errors()
         errors += self._layout_errors()
         errors += self._data_errors()

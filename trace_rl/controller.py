@@ -91,6 +91,11 @@ RESUME_FREE = frozenset(
         "sglang_launch",
         "sglang_gpus",
         "sglang_port_base",
+        "weight_sync",  # the same bits reach the servers by every transport
+        "weight_sync_bucket_mb",
+        "weight_sync_disk_fallback",
+        "weight_sync_backend",
+        "weight_sync_master",
         "force_resume",
         "reward_workers",
         "reward_pool",
@@ -186,6 +191,8 @@ class Controller:
         try:
             self._start(resume)
         except BaseException:
+            if hasattr(getattr(self, "pool", None), "close"):  # a weight-update group formed already
+                self.pool.close()
             self.lock.release()
             raise
 
@@ -269,6 +276,8 @@ class Controller:
         after."""
         self.tracker.close()
         self.rewards.close()
+        if hasattr(self.pool, "close"):  # SGLang: leave the weight-update group
+            self.pool.close()
         if isinstance(self.trainer, GroupTrainer):
             self.trainer.shutdown()
         self.lock.release()
@@ -388,7 +397,7 @@ class Controller:
         diffs = metrics.pop("samples/logprob_abs_diff", {})
         metrics["reward/zero_variance_groups"] = self._zero_variance_groups(rewards, batch.step)
         version = self.trainer.policy_version()
-        self.pool.load_weights(self.trainer.hf_weights(), version)
+        sync = self.pool.load_weights(self.trainer.hf_weights(), version) or {}  # SGLang: weight_sync/* metrics
         apply_retention(self.store, self.cfg.keep_record_steps, protect=self._protected_steps())
         synced = time.perf_counter()
         metrics |= {
@@ -405,6 +414,7 @@ class Controller:
             "time/train_s": trained - rolled,
             "time/sync_s": synced - trained,
         }
+        metrics |= sync
         if batch.decode_reads is not None:
             metrics["rollout/fp4_decode_reads"] = float(batch.decode_reads)
         self.step += 1

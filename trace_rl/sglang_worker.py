@@ -14,7 +14,7 @@ is not the trainer's (`SGLangWorker.check_policy`).
 
 With `sglang_api_key` / `sglang_admin_api_key` (references `env:VARIABLE` or `file:PATH`, read at start, never
 logged), every call carries `Authorization: Bearer <key>`: the API key on `/generate` and `/model_info`, the admin
-key (or the API key when there is none) on `/update_weights_from_disk`, as SGLang's --api-key / --admin-api-key
+key (or the API key when there is none) on the weight updates, as SGLang's --api-key / --admin-api-key
 expect.
 
 Every HTTP call has a wall-clock deadline (`trace_rl.http_deadline`: connect to last byte), `sglang_timeout_s`, or
@@ -23,10 +23,12 @@ An answer's text is redacted of the keys before anything reads it, so no error m
 server echoes.
 
 `SGLangPool` is the pool the controller drives (`run`, `load_weights`, `versions`, as `LocalPool`): weight sync
-writes the trainer's HF tensors as safetensors into `<out_dir>/weights/v<version>` (a directory the servers must
-see) and calls every server's `/update_weights_from_disk` with `weight_version=str(version)` (the servers
-concurrently), then checks that `/model_info` reports that version. A server failure raises with the server URL and
-its response; nothing retries.
+(`trace_rl.weight_sync`, `weight_sync = "disk" | "tensor" | "distributed"`) moves the trainer's HF tensors to every
+server (through `<out_dir>/weights/v<version>` and `/update_weights_from_disk`, buckets of CUDA IPC handles through
+`/update_weights_from_tensor`, or broadcasts over a weight-update group formed at start-up), each with
+`weight_version=str(version)`, then checks that `/model_info` reports that version. A server failure raises with the
+server URL and its response; nothing retries, and disk stands in for a failed tensor / distributed sync only with
+`weight_sync_disk_fallback` (counted in the step metrics).
 """
 
 from __future__ import annotations
@@ -35,14 +37,12 @@ import http.client
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from sglang_trace.config import served_spec
@@ -54,6 +54,7 @@ from trace_rl.engine import Trajectory
 from trace_rl.http_deadline import DeadlineExceeded, call
 from trace_rl.policy import RolloutTask
 from trace_rl.task import EOS
+from trace_rl.weight_sync import WeightSync
 from trace_rl.workers import Request, RolloutTimeout
 
 WEIGHTS_DIR = "weights"
@@ -109,6 +110,8 @@ class SGLangWorker:
             or read_secret(cfg.sglang_api_key, "sglang_api_key"),
         }
         self.headers_read = 0  # shard headers read while waiting for records (each new shard once)
+        self._info: dict | None = None  # /server_info, read once
+        self._last_update: tuple[str, object] = ("no update", None)
         self._version = self.version(deadline=deadline, budget="sglang_start_timeout_s")
 
     # ----------------------------------------------------------------- HTTP
@@ -177,6 +180,7 @@ class SGLangWorker:
         from its `/server_info` (its `--trace-*` settings) on the model's HF config: a server recording another
         policy would leave the trainer's sites without records, and the trainer would fall back to RTN there."""
         info = self._call("GET", "/server_info", deadline=deadline, budget=budget)
+        self._info = info if isinstance(info, dict) else {}
         try:
             served = served_spec(info if isinstance(info, dict) else {}, hf_config)
         except ValueError as e:
@@ -331,21 +335,49 @@ class SGLangWorker:
             self.headers_read += watcher.headers_read
 
     # ----------------------------------------------------------------- weights
+    @property
+    def server_info(self) -> dict:
+        """The server's `/server_info` (its server args), read once."""
+        if self._info is None:
+            info = self._call("GET", "/server_info")
+            self._info = info if isinstance(info, dict) else {}
+        return self._info
+
+    @property
+    def tp_size(self) -> int:
+        """The server's tensor-parallel size: its ranks in a weight update (one tensor payload each)."""
+        size = self.server_info.get("tp_size", 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise SGLangError(f"SGLang server {self.url}/server_info reports tp_size={size!r}")
+        return size
+
+    def post_update(self, endpoint: str, payload: dict, *, deadline: float | None = None) -> dict:
+        """One weight-update call (admin key) before `deadline` (the sync's, `weight_sync_timeout_s`); SGLangError
+        naming the server unless it answers `success: true`."""
+        resp = self._call("POST", endpoint, payload, admin=True, deadline=deadline, budget="weight_sync_timeout_s")
+        if not isinstance(resp, dict) or resp.get("success") is not True:
+            raise SGLangError(f"SGLang server {self.url}{endpoint} failed: {resp!r:.2000}")
+        self._last_update = (endpoint, resp)
+        return resp
+
+    def check_version(self, version: int, *, deadline: float | None = None) -> None:
+        """SGLangError unless `/model_info` reports `version` after an update (naming the update's last answer)."""
+        reported = self.version(deadline=deadline, budget="weight_sync_timeout_s")
+        if reported != version:
+            endpoint, resp = self._last_update
+            raise SGLangError(
+                f"SGLang server {self.url}: {endpoint} answered {resp!r:.500} but /model_info reports weight_version "
+                f"{reported}, not {version}"
+            )
+        self._version = version
+
     def update_weights(self, path: Path, version: int, *, deadline: float | None = None) -> None:
         """`/update_weights_from_disk` of the HF checkpoint at `path` as policy `version`, then check the version;
         both calls before `deadline` (the sync's, `weight_sync_timeout_s`)."""
-        payload = {"model_path": str(path), "weight_version": str(version)}
-        budget = "weight_sync_timeout_s"
-        resp = self._call("POST", "/update_weights_from_disk", payload, admin=True, deadline=deadline, budget=budget)
-        if not isinstance(resp, dict) or resp.get("success") is not True:
-            raise SGLangError(f"SGLang server {self.url}/update_weights_from_disk failed: {resp!r:.2000}")
-        reported = self.version(deadline=deadline, budget=budget)
-        if reported != version:
-            raise SGLangError(
-                f"SGLang server {self.url}: /update_weights_from_disk answered {resp!r:.500} but /model_info "
-                f"reports weight_version {reported}, not {version}"
-            )
-        self._version = version
+        self.post_update(
+            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)}, deadline=deadline
+        )
+        self.check_version(version, deadline=deadline)
 
 
 class SGLangPool:
@@ -361,6 +393,7 @@ class SGLangPool:
         for worker in self.workers:  # one capture policy: each server's must be the trainer's
             worker.check_policy(spec, hf_config, deadline=deadline, budget="sglang_start_timeout_s")
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
+        self.sync = WeightSync(cfg, self.workers, Path(task.hf_dir), self.weights_root)  # forms a group at start-up
 
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
         """Results in request order; no restarts (a server failure is an error, so is a step that does not finish
@@ -381,23 +414,14 @@ class SGLangPool:
         finally:
             ex.shutdown(wait=False, cancel_futures=True)
 
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Export to `<out_dir>/weights/v<version>` (HF safetensors + config.json) and update every server."""
-        path = self.weights_root / f"v{version}"
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
-        shutil.copy(self.hf_config, tmp / "config.json")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        deadline = time.monotonic() + self.cfg.weight_sync_timeout_s
-        with ThreadPoolExecutor(max_workers=len(self.workers)) as ex:  # every call bounded: all of them return
-            for f in [ex.submit(w.update_weights, path, version, deadline=deadline) for w in self.workers]:
-                f.result()
-        for old in self.weights_root.iterdir():
-            if old != path:
-                shutil.rmtree(old)
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Every server serves `tensors` as policy `version` (`weight_sync`: disk, tensor or distributed, then the
+        `/model_info` check); the sync's metrics (`trace_rl.weight_sync.WeightSync.push`)."""
+        return self.sync.push(tensors, version)
+
+    def close(self) -> None:
+        """Leave the weight-update group (`weight_sync = "distributed"`)."""
+        self.sync.close()
 
     def versions(self) -> list[int]:
         return [w.version() for w in self.workers]
