@@ -17,11 +17,10 @@ from types import SimpleNamespace
 from trace_core.formats import KV_FP4, NVFP4
 from trace_core.modes import ROLLOUT_MODES
 from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, Role, Scale, get_recipe, recipe_names
-from trace_core.records import RecordSpec, check_bits
+from trace_core.records import LAYER_PRESETS, CapturePolicy, RecordSpec, check_bits
 from trace_core.sites import SITE_KINDS
 
 MODES = ROLLOUT_MODES
-LAYER_PRESETS = ("latter-half", "all")
 
 # Field name -> default, added to ServerArgs by the patch (SGLang keeps every flag as a dataclass field).
 SERVER_ARGS_FIELDS: dict[str, object] = {
@@ -158,6 +157,11 @@ class TraceArgs:
     @property
     def kv_sites(self) -> bool:
         return self.enabled and ("k" in self.sites or "v" in self.sites)
+
+    @property
+    def policy(self) -> CapturePolicy:
+        """`--trace-record-bits` and `--trace-layers` as the capture policy the trainer's config also parses into."""
+        return CapturePolicy(self.bits, self.layers)
 
 
 def pool_role(role: Role) -> bool:
@@ -389,20 +393,14 @@ def model_layout(hf_config) -> ModelLayout:
 def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
     """The record spec `args` select on a model: sites, layers and bits; ValueError for layers or sites the model
     does not have."""
-    if args.layers == "all":
-        moe, attn = layout.moe_layers, layout.attn_layers
-    elif args.layers == "latter-half":
-        moe = layout.moe_layers[len(layout.moe_layers) // 2 :]
-        attn = layout.attn_layers[len(layout.attn_layers) // 2 :]
-    else:
+    if isinstance(args.layers, tuple):
         known = set(layout.moe_layers) | set(layout.attn_layers)
         unknown = [i for i in args.layers if i not in known]
         if unknown:
             raise ValueError(
                 f"--trace-layers names layers {unknown} that {layout.arch} does not have (0..{layout.num_layers - 1})"
             )
-        moe = tuple(i for i in args.layers if i in layout.moe_layers)
-        attn = tuple(i for i in args.layers if i in layout.attn_layers)
+    moe, attn = args.policy.select(layout.moe_layers), args.policy.select(layout.attn_layers)
     for name, width, role in (
         ("hidden size", layout.hidden, args.recipe.moe_in),
         ("head dim", layout.head_dim, args.recipe.k),

@@ -127,10 +127,6 @@ class Record:
         return unpack_low_bits(self.low_bits, self.bits, self.n)
 
 
-def _latter_half(layers: tuple[int, ...]) -> tuple[int, ...]:
-    return layers[len(layers) // 2 :]
-
-
 def recipe_layout(recipe: str | PrecisionRecipe) -> dict[str, object]:
     """The record layout a recipe implies: `moe_format` / `kv_format` (None where the recipe records no such site)
     and `per_token_scale` (an FP32 token scale next to the MoE-input block scales)."""
@@ -140,6 +136,44 @@ def recipe_layout(recipe: str | PrecisionRecipe) -> dict[str, object]:
         "kv_format": r.k.fmt.name if r.k.recorded else None,
         "per_token_scale": r.moe_in.scale is Scale.PER_TOKEN,
     }
+
+
+LAYER_PRESETS = ("all", "latter-half")
+"""The layer presets of a capture policy: every layer (the project's default) or the latter half (the paper's)."""
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """What the rollout records, in the one vocabulary the RL config (`record_bits`, `record_all_layers`) and the
+    server flags (`--trace-record-bits`, `--trace-layers`) both parse into: `bits` low code bits at every layer
+    (`"all"`), at the latter half of each kind's layers (`"latter-half"`), or at the layer ids given."""
+
+    bits: int = 1
+    layers: str | tuple[int, ...] = "all"
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        if isinstance(self.layers, str):
+            if self.layers not in LAYER_PRESETS:
+                raise ValueError(f"capture layers {self.layers!r} is not one of {LAYER_PRESETS} or a tuple of ids")
+        elif len(set(self.layers)) != len(self.layers) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers
+        ):
+            raise ValueError(f"capture layers must be distinct non-negative layer ids, got {self.layers}")
+
+    def select(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """The layers of `layers` (one site kind's layer ids of a model, ascending) that this policy captures."""
+        layers = tuple(layers)
+        if self.layers == "all":
+            return layers
+        if self.layers == "latter-half":
+            return layers[len(layers) // 2 :]
+        return tuple(i for i in layers if i in self.layers)
+
+    def spec(self, moe_layers: Sequence[int], attn_layers: Sequence[int], recipe: str | None = None) -> RecordSpec:
+        """The record spec of this policy on a model with these MoE and attention layers, of the site kinds
+        `recipe` records."""
+        return RecordSpec.of_recipe(recipe, self.select(moe_layers), self.select(attn_layers), self.bits)
 
 
 @dataclass(frozen=True)
@@ -191,7 +225,7 @@ class RecordSpec:
         """The project's default: b = `bits` at every given MoE and attention layer, of the site kinds `recipe`
         records. On our models it leaves 2-14x less train-rollout mismatch than the latter half for twice its record
         bytes (docs/results.md, "Choosing the default capture policy")."""
-        return cls.of_recipe(recipe, tuple(moe_layers), tuple(attn_layers), bits)
+        return CapturePolicy(bits, "all").spec(moe_layers, attn_layers, recipe)
 
     @classmethod
     def latter_half(
@@ -199,7 +233,7 @@ class RecordSpec:
     ) -> RecordSpec:
         """The paper's default: b = `bits` on the latter half of the given MoE and attention layers (half the
         bytes of `default`), of the site kinds `recipe` records."""
-        return cls.of_recipe(recipe, _latter_half(tuple(moe_layers)), _latter_half(tuple(attn_layers)), bits)
+        return CapturePolicy(bits, "latter-half").spec(moe_layers, attn_layers, recipe)
 
     @classmethod
     def of_recipe(

@@ -17,7 +17,7 @@ import yaml
 
 from trace_core.modes import MODES
 from trace_core.recipe import DEFAULT_RECIPE, recipe_names
-from trace_core.records import check_bits
+from trace_core.records import CapturePolicy, check_bits
 from trace_rl.algorithm import algorithm_errors
 from trace_rl.servers import launch_errors
 from trace_rl.weight_sync import weight_sync_errors
@@ -272,6 +272,11 @@ class RLConfig:
 
     def sglang_url_list(self) -> list[str]:
         return [u.strip() for u in self.sglang_urls.split(",") if u.strip()]
+
+    def capture_policy(self) -> CapturePolicy:
+        """The trainer's guidance policy: `record_bits` at every layer, or the latter half (`record_all_layers`
+        false); the servers' `--trace-record-bits` / `--trace-layers` parse into the same `CapturePolicy`."""
+        return CapturePolicy(self.record_bits, "all" if self.record_all_layers else "latter-half")
 
     def _sglang_errors(self) -> list[str]:
         if self.rollout_backend not in ROLLOUT_BACKENDS:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trace_core.records import RecordSpec
+from trace_core.records import CapturePolicy, RecordSpec
 from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_core.store_reader import RecordReader
 from trace_rl import samples
@@ -171,15 +171,14 @@ class RolloutBatch:
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
     """The trainer's guidance spec."""
     ids = tuple(range(layers))
-    make = RecordSpec.default if cfg.record_all_layers else RecordSpec.latter_half
-    return make(ids, ids, bits=cfg.record_bits, recipe=cfg.recipe)
+    return cfg.capture_policy().spec(ids, ids, cfg.recipe)
 
 
 def capture_spec(layers: int, cfg: RLConfig) -> RecordSpec:
     """What the rollout records: the guidance spec, or 4 bits at every layer with `measure_all_sites`."""
     if cfg.measure_all_sites:
         ids = tuple(range(layers))
-        return RecordSpec.of_recipe(cfg.recipe, ids, ids, 4)
+        return CapturePolicy(4, "all").spec(ids, ids, cfg.recipe)
     return record_spec(layers, cfg)
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from trace_core.records import recipe_layout
+from trace_core.records import CapturePolicy, recipe_layout
 
 if TYPE_CHECKING:
     from trace_rl.config import RLConfig
@@ -158,13 +158,12 @@ def capture_flags(cfg: RLConfig) -> list[str]:
     """The `--trace-*` flags of the trainer's capture policy (`trace_rl.controller.capture_spec`): the record store
     `<out_dir>/records`, bits and layers (4 bits at every layer with `measure_all_sites`), the sites the recipe
     records, and the FP4 KV pool when K / V are recorded."""
-    bits, layers = (
-        (4, "all") if cfg.measure_all_sites else (cfg.record_bits, "all" if cfg.record_all_layers else "latter-half")
-    )
+    policy = CapturePolicy(4, "all") if cfg.measure_all_sites else cfg.capture_policy()
+    layers = policy.layers if isinstance(policy.layers, str) else ",".join(map(str, policy.layers))
     layout = recipe_layout(cfg.recipe)
     sites = (["moe_in"] if layout["moe_format"] else []) + (["k", "v"] if layout["kv_format"] else [])
     flags = ["--trace-mode", "emulate", "--trace-store", str((Path(cfg.out_dir) / "records").resolve())]
-    flags += ["--trace-record-bits", str(bits), "--trace-layers", layers, "--trace-sites", ",".join(sites)]
+    flags += ["--trace-record-bits", str(policy.bits), "--trace-layers", layers, "--trace-sites", ",".join(sites)]
     flags += ["--trace-recipe", cfg.recipe, "--trace-step", "0", "--weight-version", "0"]
     if layout["kv_format"]:
         flags += ["--kv-cache-dtype", "fp4_e2m1"]
