@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SGLANG_VERSION := 0.5.15.post1
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-gpu demo lint clean
+.PHONY: setup check-sglang test test-fast test-gpu demo lint clean
 
 setup: $(STAMP)
 
@@ -28,12 +28,20 @@ $(STAMP): pyproject.toml Makefile
 
 # The SGLang side must import and be patched before any test runs: a broken import fails `make test` here instead
 # of letting its test modules error or skip (the sgl_kernel stand-in replaces only the compiled kernel package).
-test: $(STAMP)
+check-sglang: $(STAMP)
 	$(PY) scripts/sglang_patches.py check
 	$(PY) -c "from tests.sglang_cpu import install_sgl_kernel_stand_in as s; s(); \
 	import sglang.srt.server_args, sglang.srt.managers.scheduler, sglang_trace.plugin as p, sglang.srt.plugins as sp; \
 	sp.load_plugins(); p.check_applied(); print('SGLang', sglang.__version__, 'imports with the TRACE plugin applied')"
+
+# The whole CPU suite (what CI runs).
+test: check-sglang
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+# The CPU tests not marked slow, on two pytest-xdist workers; tests sharing a local Ray instance carry
+# xdist_group("ray") and run on one worker (--dist loadgroup).
+test-fast: check-sglang
+	$(PY) -m pytest -q -m "not slow and not gpu" -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # On a machine with a CUDA GPU.
 test-gpu: $(STAMP)

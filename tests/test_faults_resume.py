@@ -60,6 +60,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # the chosen point: steps 6-9 rolled out, 
 """
 
 
+@pytest.mark.slow
 def test_sigkill_before_a_checkpoint_resumes_with_async_lag(model_dir, tmp_path):
     # The docs' example values: async_lag 1, checkpoint_every 5, keep_record_steps 4.
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), steps=11, async_lag=1, checkpoint_every=5, **TINY)
@@ -89,6 +90,7 @@ ctrl.train_step(), ctrl.train_step()  # checkpoint 4 does not fit
 """
 
 
+@pytest.mark.slow
 def test_disk_full_and_corrupt_checkpoints_fall_back_to_the_previous_one(model_dir, tmp_path, capsys):
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), steps=5, async_lag=1, checkpoint_every=2, **TINY)
     child = run_child(FILL_THE_DISK, cfg)

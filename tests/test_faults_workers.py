@@ -91,6 +91,7 @@ def run_bounded(fn, seconds: float):
     return box["out"]
 
 
+@pytest.mark.slow
 def test_a_hung_in_process_worker_is_restarted_and_a_step_deadline_fails(model_dir, tmp_path):
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "a"), rollout_call_timeout_s=15, **TINY)
     with Controller(cfg) as ctrl:
@@ -114,6 +115,8 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.xdist_group("ray")
+@pytest.mark.slow
 def test_a_hung_ray_worker_is_killed_and_restarted(model_dir, tmp_path, local_ray):
     ray = local_ray
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, rollout_call_timeout_s=30, **TINY)
@@ -191,6 +194,8 @@ def test_a_worker_hung_in_weight_sync_is_named_replaced_and_synced(model_dir, tm
             run_bounded(ctrl.train_step, 300)
 
 
+@pytest.mark.xdist_group("ray")
+@pytest.mark.slow
 def test_a_ray_worker_hung_in_weight_sync_is_killed_replaced_and_synced(model_dir, tmp_path, capsys, local_ray):
     ray = local_ray
     cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path), use_ray=True, weight_sync_timeout_s=30, **TINY)

@@ -196,6 +196,7 @@ def _worker(ckpt_dir: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tp_ep_pp_shards_with_torchrun_on_cpu(ckpt_dir, tmp_path):
     model = _import(ckpt_dir, torch.float32)
     torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, tmp_path / "full.pt")

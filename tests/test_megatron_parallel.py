@@ -199,6 +199,7 @@ def _check_against_reference(reference, results: list[dict], work: Path) -> None
         assert [x for _, part in sorted(sites[key]) for x in part] == values, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_matches_single_rank(name, reference, tmp_path):
     (tmp_path / "inputs.pt").symlink_to(reference[0] / "inputs.pt")

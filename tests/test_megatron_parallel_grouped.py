@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 CFG_KW = dict(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, topk=2, expert_ffn=32)
@@ -58,6 +59,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_grouped_experts_shard_over_ep_and_gather_back(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")

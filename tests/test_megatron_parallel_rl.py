@@ -42,6 +42,7 @@ from trace_rl.parallel_trainer import check_layout
 from trace_rl.rundir import remove_checkpoint
 from trace_rl.warmup import PRESETS
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray instance at a time (pytest-xdist --dist loadgroup)
 RUN = SMALL_RUN | dict(checkpoint_every=1, trainer_dtype="float32")
 LAYOUTS = {
     "tp2_ep2": dict(tp=2, ep=2),
@@ -291,6 +292,7 @@ def _rendezvous() -> tuple[int, int, list[int]]:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_trainer_group_runs_torchrun_code_across_its_actors(ray_cluster):
     """`TrainerGroup.run(fn)` calls `fn` on every rank at once with the torchrun environment set (rank, world size,
     rendezvous on rank 0's node): torch.distributed initialised from it joins the actors, as Megatron's process groups

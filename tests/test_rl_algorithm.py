@@ -58,6 +58,7 @@ def test_single_rank_defaults_reproduce_todays_numbers(model_dir, tmp_path):
     assert all(m["actor/lr"] == RLConfig().lr for m in got["metrics"])
 
 
+@pytest.mark.xdist_group("ray")
 @pytest.mark.slow
 def test_group_defaults_reproduce_todays_numbers(model_dir, tmp_path):
     _skip_on_another_build()
@@ -242,6 +243,7 @@ SETTINGS = dict(
 )
 
 
+@pytest.mark.xdist_group("ray")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",

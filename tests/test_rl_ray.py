@@ -13,6 +13,7 @@ from trace_rl.controller import Controller
 from trace_rl.trainer import RayTrainer
 
 ray = pytest.importorskip("ray", reason="ray is a dependency of trace_rl; this install lacks it")
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray instance at a time (pytest-xdist --dist loadgroup)
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,7 @@ def model_dir(tiny_model):
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_ray_worker_process_killed_mid_request_is_restarted(model_dir, tmp_path):
     small = dict(model_dir=model_dir, prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace")
     # decode attention from the FP4 KV pool in these actors (fp4_attention), the default engine in the ones below

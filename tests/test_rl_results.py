@@ -85,6 +85,7 @@ def _md_table(md: str, heading: str) -> list[dict[str, str]]:
     return [dict(zip(header, row, strict=True)) for row in body]
 
 
+@pytest.mark.slow
 def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
     expected = {f"rl_{name}.csv" for name in results.DEFAULT_RUNS} | {"rl_trace_all@rerun.csv"}
     expected |= {f"timing_{mode}_r{r}.csv" for mode in results.TIMING for r in range(1, results.TIMING_ROUNDS + 1)}
@@ -94,6 +95,7 @@ def test_raw_holds_every_run_the_analysis_and_the_warmup(raw):
     assert (warmup["preset"], warmup["digits"], warmup["steps"]) == ("tiny", 1, 10)
 
 
+@pytest.mark.slow
 def test_rl_runs_log_the_per_step_metrics(raw):
     for name in [*results.DEFAULT_RUNS, "trace_all@rerun"]:
         rows = _rows(raw / f"rl_{name}.csv")
@@ -107,6 +109,7 @@ def test_rl_runs_log_the_per_step_metrics(raw):
             assert 0 <= float(r["reward/mean"]) <= 1
 
 
+@pytest.mark.slow
 def test_measured_runs_report_code_flips_at_every_site(raw):
     """qat and trace run with measure_all_sites, so every site has a flip rate (the trace run guides only the
     latter half but is measured everywhere); bf16 has no FP4 sites."""
@@ -118,11 +121,13 @@ def test_measured_runs_report_code_flips_at_every_site(raw):
     assert not any("code_flip_rate" in k for k in _rows(raw / "rl_bf16.csv")[0])
 
 
+@pytest.mark.slow
 def test_trace_run_never_falls_back_to_rtn_on_real_tokens(raw):
     for name in ("trace", "trace_full", "trace_all"):
         assert _col(_rows(raw / f"rl_{name}.csv"), "trace/rtn_fallback_real_tokens") == [0.0] * STEPS, name
 
 
+@pytest.mark.slow
 def test_timing_runs_alternate_modes_over_the_rounds(raw):
     for mode in results.TIMING:
         for r in range(1, results.TIMING_ROUNDS + 1):
@@ -132,6 +137,7 @@ def test_timing_runs_alternate_modes_over_the_rounds(raw):
             assert all(v > 0 for v in _col(rows, "time/step_s"))
 
 
+@pytest.mark.slow
 def test_analysis_scores_every_configuration_on_one_batch(raw):
     payload = json.loads((raw / "analysis.json").read_text())
     configs = [r["config"] for r in payload["results"] if r["batch"] == 0]
@@ -144,6 +150,7 @@ def test_analysis_scores_every_configuration_on_one_batch(raw):
     assert set(payload["relative_excess"]["qat"]) == {f"L{layer}.{kind}" for layer in LAYER_IDS for kind in KINDS}
 
 
+@pytest.mark.slow
 def test_report_writes_the_tables_and_figures(docs):
     md = (docs / "tables.md").read_text()
     for name in results.DEFAULT_RUNS:
@@ -167,6 +174,7 @@ def test_report_writes_the_tables_and_figures(docs):
         assert data.startswith(b"\x89PNG") and len(data) > 1000, png
 
 
+@pytest.mark.slow
 def test_rl_table_numbers_come_from_the_raw_csv(raw, docs):
     table = {row["run"]: row for row in _md_table((docs / "tables.md").read_text(), "### RL runs")}
     tagged = results_report.RUN_LABELS["trace_all"] + ", rerun"
@@ -182,6 +190,7 @@ def test_rl_table_numbers_come_from_the_raw_csv(raw, docs):
     assert table["BF16"]["code flips moe_in"] == "—"
 
 
+@pytest.mark.slow
 def test_step_time_overhead_is_the_ratio_of_the_medians(raw, docs):
     """Medians over both rounds of each mode, the first two (warm-up) steps of each file left out."""
     medians = {}
@@ -200,6 +209,7 @@ def test_step_time_overhead_is_the_ratio_of_the_medians(raw, docs):
     assert overhead["train s (median)"] == f"{train:+.1f} %"
 
 
+@pytest.mark.slow
 def test_report_without_the_warmup_names_the_missing_file(raw, tmp_path):
     partial = tmp_path / "raw"
     shutil.copytree(raw, partial)
@@ -209,6 +219,7 @@ def test_report_without_the_warmup_names_the_missing_file(raw, tmp_path):
     assert not (tmp_path / "docs").exists()  # refused before anything is written
 
 
+@pytest.mark.slow
 def test_a_tagged_run_gets_its_overrides_and_compares_with_its_untagged_run(out, raw, docs):
     """`--tag rerun --set keep_record_steps=1`: the run directory and raw file carry the tag, the run's config the
     override; on one CPU a repeat is deterministic, so the report finds the same step-0 batch and zero distance."""
@@ -247,6 +258,7 @@ def test_run_names_per_recipe_and_seed():
         results_report.run_label("sgd")
 
 
+@pytest.mark.slow
 def test_runs_over_seeds_get_a_mean_and_interval(raw, tmp_path):
     """Three seeds of one run (here: the same per-step file three times) -> one row, the mean of the per-run values
     and a zero-width interval."""
@@ -290,6 +302,7 @@ def test_rl_time_limit_stops_the_runs_still_running(tmp_path, capsys):
         results._wait(broken, deadline=time.monotonic() + 60)
 
 
+@pytest.mark.slow
 def test_reward_windows_pair_each_run_with_qat_by_seed(raw, tmp_path):
     """Two seeds each of QAT and TRACE (the same per-step file per run for both seeds): per window the mean reward
     of each, and TRACE − QAT paired by seed, the difference of the window means with a zero-width interval."""

@@ -143,6 +143,7 @@ def test_flashinfer_allreduce_fusion_at_one_rank_and_the_debug_tap_are_accepted(
     assert trace_args(trace_debug_layer=3).debug_layer == 3 and trace_args().debug_layer is None
 
 
+@pytest.mark.slow
 def test_trace_on_is_refused_unless_the_plugin_hooks_are_registered():
     """A fresh process that never loaded TRACE's plugin (or whose `SGLANG_PLUGINS` filters it out) refuses
     `--trace-mode` on when the server arguments are built, naming the fix; SGLang's own `load_plugins` finds the

@@ -264,6 +264,7 @@ def _tp_worker(rank: int, port: int, store: str, out: dict) -> None:
     out[rank] = ({k: {t: r for t, r in v.items()} for k, v in rows.items() if k[1] == "fc2"}, result)
 
 
+@pytest.mark.slow
 def test_fc2_input_codes_do_not_depend_on_moe_tp(sglang_tp1, tmp_path):
     """Two MoE-TP ranks (gloo), each with half of the intermediate: the halves they feed FC2 concatenate to the
     one-rank FC2 input — the row scale comes from the full row (max over the ranks), not from the local half."""

@@ -331,6 +331,7 @@ def _tp_rank(rank: int, world: int, init_file: str, store: str, out: str) -> Non
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tp_ranks_keep_record_shards_and_the_store_equals_one_rank_bit_for_bit(tmp_path):
     """Two scheduler processes on a gloo group, each with half of the KV heads and its share of the MoE layers'
     records, hook markers and routes (about half of one rank's record store; with R3 on, rank 0 keeps every

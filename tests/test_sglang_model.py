@@ -9,7 +9,10 @@ quantization of what every layer saw. `sgl_kernel` is replaced by the import sta
 (placeholders that raise if called); none is called.
 """
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_real_qwen3_moe_model_prefill_stores_what_its_layers_saw():
     from tests.interpret import interpret
 

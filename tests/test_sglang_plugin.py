@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.sglang_cpu import install_sgl_kernel_stand_in
 
 install_sgl_kernel_stand_in()
@@ -37,6 +39,7 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_trace_on_without_the_plugin_is_refused_by_name() -> None:
     """SGLANG_PLUGINS without `trace`: SGLang skips the plugin (it only logs that); TRACE's server arguments refuse."""
     import os
