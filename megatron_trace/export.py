@@ -20,6 +20,7 @@ load.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -41,11 +42,12 @@ def _check_layout(config) -> None:
 
 def hf_config(model: torch.nn.Module, *, rope_theta: float, max_position_embeddings: int) -> dict:
     """`config.json` fields of the equivalent transformers `Qwen3MoeConfig`."""
-    c = model.config
+    gpt: Any = model  # a megatron-core GPTModel (untyped)
+    c = gpt.config
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": model.vocab_size,
+        "vocab_size": gpt.vocab_size,
         "hidden_size": c.hidden_size,
         "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads,
@@ -71,6 +73,8 @@ def hf_config(model: torch.nn.Module, *, rope_theta: float, max_position_embeddi
 def nvfp4_pack(w: torch.Tensor, *, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """ModelOpt NVFP4 tensors of one weight `[out, in]` (per-tensor global scale unless given)."""
     q = quantize(w.detach(), NVFP4, global_scale=global_scale)
+    if q.global_scale is None:
+        raise RuntimeError("NVFP4 quantization returned no global scale")
     return {
         "weight": e2m1.pack_fp4(q.codes),
         "weight_scale": q.scales.view(torch.float8_e4m3fn),
@@ -182,6 +186,8 @@ def export_state(
                         f"{ep}.{name}.weight_scale_2": w13["weight_scale_2"],
                     }
                 out |= {f"{ep}.down_proj.{k}": t for k, t in nvfp4_pack(fc2).items()}
+                if input_amax is None:  # refused above by _check_input_amax
+                    raise ValueError("NVFP4 export needs input_amax (calibrate_input_amax)")
                 for name in ("gate_proj", "up_proj", "down_proj"):  # the decode scale 1 / S_enc
                     amax = torch.tensor(input_amax[f"{ep}.{name}"], dtype=torch.float32)
                     out[f"{ep}.{name}.input_scale"] = 1.0 / nvfp4_global_scale(amax)
@@ -205,7 +211,7 @@ def calibrate_input_amax(chunks: list[torch.nn.Module], forward: Callable[[], ob
     for chunk in chunks:
         for layer in unwrap(chunk).decoder.layers:
             experts = getattr(layer.mlp, "experts", None)
-            if not hasattr(experts, "local_experts"):
+            if experts is None or not hasattr(experts, "local_experts"):
                 raise TypeError(f"calibrate_input_amax needs SequentialMLP experts, got {type(experts).__name__}")
             first = parallel_state.get_expert_model_parallel_rank() * len(experts.local_experts)
             for j, expert in enumerate(experts.local_experts):
@@ -229,8 +235,8 @@ def calibrate_input_amax(chunks: list[torch.nn.Module], forward: Callable[[], ob
         for (layer, expert, proj), v in part.items():
             names = ("gate_proj", "up_proj") if proj == "gate_proj" else (proj,)
             for name in names:
-                key = f"model.layers.{layer}.mlp.experts.{expert}.{name}"
-                out[key] = max(out.get(key, 0.0), v)
+                hf_name = f"model.layers.{layer}.mlp.experts.{expert}.{name}"
+                out[hf_name] = max(out.get(hf_name, 0.0), v)
     return out
 
 

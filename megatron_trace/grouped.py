@@ -24,6 +24,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +176,7 @@ class TraceGroupedLinear(torch.nn.Module):
         )
         set_tensor_model_parallel_attributes(self.weight, True, 0 if parallel_mode == "column" else 1, 1)
         # Reduced over the expert-data-parallel group under expert parallelism (as Megatron's expert linears).
-        self.weight.allreduce = not (config.expert_model_parallel_size > 1)
+        self.weight.allreduce = not (config.expert_model_parallel_size > 1)  # type: ignore[attr-defined]
         if config.perform_initialization:
             with torch.no_grad():
                 if config.use_cpu_initialization:  # as Megatron's CPU init: an FP32 master per matrix, then cast
@@ -202,7 +203,7 @@ class TraceGroupedLinear(torch.nn.Module):
         scale, self.row_scale = self.row_scale, None
         if self.input_quant is not None:
             x = self.input_quant(x)
-        w = self.weight
+        w: torch.Tensor = self.weight
         if self.quantized_version is not None and w._version != self.quantized_version:
             raise RuntimeError(
                 "TraceGroupedLinear: the expert weights were written after their in-place fake-quant (or never "
@@ -332,19 +333,22 @@ class GroupedSites:
     `in_place` the fake-quantized values written into the parameters by `write_fake_quant`."""
 
     def __init__(self, experts: torch.nn.Module, numerics, *, in_place: bool = False):
-        self.linears = (experts.linear_fc1, experts.linear_fc2)
+        # `experts` passed `is_trace_grouped`: both linears are TRACE grouped linears.
+        fc1 = cast(TraceGroupedLinear, experts.linear_fc1)
+        fc2 = cast(TraceGroupedLinear, experts.linear_fc2)
+        self.linears = (fc1, fc2)
         self.role = numerics.cfg.role("weights")
         for lin in self.linears:
             lin.weight_quant = None if in_place else numerics.expert_weights
             lin.quantized_version = -1 if in_place else None
-        experts.linear_fc2.input_quant = numerics.fc2_input
+        fc2.input_quant = numerics.fc2_input
         self._hook = experts.register_forward_pre_hook(self._probs_to_fc2_output)
 
     def _probs_to_fc2_output(self, experts: torch.nn.Module, args: tuple) -> tuple:
         """Megatron still multiplies its activation by the probabilities it gets: ones in the activation's dtype
         (the product is the activation exactly, in one pass, where FP32 ones would promote it to FP32 and back)."""
         hidden, tokens_per_expert, probs, *rest = args
-        experts.linear_fc2.row_scale = probs
+        cast(TraceGroupedLinear, experts.linear_fc2).row_scale = probs
         return (hidden, tokens_per_expert, torch.ones_like(probs, dtype=hidden.dtype), *rest)
 
     def write_fake_quant(self) -> None:

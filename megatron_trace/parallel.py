@@ -30,10 +30,15 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from megatron_trace.grouped import grouped_expert_names
+
+if TYPE_CHECKING:
+    from megatron_trace.rows import MicroBatch
+    from megatron_trace.source import RolloutSource
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -88,11 +93,12 @@ class Layout:
         init_megatron(self.tp, self.ep, self.pp, self.vpp, seed=seed)
 
 
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside a DDP / Float16 wrapper."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+def unwrap(chunk: torch.nn.Module) -> Any:
+    """The GPTModel inside a DDP / Float16 wrapper (a megatron-core module: untyped, hence Any)."""
+    model: Any = chunk
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def build_chunks(build: Callable[[int | None], torch.nn.Module], layout: Layout) -> list[torch.nn.Module]:
@@ -104,13 +110,14 @@ def build_chunks(build: Callable[[int | None], torch.nn.Module], layout: Layout)
 def _global_name(model: torch.nn.Module, name: str) -> str:
     from megatron.core import parallel_state
 
+    gpt: Any = model  # a megatron-core GPTModel (untyped)
     m = _LAYER.match(name)
     if m:
-        layer = model.decoder.layers[int(m.group(1))]
+        layer = gpt.decoder.layers[int(m.group(1))]
         name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end() :]
     e = _EXPERT.search(name)
     if e:
-        local = len(model.decoder.layers[0].mlp.experts.local_experts)
+        local = len(gpt.decoder.layers[0].mlp.experts.local_experts)
         expert = parallel_state.get_expert_model_parallel_rank() * local + int(e.group(1))
         name = name[: e.start()] + f".mlp.experts.local_experts.{expert}." + name[e.end() :]
     return name
@@ -120,7 +127,7 @@ def _tp_split(param: torch.Tensor) -> int | None:
     """The dimension a parameter is tensor-parallel split along, or None (replicated, or an expert with ETP 1)."""
     if not getattr(param, "tensor_model_parallel", False) or not getattr(param, "allreduce", True):
         return None
-    return param.partition_dim
+    return param.partition_dim  # type: ignore[attr-defined]  # set by megatron-core with tensor_model_parallel
 
 
 def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
@@ -187,11 +194,12 @@ def gather_full_state(
                 out[_global_name(model, name)] = t.cpu()
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return out
-    stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    stages: list[dict[str, torch.Tensor] | None] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     torch.distributed.all_gather_object(stages, out, group=parallel_state.get_pipeline_model_parallel_group())
     if not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
         return {}
-    return {k: v for stage in stages for k, v in stage.items()}
+    by_stage = cast(list[dict[str, torch.Tensor]], stages)  # all_gather_object filled every stage's entry
+    return {k: v for stage in by_stage for k, v in stage.items()}
 
 
 # ----------------------------------------------------------------------------------------- DDP and optimizer
@@ -305,8 +313,8 @@ def step_optimizer(optimizer) -> float:
 class MicroBatchInput:
     """What a forward step needs: the packed micro-batch, its rollout source and the loss terms' inputs."""
 
-    mb: object  # megatron_trace.rows.MicroBatch
-    source: object | None  # RolloutSource
+    mb: MicroBatch
+    source: RolloutSource | None
     extra: dict
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -92,9 +93,10 @@ class TraceSession:
 
         if getattr(model, "_trace_session", None) is not None:
             raise RuntimeError("a TraceSession is already installed on this model; remove() it first")
+        gpt: Any = model  # a megatron-core GPTModel (untyped): `.config`, `.decoder.layers`
         self.cfg = cfg
         self.model = model
-        self.config = model.config
+        self.config: Any = gpt.config  # megatron-core TransformerConfig
         check_megatron_config(self.config, cfg)
         self.numerics = SiteNumerics(cfg)
         self.tap = tap
@@ -108,9 +110,9 @@ class TraceSession:
         self._routes_checked = 0
         self.tp_rank, self.tp_size, _ = _parallel()
         self.sequence_parallel = bool(self.config.sequence_parallel)
-        self.moe_layers: dict[int, torch.nn.Module] = {}
-        self.attn_layers: dict[int, torch.nn.Module] = {}
-        for layer in model.decoder.layers:
+        self.moe_layers: dict[int, Any] = {}  # megatron-core MoELayer
+        self.attn_layers: dict[int, Any] = {}  # megatron-core SelfAttention
+        for layer in gpt.decoder.layers:
             layer_id = layer.layer_number - 1
             attn = getattr(layer, "self_attention", None)
             if attn is not None and hasattr(attn, "core_attention"):
@@ -132,7 +134,7 @@ class TraceSession:
                         f"layer {layer_id}: expert_weights_in_place needs the TRACE grouped experts, not "
                         f"{type(moe.experts).__name__}"
                     )
-        model._trace_session = self
+        gpt._trace_session = self
         self._handles.append(model.register_forward_pre_hook(self._model_forward_begins, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._model_forward_ends))
         if cfg.replay_routes:
@@ -171,7 +173,7 @@ class TraceSession:
             delattr(obj, name)
         self._handles.clear()
         self._restore.clear()
-        self.model._trace_session = None
+        cast(Any, self.model)._trace_session = None
         self.end_step()
 
     def quantize_weights_in_place(self) -> None:
@@ -204,13 +206,14 @@ class TraceSession:
         wanted = set(self.numerics.captured)
         if source is not None and self.cfg.measure and self.cfg.quantized:
             wanted |= set(source.sites()) & self.sites
-        if wanted and source is None:
-            raise ValueError(f"trace mode needs a RolloutSource for the captured sites {sorted(wanted)}")
-        for site in sorted(wanted):
-            site_rows = source.records(site, moe_rows if site[1] == "moe_in" else rows)
-            if site[1] != "moe_in" and self.tp_size > 1:
-                site_rows = self._local_heads(site_rows)
-            state.records[site] = site_rows
+        if wanted:
+            if source is None:
+                raise ValueError(f"trace mode needs a RolloutSource for the captured sites {sorted(wanted)}")
+            for site in sorted(wanted):
+                site_rows = source.records(site, moe_rows if site[1] == "moe_in" else rows)
+                if site[1] != "moe_in" and self.tp_size > 1:
+                    site_rows = self._local_heads(site_rows)
+                state.records[site] = site_rows
         if self.cfg.replay_routes:
             state.routes = self._routes(moe_rows, source)
         self._current = state
@@ -264,6 +267,8 @@ class TraceSession:
         if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
             return
         state = self._current
+        if state is None:
+            raise RuntimeError("TRACE: a model forward ended without a micro-batch (begin_microbatch() not called)")
         self._pending[state.key] = state
         out.register_hook(lambda grad: self._backward_begins(state.key))
 
