@@ -25,9 +25,12 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -132,7 +135,7 @@ class _StopOnInterrupt:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
@@ -190,8 +193,9 @@ class Controller:
         try:
             self._start(resume)
         except BaseException:
-            if hasattr(getattr(self, "pool", None), "close"):  # a weight-update group formed already
-                self.pool.close()
+            pool = getattr(self, "pool", None)
+            if pool is not None and hasattr(pool, "close"):  # a weight-update group formed already
+                pool.close()
             self.lock.release()
             raise
 
@@ -215,10 +219,11 @@ class Controller:
                 raise ValueError(f"epochs={cfg.epochs} of {self.data.size} prompts: no step of {cfg.prompts_per_step}")
         self.rewards = RewardPool(cfg.reward, cfg.reward_workers, cfg.reward_pool)
         self.spec = record_spec(tiny.layers, cfg)
-        kw = dict(mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff)
+        kw: dict[str, Any] = dict(mode=cfg.mode, spec=self.spec, lr=cfg.lr, max_version_diff=cfg.max_version_diff)
         kw["dtype"] = getattr(torch, cfg.trainer_dtype)
         kw |= dict(experts=cfg.trainer_experts, expert_weights_in_place=cfg.expert_weights_in_place)
         kw |= trainer_kwargs(cfg, self.steps)
+        self.trainer: GroupTrainer | RayTrainer | MegatronTrainer
         if cfg.parallel_trainer():
             self.trainer = GroupTrainer.from_config(tiny, state, cfg, **kw)
         else:
@@ -307,7 +312,12 @@ class Controller:
             dataclasses.replace(t, prompt=keys[i // n], dataset=self.data.digest)
             for i, t in enumerate(t for out in results for t in out)
         ]
-        index = finalize_step(self.store, step, attempts={str(i): t.attempt for i, t in enumerate(trajs)})
+        attempts: dict[str, str] = {}
+        for i, t in enumerate(trajs):
+            if t.attempt is None:
+                raise RuntimeError(f"step {step}: trajectory {i} came from the rollout pool without an attempt id")
+            attempts[str(i)] = t.attempt
+        index = finalize_step(self.store, step, attempts=attempts)
         stored = len(RecordReader(self.store, step).trajectories())
         if stored != len(trajs):
             raise RuntimeError(f"step {step}: {stored} trajectories in the record store, {len(trajs)} generated")
@@ -350,6 +360,8 @@ class Controller:
         """`eval_k` samples of each held-out prompt with the current policy (no records): mean reward (mean@k),
         pass@1 (fraction of positive-reward samples) and pass@k (prompts with a positive-reward sample)."""
         cfg, k = self.cfg, self.cfg.eval_k
+        if self.eval_data is None:
+            raise ValueError("evaluate() needs eval_data in the config")
         prompts = self.eval_data.head(cfg.eval_prompts)
         ids = [p.ids for p in prompts for _ in range(k)]
         chunk = cfg.prompts_per_step * cfg.group_size
@@ -389,7 +401,7 @@ class Controller:
         waiting = time.perf_counter()
         rewards = self._rewards(batch.prompts, batch.trajectories, batch.rewards, batch.step)
         rolled = time.perf_counter()
-        metrics = self.trainer.step(
+        metrics: dict[str, Any] = self.trainer.step(
             batch.trajectories, rewards, self.cfg.group_size, str(self.store), batch.step, batch.version
         )
         trained = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ class Policy:
     dims: TinyMoEConfig
     state: dict[str, torch.Tensor]
     hf_dir: Path
-    tokenizer: object
+    tokenizer: Any  # AdditionTokenizer or a transformers tokenizer (`decode`, `eos_token_id`)
     eos: tuple[int, ...]
     digits: int | None  # the addition model's operand digits; None for an HF checkpoint
 

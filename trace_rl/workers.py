@@ -212,8 +212,9 @@ class RolloutPool(Protocol):
         """Each request's trajectories, in request order, and the worker restarts the step took."""
         ...
 
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Give every worker policy `version` (HF tensor names)."""
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float] | None:
+        """Give every worker policy `version` (HF tensor names); a pool may return metrics of the sync (SGLang:
+        `weight_sync/*`)."""
         ...
 
     def versions(self) -> list[int]:
