@@ -38,6 +38,7 @@ from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slo
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.capture import RecordCapturer, RowReader, record_row_layout, shard_layers
+from trace_core.formats import FP4Format
 from trace_core.host_ring import HostRing
 from trace_core.records import Binding, ModelShape, token_digest
 from trace_core.store import Site, StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
@@ -237,10 +238,10 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.ring = HostRing(self.ring_tokens * token_bytes, pin=torch.device(device).type == "cuda")
         self.return_routes = return_routes
         self.tp_rank, self.tp_size, self.trace_group, self.moe_tp_group = tp_rank, tp_size, trace_group, moe_tp_group
-        self.step = args.step
+        self.step: int | None = args.step
         self.debug = debug
         self.stats = TraceStats()
-        self._writer = StepWriter(args.store, self.step) if tp_rank == 0 else None
+        self._writer = StepWriter(self._store(), args.step) if tp_rank == 0 else None
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
         self._writes: list[Future] = []
@@ -375,7 +376,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
         if self.debug is not None and self._writer is not None:
-            self.debug.save(Path(self.args.store) / "debug" / f"{rid}.pt", slots)
+            self.debug.save(Path(self._store()) / "debug" / f"{rid}.pt", slots)
         self.stats.requests += 1
         self.stats.tokens += length
         if self._writer is None:  # every rank queues the request: its K/V shard joins the batch's gather
@@ -402,7 +403,10 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self.return_routes:
             try:
                 rows = self.records.gather_rows(slots).cpu()
-                self._routes[req_pool_idx] = self._r3_routes(self.records.read(rows, version=step).routes)
+                routes = self.records.read(rows, version=step).routes
+                if routes is None:
+                    raise RuntimeError("R3: the capturer's record rows hold no routes")
+                self._routes[req_pool_idx] = self._r3_routes(routes)
             except ValueError as e:
                 finished.error = f"records refused: {e}"
                 self._failed(trajectory, attempt, step, finished.error)
@@ -468,7 +472,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         try:
             if copied is not None:
                 copied.synchronize()
-            spans = [span]
+            spans: Sequence[torch.Tensor | None] | None = [span]
             if span is not None and self.trace_group is not None:  # n == 0 on every rank alike: no gather
                 spans = gather_to_first(span, self.trace_group)
                 with self._lock:
@@ -478,6 +482,8 @@ class TraceCapturer(RoutedExpertsCapturer):
             raws, rows = [], []
             if span is None:
                 spans = [None] * len(self.readers)
+            if spans is None:
+                raise RuntimeError("the gather of the transfer's spans returned nothing on TRACE's first rank")
             for reader, part in zip(self.readers, spans, strict=True):
                 rows_end = n * reader.row.row_bytes
                 if part is None:  # a transfer of requests with no positions (seqlen 1)
@@ -510,6 +516,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         routes = torch.empty(length, len(self.layout.moe_layers), self.layout.topk, dtype=torch.int32)
         for shard, part in zip(self.shards, parts, strict=True):
             if shard.routes:
+                if part.routes is None:
+                    raise ValueError(f"the record rows of a shard keeping the routes of {shard.routes} hold none")
                 routes[:, [self.moe_index[layer] for layer in shard.routes]] = part.routes
         records = {site: found[site] for site in self.site_order}
         return TrajectoryRecords(num_tokens=length, records=records, routes=routes)
@@ -517,12 +525,17 @@ class TraceCapturer(RoutedExpertsCapturer):
     def _write(self, f: _Finished, rows: list[torch.Tensor], raws: list[torch.Tensor]) -> None:
         """One trajectory's shard from its record rows and K/V bytes on the host (one of each per rank, rank
         order)."""
+        if f.binding is None:
+            raise RuntimeError("TRACE: a request without a binding reached the shard write")
         binding = replace(f.binding, tokens=token_digest(f.ids()))
         try:
             gathered = self._merge(rows, binding.step)
             kv = {}
             if raws:
                 pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
+                fmt = self.args.recipe.k.fmt
+                if not isinstance(fmt, FP4Format):
+                    raise ValueError(f"K/V records in the FP4 KV pool need an FP4 format, the recipe has {fmt.name}")
                 kv = kv_records_from_shards(
                     raws,
                     self.spec.attn_layers,
@@ -530,11 +543,13 @@ class TraceCapturer(RoutedExpertsCapturer):
                     self.spec.bits,
                     shard_width=pool.head_num * pool.head_dim,
                     num_kv_heads=self.layout.num_kv_heads,
-                    fmt=self.args.recipe.k.fmt,
+                    fmt=fmt,
                 )
             records = {**gathered.records, **kv}
             length = rows[0].shape[0]
             tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
+            if f.writer is None:
+                raise RuntimeError("TRACE: a request without a store writer reached the shard write")
             f.writer.write({binding.trajectory: tr})
         except Exception as e:
             self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
@@ -559,9 +574,15 @@ class TraceCapturer(RoutedExpertsCapturer):
         if step is None:
             return
         try:
-            write_failure(self.args.store, step, trajectory, attempt, message)
+            write_failure(self._store(), step, trajectory, attempt, message)
         except OSError as e:
             logger.error("TRACE could not mark trajectory %s failed in the store: %s", trajectory, e)
+
+    def _store(self) -> str:
+        """The record store root (`--trace-store`, which `check_server_args` requires with TRACE on)."""
+        if self.args.store is None:
+            raise ValueError("TRACE records need --trace-store (the record store root)")
+        return self.args.store
 
     def _r3_routes(self, routes: torch.Tensor) -> torch.Tensor:
         """Routes of the MoE layers in R3's layout: `[tokens, num_hidden_layers, topk]`, zeros for other layers."""
@@ -594,7 +615,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         logger.info("TRACE step %s done: %s", self.step, self.stats)
         self.step = step
         if self._writer is not None and step is not None:
-            self._writer = StepWriter(self.args.store, step)
+            self._writer = StepWriter(self._store(), step)
 
     def flush(self) -> None:
         """Move the queued requests (`on_batch_done`) and wait for every store write (failures are in `stats`)."""

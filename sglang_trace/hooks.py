@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -444,7 +445,7 @@ def on_weights_updated(scheduler, recv_req) -> None:
     capturer = _capturer()
     if capturer is None:
         return
-    version = getattr(recv_req, "weight_version", None)
+    version: Any = getattr(recv_req, "weight_version", None)  # SGLang's request (untyped): any value
     try:
         step = int(version)
     except (TypeError, ValueError):

@@ -15,6 +15,7 @@ linear-attention models keep their full-attention layers' KV in an FP4 pool insi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -52,7 +53,10 @@ def pool_format() -> FP4Format:
         return KV_FP4
     if getattr(args, "trace_mode", "off") == "off":
         return KV_FP4
-    return get_recipe(args.trace_recipe).k.fmt
+    fmt = get_recipe(args.trace_recipe).k.fmt
+    if not isinstance(fmt, FP4Format):  # check_server_args refuses such a recipe with the FP4 pool
+        raise ValueError(f"--trace-recipe {args.trace_recipe}: K / V as {fmt.name}, not an FP4 KV pool format")
+    return fmt
 
 
 def request_slots(req_to_token: torch.Tensor, req_pool_idx: int, seqlen: int) -> torch.Tensor:
@@ -62,7 +66,7 @@ def request_slots(req_to_token: torch.Tensor, req_pool_idx: int, seqlen: int) ->
     return req_to_token[req_pool_idx, : seqlen - 1]
 
 
-def _layer_index(pool, layer: int) -> tuple[object, int]:
+def _layer_index(pool, layer: int) -> tuple[Any, int]:
     """(FP4 pool, buffer index) of model layer `layer`; a hybrid pool keeps full-attention layers in `full_kv_pool`."""
     mapping = getattr(pool, "full_attention_layer_id_mapping", None)
     if mapping is not None:

@@ -26,6 +26,7 @@ import torch
 
 from trace_core.capture import SiteBuffers
 from trace_core.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
+from trace_core.formats import FP4Format
 from trace_core.kernels import quantize_record
 from trace_core.recipe import DEFAULT_RECIPE, Role, get_recipe
 from trace_core.role_quant import rollout_rtn, weight_rtn
@@ -63,9 +64,13 @@ def native_moe_input(
     """Record the codes an NVFP4 MoE kernel produces for `x` `[T, H]` under its static global scale `input_scale`
     (`S_enc`, FP32 scalar) and the recipe's `moe_in` format, computed with the exact-math quantizer; `x` is not
     modified. Native mode runs only the NVFP4 recipe (`sglang_trace.config.check_server_args`)."""
+    if not isinstance(role.fmt, FP4Format):
+        raise ValueError(f"native MoE-input records need an FP4 format, got {role.fmt.name}")
     quantize_record(
         x, role.fmt, bits, global_scale=input_scale, low_bits=record.low_bits, scales=record.scales, token_scale=None
     )
+    if record.global_scale is None:
+        raise ValueError("native MoE-input records need a global-scale buffer (an NVFP4 site)")
     record.global_scale.copy_(input_scale.float().reshape(1, 1).expand_as(record.global_scale))
 
 
