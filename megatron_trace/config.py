@@ -47,6 +47,8 @@ class TraceConfig:
 
     def role(self, name: str) -> Role:
         """The recipe's role `name` (weights, moe_in, fc2_in, k, v)."""
+        if not isinstance(self.recipe, PrecisionRecipe):  # __post_init__ resolves it
+            raise RuntimeError(f"TraceConfig.recipe is not resolved: {self.recipe!r}")
         return self.recipe.role(name)
 
 

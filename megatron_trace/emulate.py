@@ -9,6 +9,7 @@ no route for a trajectory's final token (the rollout never routes the token it d
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +43,8 @@ class _Table:
         t, p = rows.traj[keep], rows.pos[keep]
         self.low[t, p], self.scales[t, p], self.has[t, p] = rec.low_bits, rec.scales, True
         if self.gs is not None:
+            if rec.global_scale is None:
+                raise RuntimeError(f"{self.fmt.name} records carry a global scale, this one has none")
             self.gs[t, p] = rec.global_scale
 
     def record(self) -> tuple[Record, torch.Tensor]:
@@ -76,7 +79,7 @@ def emulate_rollout(
         tables[site].put(rows, x)
 
     session = TraceSession(model, cfg, tap=tap)
-    topk = model.config.moe_router_topk
+    topk = cast(Any, model).config.moe_router_topk  # a megatron-core GPTModel (untyped)
     device = next(model.parameters()).device
     routes = {
         i: (

@@ -27,6 +27,7 @@ rollout mismatch metrics under verl / slime names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -277,10 +278,11 @@ def grpo_loss_terms(
     total = pg_total
     extra: dict[str, torch.Tensor] = {}
     if kl_coef:
-        extra["actor/kl_loss"], _ = _aggregate(kl_penalty(logp, logp_ref, kl_estimator), m, agg)
+        ref = cast(torch.Tensor, logp_ref)  # checked above with kl_coef
+        extra["actor/kl_loss"], _ = _aggregate(kl_penalty(logp, ref, kl_estimator), m, agg)
         total = total + kl_coef * extra["actor/kl_loss"]
     if entropy_coef:
-        extra["actor/entropy"], _ = _aggregate(entropy.float(), m, agg)
+        extra["actor/entropy"], _ = _aggregate(cast(torch.Tensor, entropy).float(), m, agg)  # checked above
         total = total - entropy_coef * extra["actor/entropy"]
     out: dict[str, float] = {}
     tokens = int(m.sum())

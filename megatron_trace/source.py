@@ -130,14 +130,14 @@ class TensorRolloutSource:
         if site not in self._records:
             raise KeyError(f"no records for site {site}; this source holds {sorted(self._records)}")
         rec, has = self._records[site]
-        flat, inside = self._index(rows.to(has.device), tuple(rec.shape[:2]))
+        flat, inside = self._index(rows.to(has.device), (rec.shape[0], rec.shape[1]))
         return SiteRows(take_rows(rec, flat), has.reshape(-1)[flat] & inside)
 
     def routes(self, layer: int, rows: TokenRows) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self._routes:
             raise KeyError(f"no routes for MoE layer {layer}; this source holds {sorted(self._routes)}")
         idx, has = self._routes[layer]
-        flat, inside = self._index(rows.to(has.device), tuple(idx.shape[:2]))
+        flat, inside = self._index(rows.to(has.device), (idx.shape[0], idx.shape[1]))
         return idx.reshape(-1, idx.shape[-1])[flat], has.reshape(-1)[flat] & inside
 
 
