@@ -1,4 +1,4 @@
-"""Run by tests/test_fp4_attention.py with TRITON_INTERPRET=1: the FP4-KV decode kernels on CPU tensors.
+"""Run by tests/kernels/test_fp4_attention.py with TRITON_INTERPRET=1: the FP4-KV decode kernels on CPU tensors.
 
 1. Every `fp4_attention_checks.CASES` case against SGLang's triton decode kernel (also interpreted) on the
    dequantized cache, bit for bit, and against the pure-torch twin; FP32 queries and values (the interpreter

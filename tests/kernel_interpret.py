@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels.py with TRITON_INTERPRET=1 (`tests.interpret`): the Triton kernels on CPU tensors
+"""Run by tests/kernels/test_kernels.py with TRITON_INTERPRET=1 (`tests.interpret`): the Triton kernels on CPU tensors
 against the reference, one case per (check, format, scale mode, dtype, bits, tile).
 
 The interpreter converts FP32 to BF16 by truncation, whereas GPUs round to nearest even, so BF16 *outputs* are

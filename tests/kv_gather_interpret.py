@@ -1,4 +1,4 @@
-"""Run by tests/test_sglang_kv.py with TRITON_INTERPRET=1: `KVGather`'s kernel on a real `MHATokenToKVPoolFP4`
+"""Run by tests/sglang/test_sglang_kv.py with TRITON_INTERPRET=1: `KVGather`'s kernel on a real `MHATokenToKVPoolFP4`
 (CPU tensors) against its pure-torch twin `gather_kv_raw`, byte for byte."""
 
 import torch

@@ -1,7 +1,7 @@
 """Today's numbers of the small RL run (`tests.rl_small.SMALL_RUN`, tiny model warmed up 10 steps) at the default
 algorithm settings, on the single-rank trainer and on the trainer group (DP = 2, two micro-batches per rank), as
 `tests/data/rl_defaults_reference.json`: every metric of every step but the times, and the SHA-256 of the final
-policy's HF tensors. `tests/test_rl_algorithm.py` requires the current code to reproduce them bit for bit, so a new
+policy's HF tensors. `tests/rl/test_rl_algorithm.py` requires the current code to reproduce them bit for bit, so a new
 algorithm setting at its default changes nothing. Bit-exact numbers hold for one torch build on one CPU kind: the
 file records both (`torch`, `cpu_capability`) and the test is skipped, saying why, elsewhere. To record them for
 another machine, run this at commit 8d649f8 (the code before the settings existed, plus this script):

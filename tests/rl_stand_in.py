@@ -1,5 +1,5 @@
-"""A protocol stand-in of a patched SGLang server for the RL tests (`tests/test_rl_sglang_worker.py`,
-`tests/test_weight_sync.py`), in a thread of the test or as a process of its own (`tests/stand_in_sglang.py
+"""A protocol stand-in of a patched SGLang server for the RL tests (`tests/rl/test_rl_sglang_worker.py`,
+`tests/rl/test_weight_sync.py`), in a thread of the test or as a process of its own (`tests/stand_in_sglang.py
 --stand-in rl`, as the launcher starts servers).
 
 A real SGLang server cannot run here (no sglang-kernel, no CUDA), so `StandIn` is a stdlib `http.server` that

@@ -1,4 +1,4 @@
-"""Run by tests/test_sglang_model.py in a child process with `SGLANG_USE_CPU_ENGINE=1` (SGLang's CPU engine mode,
+"""Run by tests/sglang/test_sglang_model.py in a child process with `SGLANG_USE_CPU_ENGINE=1` (SGLang's CPU engine mode,
 read when its modules are imported): TRACE's SGLang plugin loaded by SGLang's `load_plugins` before the model is
 built (as a scheduler process does), SGLang's real `Qwen3MoeForCausalLM` (sglang 0.5.15.post1), built on CPU,
 loaded through its own `load_weights` (the plugin's hook on the FusedMoE weight loader quantizes the experts), TRACE

@@ -1,4 +1,4 @@
-"""Run by tests/test_weight_sync.py as a server process with `SGLANG_USE_CPU_ENGINE=1`: SGLang's real
+"""Run by tests/rl/test_weight_sync.py as a server process with `SGLANG_USE_CPU_ENGINE=1`: SGLang's real
 `Qwen3MoeForCausalLM` (sglang 0.5.15.post1) on CPU with TRACE's plugin in emulate mode (its hook after the FusedMoE
 weight loader quantize-dequantizes the routed experts), behind an HTTP stand-in of the weight-update endpoints
 (`tests.sglang_weights.WeightReceiver`: SGLang's own parsing, deserialization and `ModelRunner` methods, whose model

@@ -1,4 +1,4 @@
-"""A stand-in for `python -m sglang.launch_server` (tests/test_server_group.py): takes the launcher's flags, answers
+"""A stand-in for `python -m sglang.launch_server` (tests/rl/test_server_group.py): takes the launcher's flags, answers
 `/health` on `--host`/`--port`, and misbehaves on demand with `--stand-in MODE`: `healthy` (default), `exit` (an
 error message and status 3 at once), `never-healthy` (listens, answers /health 503), `sleep` (never listens),
 `die-after` (healthy, then exits after `--stand-in-delay` seconds), `rl` (the RL tests' protocol stand-in
@@ -42,7 +42,10 @@ def main() -> None:
     if args.stand_in == "sleep":
         time.sleep(3600)
     if args.stand_in == "rl":  # heavy imports (torch, SGLang, the engine) for this mode only
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        # the checkout's root on the path instead of this script's folder, whose tests/sglang/ and tests/megatron/
+        # would shadow the sglang and megatron packages
+        here = Path(__file__).resolve().parent
+        sys.path[:] = [str(here.parent)] + [p for p in sys.path if Path(p or ".").resolve() != here]
         from tests.rl_stand_in import serve
 
         serve(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Fault injection (docs/reliability.md): config, HTTP transport, resume, SGLang boundary, record store, workers."""
