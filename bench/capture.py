@@ -45,15 +45,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
 from bench.common import capture_graph, device_name, mean_time, sync, write_json
-from trace_core.capture import WORD, RecordCapturer, shard_layers
-from trace_core.fc2 import fc2_input_fake_quant
-from trace_core.host_ring import HostRing
-from trace_core.quant import quantize
-from trace_core.recipe import NVFP4_W4A4_KV4
-from trace_core.records import ModelShape, Record, RecordSpec
-from trace_core.role_quant import rollout_rtn
-from trace_core.store import StepWriter, TrajectoryRecords, read_header, shard_paths
-from trace_core.store_reader import RecordReader
+from trace_core.numerics.fc2 import fc2_input_fake_quant
+from trace_core.numerics.quant import quantize
+from trace_core.numerics.recipe import NVFP4_W4A4_KV4
+from trace_core.numerics.role_quant import rollout_rtn
+from trace_core.records.capture import WORD, RecordCapturer, shard_layers
+from trace_core.records.host_ring import HostRing
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.reader import RecordReader
+from trace_core.records.spec import ModelShape, Record, RecordSpec
+from trace_core.records.store import StepWriter, read_header, shard_paths
 
 
 def synthetic_activations(rows: int, hidden: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -262,7 +263,7 @@ def bench_overhead(args, device: torch.device, tokens: int, decode: bool, graph:
 
 
 def bench_fc2(args, device: torch.device, tokens: int, decode: bool) -> dict:
-    """emulate's FC2-input fake-quant (`trace_core.fc2`, every MoE layer on `[tokens * topk, moe_inter]`)
+    """emulate's FC2-input fake-quant (`trace_core.numerics.fc2`, every MoE layer on `[tokens * topk, moe_inter]`)
     against the simulated forward of the same tokens (not capture: the numerics of the emulated rollout)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fwd = SimulatedForward(args, tokens, decode, device, dtype)

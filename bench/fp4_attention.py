@@ -33,7 +33,7 @@ from tests.fp4_attention_checks import sglang_decode_attention, sglang_extend_at
 from trace_core.kernels import fp4_attention as fa
 from trace_core.kernels.fp4_attention import fp4_decode_attention
 from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
-from trace_core.kv_attention import dequantize_kv
+from trace_core.numerics.kv_attention import dequantize_kv
 
 CASES = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]  # (batch, tokens per request)
 EXTEND_CASES = [(1, 8192, 512), (8, 4096, 512), (32, 2048, 128), (64, 1024, 32)]  # (batch, prefix, new tokens)

@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
 from bench.common import bench_ms, copy_gbps, graph_ms, markdown, versions, write_json
-from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant, ops, quantize_record, record_buffers, rtn_fake_quant
-from trace_core.quant import dequantize, quantize
-from trace_core.records import Record, pack_low_bits
+from trace_core.numerics.guided import GuidanceStats, guided_quantize
+from trace_core.numerics.quant import dequantize, quantize
+from trace_core.records.spec import Record, pack_low_bits
 
 BITS = 1
 FORMATS = {"nvfp4": {"per_token": True}, "kv_fp4": {}}  # the default formats, and the ones `--tune` sweeps over

@@ -39,8 +39,8 @@ from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.source import TensorRolloutSource
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.quant import quantize
-from trace_core.records import Record, RecordSpec
+from trace_core.numerics.quant import quantize
+from trace_core.records.spec import Record, RecordSpec
 
 RUNS = {  # run name -> (grouped experts, mode, expert weights fake-quantized in place)
     "grouped_bf16": (True, "bf16", False),

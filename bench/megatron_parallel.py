@@ -127,7 +127,7 @@ def main() -> None:
     from megatron_trace.rows import pack_microbatch
     from megatron_trace.session import TraceSession
     from megatron_trace.tiny import build_tiny_moe
-    from trace_core.records import RecordSpec
+    from trace_core.records.spec import RecordSpec
     from trace_rl.warmup import PRESETS
 
     layout = parse_layout(args.layout)

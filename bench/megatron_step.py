@@ -35,7 +35,7 @@ from megatron_trace.emulate import emulate_rollout
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.records import RecordSpec
+from trace_core.records.spec import RecordSpec
 from trace_rl.warmup import PRESETS as MODEL_PRESETS
 
 _DIMS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "expert_ffn", "vocab")

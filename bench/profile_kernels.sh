@@ -24,10 +24,10 @@ import os
 
 import torch
 
-from trace_core.formats import get_format
-from trace_core.guided import GuidanceStats
+from trace_core.numerics.formats import get_format
+from trace_core.numerics.guided import GuidanceStats
 from trace_core.kernels import guided_fake_quant, quantize_record, record_buffers, rtn_fake_quant
-from trace_core.records import Record
+from trace_core.records.spec import Record
 
 t, d = 65536, int(os.environ.get("D", "4096"))
 x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

@@ -29,8 +29,8 @@ from bench.common import copy_gbps, graph_ms, write_json
 from bench.kernels import BITS, FORMATS
 from tests.kernel_tiles import SWEPT_TILES as CANDIDATES
 from trace_core.kernels import ops, quantize_record, record_buffers
-from trace_core.quant import dequantize, quantize
-from trace_core.records import pack_low_bits
+from trace_core.numerics.quant import dequantize, quantize
+from trace_core.records.spec import pack_low_bits
 
 
 def tile_label(fmt: str, t: int, d: int) -> str:

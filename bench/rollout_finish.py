@@ -6,7 +6,7 @@ shard, two ways, alternating in one process.
   did in the trainer-at-EP = 2 runs of docs/results.md (docs/results/trainer_ep2_and_seeds_29_steps).
 - `batched`: the batch's rows gathered and copied to the host in one transfer, each trajectory split from them on
   the host (`RecordCapturer.read`): what `EmbeddedEngine.generate` does (`_gather_batch`).
-Both end in `trace_core.store.encode_shard` (the bytes written), and must give the same shard.
+Both end in `trace_core.records.store.encode_shard` (the bytes written), and must give the same shard.
 
 The store is filled by one staged forward of random codes and routes with the model preset's layout (every site
 at 4 bits: the runs of docs/results.md with `measure_all_sites`). On a GPU shared by other processes a host sync
@@ -30,9 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
 from bench.common import write_json
-from trace_core.capture import RecordCapturer
-from trace_core.records import ModelShape, RecordSpec
-from trace_core.store import TrajectoryRecords, encode_shard
+from trace_core.records.capture import RecordCapturer
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.spec import ModelShape, RecordSpec
+from trace_core.records.store import encode_shard
 from trace_rl.warmup import PRESETS
 
 

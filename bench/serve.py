@@ -35,7 +35,7 @@ timer, `SGLANG_RECORD_STEP_TIME=1`, read from `/server_info`; and client: the ti
 the remaining steps), time to first token (of the batch's last request), peak running requests (server log),
 CUDA-graph use of the decode steps, retractions; per server: KV token capacity (`/server_info`
 max_total_num_tokens) and memory; for TRACE configurations the record bytes written per token (shard headers of
-the record store, read and deleted as they appear) against `trace_core.records.bytes_per_token`. The issue's ratio
+the record store, read and deleted as they appear) against `trace_core.records.spec.bytes_per_token`. The issue's ratio
 targets are evaluated after every point (`TARGETS`), each marked met / missed / not-measured. Not measured: the
 scheduler-thread time per finished request (the live server reports no such counter; bench/sglang_finish.py times
 it on the real TraceCapturer). The requests of a point start and finish together, so the finish path (records
@@ -161,7 +161,7 @@ QUANTITIES = {
     "kv_capacity_tokens": "max_total_num_tokens of /server_info (the KV pool in tokens, after the record store's "
     "share of the cell size)",
     "record_bytes_per_token": "raw record bytes (MoE-input and K/V sites) per token over the point's trajectories, "
-    "from the record store's shard headers; routes and disk bytes beside it; expected: trace_core.records."
+    "from the record store's shard headers; routes and disk bytes beside it; expected: trace_core.records.spec."
     "bytes_per_token of the served record spec",
 }
 
@@ -355,11 +355,11 @@ def new_step_times(before: dict[int, list[float]], after: dict[int, list[float]]
 
 
 def expected_record_bytes(info: dict) -> dict:
-    """What the served record spec should write per token (`trace_core.records.bytes_per_token`) and the device
+    """What the served record spec should write per token (`trace_core.records.spec.bytes_per_token`) and the device
     bytes its record store adds to every KV slot (`sglang_trace.capturer.record_bytes_per_slot`)."""
     from sglang_trace.capturer import record_bytes_per_slot
     from sglang_trace.config import model_layout, parse_trace_args, served_spec
-    from trace_core.records import ModelShape, bytes_per_token
+    from trace_core.records.spec import ModelShape, bytes_per_token
 
     hf = SimpleNamespace(**HF_CONFIG)
     spec = served_spec(info, hf)
@@ -379,7 +379,7 @@ def expected_record_bytes(info: dict) -> dict:
 
 def store_step_dir(root: Path) -> Path:
     """The step directory the server writes its records into (`--trace-step` 0, no weight update)."""
-    from trace_core.store import step_dir
+    from trace_core.records.store import step_dir
 
     return step_dir(root, 0)
 
@@ -399,7 +399,7 @@ class StoreDrain(threading.Thread):
         self._stop_event = threading.Event()
 
     def drain_once(self) -> None:
-        from trace_core.store import FAILED_PREFIX, read_header, shard_paths
+        from trace_core.records.store import FAILED_PREFIX, read_header, shard_paths
 
         if not self.directory.is_dir():
             return

@@ -8,8 +8,8 @@ layer at Qwen3-30B-A3B shapes (hidden 2048, expert width 768, 128 experts, top-8
   the weight (FP32 product, rounded to BF16); the same FP32 top-k sum here, so only the multiply's place differs.
 
 Both sides start from the same FP32 accumulator (FP32 matmul of the BF16 FC2 input, NVFP4 quantize-dequantized
-under `trace_core.fc2`, and the BF16 expert weights; TF32 off), so the comparison isolates the rounding order, not
-GEMM accumulation order. This is an emulation in torch of what SGLang's kernel computes (its Triton kernel needs
+under `trace_core.numerics.fc2`, and the BF16 expert weights; TF32 off), so the comparison isolates the rounding order,
+not GEMM accumulation order. This is an emulation in torch of what SGLang's kernel computes (its Triton kernel needs
 SGLang's module chain, which does not import without sgl_kernel), not a run of that kernel. Reported: the MoE
 output's relative L2 difference and share of differing BF16 elements; the share of the next layer's NVFP4
 MoE-input codes that change (residual add, RMSNorm, per-token NVFP4); and |delta log-prob| of the sampled token
@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
 from bench.common import device_name, write_json
-from trace_core.fc2 import fc2_input_fake_quant
-from trace_core.quant import quantize
-from trace_core.recipe import NVFP4_W4A4_KV4
+from trace_core.numerics.fc2 import fc2_input_fake_quant
+from trace_core.numerics.quant import quantize
+from trace_core.numerics.recipe import NVFP4_W4A4_KV4
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trace_core.modes import MODES, Mode
-from trace_core.recipe import PrecisionRecipe, Role
-from trace_core.records import RecordSpec
+from trace_core.numerics.recipe import PrecisionRecipe, Role
+from trace_core.records.spec import RecordSpec
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class TraceConfig:
         spec: which sites the rollout captured and with how many code bits (MoE-input and KV formats included).
         replay_routes: R3: replay the rollout's expert routes in every MoE router.
         measure: compute per-site code-flip rates against the records (one extra quantization per site).
-        recipe: the precision recipe (`trace_core.recipe`) of every FP4 site, a name or the object; None takes
+        recipe: the precision recipe (`trace_core.numerics.recipe`) of every FP4 site, a name or the object; None takes
             the spec's recipe, else the default. A spec whose recipe or record layout disagrees is refused.
         expert_weights_in_place: TRACE grouped experts only: their BF16 weight parameters hold the fake-quantized
             values (`TraceSession.quantize_weights_in_place`, after every copy of the FP32 master weights into
@@ -38,7 +38,7 @@ class TraceConfig:
         except ValueError:
             raise ValueError(f"unknown mode {self.mode!r}; use one of {MODES}") from None
         if not isinstance(self.spec, RecordSpec):
-            raise ValueError(f"spec must be a trace_core.records.RecordSpec, got {type(self.spec).__name__}")
+            raise ValueError(f"spec must be a trace_core.records.spec.RecordSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "recipe", self.spec.resolve_recipe(self.recipe))
 
     @property

@@ -1,6 +1,6 @@
 """Rollout emulation inside Megatron: run the model the way the FP4 rollout does (RTN at every FP4 site, native
 routing) and keep what the rollout would record — per-token `Record`s of the captured sites (through
-`trace_core.quant.quantize` and `Record.from_quantized`) and the top-k routes of every MoE layer.
+`trace_core.numerics.quant.quantize` and `Record.from_quantized`) and the top-k routes of every MoE layer.
 
 Used by the tests, the step benchmark and single-machine runs without an inference engine. Like SGLang, it keeps
 no route for a trajectory's final token (the rollout never routes the token it does not feed back).
@@ -17,11 +17,11 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.rows import MicroBatch, TokenRows
 from megatron_trace.session import TraceSession
 from megatron_trace.source import Site, TensorRolloutSource
-from trace_core.formats import FP4Format
 from trace_core.modes import Mode
-from trace_core.recipe import PrecisionRecipe, Role
-from trace_core.records import Record, RecordSpec, packed_len
-from trace_core.role_quant import quantize_role
+from trace_core.numerics.formats import FP4Format
+from trace_core.numerics.recipe import PrecisionRecipe, Role
+from trace_core.numerics.role_quant import quantize_role
+from trace_core.records.spec import Record, RecordSpec, packed_len
 
 
 class _Table:

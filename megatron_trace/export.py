@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from trace_core import e2m1
-from trace_core.formats import NVFP4
-from trace_core.quant import nvfp4_global_scale, quantize
-from trace_core.recipe import DEFAULT_RECIPE, NVFP4_W4A4_KV4, PrecisionRecipe, get_recipe
+from trace_core.numerics import e2m1
+from trace_core.numerics.formats import NVFP4
+from trace_core.numerics.quant import nvfp4_global_scale, quantize
+from trace_core.numerics.recipe import DEFAULT_RECIPE, NVFP4_W4A4_KV4, PrecisionRecipe, get_recipe
 
 
 def _check_layout(config) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_trace.sites import expert_weight_fake_quant
-from trace_core.guided import straight_through
+from trace_core.numerics.guided import straight_through
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
 

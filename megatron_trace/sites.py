@@ -1,12 +1,12 @@
 """The numerics at each FP4 site of the trainer, all delegated to `trace_core` (docs/design.md, "Numerics contract").
 
-Every site takes its format and scale granularity from the config's precision recipe (`trace_core.recipe`) and
-quantizes through `trace_core.role_quant`:
+Every site takes its format and scale granularity from the config's precision recipe (`trace_core.numerics.recipe`) and
+quantizes through `trace_core.numerics.role_quant`:
 - MoE input (`moe_in`) and K / V (`k`, `v`): guided rounding toward the rollout's record at captured sites in
   `trace` mode (rows without a record: the role's RTN), RTN elsewhere (and always RTN for a role the recipe does
   not record, e.g. W4A8's FP8 MoE input).
 - Routed-expert weights: RTN under the `weights` role (NVFP4: one global scale per expert matrix, gate and up as
-  one FC1 matrix); FC2 input: `trace_core.fc2`'s convention under the `fc2_in` role. Both straight-through.
+  one FC1 matrix); FC2 input: `trace_core.numerics.fc2`'s convention under the `fc2_in` role. Both straight-through.
 Counts (guided elements, RTN fallbacks, redirections, code flips against the record) are kept per site as device
 tensors: the forward never waits on the device, and `metrics()` reads all counters in one transfer per step. The
 fake-quant runs through `trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere), the kernel twins
@@ -22,13 +22,13 @@ import torch
 from megatron_trace.config import TraceConfig
 from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
-from trace_core.fc2 import fc2_input_fake_quant
-from trace_core.guided import GuidanceStats, guided_quantize
 from trace_core.kernels import guided_fake_quant
 from trace_core.modes import Mode
-from trace_core.recipe import DEFAULT_RECIPE, Role, get_recipe
-from trace_core.records import low_bits_mask
-from trace_core.role_quant import expert_weights_rtn, fake_quant, quantize_role
+from trace_core.numerics.fc2 import fc2_input_fake_quant
+from trace_core.numerics.guided import GuidanceStats, guided_quantize
+from trace_core.numerics.recipe import DEFAULT_RECIPE, Role, get_recipe
+from trace_core.numerics.role_quant import expert_weights_rtn, fake_quant, quantize_role
+from trace_core.records.spec import low_bits_mask
 
 Count = int | torch.Tensor
 
@@ -131,7 +131,7 @@ class SiteNumerics:
         return cached[1]
 
     def fc2_input(self, x: torch.Tensor, full_row_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """The unweighted expert FC2 input under the shared convention (`trace_core.fc2`, the recipe's `fc2_in`
+        """The unweighted expert FC2 input under the shared convention (`trace_core.numerics.fc2`, the recipe's `fc2_in`
         role), straight-through. Under expert TP pass the TP-max `full_row_amax` (per-token roles only)."""
         return fc2_input_fake_quant(x, self.cfg.role("fc2_in"), full_row_amax)
 

@@ -1,10 +1,10 @@
 """The interface through which the trainer receives the rollout's records and routes for one micro-batch.
 
 A `RolloutSource` answers, for the token rows of a micro-batch (`TokenRows`), the record of a site as a
-`trace_core.records.Record` with one row per token plus a `has_record` mask, and the routes of an MoE layer. The
+`trace_core.records.spec.Record` with one row per token plus a `has_record` mask, and the routes of an MoE layer. The
 record store plugs in by implementing the two methods; `TensorRolloutSource` is the in-memory implementation
 (tests, benchmarks, the embedded default), and `source_from_store` serves a micro-batch loaded from the record
-store (`trace_core.store_reader`) through it.
+store (`trace_core.records.reader`) through it.
 
 Sites are `(layer, kind)` with `layer` the 0-based decoder layer id (Megatron's `layer_number - 1`, the HF / SGLang
 layer index) and kind in `trace_core.sites.SITE_KINDS`.
@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from megatron_trace.rows import TokenRows
-from trace_core.records import Record
+from trace_core.records.spec import Record
 from trace_core.sites import Site, check_site, routed
 
 
@@ -142,7 +142,7 @@ class TensorRolloutSource:
 
 
 def source_from_store(batch_records, moe_layers: Sequence[int], lengths: Sequence[int]) -> TensorRolloutSource:
-    """A `RolloutSource` over one micro-batch loaded from the record store (`trace_core.store_reader.
+    """A `RolloutSource` over one micro-batch loaded from the record store (`trace_core.records.reader.
     RecordReader.load(...)`, a `MicroBatchRecords` of `[B, T]` rows for ranges starting at position 0).
 
     Trajectory ids of this source are the batch slots 0..B-1: pack the micro-batch with the same slots. `routes`

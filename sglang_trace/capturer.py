@@ -5,7 +5,7 @@ SGLang already calls its global experts capturer (`sglang.srt.state_capturer`) w
 ...)` after every forward; the plugin hook on `ModelRunner.init_routed_experts_capturer` installs a `TraceCapturer`
 in its place when `--trace-mode` is not off, which
   * stages the MoE-input records (written by the FusedMoE hook, `moe_input`) and the routes of every MoE layer in a
-    `trace_core.capture.RecordCapturer` (fixed staging rows, copied after every forward into a store keyed by KV
+    `trace_core.records.capture.RecordCapturer` (fixed staging rows, copied after every forward into a store keyed by KV
     slot on the GPU, next to the KV cache; SGLang's memory budget counts it per token, patch 0013);
   * at request finish (`finish_request`, called for every finished request before its KV is released, by the
     plugin hook on `_maybe_collect_routed_experts`) returns the handle `meta_info["trace"]` carries and queues the
@@ -37,11 +37,13 @@ from sglang_trace.debug import DebugTap
 from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
-from trace_core.capture import RecordCapturer, RowReader, record_row_layout, shard_layers
-from trace_core.formats import FP4Format
-from trace_core.host_ring import HostRing
-from trace_core.records import Binding, ModelShape, token_digest
-from trace_core.store import Site, StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
+from trace_core.numerics.formats import FP4Format
+from trace_core.records.capture import RecordCapturer, RowReader, record_row_layout, shard_layers
+from trace_core.records.host_ring import HostRing
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.spec import Binding, ModelShape, token_digest
+from trace_core.records.store import StepWriter, parse_rollout_rid, write_failure
+from trace_core.sites import Site
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +104,8 @@ def record_shards(
     args: TraceArgs, layout: ModelLayout, tp_size: int = 1, routes_on_first: bool = False
 ) -> list[RecordShard]:
     """The record shards of `tp_size` attention-TP ranks (rank order; MoE layers assigned by
-    `trace_core.capture.shard_layers`). `routes_on_first`: rank 0 keeps every layer's routes (R3's answer is read
-    on rank 0 at finish)."""
+    `trace_core.records.capture.shard_layers`). `routes_on_first`: rank 0 keeps every layer's routes (R3's answer is
+    read on rank 0 at finish)."""
     spec = model_spec(args, layout)
     sites = [s for s in spec.sites() if s[1] == "moe_in"]
     shards = []
@@ -286,7 +288,7 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def fc2_input(self, layer_id: int, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """The FC2-input site of MoE layer `layer_id` on this rank's `act(gate) * up` rows: what the second GEMM
-        computes with (emulate: `trace_core.fc2`'s quantize-dequantize; native: the kernel quantizes). `fused`:
+        computes with (emulate: `trace_core.numerics.fc2`'s quantize-dequantize; native: the kernel quantizes). `fused`:
         the rows are all (token, top-k) pairs of the forward (the GPU kernel sequence), not one expert's."""
         if self.args.mode != "emulate":
             return h
@@ -359,17 +361,17 @@ class TraceCapturer(RoutedExpertsCapturer):
         """Queue a finished request's records (positions [0, seqlen - 1)) for the store; returns the handle on the
         store-writing rank (None elsewhere). Must run before the request's KV is released; `on_batch_done` moves
         the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>`
-        (`trace_core.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` + `output_ids`
-        the request's prompt + output ids (SGLang's `origin_input_ids` and `output_ids`, kept by reference and read
-        on the writer thread; a later append to `output_ids` is not read): the records are bound to (step, policy
-        version = step, trajectory, attempt, token digest, computed on the writer thread: hashing a long request's
-        ids costs about a millisecond), which the handle repeats except for the digest (the stored shard's binding
-        carries it).
+        (`trace_core.records.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` +
+        `output_ids` the request's prompt + output ids (SGLang's `origin_input_ids` and `output_ids`, kept by reference
+        and read on the writer thread; a later append to `output_ids` is not read): the records are bound to (step,
+        policy version = step, trajectory, attempt, token digest, computed on the writer thread: hashing a long
+        request's ids costs about a millisecond), which the handle repeats except for the digest (the stored shard's
+        binding carries it).
 
         No device work or wait here, except R3's answer (`--enable-return-routed-experts`), which is read at once.
         A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
         or whose write fails is not stored: it is counted in `stats`, logged, and marked failed in the store
-        (`trace_core.store.write_failure`, which the reader reports); the server keeps serving. When that is
+        (`trace_core.records.store.write_failure`, which the reader reports); the server keeps serving. When that is
         known at finish (R3 on, or no weight version), the handle also says so (`"error"`)."""
         if len(tokens) + len(output_ids) != seqlen:
             raise ValueError(f"request {rid!r}: {len(tokens) + len(output_ids)} prompt + output ids, seqlen {seqlen}")

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from trace_core.formats import KV_FP4, NVFP4
 from trace_core.modes import ROLLOUT_MODES
-from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, Role, Scale, get_recipe, recipe_names
-from trace_core.records import LAYER_PRESETS, CapturePolicy, RecordSpec, check_bits
+from trace_core.numerics.formats import KV_FP4, NVFP4
+from trace_core.numerics.recipe import DEFAULT_RECIPE, PrecisionRecipe, Role, Scale, get_recipe, recipe_names
+from trace_core.records.spec import LAYER_PRESETS, CapturePolicy, RecordSpec, check_bits
 from trace_core.sites import SITE_KINDS
 
 MODES = ROLLOUT_MODES
@@ -94,7 +94,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trace-recipe",
         default=SERVER_ARGS_FIELDS["trace_recipe"],
-        help=f"Precision recipe of the rollout's FP4 numerics (trace_core.recipe): one of {', '.join(recipe_names())}.",
+        help="Precision recipe of the rollout's FP4 numerics (trace_core.numerics.recipe): one of "
+        f"{', '.join(recipe_names())}.",
     )
     group.add_argument(
         "--trace-debug-layer",

@@ -31,7 +31,7 @@ import torch
 from sglang_trace.config import TraceArgs, add_cli_args, check_server_args, model_layout
 from sglang_trace.handle import TRACE_INFO_KEY
 from sglang_trace.moe import ExpertWeights
-from trace_core.recipe import get_recipe
+from trace_core.numerics.recipe import get_recipe
 
 __all__ = [
     "add_cli_args",
@@ -94,14 +94,14 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
 def kv_pool_quantize(original, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP4 KV pool's quantizer, `[T, H, D]` rows to packed codes `[T, H, D/2]` and scale bytes `[T, H*D/16]`:
     SGLang's own (kv_fp4) unless the pool holds NVFP4 (`kv.pool_format`), whose codes and E4M3 bytes TRACE's
-    quantizer writes (`trace_core.role_quant.kv_pool_bytes`, static S_enc = 1)."""
+    quantizer writes (`trace_core.numerics.role_quant.kv_pool_bytes`, static S_enc = 1)."""
     from sglang_trace.kv import pool_format
-    from trace_core.formats import KV_FP4
+    from trace_core.numerics.formats import KV_FP4
 
     fmt = pool_format()
     if fmt is KV_FP4:
         return original(tensor)
-    from trace_core.role_quant import kv_pool_bytes
+    from trace_core.numerics.role_quant import kv_pool_bytes
 
     t, h, d = tensor.shape
     codes, scales = kv_pool_bytes(get_recipe(_server_args().trace_recipe).k, tensor.reshape(t, h * d))
@@ -110,14 +110,14 @@ def kv_pool_quantize(original, tensor: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def kv_pool_dequantize(original, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """The FP4 KV pool's dequantizer (SGLang's attend-over-BF16 paths): SGLang's own for kv_fp4 rows, TRACE's
-    twin of its FP4-KV attention kernels (`trace_core.kv_attention.dequantize_kv`) for NVFP4 rows."""
+    twin of its FP4-KV attention kernels (`trace_core.numerics.kv_attention.dequantize_kv`) for NVFP4 rows."""
     from sglang_trace.kv import pool_format
-    from trace_core.formats import KV_FP4
+    from trace_core.numerics.formats import KV_FP4
 
     fmt = pool_format()
     if fmt is KV_FP4:
         return original(codes, scales, dtype)
-    from trace_core.kv_attention import dequantize_kv
+    from trace_core.numerics.kv_attention import dequantize_kv
 
     return dequantize_kv(codes, scales, dtype, fmt=fmt)
 
@@ -219,7 +219,7 @@ def check_static_kv_scales(model, role) -> None:
     """ValueError naming the layers whose checkpoint brings KV scales (`k_scale` / `v_scale` other than 1) under
     a K/V role with a static global scale: TRACE's NVFP4 KV supports the unit scale only (both sides use S_enc = 1),
     and SGLang would divide K/V by the checkpoint's scale before quantizing."""
-    from trace_core.recipe import Scale
+    from trace_core.numerics.recipe import Scale
 
     if role.scale is not Scale.STATIC:
         return

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from trace_core.e2m1 import unpack_fp4
-from trace_core.formats import KV_FP4, FP4Format
-from trace_core.records import Record, check_bits, pack_low_bits
-from trace_core.store import Site
+from trace_core.numerics.e2m1 import unpack_fp4
+from trace_core.numerics.formats import KV_FP4, FP4Format
+from trace_core.records.spec import Record, check_bits, pack_low_bits
+from trace_core.sites import Site
 
 KV_BLOCK = KV_FP4.block
 
@@ -45,7 +45,7 @@ def pool_format() -> FP4Format:
     K/V are NVFP4 (`check_server_args` accepts NVFP4 only with its static unit global scale)."""
     from sglang.srt.server_args import get_global_server_args
 
-    from trace_core.recipe import get_recipe
+    from trace_core.numerics.recipe import get_recipe
 
     try:
         args = get_global_server_args()

@@ -1,16 +1,16 @@
 """The MoE-input site (`moe_in`) and emulated routed-expert weights, under the server's precision recipe.
 
 emulate (Hopper, CPU): the routed experts run BF16 GEMMs on quantize-dequantized operands, so the rollout is
-numerically the recipe's W4A4 / W4A8 (`--trace-recipe`, `trace_core.recipe`). Expert weights are
+numerically the recipe's W4A4 / W4A8 (`--trace-recipe`, `trace_core.numerics.recipe`). Expert weights are
 quantize-dequantized as they are loaded (`ExpertWeights`, called after every FusedMoE weight-loader write, so the
 initial load and every `update_weights_from_*` path are covered); the MoE input is quantize-dequantized per token
-row under the recipe's `moe_in` role (`trace_core.role_quant.rollout_rtn`), whose kernel writes the record into the
-capturer's staging rows in the same pass (`emulate_moe_input`).
+row under the recipe's `moe_in` role (`trace_core.numerics.role_quant.rollout_rtn`), whose kernel writes the record into
+the capturer's staging rows in the same pass (`emulate_moe_input`).
 
 The FC2 input (`act(gate) * up`, before the down projection) is quantize-dequantized in the expert path itself
 (`fc2_input`, called between the activation and the second GEMM of SGLang's triton runner and of its CPU path),
-under the one convention of `trace_core.fc2`: per (token, expert) row; for NVFP4 its scale comes from the amax over
-the full intermediate width, i.e. the max over the MoE-TP ranks' shards (one all-gather of `[rows]` FP32 amax per
+under the one convention of `trace_core.numerics.fc2`: per (token, expert) row; for NVFP4 its scale comes from the amax
+over the full intermediate width, i.e. the max over the MoE-TP ranks' shards (one all-gather of `[rows]` FP32 amax per
 layer); MX formats scale each 32-element block locally and exchange nothing.
 
 native (Blackwell NVFP4 checkpoints): the MoE kernel quantizes the input itself with the layer's static input
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trace_core.capture import SiteBuffers
-from trace_core.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
-from trace_core.formats import FP4Format
 from trace_core.kernels import quantize_record
-from trace_core.recipe import DEFAULT_RECIPE, Role, get_recipe
-from trace_core.role_quant import rollout_rtn, weight_rtn
+from trace_core.numerics.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
+from trace_core.numerics.formats import FP4Format
+from trace_core.numerics.recipe import DEFAULT_RECIPE, Role, get_recipe
+from trace_core.numerics.role_quant import rollout_rtn, weight_rtn
+from trace_core.records.capture import SiteBuffers
 
 DEFAULT = get_recipe(DEFAULT_RECIPE)
 
@@ -47,9 +47,9 @@ def emulate_moe_input(
 
 def fc2_input(h: torch.Tensor, tp_group=None, role: Role = DEFAULT.fc2_in) -> torch.Tensor:
     """emulate: the FC2 input `[rows, intermediate / tp]` of this MoE-TP rank, quantize-dequantized under
-    `trace_core.fc2`'s convention and the recipe's `fc2_in` role. `tp_group`: SGLang's MoE-TP `GroupCoordinator`
-    when the intermediate is sharded (every rank calls this in lockstep, as the forward does); its all-gather is
-    SGLang's CUDA-graph-safe one. Block-scaled roles need no exchange."""
+    `trace_core.numerics.fc2`'s convention and the recipe's `fc2_in` role. `tp_group`: SGLang's MoE-TP
+    `GroupCoordinator` when the intermediate is sharded (every rank calls this in lockstep, as the forward does); its
+    all-gather is SGLang's CUDA-graph-safe one. Block-scaled roles need no exchange."""
     if not needs_row_amax(role):
         return fc2_input_fake_quant(h, role)
     amax = row_amax(h)

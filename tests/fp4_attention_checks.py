@@ -23,17 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.e2m1 import pack_fp4
-from trace_core.formats import KV_FP4, NVFP4, FP4Format
 from trace_core.kernels.fp4_attention import KV_DTYPES, _fp4_tile, fp4_decode_attention, fp4_words
 from trace_core.kernels.fp4_extend_attention import fp4_extend_attention
-from trace_core.kv_attention import (
+from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.formats import KV_FP4, NVFP4, FP4Format
+from trace_core.numerics.kv_attention import (
     decode_attention_reference,
     dequantize_kv,
     extend_attention_reference,
     extend_tiles,
 )
-from trace_core.quant import quantize, static_global_scale
+from trace_core.numerics.quant import quantize, static_global_scale
 
 # (kv heads, q heads per kv head, head dim, request lengths, kv splits per request, logit cap, sinks)
 CASES = [

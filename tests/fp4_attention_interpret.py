@@ -22,7 +22,7 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests.interpret import run_cases
 from tests.sglang_cpu import install_sgl_kernel_stand_in
-from trace_core.formats import NVFP4
+from trace_core.numerics.formats import NVFP4
 
 
 def check_sglang_pool() -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from trace_core.formats import NVFP4, FP4Format, get_format
-from trace_core.guided import fallback_scale, guided_quantize, guided_round
 from trace_core.kernels import ops
-from trace_core.quant import dequantize, quantize
-from trace_core.recipe import Role, Scale
-from trace_core.records import Record, pack_low_bits
-from trace_core.role_quant import fake_quant
+from trace_core.numerics.formats import NVFP4, FP4Format, get_format
+from trace_core.numerics.guided import fallback_scale, guided_quantize, guided_round
+from trace_core.numerics.quant import dequantize, quantize
+from trace_core.numerics.recipe import Role, Scale
+from trace_core.numerics.role_quant import fake_quant
+from trace_core.records.spec import Record, pack_low_bits
 
 SCALE_MODES = {"nvfp4": ("per_token", "scalar", "row"), "mxfp4": ("none",), "mxfp4_ocp": ("none",), "kv_fp4": ("none",)}
 

@@ -13,8 +13,8 @@ output token; the pre-0.5.15 dict form is still read, `legacy_handle`), `/update
 HTTP 400 on failure), `/model_info` (`weight_version`) and `/server_info`, behind SGLang's own `--api-key` /
 `--admin-api-key` decision (`sglang.srt.utils.auth.decide_request_auth`, with the endpoints' auth levels of
 `http_server.py`). It samples with the real `EmbeddedEngine` (the same FP4 numerics) and, like `sglang_trace`'s
-capturer, writes each request's records of positions [0, seqlen - 1) with a `trace_core.store.StepWriter` under the
-step of its integer weight version, bound to the trajectory and attempt of the request id, on a background thread
+capturer, writes each request's records of positions [0, seqlen - 1) with a `trace_core.records.store.StepWriter` under
+the step of its integer weight version, bound to the trajectory and attempt of the request id, on a background thread
 after answering. Its knobs inject the server faults the worker must catch.
 
 The weight-update endpoints (`/update_weights_from_tensor`, `/init_weights_update_group`,
@@ -42,8 +42,9 @@ from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
 from tests.sglang_server import stand_in_server_info
 from tests.sglang_weights import REQUESTS, WeightReceiver
-from trace_core.records import Binding, token_digest
-from trace_core.store import StepWriter, TrajectoryRecords, parse_rollout_rid, write_failure
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.spec import Binding, token_digest
+from trace_core.records.store import StepWriter, parse_rollout_rid, write_failure
 from trace_rl.config import RLConfig
 from trace_rl.controller import record_spec
 from trace_rl.engine import EmbeddedEngine

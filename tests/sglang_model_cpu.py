@@ -70,10 +70,10 @@ def prefill_records_equal_what_the_layers_saw() -> None:
     from transformers import Qwen3MoeConfig
 
     from sglang_trace.capturer import TraceCapturer
-    from trace_core.formats import KV_FP4
-    from trace_core.quant import quantize
-    from trace_core.records import Record
-    from trace_core.store_reader import RecordReader
+    from trace_core.numerics.formats import KV_FP4
+    from trace_core.numerics.quant import quantize
+    from trace_core.records.reader import RecordReader
+    from trace_core.records.spec import Record
 
     store = tempfile.mkdtemp()
     args = ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1", attention_backend="torch_native",

@@ -28,13 +28,13 @@ import torch
 
 from tests.hf_tiny import make_hf_checkpoint
 from tests.sglang_server import CHUNK, SERVED_MODEL, Server, served_flags
-from trace_core.e2m1 import unpack_fp4
-from trace_core.fc2 import fc2_input_fake_quant
-from trace_core.formats import NVFP4
-from trace_core.quant import Quantized, dequantize
-from trace_core.recipe import get_recipe
-from trace_core.store import StepWatcher, finalize_step, step_dir
-from trace_core.store_reader import RecordReader
+from trace_core.numerics.e2m1 import unpack_fp4
+from trace_core.numerics.fc2 import fc2_input_fake_quant
+from trace_core.numerics.formats import NVFP4
+from trace_core.numerics.quant import Quantized, dequantize
+from trace_core.numerics.recipe import get_recipe
+from trace_core.records.reader import RecordReader
+from trace_core.records.store import StepWatcher, finalize_step, step_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -29,10 +29,10 @@ from megatron_trace.rows import pack_microbatch
 from megatron_trace.source import Site, SiteRows, TensorRolloutSource
 from tests.hf_tiny import make_hf_checkpoint
 from tests.sglang_server import SERVED_MODEL, Server, served_flags
-from trace_core import e2m1
-from trace_core.quant import scale_factors
-from trace_core.records import RecordSpec
-from trace_core.store import finalize_step
+from trace_core.numerics import e2m1
+from trace_core.numerics.quant import scale_factors
+from trace_core.records.spec import RecordSpec
+from trace_core.records.store import finalize_step
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
 from trace_rl.policy import load_policy

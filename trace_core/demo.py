@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from trace_core import metrics
-from trace_core.guided import guided_quantize
-from trace_core.quant import Quantized, dequantize, quantize
+from trace_core.numerics.guided import guided_quantize
+from trace_core.numerics.quant import Quantized, dequantize, quantize
 
 FORMATS: tuple[tuple[str, dict[str, bool]], ...] = (("nvfp4", {"per_token": True}), ("mxfp4", {}), ("kv_fp4", {}))
 METHODS = ("RTN", "TRACE full", "TRACE b=1", "TRACE b=2", "TRACE b=3")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from trace_core import e2m1
+from trace_core.numerics import e2m1
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

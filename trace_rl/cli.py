@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from trace_core.recipe import recipe_names
+from trace_core.numerics.recipe import recipe_names
 from trace_rl.config import ConfigError, RLConfig, load_config
 
 FIELD_HELP = {

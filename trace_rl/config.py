@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from trace_core.modes import MODES
-from trace_core.recipe import DEFAULT_RECIPE, recipe_names
-from trace_core.records import CapturePolicy, check_bits
+from trace_core.numerics.recipe import DEFAULT_RECIPE, recipe_names
+from trace_core.records.spec import CapturePolicy, check_bits
 from trace_rl.algorithm import algorithm_errors
 from trace_rl.servers import launch_errors
 from trace_rl.weight_sync import weight_sync_errors
@@ -64,7 +64,7 @@ class RLConfig:
     """One RL run on the embedded engine.
 
     mode: bf16 (BF16 rollout + BF16 trainer), qat (FP4 rollout + RTN QAT) or trace (FP4 rollout + guided QAT).
-    recipe: the precision recipe of every FP4 site on both sides (`trace_core.recipe`; docs/design.md).
+    recipe: the precision recipe of every FP4 site on both sides (`trace_core.numerics.recipe`; docs/design.md).
     prompts_per_step x group_size trajectories per step; GRPO normalizes rewards within each group.
     async_lag: rollout batches generated ahead of the trainer (0 = synchronous); each trained batch is at most
     `max_version_diff` policy versions old, enforced by the trainer. With async_lag > 0 the train / rollout

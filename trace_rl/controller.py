@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from trace_core.records import CapturePolicy, RecordSpec
-from trace_core.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
-from trace_core.store_reader import RecordReader
+from trace_core.records.reader import RecordReader
+from trace_core.records.spec import CapturePolicy, RecordSpec
+from trace_core.records.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
 from trace_rl import samples
 from trace_rl.algorithm import trainer_kwargs
 from trace_rl.config import ConfigError, RLConfig

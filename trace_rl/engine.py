@@ -1,12 +1,12 @@
 """Embedded reference engine: transformers `Qwen3MoeForCausalLM` in BF16 with the FP4 numerics of the SGLang side.
 
-FP4 mode (docs/design.md, "Numerics contract"), every site under the engine's precision recipe (`trace_core.recipe`,
-default NVFP4 W4A4 + FP4 KV), quantized through `trace_core.role_quant`:
+FP4 mode (docs/design.md, "Numerics contract"), every site under the engine's precision recipe
+(`trace_core.numerics.recipe`, default NVFP4 W4A4 + FP4 KV), quantized through `trace_core.numerics.role_quant`:
 - routed-expert weights are quantize-dequantized under the `weights` role (NVFP4: one global scale per expert
   matrix, gate and up as one FC1 matrix) at load and at every weight update;
 - the MoE input is quantize-dequantized per token row (`moe_in` role) by `trace_core.kernels.quantize_record`,
   which writes the record of captured layers straight into the `RecordCapturer` staging rows; the FC2 input gets
-  `trace_core.fc2`'s convention (`fc2_in` role), the top-k weight multiplies the FC2 output;
+  `trace_core.numerics.fc2`'s convention (`fc2_in` role), the top-k weight multiplies the FC2 output;
 - K (after QK-norm and RoPE) and V are quantize-dequantized (`k`, `v` roles: `kv_fp4`, or NVFP4 at the static unit
   global scale) as they enter the KV cache, with records of captured layers; attention reads the quantized cache,
   as from SGLang's FP4 pool.
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, Qwen3MoeForCausalLM
 
-from trace_core.capture import RecordCapturer
-from trace_core.fc2 import fc2_input_fake_quant
-from trace_core.recipe import PrecisionRecipe
-from trace_core.records import ModelShape, RecordSpec
-from trace_core.role_quant import rollout_rtn, weight_rtn
-from trace_core.store import TrajectoryRecords
+from trace_core.numerics.fc2 import fc2_input_fake_quant
+from trace_core.numerics.recipe import PrecisionRecipe
+from trace_core.numerics.role_quant import rollout_rtn, weight_rtn
+from trace_core.records.capture import RecordCapturer
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.spec import ModelShape, RecordSpec
 
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 

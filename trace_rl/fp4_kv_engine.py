@@ -1,11 +1,11 @@
 """The embedded engine with SGLang's FP4-KV decode attention.
 
 `FP4AttentionEngine` is the FP4 `EmbeddedEngine` whose K and V also go, as codes and scale bytes (E8M0 for `kv_fp4`,
-E4M3 for NVFP4 KV under its static unit global scale: `trace_core.role_quant.kv_pool_bytes`), into a paged FP4
+E4M3 for NVFP4 KV under its static unit global scale: `trace_core.numerics.role_quant.kv_pool_bytes`), into a paged FP4
 pool in SGLang's `MHATokenToKVPoolFP4` layout (per layer: codes `[slots, kv_heads, D/2]`, scales
 `[slots, kv_heads * D / 16]`; token (b, position p) in slot `b * max_len + p`, as the engine's records). Decode
 steps attend by reading that pool: `trace_core.kernels.fp4_attention.fp4_decode_attention` on CUDA (SGLang's triton
-decode math), its pure-torch twin `trace_core.kv_attention.decode_attention_reference` elsewhere. The prefill
+decode math), its pure-torch twin `trace_core.numerics.kv_attention.decode_attention_reference` elsewhere. The prefill
 attends over the dequantized values with SDPA, as before (SGLang's extend path also reads dequantized values).
 The engine counts its decode reads of the pool (`decode_reads`, one per layer and decode forward). The RL config
 selects it with `fp4_attention = "decode"` (`trace_rl.workers.RolloutWorker`).
@@ -19,8 +19,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from trace_core.kernels.fp4_attention import MIN_HEAD_DIM, fp4_decode_attention
-from trace_core.kv_attention import decode_attention_reference
-from trace_core.role_quant import kv_pool_bytes, kv_pool_format
+from trace_core.numerics.kv_attention import decode_attention_reference
+from trace_core.numerics.role_quant import kv_pool_bytes, kv_pool_format
 from trace_rl.engine import EmbeddedEngine
 
 ATTENTION = "trace_fp4_kv"

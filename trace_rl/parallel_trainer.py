@@ -38,7 +38,7 @@ from megatron_trace.parallel import (
 )
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.records import RecordSpec
+from trace_core.records.spec import RecordSpec
 from trace_rl.config import RLConfig, check_trainer_experts
 from trace_rl.engine import Trajectory
 from trace_rl.optim import LRSchedule

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from trace_core.store import atomic_write, fsync_dir
+from trace_core.records.store import atomic_write, fsync_dir
 
 MAGIC = b"TRACECKP"
 PREAMBLE = struct.Struct("<8sQ32s")  # magic, payload length, SHA-256 of the payload
@@ -51,7 +51,8 @@ _NAME = re.compile(r"checkpoint-(\d{8})\.pt")
 _SHARDED = re.compile(r"\.?checkpoint-(\d{8})\.dist(\.tmp)?")
 INTEGRITY = "integrity.json"  # Megatron's manifest of a distributed checkpoint
 FRESH_START = ".fresh-start"  # present while a fresh start deletes the old run's checkpoints
-# Temporaries of `trace_core.store.atomic_write` (checkpoint files, the fresh-start marker) and unsealed trainer dirs.
+# Temporaries of `trace_core.records.store.atomic_write` (checkpoint files, the fresh-start marker) and unsealed trainer
+# dirs.
 _TEMP = re.compile(r"\.(checkpoint-\d{8}\.pt|\.fresh-start)\.[0-9a-f]{32}\.tmp|\.checkpoint-\d{8}\.dist\.tmp")
 
 

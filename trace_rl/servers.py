@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from trace_core.records import CapturePolicy, recipe_layout
+from trace_core.records.spec import CapturePolicy, recipe_layout
 
 if TYPE_CHECKING:
     from trace_rl.config import RLConfig

@@ -1,7 +1,7 @@
 """Rollout on running patched SGLang servers (`rollout_backend = "sglang"`), over their HTTP API.
 
 A `SGLangWorker` sends one `Request` to one server as a batched `/generate` (`input_ids`, `sampling_params`,
-`return_logprob`, one `rid` per row = `<trajectory>#<attempt>`, `trace_core.store.rollout_rid`). Every field of
+`return_logprob`, one `rid` per row = `<trajectory>#<attempt>`, `trace_core.records.store.rollout_rid`). Every field of
 each answer is validated at the boundary (`meta_info`, output ids in the vocabulary, finite log-probs <= 0; errors
 name the server). The server writes each finished request's records into its `--trace-store` under its current
 weight version, bound to (step, policy version, trajectory, attempt, token digest), and names them in
@@ -47,8 +47,8 @@ from transformers import AutoConfig
 
 from sglang_trace.config import served_spec
 from sglang_trace.handle import from_meta_info
-from trace_core.records import Binding, RecordSpec, token_digest
-from trace_core.store import StepWatcher, rollout_rid
+from trace_core.records.spec import Binding, RecordSpec, token_digest
+from trace_core.records.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
 from trace_rl.engine import Trajectory
 from trace_rl.http_deadline import DeadlineExceeded, call

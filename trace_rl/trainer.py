@@ -39,8 +39,8 @@ from megatron_trace.session import Tap, TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
 from megatron_trace.source import TensorRolloutSource, source_from_store
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.records import Binding, RecordSpec, token_digest
-from trace_core.store_reader import RecordReader
+from trace_core.records.reader import RecordReader
+from trace_core.records.spec import Binding, RecordSpec, token_digest
 from trace_rl.config import check_trainer_experts
 from trace_rl.engine import Trajectory
 from trace_rl.optim import LRSchedule

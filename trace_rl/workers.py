@@ -27,8 +27,8 @@ from typing import Protocol
 
 import torch
 
-from trace_core.records import Binding, RecordSpec, token_digest
-from trace_core.store import StepWriter
+from trace_core.records.spec import Binding, RecordSpec, token_digest
+from trace_core.records.store import StepWriter
 from trace_rl.config import RLConfig
 from trace_rl.engine import EmbeddedEngine, Trajectory, WorkerDied
 from trace_rl.fp4_kv_engine import FP4AttentionEngine

@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
-from trace_core.capture import RecordCapturer
-from trace_core.formats import format_names, get_format
-from trace_core.host_ring import HostRing
 from trace_core.kernels import quantize_record
-from trace_core.quant import quantize
-from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits
+from trace_core.numerics.formats import format_names, get_format
+from trace_core.numerics.quant import quantize
+from trace_core.records.capture import RecordCapturer
+from trace_core.records.host_ring import HostRing
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.spec import ModelShape, Record, RecordSpec, pack_low_bits
 from trace_core.sites import SITE_KINDS
-from trace_core.store import TrajectoryRecords
 
 SHAPE = ModelShape(hidden=64, num_kv_heads=2, head_dim=32)
 ROUTES = (3, 2)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.core.test_capture import Driver, assert_same, make
-from trace_core.host_ring import HostRing
 from trace_core.kernels import quantize_record
-from trace_core.quant import quantize
-from trace_core.records import Record
+from trace_core.numerics.quant import quantize
+from trace_core.records.host_ring import HostRing
+from trace_core.records.spec import Record
 
 pytestmark = pytest.mark.gpu
 

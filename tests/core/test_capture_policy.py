@@ -1,4 +1,4 @@
-"""One capture policy (`trace_core.records.CapturePolicy`): the RL config's `record_bits` / `record_all_layers` and
+"""One capture policy (`trace_core.records.spec.CapturePolicy`): the RL config's `record_bits` / `record_all_layers` and
 a server's `--trace-record-bits` / `--trace-layers` parse into it, and the record spec of both sides comes from it."""
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_trace.config import SERVER_ARGS_FIELDS, parse_trace_args
-from trace_core.records import CapturePolicy, RecordSpec
+from trace_core.records.spec import CapturePolicy, RecordSpec
 from trace_rl.config import RLConfig
 
 LAYERS = (0, 1, 2, 3, 4)

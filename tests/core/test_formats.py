@@ -2,7 +2,17 @@ import dataclasses
 
 import pytest
 
-from trace_core.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, E8M0Rule, Rounding, ScaleKind, format_names, get_format
+from trace_core.numerics.formats import (
+    KV_FP4,
+    MXFP4,
+    MXFP4_OCP,
+    NVFP4,
+    E8M0Rule,
+    Rounding,
+    ScaleKind,
+    format_names,
+    get_format,
+)
 
 
 def test_registry_returns_the_named_formats():

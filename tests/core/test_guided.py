@@ -5,11 +5,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core import e2m1
-from trace_core.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4
-from trace_core.guided import GuidanceStats, guided_quantize, guided_round, rtn_fake_quant
-from trace_core.quant import Quantized, decode_scales, dequantize, quantize
-from trace_core.records import Record
+from trace_core.numerics import e2m1
+from trace_core.numerics.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4
+from trace_core.numerics.guided import GuidanceStats, guided_quantize, guided_round, rtn_fake_quant
+from trace_core.numerics.quant import Quantized, decode_scales, dequantize, quantize
+from trace_core.records.spec import Record
 
 ALL = [NVFP4, MXFP4, MXFP4_OCP, KV_FP4]
 GRID = sorted({s * m for m in e2m1.MAGNITUDES for s in (1.0, -1.0)})

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core import e2m1
-from trace_core.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, Rounding, get_format
 from trace_core.kernels.ops import quantize_record
 from trace_core.kernels.ops import rtn_fake_quant as kernel_rtn_fake_quant
-from trace_core.quant import decode_scales, dequantize, quantize
+from trace_core.numerics import e2m1
+from trace_core.numerics.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, Rounding, get_format
+from trace_core.numerics.quant import decode_scales, dequantize, quantize
 
 ALL = [NVFP4, MXFP4, MXFP4_OCP, KV_FP4]
 GRID = torch.tensor(e2m1.MAGNITUDES)

@@ -19,16 +19,16 @@ from torch.overrides import TorchFunctionMode
 from megatron_trace.config import TraceConfig
 from megatron_trace.sites import SiteNumerics
 from megatron_trace.source import SiteRows
-from trace_core import e2m1
-from trace_core.capture import SiteBuffers
-from trace_core.e2m1 import pack_fp4
-from trace_core.formats import KV_FP4, MXFP4, NVFP4, FP4Format
 from trace_core.kernels import record_buffers
-from trace_core.mxfp8 import MXFP8, dequantize_mxfp8, quantize_mxfp8
-from trace_core.quant import dequantize, quantize, scale_factors
-from trace_core.recipe import DEFAULT_RECIPE, Role, Scale, get_recipe, recipe_names
-from trace_core.records import Binding, Record, RecordSpec, pack_low_bits
-from trace_core.role_quant import kv_pool_bytes, kv_pool_format, quantize_role, rollout_rtn
+from trace_core.numerics import e2m1
+from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.formats import KV_FP4, MXFP4, NVFP4, FP4Format
+from trace_core.numerics.mxfp8 import MXFP8, dequantize_mxfp8, quantize_mxfp8
+from trace_core.numerics.quant import dequantize, quantize, scale_factors
+from trace_core.numerics.recipe import DEFAULT_RECIPE, Role, Scale, get_recipe, recipe_names
+from trace_core.numerics.role_quant import kv_pool_bytes, kv_pool_format, quantize_role, rollout_rtn
+from trace_core.records.capture import SiteBuffers
+from trace_core.records.spec import Binding, Record, RecordSpec, pack_low_bits
 from trace_rl.config import ConfigError, RLConfig
 
 RECIPES = recipe_names()
@@ -313,7 +313,7 @@ def tiny_policy(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("name", [n for n in RECIPES if n != DEFAULT_RECIPE])  # the default: tests/rl/test_rl_loop.py
 def test_demo_runs_each_recipe(tiny_policy, tmp_path, name):
-    from trace_core.store import read_header, shard_paths, step_dir
+    from trace_core.records.store import read_header, shard_paths, step_dir
     from trace_rl.launch import main
 
     size = ["steps=1", "prompts_per_step=2", "group_size=2", "max_new_tokens=3", "rollout_workers=1"]
@@ -334,8 +334,9 @@ def test_demo_runs_each_recipe(tiny_policy, tmp_path, name):
 
 
 def test_records_of_another_recipe_are_refused_by_the_trainer_check(tmp_path):
-    from trace_core.store import StepWriter, TrajectoryRecords
-    from trace_core.store_reader import BindingMismatchError, RecordReader
+    from trace_core.records.layout import TrajectoryRecords
+    from trace_core.records.reader import BindingMismatchError, RecordReader
+    from trace_core.records.store import StepWriter
 
     x = torch.randn(3, H)
     record = Record.from_quantized(quantize_role(get_recipe("mxfp4-w4a4-kv4").moe_in, x), 1)
@@ -351,7 +352,7 @@ def test_records_of_another_recipe_are_refused_by_the_trainer_check(tmp_path):
 def test_fc2_input_codes_do_not_depend_on_the_tp_split(name):
     """Two tensor-parallel halves of FC2-input rows quantize to the halves of the full rows: NVFP4 with the max of the
     halves' row amax, the block-scaled formats with nothing exchanged."""
-    from trace_core.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
+    from trace_core.numerics.fc2 import fc2_input_fake_quant, needs_row_amax, row_amax
 
     role = get_recipe(name).fc2_in
     gen = torch.Generator().manual_seed(9)

@@ -5,10 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core.e2m1 import pack_fp4
-from trace_core.formats import KV_FP4, NVFP4
-from trace_core.quant import quantize
-from trace_core.records import ModelShape, Record, RecordSpec, bytes_per_token, pack_low_bits, unpack_low_bits
+from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.formats import KV_FP4, NVFP4
+from trace_core.numerics.quant import quantize
+from trace_core.records.spec import ModelShape, Record, RecordSpec, bytes_per_token, pack_low_bits, unpack_low_bits
 
 
 @given(bits=st.integers(1, 4), rows=st.integers(0, 3), n=st.integers(1, 70), seed=st.integers(0, 1000))
@@ -98,7 +98,7 @@ def test_paper_mantissa_only_size():
 def test_record_bytes_are_the_capture_rows_fields_nvfp4_kv_with_its_static_scale():
     """`bytes_per_token` is what a captured token row holds of its sites: an NVFP4 K/V record carries its static
     S_enc = 1 as a 4-byte global scale per row (`nvfp4-w4a4-nvfp4kv`), kv_fp4 none."""
-    from trace_core.capture import record_row_layout
+    from trace_core.records.capture import record_row_layout
 
     shape = ModelShape(hidden=64, num_kv_heads=2, head_dim=16)
     kv = {}

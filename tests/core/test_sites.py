@@ -8,9 +8,9 @@ import torch
 
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.source import source_from_store
+from trace_core.records.reader import MicroBatchRecords
+from trace_core.records.store import parse_site, site_key
 from trace_core.sites import check_site, routed
-from trace_core.store import parse_site, site_key
-from trace_core.store_reader import MicroBatchRecords
 
 
 @pytest.mark.parametrize("site", [(0, "moe_in"), (3, "k"), (12, "v")])

@@ -14,26 +14,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core.capture import RecordCapturer
-from trace_core.formats import format_names, get_format
-from trace_core.guided import GuidanceStats, guided_round
-from trace_core.quant import dequantize, quantize
-from trace_core.records import ModelShape, Record, RecordSpec
-from trace_core.store import (
+from trace_core.numerics.formats import format_names, get_format
+from trace_core.numerics.guided import GuidanceStats, guided_round
+from trace_core.numerics.quant import dequantize, quantize
+from trace_core.records.capture import RecordCapturer
+from trace_core.records.layout import TrajectoryRecords, site_layout
+from trace_core.records.reader import RecordReader
+from trace_core.records.spec import ModelShape, Record, RecordSpec
+from trace_core.records.store import (
     CorruptShardError,
     MissingRecordError,
     StepWriter,
     StoreError,
-    TrajectoryRecords,
     apply_retention,
     finalize_step,
     list_steps,
     read_header,
     shard_paths,
-    site_layout,
     step_dir,
 )
-from trace_core.store_reader import RecordReader
 
 SHAPE = ModelShape(hidden=64, num_kv_heads=2, head_dim=32)
 REPO = Path(__file__).resolve().parents[2]
@@ -270,7 +269,7 @@ def test_concurrent_writer_processes(tmp_path):
 
 CRASH = """
 import os, sys, torch
-import trace_core.store as store
+import trace_core.records.store as store
 from tests.core.test_store import trajectory
 w = store.StepWriter({root!r}, 0)
 w.write({{"before": trajectory(1, 4)}})
@@ -381,7 +380,7 @@ def test_rollout_capture_to_store_to_guided_rounding_reproduces_the_rollout():
 def test_small_and_large_shards_encode_to_the_same_bytes_in_the_calling_thread_or_the_pool(monkeypatch):
     """Shards under `POOL_MIN_BYTES` are compressed in the calling thread, larger ones on the thread pool; the
     frames and header do not depend on which."""
-    from trace_core import store
+    from trace_core.records import store
 
     trajs = {f"t{i}": trajectory(i, 9 + i) for i in range(8)}
     inline = store.encode_shard(trajs)

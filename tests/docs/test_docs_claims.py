@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from trace_core.capture import RecordCapturer
-from trace_core.formats import get_format
-from trace_core.quant import quantize
-from trace_core.records import ModelShape, Record, RecordSpec, bytes_per_token
-from trace_core.store import StepWriter, TrajectoryRecords, read_header, site_layout
+from trace_core.numerics.formats import get_format
+from trace_core.numerics.quant import quantize
+from trace_core.records.capture import RecordCapturer
+from trace_core.records.layout import TrajectoryRecords, site_layout
+from trace_core.records.spec import ModelShape, Record, RecordSpec, bytes_per_token
+from trace_core.records.store import StepWriter, read_header
 from trace_rl.config import RLConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

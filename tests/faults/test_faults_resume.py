@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trace_core.store import StoreError, list_steps, step_dir
+from trace_core.records.store import StoreError, list_steps, step_dir
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller, PairingError
 from trace_rl.rundir import CorruptCheckpointError, checkpoints, load_latest, save_checkpoint

@@ -15,9 +15,10 @@ import pytest
 
 from tests.core.test_store import trajectory
 from tests.rl.test_rl_sglang_worker import StandIn, _cfg, _request
-from trace_core.records import Binding
-from trace_core.store import StepWriter, TrajectoryRecords
-from trace_core.store_reader import FailedRecordError, RecordReader
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.reader import FailedRecordError, RecordReader
+from trace_core.records.spec import Binding
+from trace_core.records.store import StepWriter
 from trace_rl.controller import Controller
 from trace_rl.sglang_worker import SGLangError, SGLangWorker
 from trace_rl.task import VOCAB

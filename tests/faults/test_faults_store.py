@@ -17,19 +17,19 @@ import pytest
 import torch
 
 from tests.core.test_store import trajectory
-from trace_core.formats import get_format
-from trace_core.records import Binding, Record, token_digest
-from trace_core.store import (
+from trace_core.numerics.formats import get_format
+from trace_core.records.layout import TrajectoryRecords
+from trace_core.records.reader import BindingMismatchError, CorruptShardError, RecordReader
+from trace_core.records.spec import Binding, Record, token_digest
+from trace_core.records.store import (
     FRAME_BYTES,
     INDEX_NAME,
     StepWriter,
     StoreError,
-    TrajectoryRecords,
     finalize_step,
     shard_paths,
     step_dir,
 )
-from trace_core.store_reader import BindingMismatchError, CorruptShardError, RecordReader
 
 pytestmark = pytest.mark.faults
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_a_repeated_writer_id_cannot_replace_a_shard(tmp_path):
 
 WRITER = """
 import os, signal, sys
-import trace_core.store as store
+import trace_core.records.store as store
 from tests.core.test_store import trajectory
 real_fsync = os.fsync
 def fsync_then_stop(fd):  # the chosen point: the shard's bytes are on disk under its temporary name

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trace_core.store import PREAMBLE, shard_paths, step_dir
-from trace_core.store_reader import BindingMismatchError
+from trace_core.records.reader import BindingMismatchError
+from trace_core.records.store import PREAMBLE, shard_paths, step_dir
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.rundir import RunLockedError

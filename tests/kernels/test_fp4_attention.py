@@ -1,5 +1,5 @@
 """FP4-KV decode and extend attention (`trace_core.kernels.fp4_attention`, `fp4_extend_attention`) and their
-pure-torch twins (`trace_core.kv_attention`).
+pure-torch twins (`trace_core.numerics.kv_attention`).
 
 On CPU the kernels run under the Triton interpreter (in a subprocess: the flag is read when triton builds a
 launcher) against SGLang's own triton decode and extend kernels on the dequantized cache, bit for bit, and against
@@ -25,10 +25,10 @@ import torch
 from tests import fp4_attention_checks as checks
 from tests import fp4_attention_interpret
 from tests.interpret import Interpreted, interpret
-from trace_core.formats import KV_FP4, MXFP4, NVFP4
 from trace_core.kernels import fp4_attention
 from trace_core.kernels.fp4_attention import check_fp4_cache, fp4_words
-from trace_core.kv_attention import decode_attention_reference, dequantize_kv, extend_attention_reference
+from trace_core.numerics.formats import KV_FP4, MXFP4, NVFP4
+from trace_core.numerics.kv_attention import decode_attention_reference, dequantize_kv, extend_attention_reference
 
 KV_FMTS = [KV_FP4, NVFP4]
 

@@ -7,9 +7,6 @@ import torch
 
 from tests import kernel_checks, kernel_interpret
 from tests.interpret import Interpreted, interpret
-from trace_core import guided as ref_guided
-from trace_core.e2m1 import pack_fp4
-from trace_core.guided import GuidanceStats
 from trace_core.kernels import (
     guided_fake_quant,
     ops,
@@ -18,10 +15,13 @@ from trace_core.kernels import (
     record_buffers,
     rtn_fake_quant,
 )
-from trace_core.quant import quantize
-from trace_core.recipe import DEFAULT_RECIPE, get_recipe
-from trace_core.records import Record
-from trace_core.role_quant import fake_quant
+from trace_core.numerics import guided as ref_guided
+from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.guided import GuidanceStats
+from trace_core.numerics.quant import quantize
+from trace_core.numerics.recipe import DEFAULT_RECIPE, get_recipe
+from trace_core.numerics.role_quant import fake_quant
+from trace_core.records.spec import Record
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_ocp", "kv_fp4"])

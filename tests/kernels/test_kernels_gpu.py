@@ -5,8 +5,6 @@ import torch
 
 from tests import kernel_checks
 from tests.kernel_tiles import SWEPT_TILES
-from trace_core.e2m1 import pack_fp4
-from trace_core.guided import GuidanceStats, guided_round
 from trace_core.kernels import (
     guided_fake_quant,
     ops,
@@ -15,10 +13,12 @@ from trace_core.kernels import (
     record_buffers,
     rtn_fake_quant,
 )
-from trace_core.quant import dequantize, quantize
-from trace_core.recipe import DEFAULT_RECIPE, get_recipe
-from trace_core.records import Record
-from trace_core.role_quant import fake_quant, kv_pool_bytes
+from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.guided import GuidanceStats, guided_round
+from trace_core.numerics.quant import dequantize, quantize
+from trace_core.numerics.recipe import DEFAULT_RECIPE, get_recipe
+from trace_core.numerics.role_quant import fake_quant, kv_pool_bytes
+from trace_core.records.spec import Record
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

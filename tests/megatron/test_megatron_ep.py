@@ -23,8 +23,8 @@ def _worker() -> None:
     from megatron_trace.rows import PAD, pack_microbatch
     from megatron_trace.session import TraceSession
     from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-    from trace_core.guided import guided_round
-    from trace_core.records import RecordSpec
+    from trace_core.numerics.guided import guided_round
+    from trace_core.records.spec import RecordSpec
 
     init_megatron(expert_parallel=2)
     # Ranks of one expert-parallel group exchange tokens, so their micro-batches share one shape: pad to 24.

@@ -21,8 +21,8 @@ from megatron_trace.export import (
 )
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.guided import rtn_fake_quant
-from trace_core.quant import nvfp4_global_scale
+from trace_core.numerics.guided import rtn_fake_quant
+from trace_core.numerics.quant import nvfp4_global_scale
 
 CFG = TinyMoEConfig()
 

@@ -16,8 +16,8 @@ from megatron_trace.emulate import emulate_rollout
 from megatron_trace.rows import PAD, pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.guided import guided_round
-from trace_core.records import Record, RecordSpec
+from trace_core.numerics.guided import guided_round
+from trace_core.records.spec import Record, RecordSpec
 
 pytestmark = pytest.mark.gpu
 

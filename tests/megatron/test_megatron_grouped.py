@@ -25,9 +25,9 @@ from megatron_trace.session import TraceSession
 from megatron_trace.sites import SiteNumerics, expert_weight_fake_quant
 from megatron_trace.source import SiteRows
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.quant import quantize
-from trace_core.records import Record, RecordSpec
-from trace_core.role_quant import quantize_role
+from trace_core.numerics.quant import quantize
+from trace_core.numerics.role_quant import quantize_role
+from trace_core.records.spec import Record, RecordSpec
 
 CFG = TinyMoEConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))

@@ -13,8 +13,8 @@ from megatron_trace.sites import SiteNumerics, expert_weight_fake_quant
 from megatron_trace.source import SiteRows
 from tests.megatron.test_megatron_grouped import check_grouped_matches_sequential, check_row_scaled_fc2
 from tests.megatron.test_megatron_grouped_in_place import check_fake_quant_into_own_storage, check_in_place_matches_copy
-from trace_core.quant import quantize
-from trace_core.records import Record, RecordSpec
+from trace_core.numerics.quant import quantize
+from trace_core.records.spec import Record, RecordSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("megatron_rank")]
 

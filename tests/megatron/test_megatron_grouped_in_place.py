@@ -14,8 +14,8 @@ from megatron_trace.session import TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from tests.megatron.test_megatron_grouped import ALL_SITES, CFG, moe_saved_bytes, trajectories
-from trace_core.recipe import get_recipe
-from trace_core.role_quant import quantize_role
+from trace_core.numerics.recipe import get_recipe
+from trace_core.numerics.role_quant import quantize_role
 
 pytestmark = pytest.mark.usefixtures("megatron_rank")
 

@@ -73,7 +73,7 @@ def _worker(name: str, layout_kw: dict, work: Path) -> None:
     from megatron_trace.rows import PAD, pack_microbatch
     from megatron_trace.session import TraceSession
     from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-    from trace_core.records import RecordSpec
+    from trace_core.records.spec import RecordSpec
 
     layout = Layout(**layout_kw)
     layout.init()

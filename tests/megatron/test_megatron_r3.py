@@ -13,7 +13,7 @@ from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.source import TensorRolloutSource
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.records import RecordSpec
+from trace_core.records.spec import RecordSpec
 
 CFG = TinyMoEConfig(layers=2)
 T, P = 3, 20

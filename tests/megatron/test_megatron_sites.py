@@ -1,9 +1,9 @@
 """Trainer-side FP4 sites on a tiny Megatron GPTModel with MoE (local spec, SequentialMLP, gloo, one CPU rank).
 
 The rollout side is emulated independently: the same model in `qat` mode, with a capture tap that turns each
-site's input into records through `trace_core.quant.quantize` + `Record.from_quantized`. The trainer then runs with
-perturbed weights (the engine-to-engine difference) and a different micro-batch layout, and every captured site's
-output must equal `trace_core.guided.guided_round` of its input under those records, bit for bit.
+site's input into records through `trace_core.numerics.quant.quantize` + `Record.from_quantized`. The trainer then runs
+with perturbed weights (the engine-to-engine difference) and a different micro-batch layout, and every captured site's
+output must equal `trace_core.numerics.guided.guided_round` of its input under those records, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from megatron_trace.rows import PAD, TokenRows, pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import SiteNumerics
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.guided import GuidanceStats, guided_round
-from trace_core.quant import dequantize, quantize
-from trace_core.recipe import DEFAULT_RECIPE, Scale, get_recipe
-from trace_core.records import Record, RecordSpec
+from trace_core.numerics.guided import GuidanceStats, guided_round
+from trace_core.numerics.quant import dequantize, quantize
+from trace_core.numerics.recipe import DEFAULT_RECIPE, Scale, get_recipe
+from trace_core.records.spec import Record, RecordSpec
 
 CFG = TinyMoEConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
@@ -268,8 +268,9 @@ def test_records_through_the_store_drive_the_trainer_like_in_memory_records(tmp_
     """Rollout records written with the record store's StepWriter and loaded with its RecordReader (in another
     order, trajectory ids replaced by batch slots) give the trainer exactly the values in-memory records give."""
     from megatron_trace.source import source_from_store
-    from trace_core.store import StepWriter, TrajectoryRecords, finalize_step
-    from trace_core.store_reader import RecordReader
+    from trace_core.records.layout import TrajectoryRecords
+    from trace_core.records.reader import RecordReader
+    from trace_core.records.store import StepWriter, finalize_step
 
     model = build_tiny_moe(CFG, dtype=torch.bfloat16)
     trajs = trajectories(3, seed=11)

@@ -14,7 +14,7 @@ from megatron_trace.emulate import emulate_rollout
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
-from trace_core.records import RecordSpec
+from trace_core.records.spec import RecordSpec
 
 CFG = TinyMoEConfig()
 SPEC = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))

@@ -26,9 +26,9 @@ import math
 import pytest
 import torch
 
-from trace_core.kv_attention import decode_attention_reference, dequantize_kv
-from trace_core.recipe import DEFAULT_RECIPE, get_recipe
-from trace_core.records import RecordSpec
+from trace_core.numerics.kv_attention import decode_attention_reference, dequantize_kv
+from trace_core.numerics.recipe import DEFAULT_RECIPE, get_recipe
+from trace_core.records.spec import RecordSpec
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.engine import EmbeddedEngine, _SiteCache

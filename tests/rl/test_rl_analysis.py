@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trace_core.records import RecordSpec
+from trace_core.records.spec import RecordSpec
 from trace_rl.experiments.analysis import (
     BITS,
     LAYER_SETS,

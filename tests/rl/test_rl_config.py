@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_trace.config import TraceConfig
-from trace_core.recipe import recipe_names
+from trace_core.numerics.recipe import recipe_names
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller
 from trace_rl.launch import main

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from trace_core.store import list_steps
-from trace_core.store_reader import RecordReader
+from trace_core.records.reader import RecordReader
+from trace_core.records.store import list_steps
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller
 from trace_rl.launch import main

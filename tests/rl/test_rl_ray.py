@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_core.store_reader import RecordReader
+from trace_core.records.reader import RecordReader
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.trainer import RayTrainer

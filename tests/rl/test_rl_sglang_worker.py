@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.rl_stand_in import StandIn
-from trace_core.store import list_steps
-from trace_core.store_reader import RecordReader
+from trace_core.records.reader import RecordReader
+from trace_core.records.store import list_steps
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller, record_spec
 from trace_rl.launch import main

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.sglang_cpu import install_sgl_kernel_stand_in
-from trace_core.e2m1 import pack_fp4, unpack_fp4
-from trace_core.formats import KV_FP4
-from trace_core.quant import Quantized, dequantize, quantize
+from trace_core.numerics.e2m1 import pack_fp4, unpack_fp4
+from trace_core.numerics.formats import KV_FP4
+from trace_core.numerics.quant import Quantized, dequantize, quantize
 
 install_sgl_kernel_stand_in()
 

@@ -25,9 +25,9 @@ from megatron_trace.config import TraceConfig  # noqa: E402
 from megatron_trace.sites import SiteNumerics  # noqa: E402
 from tests.sglang.test_sglang_fc2 import LAYER, E, checkpoint, installed_layer, routed_input, run_sglang  # noqa: E402
 from tests.sglang_cpu import trace_server_args  # noqa: E402
-from trace_core.recipe import get_recipe, recipe_names  # noqa: E402
-from trace_core.records import RecordSpec, pack_low_bits  # noqa: E402
-from trace_core.role_quant import quantize_role  # noqa: E402
+from trace_core.numerics.recipe import get_recipe, recipe_names  # noqa: E402
+from trace_core.numerics.role_quant import quantize_role  # noqa: E402
+from trace_core.records.spec import RecordSpec, pack_low_bits  # noqa: E402
 
 
 @pytest.mark.parametrize("name", recipe_names())
@@ -87,8 +87,8 @@ def test_sglang_refuses_what_a_recipe_cannot_trace():
 @pytest.mark.parametrize("kv", ["mxfp4", "nvfp4-per-token"])
 def test_sglang_refuses_a_recipe_whose_kv_format_its_pool_does_not_store(kv):
     from sglang_trace.config import check_server_args
-    from trace_core.formats import MXFP4, NVFP4
-    from trace_core.recipe import MXFP4_W4A4_KV4, PrecisionRecipe, Role, Scale
+    from trace_core.numerics.formats import MXFP4, NVFP4
+    from trace_core.numerics.recipe import MXFP4_W4A4_KV4, PrecisionRecipe, Role, Scale
 
     role = Role(MXFP4, Scale.PER_BLOCK, recorded=True) if kv == "mxfp4" else Role(NVFP4, Scale.PER_TOKEN, True)
     fields = {f: getattr(MXFP4_W4A4_KV4, f) for f in ("weights", "moe_in", "fc2_in")}

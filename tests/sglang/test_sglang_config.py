@@ -288,7 +288,7 @@ def test_record_store_shards_split_the_moe_layers_over_tp_ranks(layers, tp, r3):
     shards partition them (rank 0 keeps every route when R3 answers at finish), every rank's row is the row of its
     share, and what every rank adds to its KV cell (the largest shard) is about 1 / tp of one rank's."""
     from sglang_trace.capturer import record_bytes_per_slot, record_shards, shard_reader
-    from trace_core.capture import shard_layers
+    from trace_core.records.capture import shard_layers
 
     args = trace_args(trace_layers=layers)
     layout = model_layout(qwen3_30b_a3b())

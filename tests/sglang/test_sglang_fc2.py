@@ -9,7 +9,7 @@ Three real code paths on one BF16 checkpoint and one routed input:
   * the embedded engine: `trace_rl.engine.EmbeddedEngine`'s expert forward on a transformers Qwen3-MoE.
 The tensors entering every expert's FC1 and FC2 GEMM are observed with a `TorchFunctionMode` on `F.linear` (the
 code under test runs unchanged) and must be bit-identical across the three, and equal to the NVFP4 values of the
-reference codes (`trace_core.quant`) — per (token, expert) row for FC2, with the scale of the full row.
+reference codes (`trace_core.numerics.quant`) — per (token, expert) row for FC2, with the scale of the full row.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def run_sglang(layer) -> tuple[dict, torch.Tensor]:
 
 def reference_fc2_rows(full_h: torch.Tensor) -> torch.Tensor:
     """NVFP4 values of the reference codes of FC2-input rows, scale from each full row."""
-    from trace_core.quant import dequantize, quantize
+    from trace_core.numerics.quant import dequantize, quantize
 
     return dequantize(quantize(full_h, "nvfp4", per_token=True), full_h.dtype)
 
@@ -170,7 +170,7 @@ def trainer_rows() -> dict:
     """The trainer's site code on the same input: MoE-input site, expert weights, FC2-input site."""
     from megatron_trace.config import TraceConfig
     from megatron_trace.sites import SiteNumerics
-    from trace_core.records import RecordSpec
+    from trace_core.records.spec import RecordSpec
 
     numerics = SiteNumerics(TraceConfig(mode="qat", spec=RecordSpec(moe_layers=(LAYER,)), replay_routes=False))
     x, ids, _ = routed_input()
@@ -194,7 +194,7 @@ def engine_rows(tmp_path_factory) -> dict:
     """The embedded engine's expert forward on a transformers Qwen3-MoE holding `checkpoint()` in layer LAYER."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from trace_core.records import RecordSpec
+    from trace_core.records.spec import RecordSpec
     from trace_rl.engine import EmbeddedEngine
 
     cfg = Qwen3MoeConfig(

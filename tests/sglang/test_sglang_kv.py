@@ -19,11 +19,11 @@ load_trace_plugin()  # the hybrid pool's FP4 choice is the plugin's hook on Hybr
 import sglang.srt.mem_cache.memory_pool as memory_pool  # noqa: E402
 
 from sglang_trace.kv import gather_kv_records, gather_kv_shard, merge_tp_shards, request_slots  # noqa: E402
-from trace_core.formats import KV_FP4, NVFP4  # noqa: E402
-from trace_core.quant import quantize  # noqa: E402
-from trace_core.recipe import get_recipe  # noqa: E402
-from trace_core.records import Record  # noqa: E402
-from trace_core.role_quant import fake_quant, quantize_role  # noqa: E402
+from trace_core.numerics.formats import KV_FP4, NVFP4  # noqa: E402
+from trace_core.numerics.quant import quantize  # noqa: E402
+from trace_core.numerics.recipe import get_recipe  # noqa: E402
+from trace_core.numerics.role_quant import fake_quant, quantize_role  # noqa: E402
+from trace_core.records.spec import Record  # noqa: E402
 
 HEADS, HEAD_DIM, LAYERS, SLOTS = 4, 32, 3, 64
 
@@ -341,8 +341,8 @@ def test_tp_ranks_keep_record_shards_and_the_store_equals_one_rank_bit_for_bit(t
     MoE layer owned by rank 1 missed its hooks is refused on rank 0 (the merging rank checks every shard)."""
     import torch.multiprocessing as mp
 
-    from trace_core.records import Record
-    from trace_core.store_reader import FailedRecordError, RecordReader
+    from trace_core.records.reader import FailedRecordError, RecordReader
+    from trace_core.records.spec import Record
 
     out = str(tmp_path / "stats")
     mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), str(tmp_path / "tp2"), out), nprocs=2, join=True)

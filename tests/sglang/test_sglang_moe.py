@@ -24,9 +24,9 @@ from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
 from sglang_trace import hooks  # noqa: E402
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, native_moe_input  # noqa: E402
 from tests.sglang_cpu import cpu_capturer, init_cpu_parallel_state, trace_server_args  # noqa: E402
-from trace_core.capture import RecordCapturer  # noqa: E402
-from trace_core.quant import dequantize, nvfp4_global_scale, quantize  # noqa: E402
-from trace_core.records import ModelShape, Record, RecordSpec  # noqa: E402
+from trace_core.numerics.quant import dequantize, nvfp4_global_scale, quantize  # noqa: E402
+from trace_core.records.capture import RecordCapturer  # noqa: E402
+from trace_core.records.spec import ModelShape, Record, RecordSpec  # noqa: E402
 
 E, H, INTER, TOPK = 4, 64, 32, 2
 
@@ -136,8 +136,8 @@ def test_emulated_input_site_equals_reference_and_writes_record():
 
 def test_patched_forward_impl_runs_experts_on_the_nvfp4_input(emulate_args, tmp_path):
     """FusedMoE.forward_impl with TRACE on equals the reference: NVFP4 MoE input, NVFP4 FC2 input per (token,
-    expert) row (`trace_core.fc2`), the top-k weight applied to each expert's BF16 FC2 output in FP32 and summed
-    in FP32 (SGLang's CPU expert path, `moe_forward_native`)."""
+    expert) row (`trace_core.numerics.fc2`), the top-k weight applied to each expert's BF16 FC2 output in FP32 and
+    summed in FP32 (SGLang's CPU expert path, `moe_forward_native`)."""
     from sglang_trace.config import ModelLayout
 
     layer = make_layer(layer_id=1)

@@ -49,9 +49,9 @@ from transformers import Qwen3MoeConfig  # noqa: E402
 from sglang_trace import hooks  # noqa: E402
 from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot  # noqa: E402
 from sglang_trace.handle import from_meta_info  # noqa: E402
-from trace_core.quant import quantize  # noqa: E402
-from trace_core.records import Binding, Record, token_digest  # noqa: E402
-from trace_core.store_reader import FailedRecordError, RecordReader  # noqa: E402
+from trace_core.numerics.quant import quantize  # noqa: E402
+from trace_core.records.reader import FailedRecordError, RecordReader  # noqa: E402
+from trace_core.records.spec import Binding, Record, token_digest  # noqa: E402
 
 H, KV_HEADS, HEAD_DIM, EXPERTS, TOPK, INTER, LAYERS = 64, 2, 32, 4, 2, 32, 2
 

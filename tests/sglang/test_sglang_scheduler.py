@@ -52,7 +52,7 @@ from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_
 
 from sglang_trace.handle import from_meta_info  # noqa: E402
 from tests.sglang.test_sglang_rollout import LAYERS, expected, qwen3_moe, rollout  # noqa: E402, F401 (the fixture)
-from trace_core.store_reader import RecordReader  # noqa: E402
+from trace_core.records.reader import RecordReader  # noqa: E402
 
 MAX_RUNNING, CONTEXT = 4, 32  # the rollout's ReqToTokenPool: 4 rows of 32 slots
 
@@ -419,7 +419,7 @@ def test_weight_updates_through_sglangs_scheduler(rollout, tmp_path):  # noqa: F
     `flush_cache` empties the radix tree) the next request's records are stored under the new step."""
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
-    from trace_core.store_reader import FailedRecordError
+    from trace_core.records.reader import FailedRecordError
 
     sched = scheduler(rollout, tmp_path, kv_slots=24)
     prompt = [11, 12, 13, 14]

@@ -11,7 +11,7 @@ is exact in FP32 and in BF16), and they reach the dots in the register layout SG
 dequantize-then-attend path (`MHATokenToKVPoolFP4.get_key_buffer`, which converts the whole layer buffer on every
 call) without materializing the buffer. GQA (the grouped kernel, TRACE's models) takes SGLang's math unchanged;
 MHA sums q . k in FP32 where SGLang sums in BF16 (see `_fp4_kernel_stage1`). The pure-torch twin is
-`trace_core.kv_attention.decode_attention_reference`.
+`trace_core.numerics.kv_attention.decode_attention_reference`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.formats import KV_FP4, FP4Format
 from trace_core.kernels.triton_fp4 import INTERPRET, NVFP4, TWO_126, _e4m3_decode, _pow2
-from trace_core.kv_attention import check_kv_format
+from trace_core.numerics.formats import KV_FP4, FP4Format
+from trace_core.numerics.kv_attention import check_kv_format
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV: split lengths are multiples of it
 MIN_HEAD_DIM = 16

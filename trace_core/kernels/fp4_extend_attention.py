@@ -6,7 +6,7 @@ through `kv_indices`) and then over the new tokens themselves (`k_extend` / `v_e
 online softmax. Only the prefix's K and V tile loads change: packed E2M1 codes and their scale bytes (E8M0 for
 `kv_fp4`, E4M3 for NVFP4 KV: `kv_fmt`) are dequantized in registers by `_fp4_tile`, to the BF16 values
 `MHATokenToKVPoolFP4.get_key_buffer` would have materialized for the whole layer. The pure-torch twin is
-`trace_core.kv_attention.extend_attention_reference`.
+`trace_core.numerics.kv_attention.extend_attention_reference`.
 
 Supported: causal or bidirectional extend, logit cap, attention sinks, k/v scales. Refused by name (SGLang
 features the twin does not replay): a custom mask (speculative-decoding verify), a sliding window, xai
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from trace_core.formats import KV_FP4, FP4Format
 from trace_core.kernels.fp4_attention import KV_DTYPES, PAD_HEAD_DIM, _fp4_tile, _tanh, check_fp4_cache, fp4_words
-from trace_core.kv_attention import check_kv_format, extend_tiles
+from trace_core.numerics.formats import KV_FP4, FP4Format
+from trace_core.numerics.kv_attention import check_kv_format, extend_tiles
 
 
 @triton.jit

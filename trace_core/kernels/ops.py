@@ -25,11 +25,11 @@ try:
 except ImportError:  # CPU-only installs: the reference serves every device
     triton = None
 
-from trace_core.formats import FP4Format, ScaleKind, get_format
-from trace_core.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize, straight_through
-from trace_core.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
-from trace_core.recipe import Role
-from trace_core.records import Record, check_bits, pack_low_bits, packed_len
+from trace_core.numerics.formats import FP4Format, ScaleKind, get_format
+from trace_core.numerics.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize, straight_through
+from trace_core.numerics.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
+from trace_core.numerics.recipe import Role
+from trace_core.records.spec import Record, check_bits, pack_low_bits, packed_len
 
 SCALE_NONE, SCALE_SCALAR, SCALE_ROW, SCALE_PER_TOKEN = 0, 1, 2, 3
 
@@ -516,7 +516,7 @@ def rtn_fake_quant(
     x: torch.Tensor, fmt: FP4Format | str, *, global_scale: float | torch.Tensor | None = None, per_token: bool = False
 ) -> torch.Tensor:
     """RTN quantize-dequantize of a `[T, D]` tensor with a straight-through backward (kernel twin of
-    `trace_core.guided.rtn_fake_quant`)."""
+    `trace_core.numerics.guided.rtn_fake_quant`)."""
     fmt = get_format(fmt)
     _check_2d(x, fmt, "rtn_fake_quant input")
     if fmt.has_global_scale and global_scale is None and not per_token:
@@ -621,7 +621,7 @@ def guided_fake_quant(
     stats: GuidanceStats | None = None,
     role: Role | None = None,
 ) -> torch.Tensor:
-    """Kernel twin of `trace_core.guided.guided_round` for `[T, D]` inputs: same values, same fallback for rows
+    """Kernel twin of `trace_core.numerics.guided.guided_round` for `[T, D]` inputs: same values, same fallback for rows
     without a record (the RTN of the rollout's `role`, `fallback_scale`), same counts in `stats` (default
     `GLOBAL_STATS`)."""
     check_bits(bits)

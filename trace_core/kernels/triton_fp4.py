@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from trace_core import formats
+from trace_core.numerics import formats
 
 # Format ids (constexpr), as the format definitions give them (`FP4Format.kernel_id`).
 NVFP4 = tl.constexpr(formats.NVFP4.kernel_id)

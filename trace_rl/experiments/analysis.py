@@ -22,8 +22,8 @@ from megatron_trace.config import Mode, TraceConfig
 from megatron_trace.rows import TokenRows
 from megatron_trace.source import Site
 from megatron_trace.tiny import TinyMoEConfig
-from trace_core.records import Binding, ModelShape, RecordSpec, bytes_per_token, token_digest
-from trace_core.store import StepWriter, finalize_step
+from trace_core.records.spec import Binding, ModelShape, RecordSpec, bytes_per_token, token_digest
+from trace_core.records.store import StepWriter, finalize_step
 from trace_rl.engine import EmbeddedEngine
 from trace_rl.task import EOS, AdditionTask
 from trace_rl.trainer import MegatronTrainer
@@ -88,7 +88,7 @@ def ablation_specs(layers: int, flip_rates: dict[str, float] | None = None) -> d
 
 
 def record_bytes(tiny: TinyMoEConfig, spec: RecordSpec) -> float:
-    """Record bytes per token of `spec` on the model `tiny` (`trace_core.records.bytes_per_token`)."""
+    """Record bytes per token of `spec` on the model `tiny` (`trace_core.records.spec.bytes_per_token`)."""
     return bytes_per_token(ModelShape(tiny.hidden, tiny.kv_heads, tiny.head_dim), spec).total
 
 

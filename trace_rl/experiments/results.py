@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from trace_core.recipe import DEFAULT_RECIPE, recipe_names
+from trace_core.numerics.recipe import DEFAULT_RECIPE, recipe_names
 from trace_rl.controller import METRICS
 from trace_rl.experiments.analysis import analyze, relative_excess
 from trace_rl.experiments.report import write_csv

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_core.formats import get_format
-from trace_core.quant import Quantized
-from trace_core.records import ModelShape, Record, RecordSpec, pack_low_bits, packed_len
-from trace_core.store import Site, SiteLayout, TrajectoryRecords, site_layout
+from trace_core.numerics.formats import get_format
+from trace_core.numerics.quant import Quantized
+from trace_core.records.layout import SiteLayout, TrajectoryRecords, site_layout
+from trace_core.records.spec import ModelShape, Record, RecordSpec, pack_low_bits, packed_len
+from trace_core.sites import Site
 
 # Rows are padded to whole 8-byte words: the store and staging are copied and gathered through int64 views (one
 # element per 8 bytes; PyTorch's index kernels run one thread-element per element of the dtype, so a byte view
@@ -326,7 +327,8 @@ class RecordCapturer:
         self._staged[site] = rows
 
     def stage_quantized(self, site: Site, q: Quantized) -> None:
-        """Reference path: stage a `Quantized` `[T, n]` from `trace_core.quant.quantize` (packs its low bits)."""
+        """Reference path: stage a `Quantized` `[T, n]` from `trace_core.numerics.quant.quantize` (packs its low
+        bits)."""
         fmt_name, bits, n = self.layouts.get(site, (None, 0, 0))
         if q.fmt.name != fmt_name or q.codes.dim() != 2 or q.codes.shape[1] != n:
             got = f"{q.fmt.name} {tuple(q.codes.shape)}"

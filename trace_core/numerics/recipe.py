@@ -4,7 +4,7 @@ A recipe names, for each role (routed-expert weights, MoE input, FC2 input, K, V
 its scale, and whether the rollout records it so the trainer can guide it. It is the one definition every side
 reads: the record spec (`RecordSpec.recipe`), the trainer (`megatron_trace.config.TraceConfig.recipe`), the SGLang
 server (`--trace-recipe`), the embedded engine and the RL config (`recipe`). The sites quantize through
-`trace_core.role_quant` with a role of the recipe and never name a format themselves, so a recipe that combines
+`trace_core.numerics.role_quant` with a role of the recipe and never name a format themselves, so a recipe that combines
 existing formats and scale granularities is added here alone (docs/design.md, "Precision recipes").
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from trace_core.formats import KV_FP4, MXFP4, NVFP4, FP4Format, ScaleKind
-from trace_core.mxfp8 import MXFP8, FP8Format
+from trace_core.numerics.formats import KV_FP4, MXFP4, NVFP4, FP4Format, ScaleKind
+from trace_core.numerics.mxfp8 import MXFP8, FP8Format
 
 
 class Scale(enum.Enum):

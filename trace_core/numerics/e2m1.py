@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from trace_core.formats import Rounding
+from trace_core.numerics.formats import Rounding
 
 MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """E2M1 magnitudes by index k (code bits 2..0)."""

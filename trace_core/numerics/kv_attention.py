@@ -3,8 +3,8 @@
 The cache layout is SGLang's `MHATokenToKVPoolFP4` per layer: codes uint8 `[slots, heads, D/2]` (element 2i in the
 low nibble of byte i), scale bytes uint8 `[slots, heads * D / 16]` (16 elements per byte), i.e. rows of
 `heads * D` elements of the pool's format (`KV_FORMATS`): `kv_fp4` (E8M0 bytes, exponent + 127), or NVFP4 KV (E4M3
-bytes under the static global scale S_enc = 1: `trace_core.recipe.Scale.STATIC`). Requests are paged as in SGLang's
-triton backend: request b attends over slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`.
+bytes under the static global scale S_enc = 1: `trace_core.numerics.recipe.Scale.STATIC`). Requests are paged as in
+SGLang's triton backend: request b attends over slots `kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`.
 
 The twin follows the kernels' algorithm step by step (SGLang's split-KV decode: per split, blocks of `block_n`
 slots with an online softmax, the probabilities cast to the value dtype before the P V product on the grouped
@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from trace_core.e2m1 import unpack_fp4
-from trace_core.formats import KV_FP4, NVFP4, FP4Format
-from trace_core.quant import Quantized, dequantize, static_global_scale
+from trace_core.numerics.e2m1 import unpack_fp4
+from trace_core.numerics.formats import KV_FP4, NVFP4, FP4Format
+from trace_core.numerics.quant import Quantized, dequantize, static_global_scale
 
 MIN_BLOCK_KV = 32
 KV_FORMATS = (KV_FP4, NVFP4)

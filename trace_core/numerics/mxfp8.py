@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_core.formats import E8M0Rule, ScaleKind
-from trace_core.quant import E8M0_BIAS, FLOAT_DTYPES, e8m0_exponent
+from trace_core.numerics.formats import E8M0Rule, ScaleKind
+from trace_core.numerics.quant import E8M0_BIAS, FLOAT_DTYPES, e8m0_exponent
 
 E4M3_MAX = 448.0
 

@@ -23,15 +23,14 @@ import numpy as np
 import torch
 import zstandard
 
-from trace_core.formats import get_format
-from trace_core.records import Binding, Record, packed_len
-from trace_core.store import (
+from trace_core.numerics.formats import get_format
+from trace_core.records.layout import SiteLayout
+from trace_core.records.spec import Binding, Record, packed_len
+from trace_core.records.store import (
     INDEX_NAME,
     ROUTES,
     CorruptShardError,
     MissingRecordError,
-    Site,
-    SiteLayout,
     StoreError,
     build_index,
     check_format,
@@ -41,12 +40,13 @@ from trace_core.store import (
     site_key,
     step_dir,
 )
+from trace_core.sites import Site
 
 POLICIES = ("error", "rtn")
 
 
 class FailedRecordError(MissingRecordError):
-    """The writer recorded that a trajectory's records will not come (`trace_core.store.write_failure`)."""
+    """The writer recorded that a trajectory's records will not come (`trace_core.records.store.write_failure`)."""
 
 
 class BindingMismatchError(StoreError):

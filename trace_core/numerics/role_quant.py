@@ -3,7 +3,7 @@
 The rollout (embedded engine, SGLang's expert path) and the trainer (Megatron sites) pass a `Role` of their recipe
 and the rows; the format, the scale granularity and the kernel are chosen here only. FP4 roles run through
 `trace_core.kernels` (Triton on CUDA, the `trace_core` reference elsewhere); MXFP8 roles through
-`trace_core.mxfp8`. Rows are 2-D `[T, D]` with the block along D.
+`trace_core.numerics.mxfp8`. Rows are 2-D `[T, D]` with the block along D.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from trace_core import kernels
-from trace_core.formats import KV_FP4, NVFP4, FP4Format
-from trace_core.guided import straight_through
-from trace_core.mxfp8 import mxfp8_rtn
-from trace_core.quant import Quantized, nvfp4_global_scale, quantize, static_global_scale
-from trace_core.recipe import Role, Scale
+from trace_core.numerics.formats import KV_FP4, NVFP4, FP4Format
+from trace_core.numerics.guided import straight_through
+from trace_core.numerics.mxfp8 import mxfp8_rtn
+from trace_core.numerics.quant import Quantized, nvfp4_global_scale, quantize, static_global_scale
+from trace_core.numerics.recipe import Role, Scale
 
 
 def needs_row_amax(role: Role) -> bool:
@@ -92,7 +92,7 @@ def expert_weights_rtn(role: Role, w: torch.Tensor, out: torch.Tensor | None = N
 
 def rollout_rtn(role: Role, x: torch.Tensor, bits: int, record=None) -> torch.Tensor:
     """The rollout's round-to-nearest values of rows `x [T, D]` under `role`; `record` (staging buffers with
-    `low_bits`, `scales`, `global_scale`, e.g. `trace_core.capture.SiteBuffers`) receives the record in the same
+    `low_bits`, `scales`, `global_scale`, e.g. `trace_core.records.capture.SiteBuffers`) receives the record in the same
     pass. CUDA-graph safe (no host sync)."""
     if record is not None and not role.recorded:
         raise ValueError(f"{role.fmt.name} role is not recorded under its recipe")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_core import e2m1
-from trace_core.formats import E8M0Rule, FP4Format, ScaleKind, get_format
+from trace_core.numerics import e2m1
+from trace_core.numerics.formats import E8M0Rule, FP4Format, ScaleKind, get_format
 
 FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
@@ -99,7 +99,7 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def static_global_scale(device: torch.device | str) -> torch.Tensor:
-    """The static `S_enc` of an NVFP4 KV pool (`trace_core.recipe.Scale.STATIC`): 1, a 0-d FP32 tensor made on
+    """The static `S_enc` of an NVFP4 KV pool (`trace_core.numerics.recipe.Scale.STATIC`): 1, a 0-d FP32 tensor made on
     `device` (no host copy, no sync: CUDA-graph safe). With it every decoded value `e2m1 * e4m3` is exact."""
     return torch.ones((), dtype=torch.float32, device=device)
 

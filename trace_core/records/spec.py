@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from trace_core.formats import FP4Format, get_format
-from trace_core.quant import Quantized
-from trace_core.recipe import DEFAULT_RECIPE, PrecisionRecipe, Scale, get_recipe
+from trace_core.numerics.formats import FP4Format, get_format
+from trace_core.numerics.quant import Quantized
+from trace_core.numerics.recipe import DEFAULT_RECIPE, PrecisionRecipe, Scale, get_recipe
 from trace_core.sites import Site
 
 
@@ -183,9 +183,9 @@ class RecordSpec:
     `moe_layers` are layer ids of MoE blocks (site `moe_in`); `attn_layers` are layer ids of softmax-attention
     layers (sites `k` and `v`). `RecordSpec.default` keeps b = 1 at every given layer, the policy docs/results.md
     measured best (the paper's default, b = 1 on the latter half, is `RecordSpec.latter_half`).
-    `recipe` names the precision recipe (`trace_core.recipe`) whose rollout writes the records; the record layout
-    (`moe_format`, `kv_format`, `per_token_scale`) then follows from it and a value given that disagrees is refused.
-    Without a recipe the spec describes a record layout only (today's nvfp4 / kv_fp4 / per-token by default).
+    `recipe` names the precision recipe (`trace_core.numerics.recipe`) whose rollout writes the records; the record
+    layout (`moe_format`, `kv_format`, `per_token_scale`) then follows from it and a value given that disagrees is
+    refused. Without a recipe the spec describes a record layout only (today's nvfp4 / kv_fp4 / per-token by default).
     """
 
     bits: int = 1
@@ -342,7 +342,7 @@ class Binding:
         step: RL step (record-store step directory). policy_version: the policy the rollout sampled with.
         trajectory: trajectory id in the step. attempt: id of the rollout attempt (a retry gets a new one).
         tokens: `token_digest` of the trajectory's token ids (prompt + response). recipe: the precision recipe
-        the rollout ran (`trace_core.recipe`), so a trainer under another recipe refuses the records.
+        the rollout ran (`trace_core.numerics.recipe`), so a trainer under another recipe refuses the records.
     """
 
     step: int

@@ -5,7 +5,7 @@ One definition, used by SGLang's expert path (`sglang_trace.moe.fc2_input`), the
 
 - what is quantized: each row `act(gate) * up` `[rows, intermediate]` of one (token, routed expert) pair, before
   the top-k weight is applied (the weight multiplies the FC2 output, never the FC2 input);
-- format and scale: the recipe's `fc2_in` role (`trace_core.recipe`), round to nearest, quantize-dequantize;
+- format and scale: the recipe's `fc2_in` role (`trace_core.numerics.recipe`), round to nearest, quantize-dequantize;
 - NVFP4 (`nvfp4-w4a4-kv4`): E4M3 scales per 16 along the intermediate and one FP32 `S_enc = 2688 / amax` per row,
   `amax` over the row's FULL intermediate width. When the intermediate dimension is sharded (SGLang MoE tensor
   parallelism, Megatron expert tensor parallelism), every shard computes its local row amax (`row_amax`), the
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from trace_core.recipe import Role
-from trace_core.role_quant import fake_quant, needs_row_amax
+from trace_core.numerics.recipe import Role
+from trace_core.numerics.role_quant import fake_quant, needs_row_amax
 
 __all__ = ["fc2_input_fake_quant", "needs_row_amax", "row_amax"]
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_core import e2m1
-from trace_core.formats import FP4Format, get_format
-from trace_core.quant import Quantized, check_input, dequantize, quantize, scale_factors, static_global_scale
-from trace_core.recipe import Role, Scale
-from trace_core.records import Record, check_bits, low_bits_mask
+from trace_core.numerics import e2m1
+from trace_core.numerics.formats import FP4Format, get_format
+from trace_core.numerics.quant import Quantized, check_input, dequantize, quantize, scale_factors, static_global_scale
+from trace_core.numerics.recipe import Role, Scale
+from trace_core.records.spec import Record, check_bits, low_bits_mask
 
 _NONE = -1
 

@@ -1,0 +1,1 @@
+"""Records: the capture spec and layout, device capture, the host ring, the on-disk store and its reader."""
