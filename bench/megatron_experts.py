@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench.common import device_name, sync, write_json
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.source import TensorRolloutSource
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.numerics.quant import quantize
 from trace_core.records.spec import Record, RecordSpec
 
@@ -119,13 +119,13 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.small:
         args.hidden, args.experts, args.topk, args.expert_ffn, args.seq = 64, 8, 2, 32, 64
-    cfg = TinyMoEConfig(
+    cfg = MoEModelConfig(
         vocab=128, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2, head_dim=16,
         experts=args.experts, topk=args.topk, expert_ffn=args.expert_ffn, max_seq=args.seq,
     )  # fmt: skip
     runs = args.runs.split(",")
     dtype = torch.bfloat16
-    models = {g: build_tiny_moe(cfg, dtype=dtype, grouped=g) for g in {RUNS[r][0] for r in runs}}
+    models = {g: build_moe_model(cfg, dtype=dtype, grouped=g) for g in {RUNS[r][0] for r in runs}}
     if len(models) == 2:  # same expert weights in both
         with torch.no_grad():
             for lg, ls in zip(models[True].decoder.layers, models[False].decoder.layers, strict=True):

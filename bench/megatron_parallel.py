@@ -114,6 +114,7 @@ def main() -> None:
     from megatron_trace.config import TraceConfig
     from megatron_trace.emulate import emulate_rollout
     from megatron_trace.loss import grpo_loss_terms, token_logprobs
+    from megatron_trace.model import build_moe_model
     from megatron_trace.parallel import (
         MicroBatchInput,
         build_chunks,
@@ -126,7 +127,6 @@ def main() -> None:
     )
     from megatron_trace.rows import pack_microbatch
     from megatron_trace.session import TraceSession
-    from megatron_trace.tiny import build_tiny_moe
     from trace_core.records.spec import RecordSpec
     from trace_rl.warmup import PRESETS
 
@@ -149,7 +149,7 @@ def main() -> None:
     work = Path(args.work)
     if world == 1 and not (work / "inputs.pt").exists():
         work.mkdir(parents=True, exist_ok=True)
-        model = build_tiny_moe(cfg, dtype=torch.bfloat16, **layout.config_overrides())
+        model = build_moe_model(cfg, dtype=torch.bfloat16, **layout.config_overrides())
         full = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         source = emulate_rollout(model, mbs, spec, num_trajectories=n_traj, max_positions=cfg.max_seq)
         torch.save({"full": full, "source": source}, work / "inputs.pt")
@@ -160,7 +160,7 @@ def main() -> None:
         """The steps from the loaded inputs; `reverse` runs the micro-batches in reverse order (the same math with
         the gradient sums in another order: a noise floor for the layouts)."""
         chunks = build_chunks(
-            lambda v: build_tiny_moe(cfg, dtype=torch.bfloat16, vp_stage=v, **layout.config_overrides()), layout
+            lambda v: build_moe_model(cfg, dtype=torch.bfloat16, vp_stage=v, **layout.config_overrides()), layout
         )
         for c in chunks:
             load_full_state(c, inputs["full"])

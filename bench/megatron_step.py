@@ -32,9 +32,9 @@ from bench.common import device_name, sync, write_json
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records.spec import RecordSpec
 from trace_rl.warmup import PRESETS as MODEL_PRESETS
 
@@ -75,7 +75,7 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def step_flops(cfg: TinyMoEConfig, tokens: int, seq: int) -> float:
+def step_flops(cfg: MoEModelConfig, tokens: int, seq: int) -> float:
     """Model FLOPs of one training step over `tokens` positions (padding included: it is computed): 6 per active
     weight per token (QKV, output projection, router, the top-k experts' FC1 and FC2, the LM head) plus the
     attention products (4 * seq * heads * head_dim per token per layer forward, no causal halving, x3 for
@@ -91,7 +91,7 @@ def step_flops(cfg: TinyMoEConfig, tokens: int, seq: int) -> float:
 def main() -> None:
     args = parse()
     init_single_rank()
-    cfg = TinyMoEConfig(
+    cfg = MoEModelConfig(
         vocab=args.vocab,
         hidden=args.hidden,
         layers=args.layers,
@@ -104,7 +104,7 @@ def main() -> None:
         max_seq=args.seq,
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_tiny_moe(cfg, dtype=torch.bfloat16, grouped=args.grouped)
+    model = build_moe_model(cfg, dtype=torch.bfloat16, grouped=args.grouped)
     n = args.batch * args.microbatches
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.seq // 2, args.seq + 1, (n,), generator=g).tolist()

@@ -2,7 +2,7 @@
 `megatron_trace.export`, unsharded or sharded for the calling rank's TP / EP / PP position.
 
 `HFCheckpoint` reads `config.json` and the safetensors files (one file or a `model.safetensors.index.json` shard
-set) lazily, one tensor at a time. `model_dims` turns the config into the trainer's `TinyMoEConfig` and refuses, by
+set) lazily, one tensor at a time. `model_dims` turns the config into the trainer's `MoEModelConfig` and refuses, by
 name, every setting the trainer's Megatron spec does not build (Qwen3-Next / Qwen3.5 hybrid attention, dense MLP
 layers, shared experts, tied embeddings, biases, RoPE scaling, sliding windows, `norm_topk_prob = false`).
 
@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from megatron_trace.tiny import TinyMoEConfig
+from megatron_trace.model import MoEModelConfig
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text")
 HYBRID_KEYS = ("layer_types", "full_attention_interval", "linear_num_value_heads")  # linear-attention layer configs
@@ -34,7 +34,7 @@ class UnsupportedCheckpoint(ValueError):
     """The HF checkpoint is not a Qwen3-MoE layout the trainer's Megatron spec builds."""
 
 
-def model_dims(config: dict) -> TinyMoEConfig:
+def model_dims(config: dict) -> MoEModelConfig:
     """The trainer's model dimensions of an HF Qwen3-MoE `config.json`; refuses unsupported settings by name."""
     kind = config.get("model_type")
     if kind in HYBRID_TYPES or any(k in config for k in HYBRID_KEYS):
@@ -65,7 +65,7 @@ def model_dims(config: dict) -> TinyMoEConfig:
     if errors:
         raise UnsupportedCheckpoint("unsupported Qwen3-MoE config: " + "; ".join(errors))
     heads = config["num_attention_heads"]
-    return TinyMoEConfig(
+    return MoEModelConfig(
         vocab=config["vocab_size"],
         hidden=config["hidden_size"],
         layers=config["num_hidden_layers"],
@@ -169,7 +169,7 @@ def megatron_tensor(ckpt: HFCheckpoint, name: str) -> torch.Tensor:
     raise KeyError(f"no HF tensor for Megatron parameter {name}")
 
 
-def megatron_names(d: TinyMoEConfig) -> list[str]:
+def megatron_names(d: MoEModelConfig) -> list[str]:
     """Parameter names of the single-rank Megatron model of dims `d`."""
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     per_layer = [

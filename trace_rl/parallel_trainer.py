@@ -26,6 +26,7 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.loss import LossConfig, grpo_advantages, grpo_loss_terms, token_entropy, token_logprobs
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.parallel import (
     Layout,
     MicroBatchInput,
@@ -37,7 +38,6 @@ from megatron_trace.parallel import (
     wrap_ddp,
 )
 from megatron_trace.session import TraceSession
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records.spec import RecordSpec
 from trace_rl.config import RLConfig, check_trainer_experts
 from trace_rl.engine import Trajectory
@@ -50,7 +50,7 @@ LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")  # per loss unit
 REPORT_ONLY = ("tokens", "units", "samples")  # what `loss_terms` reports besides the metrics
 
 
-def check_layout(tiny: TinyMoEConfig, layout: Layout, dp: int) -> None:
+def check_layout(tiny: MoEModelConfig, layout: Layout, dp: int) -> None:
     """Refuse a layout the model's dimensions cannot be split into, naming the dimension."""
     errors = [
         f"{name}={value} is not divisible by {key}={size}"
@@ -77,7 +77,7 @@ class RankTrainer(MegatronTrainer):
 
     def __init__(
         self,
-        tiny: TinyMoEConfig,
+        tiny: MoEModelConfig,
         state: dict[str, torch.Tensor],
         *,
         layout: Layout,
@@ -107,7 +107,7 @@ class RankTrainer(MegatronTrainer):
 
         def build():
             return build_chunks(
-                lambda v: build_tiny_moe(
+                lambda v: build_moe_model(
                     tiny, dtype=dtype, routing_replay=True, vp_stage=v, grouped=grouped, **layout.config_overrides()
                 ),
                 layout,
@@ -337,7 +337,7 @@ class GroupTrainer:
 
     def __init__(
         self,
-        tiny: TinyMoEConfig,
+        tiny: MoEModelConfig,
         state: dict,
         *,
         layout: Layout,
@@ -357,7 +357,7 @@ class GroupTrainer:
         self.group.start(RankTrainer, tiny, ray.put(state), layout=layout, **kw)
 
     @classmethod
-    def from_config(cls, tiny: TinyMoEConfig, state: dict, cfg: RLConfig, **kw) -> GroupTrainer:
+    def from_config(cls, tiny: MoEModelConfig, state: dict, cfg: RLConfig, **kw) -> GroupTrainer:
         """The group of `cfg`'s layout keys (tp, ep, pp, dp, gpus_per_node, train_micro_batch); one GPU per rank with
         device = "cuda"."""
         layout = Layout(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)

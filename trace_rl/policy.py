@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megatron_trace.hf_import import HFCheckpoint, megatron_state
-from megatron_trace.tiny import TinyMoEConfig
+from megatron_trace.model import MoEModelConfig
 from trace_rl.data import AdditionTokenizer
 from trace_rl.task import EOS
 from trace_rl.warmup import HF_DIR, MEGATRON_STATE, load_megatron_state
@@ -31,7 +31,7 @@ class RolloutTask:
 
 @dataclass(frozen=True)
 class Policy:
-    dims: TinyMoEConfig
+    dims: MoEModelConfig
     state: dict[str, torch.Tensor]
     hf_dir: Path
     tokenizer: Any  # AdditionTokenizer or a transformers tokenizer (`decode`, `eos_token_id`)

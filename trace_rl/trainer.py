@@ -33,12 +33,12 @@ from megatron_trace.loss import (
     token_entropy,
     token_logprobs,
 )
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.parallel import gather_full_state, load_full_state, refuse_non_finite
 from megatron_trace.rows import MicroBatch, pack_microbatch
 from megatron_trace.session import Tap, TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
 from megatron_trace.source import TensorRolloutSource, source_from_store
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records.reader import RecordReader
 from trace_core.records.spec import Binding, RecordSpec, token_digest
 from trace_rl.config import check_trainer_experts
@@ -76,7 +76,7 @@ class StaleRolloutError(RuntimeError):
 class MegatronTrainer:
     def __init__(
         self,
-        tiny: TinyMoEConfig,
+        tiny: MoEModelConfig,
         state: dict[str, torch.Tensor],
         *,
         mode: str,
@@ -93,7 +93,7 @@ class MegatronTrainer:
     ):
         check_trainer_experts(experts, expert_weights_in_place)
         init_single_rank()
-        self.model = build_tiny_moe(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")
+        self.model = build_moe_model(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")
         names = set(gather_full_state([self.model]))  # the full state's names (SequentialMLP's for either experts)
         missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
         if missing or unexpected:
@@ -110,7 +110,7 @@ class MegatronTrainer:
         self.ref: list | None = None  # the reference policy's chunks, only for a KL term (`_build_reference`)
         if self.loss.needs_reference:
             self._build_reference(
-                lambda: [build_tiny_moe(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")], state
+                lambda: [build_moe_model(tiny, dtype=dtype, routing_replay=True, grouped=experts == "grouped")], state
             )
 
     def _set_algorithm(

@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf, hf_config
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_rl.task import VOCAB, AdditionTask
 
 MEGATRON_STATE = "megatron.pt"
@@ -28,9 +28,9 @@ HF_DIR = "hf"
 
 PRESETS = {
     # the embedded default: a CPU forward + backward well under a second
-    "tiny": TinyMoEConfig(vocab=VOCAB, hidden=64, layers=2, experts=4, topk=2, expert_ffn=64, max_seq=32),
+    "tiny": MoEModelConfig(vocab=VOCAB, hidden=64, layers=2, experts=4, topk=2, expert_ffn=64, max_seq=32),
     # the results model (docs/results.md): 165 M parameters, Qwen3-MoE-shaped, one GPU
-    "small": TinyMoEConfig(
+    "small": MoEModelConfig(
         vocab=VOCAB,
         hidden=768,
         layers=8,
@@ -43,7 +43,7 @@ PRESETS = {
         max_seq=32,
     ),
     # the depth study (docs/results.md): the same family, 32 layers, narrower so it warms up and trains quickly
-    "deep": TinyMoEConfig(
+    "deep": MoEModelConfig(
         vocab=VOCAB,
         hidden=256,
         layers=32,
@@ -100,7 +100,7 @@ def make_tiny_model(
     cfg = PRESETS[preset]
     if task.prompt_len + task.answer_len > cfg.max_seq:
         raise ValueError(f"{digits}-digit addition needs {task.prompt_len + task.answer_len} positions > {cfg.max_seq}")
-    model = build_tiny_moe(cfg, dtype=torch.float32, seed=seed, routing_replay=False)
+    model = build_moe_model(cfg, dtype=torch.float32, seed=seed, routing_replay=False)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.3)
@@ -150,7 +150,7 @@ def make_tiny_model(
     return summary
 
 
-def load_megatron_state(model_dir: str | Path) -> tuple[TinyMoEConfig, int, dict[str, torch.Tensor]]:
+def load_megatron_state(model_dir: str | Path) -> tuple[MoEModelConfig, int, dict[str, torch.Tensor]]:
     """(model dims, task digits, BF16 state dict) written by `make_tiny_model`."""
     path = Path(model_dir) / MEGATRON_STATE
     if not path.exists():
@@ -158,4 +158,4 @@ def load_megatron_state(model_dir: str | Path) -> tuple[TinyMoEConfig, int, dict
             f"no tiny model at {model_dir} ({MEGATRON_STATE} missing); run scripts/make_tiny_model.py"
         )
     ckpt = torch.load(path, weights_only=True)
-    return TinyMoEConfig(**ckpt["tiny"]), int(ckpt["digits"]), ckpt["state"]
+    return MoEModelConfig(**ckpt["tiny"]), int(ckpt["digits"]), ckpt["state"]

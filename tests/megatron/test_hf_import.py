@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.export import export_hf
 from megatron_trace.hf_import import HFCheckpoint, UnsupportedCheckpoint, megatron_state, model_dims
+from megatron_trace.model import build_moe_model
 from megatron_trace.rows import pack_microbatch
-from megatron_trace.tiny import build_tiny_moe
 from tests.hf_tiny import make_hf_checkpoint
 
 
@@ -32,7 +32,7 @@ def ckpt_dir(tmp_path_factory) -> Path:
 def _import(path: Path, dtype: torch.dtype = torch.bfloat16):
     init_single_rank()
     ckpt = HFCheckpoint(path)
-    model = build_tiny_moe(ckpt.dims, dtype=dtype, routing_replay=False)
+    model = build_moe_model(ckpt.dims, dtype=dtype, routing_replay=False)
     missing, unexpected = model.load_state_dict(megatron_state(ckpt), strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
     return model.to(dtype)
@@ -172,7 +172,7 @@ def _worker(ckpt_dir: str, out: str) -> None:
             "pipeline_model_parallel_size": pp,
             "expert_tensor_parallel_size": 1,
         }
-        model = build_tiny_moe(ckpt.dims, dtype=torch.float32, routing_replay=False, **kw)
+        model = build_moe_model(ckpt.dims, dtype=torch.float32, routing_replay=False, **kw)
         load_hf_into(model, ckpt)
         locals_ = dict(model.named_parameters())
         if "ep" in layout:

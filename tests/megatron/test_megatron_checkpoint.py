@@ -65,15 +65,15 @@ def _worker(work: Path) -> None:
     from megatron.core import parallel_state
 
     from megatron_trace import checkpoint
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.parallel import Layout, build_chunks, make_optimizer, wrap_ddp
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
-    cfg = TinyMoEConfig(**CFG_KW)
+    cfg = MoEModelConfig(**CFG_KW)
     for name, (kw, grouped) in (LAYOUTS | DISTRIBUTED).items():
         layout = Layout(**kw)
         layout.init()
         chunks = build_chunks(
-            lambda v, layout=layout, grouped=grouped: build_tiny_moe(
+            lambda v, layout=layout, grouped=grouped: build_moe_model(
                 cfg, dtype=torch.bfloat16, seed=7, vp_stage=v, grouped=grouped, **layout.config_overrides()
             ),
             layout,
@@ -102,10 +102,10 @@ def _free_port() -> int:
 
 def _single(seed: int):
     from megatron_trace.cpu import init_single_rank
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+    from megatron_trace.model import MoEModelConfig, build_moe_model
 
     init_single_rank()
-    model = build_tiny_moe(TinyMoEConfig(**CFG_KW), dtype=torch.bfloat16, seed=seed)
+    model = build_moe_model(MoEModelConfig(**CFG_KW), dtype=torch.bfloat16, seed=seed)
     return model, *_trainer_state([model])
 
 
@@ -146,9 +146,9 @@ def test_a_checkpoint_moves_between_layouts_bit_for_bit(tmp_path):
         _assert_equal(_full([back], p2, opt2), ref)  # the layout -> one rank
 
     # Another model (more experts) is refused; so is a changed file of the checkpoint.
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
+    from megatron_trace.model import MoEModelConfig, build_moe_model
 
-    other = build_tiny_moe(TinyMoEConfig(**(CFG_KW | {"experts": 8})), dtype=torch.bfloat16)
+    other = build_moe_model(MoEModelConfig(**(CFG_KW | {"experts": 8})), dtype=torch.bfloat16)
     p3, _, opt3 = _trainer_state([other])
     with pytest.raises(ValueError, match="shape mismatch .* decoder.layers.mlp.router.weight"):
         checkpoint.load(tmp_path / "single", [other], p3, opt3)

@@ -20,17 +20,17 @@ def _worker() -> None:
     from megatron_trace.config import TraceConfig
     from megatron_trace.cpu import init_megatron
     from megatron_trace.emulate import emulate_rollout
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.rows import PAD, pack_microbatch
     from megatron_trace.session import TraceSession
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
     from trace_core.numerics.guided import guided_round
     from trace_core.records.spec import RecordSpec
 
     init_megatron(expert_parallel=2)
     # Ranks of one expert-parallel group exchange tokens, so their micro-batches share one shape: pad to 24.
     rank = torch.distributed.get_rank()
-    cfg = TinyMoEConfig(**CFG_KW)
-    model = build_tiny_moe(cfg, dtype=torch.bfloat16, expert_model_parallel_size=2)
+    cfg = MoEModelConfig(**CFG_KW)
+    model = build_moe_model(cfg, dtype=torch.bfloat16, expert_model_parallel_size=2)
     assert len(model.decoder.layers[0].mlp.experts.local_experts) == 2
     spec = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(1,))
     g = torch.Generator().manual_seed(10 + rank)

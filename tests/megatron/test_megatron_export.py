@@ -19,12 +19,12 @@ from megatron_trace.export import (
     nvfp4_quant_config,
     nvfp4_unpack,
 )
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.numerics.guided import rtn_fake_quant
 from trace_core.numerics.quant import nvfp4_global_scale
 
-CFG = TinyMoEConfig()
+CFG = MoEModelConfig()
 
 
 pytestmark = pytest.mark.usefixtures("megatron_rank")
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("megatron_rank")
 def test_bf16_export_loads_into_transformers_with_the_same_logits(tmp_path):
     from transformers import Qwen3MoeForCausalLM
 
-    model = build_tiny_moe(CFG, dtype=torch.float32, routing_replay=False)
+    model = build_moe_model(CFG, dtype=torch.float32, routing_replay=False)
     tensors = export_hf(model, dtype=torch.float32)
     save_file(tensors, tmp_path / "model.safetensors")
     config = hf_config(model, rope_theta=CFG.rope_theta, max_position_embeddings=CFG.max_seq)
@@ -70,7 +70,7 @@ def _calibrated(model) -> tuple[dict[str, float], dict[int, float]]:
 
 
 def test_nvfp4_experts_decode_to_the_trainer_fake_quant_weights():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16, routing_replay=False)
+    model = build_moe_model(CFG, dtype=torch.bfloat16, routing_replay=False)
     amax, norm_amax = _calibrated(model)
     tensors = export_hf(model, nvfp4_experts=True, input_amax=amax)
     for layer in model.decoder.layers:
@@ -122,7 +122,7 @@ def test_nvfp4_export_names_map_to_sglang_modelopt_moe_parameters():
         ckpt_up_proj_name="up_proj",
         num_experts=CFG.experts,
     )
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16, routing_replay=False)
+    model = build_moe_model(CFG, dtype=torch.bfloat16, routing_replay=False)
     tensors = export_hf(model, nvfp4_experts=True, input_amax=_calibrated(model)[0])
     loaded = set()
     for name in (n for n in tensors if ".mlp.experts." in n):
@@ -138,7 +138,7 @@ def test_nvfp4_export_names_map_to_sglang_modelopt_moe_parameters():
 
 
 def test_nvfp4_export_refuses_an_uncalibrated_expert():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16, routing_replay=False)
+    model = build_moe_model(CFG, dtype=torch.bfloat16, routing_replay=False)
     amax = _calibrated(model)[0]
     del amax["model.layers.1.mlp.experts.3.down_proj"]
     with pytest.raises(ValueError, match=r"1 of 24 have none, first \['model.layers.1.mlp.experts.3.down_proj'\]"):
@@ -149,7 +149,7 @@ def test_nvfp4_pack_round_trip_and_bad_model():
     w = torch.randn(8, 32)
     t = nvfp4_pack(w)
     assert torch.equal(nvfp4_unpack(t), rtn_fake_quant(w, "nvfp4"))
-    model = build_tiny_moe(CFG, routing_replay=False)
+    model = build_moe_model(CFG, routing_replay=False)
     model.config.qk_layernorm = False
     with pytest.raises(ValueError, match="Qwen3-MoE"):
         export_hf(model)

@@ -13,15 +13,15 @@ import torch
 from megatron_trace.config import TraceConfig
 from megatron_trace.cpu import init_single_rank
 from megatron_trace.emulate import emulate_rollout
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import PAD, pack_microbatch
 from megatron_trace.session import TraceSession
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.numerics.guided import guided_round
 from trace_core.records.spec import Record, RecordSpec
 
 pytestmark = pytest.mark.gpu
 
-CFG = TinyMoEConfig(hidden=128, layers=4, heads=8, kv_heads=2, head_dim=32, experts=8, topk=2, expert_ffn=64)
+CFG = MoEModelConfig(hidden=128, layers=4, heads=8, kv_heads=2, head_dim=32, experts=8, topk=2, expert_ffn=64)
 SPEC = RecordSpec.default(tuple(range(CFG.layers)), tuple(range(CFG.layers)), bits=1)
 
 
@@ -32,7 +32,7 @@ def cpu_record(r: Record) -> Record:
 
 def test_trace_step_on_gpu_matches_the_cpu_reference():
     init_single_rank()
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     assert next(model.parameters()).is_cuda
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(24, 49, (6,), generator=g).tolist()

@@ -20,16 +20,16 @@ from megatron_trace.grouped import (
     row_scaled_grouped_mm,
     row_scaled_grouped_mm_reference,
 )
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import SiteNumerics, expert_weight_fake_quant
 from megatron_trace.source import SiteRows
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.numerics.quant import quantize
 from trace_core.numerics.role_quant import quantize_role
 from trace_core.records.spec import Record, RecordSpec
 
-CFG = TinyMoEConfig()
+CFG = MoEModelConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 
 
@@ -45,7 +45,7 @@ def trajectories(n: int = 4, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
 def grouped_twin(seq_model: torch.nn.Module, **overrides) -> torch.nn.Module:
     """A grouped-experts model with the weights of a SequentialMLP model (its parameters in SequentialMLP names,
     mapped by `grouped_expert_names`)."""
-    model = build_tiny_moe(CFG, dtype=next(seq_model.parameters()).dtype, grouped=True, **overrides)
+    model = build_moe_model(CFG, dtype=next(seq_model.parameters()).dtype, grouped=True, **overrides)
     full = dict(seq_model.named_parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,7 +66,7 @@ def stacked(model: torch.nn.Module, layer: int, linear: str, grad: bool = False)
 
 
 def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp():
-    seq = build_tiny_moe(CFG)
+    seq = build_moe_model(CFG)
     grp = grouped_twin(seq)
     assert all(is_trace_grouped(layer.mlp.experts) for layer in grp.decoder.layers)
     # Local state dict: TE GroupedLinear naming (weight0 .. weight{E-1}), and it loads back.
@@ -75,7 +75,7 @@ def test_spec_builds_te_grouped_mlp_with_the_checkpoint_keys_of_sequential_mlp()
         "decoder.layers.0.mlp.experts.linear_fc1.weight0",
         "decoder.layers.0.mlp.experts.linear_fc1.weight1",
     ]
-    other = build_tiny_moe(CFG, grouped=True, seed=3)
+    other = build_moe_model(CFG, grouped=True, seed=3)
     other.load_state_dict(grp.state_dict())
     assert torch.equal(stacked(other, 1, "linear_fc2"), stacked(seq, 1, "linear_fc2"))
 
@@ -124,7 +124,7 @@ def check_grouped_matches_sequential(mode: str, dtype: torch.dtype, spec: Record
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mbs = [pack_microbatch(trajs[:2]).to(device), pack_microbatch(trajs[2:]).to(device)]
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
-    seq = build_tiny_moe(CFG, dtype=dtype, **overrides)
+    seq = build_moe_model(CFG, dtype=dtype, **overrides)
     grp = grouped_twin(seq, **overrides)
     source = emulate_rollout(seq, mbs, spec, num_trajectories=4, max_positions=32)
     results = []
@@ -263,10 +263,10 @@ def test_moe_layers_save_at_most_bf16_activations_plus_the_weight_copy_in_qat_an
     `qat` / `trace` is at most 1.1 x what they keep in `bf16`, plus the step's one fake-quantized copy of the expert
     weights (hidden / FFN = 8 / 3 as Qwen3-30B-A3B). Without the row-scaled FC2 the FC2 output rows stayed in the
     graph for the top-k weights' gradient (1.18 x at these shapes)."""
-    cfg = TinyMoEConfig(hidden=128, expert_ffn=48)
+    cfg = MoEModelConfig(hidden=128, expert_ffn=48)
     trajs = trajectories(4, seed=7)
     mb = pack_microbatch(trajs)
-    model = build_tiny_moe(cfg, grouped=True)
+    model = build_moe_model(cfg, grouped=True)
     source = emulate_rollout(model, [mb], ALL_SITES, num_trajectories=4, max_positions=32)
     weight_copy = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     saved = {mode: moe_saved_bytes(model, mode, mb, source) for mode in ("bf16", "qat", "trace")}
@@ -287,7 +287,7 @@ def test_expert_weights_fake_quantized_once_per_step(monkeypatch):
     monkeypatch.setattr(sites_mod, "expert_weight_fake_quant", counting)
     trajs = trajectories(4, seed=2)
     mbs = [pack_microbatch(trajs[:2]), pack_microbatch(trajs[2:])]
-    model = build_tiny_moe(CFG, grouped=True, recompute_granularity="selective", recompute_modules=["moe"])
+    model = build_moe_model(CFG, grouped=True, recompute_granularity="selective", recompute_modules=["moe"])
     session = TraceSession(model, TraceConfig(mode="qat", spec=ALL_SITES, replay_routes=False))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
@@ -312,7 +312,7 @@ def test_expert_weights_fake_quantized_once_per_step(monkeypatch):
 def test_straight_through_gradient_of_the_grouped_linear_is_exact():
     """d/dW of the fake-quantized grouped GEMM equals the plain grouped GEMM's gradient taken at the
     fake-quantized weights (identity through the quantizer), per expert, including an expert without rows."""
-    lin = build_tiny_moe(CFG, grouped=True).decoder.layers[0].mlp.experts.linear_fc1
+    lin = build_moe_model(CFG, grouped=True).decoder.layers[0].mlp.experts.linear_fc1
     numerics = SiteNumerics(TraceConfig(mode="qat", spec=ALL_SITES))
     lin.weight_quant = numerics.expert_weights
     counts = [5, 0, 9, 3]
@@ -360,7 +360,7 @@ def test_no_bf16_weight_copy_per_micro_batch_in_the_autograd_graph():
     fake-quantized activations; SequentialMLP saves a new full copy of all expert weights in each."""
     trajs = trajectories(6, seed=4)
     mbs = [pack_microbatch(trajs[i : i + 2], seq_len=24) for i in (0, 2, 4)]
-    seq = build_tiny_moe(CFG)
+    seq = build_moe_model(CFG)
     grp = grouped_twin(seq)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in grp.named_parameters() if ".experts." in n)
     g_bf16, g_qat = (saved_bytes_per_microbatch(grp, m, mbs) for m in ("bf16", "qat"))
@@ -415,7 +415,7 @@ def test_session_refuses_te_expert_linears_by_name_before_installing_anything():
     class TEColumnParallelLinear(torch.nn.Module):
         pass
 
-    grouped, sequential = build_tiny_moe(CFG, grouped=True), build_tiny_moe(CFG)
+    grouped, sequential = build_moe_model(CFG, grouped=True), build_moe_model(CFG)
     grouped.decoder.layers[1].mlp.experts.linear_fc1 = GroupedLinear()
     sequential.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1 = TEColumnParallelLinear()
     cases = [
@@ -430,7 +430,7 @@ def test_session_refuses_te_expert_linears_by_name_before_installing_anything():
 
 
 def test_grouped_linear_refuses_what_it_does_not_implement():
-    from megatron_trace.tiny import transformer_config
+    from megatron_trace.model import transformer_config
 
     config = transformer_config(CFG)
     kwargs = dict(

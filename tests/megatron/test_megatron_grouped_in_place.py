@@ -9,10 +9,10 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.emulate import emulate_rollout
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import expert_weight_fake_quant
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from tests.megatron.test_megatron_grouped import ALL_SITES, CFG, moe_saved_bytes, trajectories
 from trace_core.numerics.recipe import get_recipe
 from trace_core.numerics.role_quant import quantize_role
@@ -66,7 +66,7 @@ def check_in_place_matches_copy(mode: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mbs = [pack_microbatch(trajs[:2]).to(device), pack_microbatch(trajs[2:]).to(device)]
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
-    copy, in_place = (build_tiny_moe(CFG, dtype=torch.bfloat16, grouped=True, **overrides) for _ in range(2))
+    copy, in_place = (build_moe_model(CFG, dtype=torch.bfloat16, grouped=True, **overrides) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), in_place.parameters(), strict=True))
     source = emulate_rollout(copy, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
     w0 = {n: p.detach().clone() for n, p in copy.named_parameters() if ".experts." in n}
@@ -87,9 +87,9 @@ def check_in_place_matches_copy(mode: str) -> None:
 def test_in_place_weights_keep_no_weight_copy():
     """Issue-15 memory target with the weight copy counted: in `qat` / `trace` the MoE layers keep at most 1.1 x
     what `bf16` keeps (hidden / FFN = 8 / 3 as Qwen3-30B-A3B); the per-step copy path keeps the copy on top."""
-    cfg = TinyMoEConfig(hidden=128, expert_ffn=48)
+    cfg = MoEModelConfig(hidden=128, expert_ffn=48)
     mb = pack_microbatch(trajectories(4, seed=7))
-    model = build_tiny_moe(cfg, grouped=True)
+    model = build_moe_model(cfg, grouped=True)
     source = emulate_rollout(model, [mb], ALL_SITES, num_trajectories=4, max_positions=32)
     masters = {n: p.detach().clone() for n, p in model.named_parameters()}
     weight_copy = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
@@ -108,7 +108,7 @@ def test_in_place_weights_refuse_stale_or_unquantized_weights():
     """The forward refuses weights that were never quantized in place or were written since (an optimizer step
     without `quantize_weights_in_place`); SequentialMLP and a config without the flag are refused by name."""
     mb = pack_microbatch(trajectories(2, seed=1))
-    model = build_tiny_moe(CFG, grouped=True)
+    model = build_moe_model(CFG, grouped=True)
     session = TraceSession(
         model, TraceConfig(mode="qat", spec=ALL_SITES, replay_routes=False, expert_weights_in_place=True)
     )
@@ -137,7 +137,7 @@ def test_in_place_weights_refuse_stale_or_unquantized_weights():
     with pytest.raises(
         NotImplementedError, match="expert_weights_in_place needs the TRACE grouped experts, not SequentialMLP"
     ):
-        TraceSession(build_tiny_moe(CFG), TraceConfig(mode="qat", spec=ALL_SITES, expert_weights_in_place=True))
+        TraceSession(build_moe_model(CFG), TraceConfig(mode="qat", spec=ALL_SITES, expert_weights_in_place=True))
 
 
 def test_requantizing_nvfp4_weights_is_not_the_identity_for_subnormal_block_scales():

@@ -59,6 +59,7 @@ def _worker(name: str, layout_kw: dict, work: Path) -> None:
     from megatron_trace.config import TraceConfig
     from megatron_trace.emulate import emulate_rollout
     from megatron_trace.loss import grpo_loss_terms, token_logprobs
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.parallel import (
         Layout,
         MicroBatchInput,
@@ -72,18 +73,17 @@ def _worker(name: str, layout_kw: dict, work: Path) -> None:
     )
     from megatron_trace.rows import PAD, pack_microbatch
     from megatron_trace.session import TraceSession
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
     from trace_core.records.spec import RecordSpec
 
     layout = Layout(**layout_kw)
     layout.init()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    cfg = TinyMoEConfig(**CFG_KW)
+    cfg = MoEModelConfig(**CFG_KW)
     spec = RecordSpec(bits=1, moe_layers=(1, 2, 3), attn_layers=(0, 3))
     trajs = _trajectories()
     mbs = [pack_microbatch(trajs[i : i + 2], seq_len=SEQ) for i in range(0, 8, 2)]
     chunks = build_chunks(
-        lambda v: build_tiny_moe(cfg, dtype=torch.float32, vp_stage=v, **layout.config_overrides()), layout
+        lambda v: build_moe_model(cfg, dtype=torch.float32, vp_stage=v, **layout.config_overrides()), layout
     )
     if name == "single":
         full = {k: v.clone() for k, v in chunks[0].state_dict().items() if not k.endswith("_extra_state")}
@@ -228,11 +228,11 @@ def test_step_optimizer_is_megatrons_step(dtype):
     parameters, masters and moments bit for bit (dense and expert optimizers, one rank)."""
     from megatron_trace import checkpoint
     from megatron_trace.cpu import init_single_rank
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.parallel import make_optimizer, step_optimizer, unwrap, wrap_ddp
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
     init_single_rank()
-    models = [build_tiny_moe(TinyMoEConfig(**CFG_KW), dtype=dtype, routing_replay=False, grouped=True) for _ in "ab"]
+    models = [build_moe_model(MoEModelConfig(**CFG_KW), dtype=dtype, routing_replay=False, grouped=True) for _ in "ab"]
     models[1].load_state_dict(models[0].state_dict())
     chunks = [wrap_ddp([m])[0] for m in models]
     optimizers = [make_optimizer([c], lr=LR, clip_grad=1.0) for c in chunks]
@@ -262,11 +262,11 @@ def test_a_non_finite_gradient_is_refused_before_the_update(dtype):
     parameters, masters and moments as they were; with the gradient made finite it steps."""
     from megatron_trace import checkpoint
     from megatron_trace.cpu import init_single_rank
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.parallel import make_optimizer, step_optimizer, unwrap, wrap_ddp
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
     init_single_rank()
-    (chunk,) = wrap_ddp([build_tiny_moe(TinyMoEConfig(**CFG_KW), dtype=dtype, routing_replay=False, grouped=True)])
+    (chunk,) = wrap_ddp([build_moe_model(MoEModelConfig(**CFG_KW), dtype=dtype, routing_replay=False, grouped=True)])
     optimizer = make_optimizer([chunk], lr=LR, clip_grad=1.0)
     params = list(unwrap(chunk).parameters())
     before = [p.detach().clone() for p in params]

@@ -21,12 +21,12 @@ CFG_KW = dict(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, e
 def _worker(work: Path) -> None:
     from megatron.core import parallel_state
 
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.parallel import Layout, gather_full_state, load_full_state
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
     layout = Layout(ep=2)
     layout.init()
-    model = build_tiny_moe(TinyMoEConfig(**CFG_KW), grouped=True, **layout.config_overrides())
+    model = build_moe_model(MoEModelConfig(**CFG_KW), grouped=True, **layout.config_overrides())
     full = gather_full_state([model])
     # distinct values per global tensor, so a misplaced expert cannot match
     target = {

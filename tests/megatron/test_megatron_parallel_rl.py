@@ -32,8 +32,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_trace.model import MoEModelConfig
 from megatron_trace.parallel import Layout
-from megatron_trace.tiny import TinyMoEConfig
 from tests.rl_small import SMALL_RUN, overflow_gradient, trainer_state
 from trace_rl.cli import export_run
 from trace_rl.config import ConfigError, RLConfig, load_config
@@ -329,7 +329,7 @@ def test_layout_keys_are_validated():
         RLConfig(trainer_dtype="fp16")
 
 
-QWEN3_30B_A3B = TinyMoEConfig(  # the dimensions of Qwen3-30B-A3B's config.json
+QWEN3_30B_A3B = MoEModelConfig(  # the dimensions of Qwen3-30B-A3B's config.json
     vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, topk=8, expert_ffn=768
 )
 

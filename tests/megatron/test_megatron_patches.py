@@ -56,13 +56,13 @@ def test_the_distributed_optimizer_steps_cpu_parameters_like_adamw(dtype):
     """One rank, CPU: Megatron's distributed optimizer (AdamW, FP32 masters, clipping by the global norm) gives
     the update of torch's AdamW on FP32 masters with `clip_grad_norm_`, what the single-rank trainer runs."""
     from megatron_trace.cpu import init_single_rank
+    from megatron_trace.model import MoEModelConfig, build_moe_model
     from megatron_trace.parallel import make_optimizer, unwrap, wrap_ddp
-    from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 
     init_single_rank()
     dims = dict(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, experts=4, topk=2, expert_ffn=16)
-    cfg = TinyMoEConfig(**dims)
-    (chunk,) = wrap_ddp([build_tiny_moe(cfg, dtype=dtype, routing_replay=False, grouped=True)])
+    cfg = MoEModelConfig(**dims)
+    (chunk,) = wrap_ddp([build_moe_model(cfg, dtype=dtype, routing_replay=False, grouped=True)])
     params = list(unwrap(chunk).parameters())
     master = [p.detach().float().clone().requires_grad_() for p in params]
     reference = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.0)

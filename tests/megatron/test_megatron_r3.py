@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig, check_megatron_config
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.source import TensorRolloutSource
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records.spec import RecordSpec
 
-CFG = TinyMoEConfig(layers=2)
+CFG = MoEModelConfig(layers=2)
 T, P = 3, 20
 
 
@@ -49,7 +49,7 @@ def chosen(routing_map: torch.Tensor) -> list[set[int]]:
 @pytest.mark.parametrize("recompute", [False, True])
 def test_replay_makes_routing_identical_to_given_routes(recompute):
     overrides = {"recompute_granularity": "selective", "recompute_modules": ["moe"]} if recompute else {}
-    model = build_tiny_moe(CFG, **overrides)
+    model = build_moe_model(CFG, **overrides)
     routes = random_routes()
     source = TensorRolloutSource({}, routes)
     mb = batch()
@@ -77,7 +77,7 @@ def test_replay_makes_routing_identical_to_given_routes(recompute):
 
 
 def test_missing_duplicate_and_out_of_range_routes_are_errors():
-    model = build_tiny_moe(CFG)
+    model = build_moe_model(CFG)
     mb = batch()
     session = TraceSession(model, TraceConfig(mode="bf16", spec=RecordSpec()))
     routes = random_routes()
@@ -103,13 +103,13 @@ def test_missing_duplicate_and_out_of_range_routes_are_errors():
 
 
 def test_router_fusion_and_missing_replay_flag_are_refused():
-    model = build_tiny_moe(CFG)
+    model = build_moe_model(CFG)
     fused = copy.copy(model.config)
     fused.moe_router_fusion = True
     with pytest.raises(ValueError, match="moe_router_fusion"):
         check_megatron_config(fused, TraceConfig(mode="bf16"))
     check_megatron_config(fused, TraceConfig(mode="bf16", replay_routes=False))
-    no_replay = build_tiny_moe(CFG, routing_replay=False)
+    no_replay = build_moe_model(CFG, routing_replay=False)
     with pytest.raises(ValueError, match="moe_enable_routing_replay"):
         TraceSession(no_replay, TraceConfig(mode="bf16"))
     for field, value in (("fp8", "e4m3"), ("moe_apply_probs_on_input", True), ("gradient_accumulation_fusion", True)):

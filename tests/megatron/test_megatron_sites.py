@@ -13,16 +13,16 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.emulate import emulate_rollout
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import PAD, TokenRows, pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import SiteNumerics
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.numerics.guided import GuidanceStats, guided_round
 from trace_core.numerics.quant import dequantize, quantize
 from trace_core.numerics.recipe import DEFAULT_RECIPE, Scale, get_recipe
 from trace_core.records.spec import Record, RecordSpec
 
-CFG = TinyMoEConfig()
+CFG = MoEModelConfig()
 ALL_SITES = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 
 
@@ -78,7 +78,7 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
     """Every captured site guided from its records; padding rows (no record) take the role's RTN: per-token NVFP4
     MoE input, kv_fp4 K/V, or NVFP4 K/V at the static S_enc = 1 under `nvfp4-w4a4-nvfp4kv`."""
     spec = RecordSpec(bits=bits, moe_layers=(0, 1), attn_layers=(0, 1), recipe=recipe)
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     trajs = trajectories()
     expected_records = rollout_rows(model, trajs, spec)
     # Rollout batches differ from the trainer's: other grouping, order and padding.
@@ -116,7 +116,7 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
 
 
 def test_trace_reproduces_rollout_logits_and_cuts_code_flips():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     trajs = trajectories(4, seed=3)
     mb = pack_microbatch(trajs)
     source = emulate_rollout(model, [mb], ALL_SITES, num_trajectories=4, max_positions=32)
@@ -152,7 +152,7 @@ def test_trace_reproduces_rollout_logits_and_cuts_code_flips():
 
 
 def test_uncaptured_sites_use_rtn_and_need_no_record():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     trajs = trajectories(2, seed=5)
     spec = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(1,))
     source = emulate_rollout(model, [pack_microbatch(trajs)], spec, num_trajectories=2, max_positions=32)
@@ -192,7 +192,7 @@ def test_ste_gradients_are_identity_at_every_site():
 
 
 def test_bf16_mode_leaves_the_model_untouched():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     mb = pack_microbatch(trajectories(2))
     with torch.no_grad():
         ref = model(mb.input_ids, mb.position_ids, mb.attention_mask)
@@ -210,7 +210,7 @@ def test_qat_trains_experts_through_the_fake_quant_and_recompute_matches():
     mbs = [pack_microbatch(trajs[:2]), pack_microbatch(trajs[2:])]
     grads = []
     for overrides in ({}, {"recompute_granularity": "selective", "recompute_modules": ["moe", "core_attn"]}):
-        model = build_tiny_moe(CFG, dtype=torch.float32, **overrides)
+        model = build_moe_model(CFG, dtype=torch.float32, **overrides)
         source = emulate_rollout(model, mbs, ALL_SITES, num_trajectories=4, max_positions=32)
         perturb(model)
         session = TraceSession(model, TraceConfig(mode="trace", spec=ALL_SITES))
@@ -228,7 +228,7 @@ def test_qat_trains_experts_through_the_fake_quant_and_recompute_matches():
 
 
 def test_trace_needs_records_and_matching_rows():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     trajs = trajectories(2)
     mb = pack_microbatch(trajs)
     source = emulate_rollout(model, [mb], ALL_SITES, num_trajectories=2, max_positions=32)
@@ -272,7 +272,7 @@ def test_records_through_the_store_drive_the_trainer_like_in_memory_records(tmp_
     from trace_core.records.reader import RecordReader
     from trace_core.records.store import StepWriter, finalize_step
 
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     trajs = trajectories(3, seed=11)
     spec = RecordSpec(bits=2, moe_layers=(1,), attn_layers=(0, 1))
     source = emulate_rollout(model, [pack_microbatch(trajs)], spec, num_trajectories=3, max_positions=32)
@@ -312,7 +312,7 @@ def test_records_through_the_store_drive_the_trainer_like_in_memory_records(tmp_
 def test_records_wider_than_the_spec_guide_like_records_of_the_spec_bits():
     """A rollout that keeps 4 bits (for metrics) guides a b = 1 trainer exactly as a 1-bit capture would, and its
     code flips then compare whole codes."""
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     trajs = trajectories()
     mbs = [pack_microbatch(trajs)]
     wide_spec = RecordSpec(bits=4, moe_layers=(0, 1), attn_layers=(0, 1))
@@ -337,7 +337,7 @@ def test_records_wider_than_the_spec_guide_like_records_of_the_spec_bits():
 
 
 def test_bf16_session_with_a_tap_sees_every_site_unchanged():
-    model = build_tiny_moe(CFG, dtype=torch.bfloat16)
+    model = build_moe_model(CFG, dtype=torch.bfloat16)
     mb = pack_microbatch(trajectories())
     taps = []
     cfg = TraceConfig(mode="bf16", spec=ALL_SITES, replay_routes=False)

@@ -11,12 +11,12 @@ import torch
 
 from megatron_trace.config import TraceConfig, check_megatron_config
 from megatron_trace.emulate import emulate_rollout
+from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import pack_microbatch
 from megatron_trace.session import TraceSession
-from megatron_trace.tiny import TinyMoEConfig, build_tiny_moe
 from trace_core.records.spec import RecordSpec
 
-CFG = TinyMoEConfig()
+CFG = MoEModelConfig()
 SPEC = RecordSpec(bits=1, moe_layers=(0, 1), attn_layers=(0, 1))
 RECOMPUTE = {"recompute_granularity": "selective", "recompute_modules": ["moe", "core_attn"]}
 
@@ -32,7 +32,7 @@ def _batches():
 
 def _setup(recompute: bool):
     """A perturbed trainer model (fp32) under a trace session, and the rollout source of all micro-batches."""
-    model = build_tiny_moe(CFG, dtype=torch.float32, **(RECOMPUTE if recompute else {}))
+    model = build_moe_model(CFG, dtype=torch.float32, **(RECOMPUTE if recompute else {}))
     mbs = _batches()
     source = emulate_rollout(model, mbs, SPEC, num_trajectories=6, max_positions=32)
     g = torch.Generator().manual_seed(5)
@@ -118,7 +118,7 @@ def test_leftover_micro_batch_and_missing_begin_are_errors():
     ],
 )
 def test_unhandled_settings_are_refused_by_name(field, value, error):
-    model = build_tiny_moe(CFG)
+    model = build_moe_model(CFG)
     bad = copy.copy(model.config)
     setattr(bad, field, value)
     with pytest.raises(error, match=field):
@@ -126,7 +126,7 @@ def test_unhandled_settings_are_refused_by_name(field, value, error):
 
 
 def test_shared_expert_overlap_refused_when_shared_experts_see_fp4_input():
-    model = build_tiny_moe(CFG)
+    model = build_moe_model(CFG)
     bad = copy.copy(model.config)
     bad.moe_shared_expert_overlap, bad.moe_shared_expert_intermediate_size = True, 64
     with pytest.raises(NotImplementedError, match="moe_shared_expert_overlap"):

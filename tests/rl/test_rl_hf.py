@@ -88,9 +88,9 @@ def test_exported_policy_reloads_in_transformers_with_the_trainer_weights_and_lo
     transformers and Megatron kernels differ only in rounding)."""
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
+    from megatron_trace.model import build_moe_model
     from megatron_trace.parallel import load_full_state
     from megatron_trace.rows import pack_microbatch
-    from megatron_trace.tiny import build_tiny_moe
     from trace_rl.cli import main
 
     ctrl, _ = run
@@ -110,7 +110,7 @@ def test_exported_policy_reloads_in_transformers_with_the_trainer_weights_and_lo
             want = tensors[name]
         assert torch.equal(t, want), name
 
-    megatron = build_tiny_moe(ctrl.policy.dims, dtype=torch.float32, routing_replay=False)
+    megatron = build_moe_model(ctrl.policy.dims, dtype=torch.float32, routing_replay=False)
     load_full_state(megatron, ctrl.trainer.policy_state())  # the masters: the parameters may be fake-quantized
     hf = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     ids = torch.stack([p.ids[:24] for p in ctrl.data.batch(0, 2)])

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from megatron_trace.config import Mode, TraceConfig
+from megatron_trace.model import MoEModelConfig
 from megatron_trace.rows import TokenRows
 from megatron_trace.source import Site
-from megatron_trace.tiny import TinyMoEConfig
 from trace_core.records.spec import Binding, ModelShape, RecordSpec, bytes_per_token, token_digest
 from trace_core.records.store import StepWriter, finalize_step
 from trace_rl.engine import EmbeddedEngine
@@ -87,7 +87,7 @@ def ablation_specs(layers: int, flip_rates: dict[str, float] | None = None) -> d
     return out
 
 
-def record_bytes(tiny: TinyMoEConfig, spec: RecordSpec) -> float:
+def record_bytes(tiny: MoEModelConfig, spec: RecordSpec) -> float:
     """Record bytes per token of `spec` on the model `tiny` (`trace_core.records.spec.bytes_per_token`)."""
     return bytes_per_token(ModelShape(tiny.hidden, tiny.kv_heads, tiny.head_dim), spec).total
 

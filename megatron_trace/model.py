@@ -1,5 +1,6 @@
-"""A tiny Qwen3-MoE-shaped GPTModel (local spec with SP-capable norms, SequentialMLP): the model CPU tests, the GPU
-smoke test, the step benchmark and the RL trainer build, for any TP / EP / PP layout. Qwen3-MoE architecture:
+"""A Qwen3-MoE-shaped GPTModel of any size (local spec with SP-capable norms, SequentialMLP): the model CPU tests, the
+GPU smoke test, the step benchmark and the RL trainer build, for any TP / EP / PP layout (the tiny presets are in
+`trace_rl.warmup`). Qwen3-MoE architecture:
 RMSNorm, QK-norm, SwiGLU experts, softmax top-k renormalised over the
 chosen experts (`norm_topk_prob`), no biases, untied embeddings, RoPE."""
 
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
-class TinyMoEConfig:
-    """Dimensions of the tiny model (defaults keep a CPU forward + backward well under a second)."""
+class MoEModelConfig:
+    """Dimensions of the model (the defaults, a tiny one, keep a CPU forward + backward well under a second)."""
 
     vocab: int = 128
     hidden: int = 64
@@ -30,7 +31,7 @@ class TinyMoEConfig:
 
 
 def transformer_config(
-    cfg: TinyMoEConfig, *, dtype: torch.dtype = torch.float32, routing_replay: bool = True, **overrides
+    cfg: MoEModelConfig, *, dtype: torch.dtype = torch.float32, routing_replay: bool = True, **overrides
 ):
     """Megatron TransformerConfig for `cfg` with the settings TRACE needs (no fusions, no aux loss, replay on);
     `overrides` set further TransformerConfig fields (recomputation, parallelism)."""
@@ -74,8 +75,8 @@ def transformer_config(
     return TransformerConfig(**(fields | overrides))
 
 
-def build_tiny_moe(
-    cfg: TinyMoEConfig,
+def build_moe_model(
+    cfg: MoEModelConfig,
     *,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
