@@ -47,7 +47,7 @@ from trace_core.records.spec import Binding, token_digest
 from trace_core.records.store import StepWriter, parse_rollout_rid, write_failure
 from trace_rl.config import RLConfig
 from trace_rl.controller import record_spec
-from trace_rl.engine import EmbeddedEngine
+from trace_rl.rollout.engine import EmbeddedEngine
 from trace_rl.warmup import HF_DIR, load_megatron_state
 
 AUTH_LEVELS = {  # sglang 0.5.15.post1 http_server.py

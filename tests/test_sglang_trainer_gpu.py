@@ -34,11 +34,11 @@ from trace_core.numerics.quant import scale_factors
 from trace_core.records.spec import RecordSpec
 from trace_core.records.store import finalize_step
 from trace_rl.config import RLConfig
-from trace_rl.engine import Trajectory
 from trace_rl.policy import load_policy
-from trace_rl.sglang_worker import SGLangWorker
+from trace_rl.rollout.engine import Trajectory
+from trace_rl.rollout.sglang_worker import SGLangWorker
+from trace_rl.rollout.workers import Request
 from trace_rl.trainer import MegatronTrainer, TrainBatch
-from trace_rl.workers import Request
 
 pytestmark = pytest.mark.gpu
 

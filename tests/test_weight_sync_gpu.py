@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from tests.hf_tiny import DIMS, make_hf_checkpoint
 from tests.sglang_server import SERVED_MODEL, Server, served_flags
 from trace_rl.config import RLConfig
-from trace_rl.sglang_worker import SGLangWorker
+from trace_rl.rollout.sglang_worker import SGLangWorker
 from trace_rl.weight_sync import WeightSync
 
 pytestmark = pytest.mark.gpu

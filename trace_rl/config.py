@@ -76,7 +76,7 @@ class RLConfig:
     rollout_backend: embedded (`EmbeddedEngine` workers, in-process or Ray actors) or sglang (running patched SGLang
     servers at the comma-separated `sglang_urls`, one rollout worker each; docs/deploy.md); with sglang, `use_ray`
     moves only the trainer into a Ray actor. fp4_attention: `decode` makes the embedded engine's decode attention
-    read SGLang's FP4 paged KV pool (`trace_rl.fp4_kv_engine.FP4AttentionEngine`: the Triton kernel on CUDA, its
+    read SGLang's FP4 paged KV pool (`trace_rl.rollout.fp4_kv_engine.FP4AttentionEngine`: the Triton kernel on CUDA, its
     pure-torch twin on CPU) instead of SDPA over the dequantized cache; `off` (default) keeps SDPA. It needs an FP4
     mode and the embedded backend (an SGLang server selects it with TRACE_FP4_ATTENTION); every recipe's K/V fit
     the pool (kv_fp4, or NVFP4 under its static unit scale).

@@ -6,11 +6,11 @@ The policy is the tiny addition model or an HF Qwen3-MoE checkpoint (`trace_rl.p
 (`trace_rl.data`), the rewards a reward function scored in a pool as soon as a batch is generated
 (`trace_rl.rewards`), so a slow reward function overlaps the trainer.
 
-A step's GRPO groups are split into one request per rollout worker (`trace_rl.workers`: in-process, or Ray actors
-with `use_ray`; `trace_rl.sglang_worker`: patched SGLang servers with `rollout_backend = "sglang"`); the trainer
-runs in the controller's process (a Ray actor with `use_ray`). The controller holds an exclusive lock on `out_dir`
-(`trace_rl.rundir`); a checkpoint names its pending rollout steps, which retention keeps until both kept checkpoints
-have moved past them, so a run resumes from either (docs/reliability.md).
+A step's GRPO groups are split into one request per rollout worker (`trace_rl.rollout.workers`: in-process, or Ray
+actors with `use_ray`; `trace_rl.rollout.sglang_worker`: patched SGLang servers with `rollout_backend = "sglang"`); the
+trainer runs in the controller's process (a Ray actor with `use_ray`). The controller holds an exclusive lock on
+`out_dir` (`trace_rl.rundir`); a checkpoint names its pending rollout steps, which retention keeps until both kept
+checkpoints have moved past them, so a run resumes from either (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from trace_rl import samples
 from trace_rl.algorithm import trainer_kwargs
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.data import Prompt, dataset
-from trace_rl.engine import Trajectory
 from trace_rl.parallel_trainer import GroupTrainer
 from trace_rl.policy import RolloutTask, load_policy
 from trace_rl.rewards import RewardPool
+from trace_rl.rollout.engine import Trajectory
+from trace_rl.rollout.workers import LocalPool, RayPool, Request, RolloutPool, check_results
 from trace_rl.rundir import (
     RunDirError,
     RunLock,
@@ -59,7 +60,6 @@ from trace_rl.rundir import (
 )
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
-from trace_rl.workers import LocalPool, RayPool, Request, RolloutPool, check_results
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -233,7 +233,7 @@ class Controller:
         task = RolloutTask(str(policy.hf_dir), max_prompt + cfg.max_new_tokens, policy.eos)
         self.pool: RolloutPool
         if cfg.rollout_backend == "sglang":
-            from trace_rl.sglang_worker import SGLangPool
+            from trace_rl.rollout.sglang_worker import SGLangPool
 
             self.pool = SGLangPool(pool_cfg, capture, task)
         else:

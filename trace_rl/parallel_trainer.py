@@ -40,8 +40,8 @@ from megatron_trace.parallel import (
 from megatron_trace.session import TraceSession
 from trace_core.records.spec import RecordSpec
 from trace_rl.config import RLConfig, check_trainer_experts
-from trace_rl.engine import Trajectory
 from trace_rl.optim import LRSchedule
+from trace_rl.rollout.engine import Trajectory
 from trace_rl.trainer import MegatronTrainer
 
 MAX_KEYS = ("train_rollout_logprob_diff_max",)

@@ -200,7 +200,7 @@ class ServerSpec:
 def server_specs(cfg: RLConfig, command: Sequence[str] | None = None) -> list[ServerSpec]:
     """The group's servers for `cfg` (its `out_dir` is the run directory whose `records/` they write), each a
     `command` (default `SERVER_COMMAND`) with the model, port, TP size, capture policy, keys and `sglang_args`."""
-    from trace_rl.sglang_worker import read_secret
+    from trace_rl.rollout.sglang_worker import read_secret
 
     prefix = list(SERVER_COMMAND if command is None else command)
     keys: list[str] = []
@@ -331,7 +331,7 @@ class ServerGroup:
 
     def _wait_healthy(self, deadline: float) -> None:
         pending = dict(enumerate(self.specs))
-        from trace_rl.sglang_worker import read_secret
+        from trace_rl.rollout.sglang_worker import read_secret
 
         key = read_secret(self.cfg.sglang_api_key, "sglang_api_key")
         headers = {"Authorization": f"Bearer {key}"} if key else {}

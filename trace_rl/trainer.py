@@ -42,8 +42,8 @@ from megatron_trace.source import TensorRolloutSource, source_from_store
 from trace_core.records.reader import RecordReader
 from trace_core.records.spec import Binding, RecordSpec, token_digest
 from trace_rl.config import check_trainer_experts
-from trace_rl.engine import Trajectory
 from trace_rl.optim import LRSchedule
+from trace_rl.rollout.engine import Trajectory
 
 
 @dataclass(frozen=True)
@@ -468,7 +468,7 @@ class RayTrainer:
     def __init__(self, *args, **kwargs):
         import ray
 
-        from trace_rl.workers import init_ray
+        from trace_rl.rollout.workers import init_ray
 
         init_ray()
         self._actor = ray.remote(_TrainerProcess).options(num_cpus=0, max_restarts=0).remote(*args, **kwargs)

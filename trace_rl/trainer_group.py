@@ -60,7 +60,7 @@ class TrainerGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from trace_rl.workers import init_ray
+        from trace_rl.rollout.workers import init_ray
 
         if world < 1:
             raise ValueError(f"a trainer group needs at least one rank, got {world}")

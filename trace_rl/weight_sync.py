@@ -54,7 +54,7 @@ import torch
 
 if TYPE_CHECKING:
     from trace_rl.config import RLConfig
-    from trace_rl.sglang_worker import SGLangWorker
+    from trace_rl.rollout.sglang_worker import SGLangWorker
 
 WEIGHT_SYNCS = ("disk", "tensor", "distributed")
 BACKENDS = ("nccl", "gloo")

@@ -181,7 +181,7 @@ class _ExpertGemms(TorchFunctionMode):
 def test_engine_rollout_and_trainer_sites_agree_bit_for_bit(tiny_hf, name):
     from transformers import Qwen3MoeForCausalLM
 
-    from trace_rl.engine import EmbeddedEngine
+    from trace_rl.rollout.engine import EmbeddedEngine
 
     recipe = get_recipe(name)
     layers = tuple(range(LAYERS))

@@ -20,9 +20,9 @@ from trace_core.records.reader import FailedRecordError, RecordReader
 from trace_core.records.spec import Binding
 from trace_core.records.store import StepWriter
 from trace_rl.controller import Controller
-from trace_rl.sglang_worker import SGLangError, SGLangWorker
+from trace_rl.rollout.sglang_worker import SGLangError, SGLangWorker
+from trace_rl.rollout.workers import RolloutTimeout
 from trace_rl.task import VOCAB
-from trace_rl.workers import RolloutTimeout
 
 pytestmark = pytest.mark.faults
 KEY, ADMIN = "sk-run-7f3a9c1e5b", "sk-admin-04d2e8b6a1"

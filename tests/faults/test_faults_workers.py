@@ -26,8 +26,8 @@ from trace_core.records.reader import BindingMismatchError
 from trace_core.records.store import PREAMBLE, shard_paths, step_dir
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
+from trace_rl.rollout.workers import InvalidRollout, RolloutTimeout
 from trace_rl.rundir import RunLockedError
-from trace_rl.workers import InvalidRollout, RolloutTimeout
 
 pytestmark = pytest.mark.faults
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""The embedded engine with FP4-KV decode attention (`trace_rl.fp4_kv_engine`): its pool holds exactly the FP4 K/V
-the engine attends over, in SGLang's pool layout at the engine's slots, decode steps read it, and the engine gives
+"""The embedded engine with FP4-KV decode attention (`trace_rl.rollout.fp4_kv_engine`): its pool holds exactly the FP4
+K/V the engine attends over, in SGLang's pool layout at the engine's slots, decode steps read it, and the engine gives
 its sampled tokens the log-probs that the engine attending over the dequantized values (SDPA) gives them; under the
 default recipe (`kv_fp4` pool) and under `nvfp4-w4a4-nvfp4kv` (NVFP4 pool: E4M3 scale bytes, static unit scale).
 
@@ -31,9 +31,9 @@ from trace_core.numerics.recipe import DEFAULT_RECIPE, get_recipe
 from trace_core.records.spec import RecordSpec
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
-from trace_rl.engine import EmbeddedEngine, _SiteCache
-from trace_rl.fp4_kv_engine import FP4AttentionEngine
 from trace_rl.launch import main
+from trace_rl.rollout.engine import EmbeddedEngine, _SiteCache
+from trace_rl.rollout.fp4_kv_engine import FP4AttentionEngine
 from trace_rl.task import EOS, AdditionTask
 from trace_rl.warmup import HF_DIR, make_tiny_model
 

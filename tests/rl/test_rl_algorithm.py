@@ -19,8 +19,8 @@ from tests.rl_reference import GROUP, run
 from tests.rl_small import SMALL_RUN
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller, RewardError
-from trace_rl.engine import filter_probs
 from trace_rl.optim import LRSchedule
+from trace_rl.rollout.engine import filter_probs
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "rl_defaults_reference.json").read_text())
 NEW_KEYS = {"actor/lr", "reward/zero_variance_groups"}  # metrics added with the settings (not in the reference)

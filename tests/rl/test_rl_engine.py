@@ -10,7 +10,7 @@ from trace_core.numerics.formats import NVFP4
 from trace_core.numerics.guided import rtn_fake_quant
 from trace_core.numerics.quant import quantize
 from trace_core.records.spec import Record, RecordSpec
-from trace_rl.engine import EmbeddedEngine
+from trace_rl.rollout.engine import EmbeddedEngine
 from trace_rl.task import EOS, AdditionTask
 from trace_rl.warmup import HF_DIR
 

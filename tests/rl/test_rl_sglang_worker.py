@@ -1,4 +1,4 @@
-"""The SGLang rollout backend (`trace_rl.sglang_worker`) against a protocol stand-in of a patched SGLang server
+"""The SGLang rollout backend (`trace_rl.rollout.sglang_worker`) against a protocol stand-in of a patched SGLang server
 (`tests.rl_stand_in.StandIn`: sglang 0.5.15.post1's endpoints as read from the installed source, sampling with the
 real `EmbeddedEngine` and writing records as TRACE's capturer does; its knobs inject the server faults the worker
 must catch). The worker, pool, controller and trainer are the real ones.
@@ -18,10 +18,10 @@ from trace_core.records.store import list_steps
 from trace_rl.config import ConfigError, RLConfig
 from trace_rl.controller import Controller, record_spec
 from trace_rl.launch import main
-from trace_rl.sglang_worker import SGLangError, SGLangWorker, StaleRolloutHandle
+from trace_rl.rollout.sglang_worker import SGLangError, SGLangWorker, StaleRolloutHandle
+from trace_rl.rollout.workers import Request
 from trace_rl.task import VOCAB
 from trace_rl.warmup import HF_DIR
-from trace_rl.workers import Request
 
 SMALL = dict(prompts_per_step=4, group_size=4, max_new_tokens=4, steps=2, mode="trace", rollout_backend="sglang")
 
@@ -139,7 +139,7 @@ def test_a_server_capturing_another_policy_is_refused_by_name(model_dir, tmp_pat
     """One capture policy: the pool reads each server's `--trace-*` settings from `/server_info` at start-up and
     refuses one whose record spec differs from the trainer's (its records would leave trainer sites to RTN)."""
     from trace_rl.policy import RolloutTask
-    from trace_rl.sglang_worker import SGLangPool
+    from trace_rl.rollout.sglang_worker import SGLangPool
     from trace_rl.task import EOS
 
     server = StandIn(model_dir, tmp_path)

@@ -30,8 +30,8 @@ from tests.rl_stand_in import StandIn
 from trace_rl.config import ConfigError, RLConfig, load_config
 from trace_rl.controller import Controller, record_spec
 from trace_rl.policy import RolloutTask
+from trace_rl.rollout.sglang_worker import SGLangError, SGLangPool, SGLangWorker
 from trace_rl.servers import ServerGroup
-from trace_rl.sglang_worker import SGLangError, SGLangPool, SGLangWorker
 from trace_rl.task import EOS
 from trace_rl.trainer import MegatronTrainer
 from trace_rl.warmup import HF_DIR, load_megatron_state

@@ -6,7 +6,7 @@ Three real code paths on one BF16 checkpoint and one routed input:
     in the fused kernel sequence on the GPU), on one process and on a two-process MoE-TP group (gloo), where each
     rank holds half of the intermediate width;
   * the trainer's site code: `megatron_trace.sites.SiteNumerics` (MoE input, expert weight, FC2 input);
-  * the embedded engine: `trace_rl.engine.EmbeddedEngine`'s expert forward on a transformers Qwen3-MoE.
+  * the embedded engine: `trace_rl.rollout.engine.EmbeddedEngine`'s expert forward on a transformers Qwen3-MoE.
 The tensors entering every expert's FC1 and FC2 GEMM are observed with a `TorchFunctionMode` on `F.linear` (the
 code under test runs unchanged) and must be bit-identical across the three, and equal to the NVFP4 values of the
 reference codes (`trace_core.numerics.quant`) — per (token, expert) row for FC2, with the scale of the full row.
@@ -195,7 +195,7 @@ def engine_rows(tmp_path_factory) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from trace_core.records.spec import RecordSpec
-    from trace_rl.engine import EmbeddedEngine
+    from trace_rl.rollout.engine import EmbeddedEngine
 
     cfg = Qwen3MoeConfig(
         vocab_size=32,

@@ -1,7 +1,7 @@
 """The expert FC2-input (down-projection input) convention, shared by rollout, trainer and embedded engine.
 
 One definition, used by SGLang's expert path (`sglang_trace.moe.fc2_input`), the trainer's site code
-(`megatron_trace.sites.SiteNumerics.fc2_input`) and the embedded engine (`trace_rl.engine`):
+(`megatron_trace.sites.SiteNumerics.fc2_input`) and the embedded engine (`trace_rl.rollout.engine`):
 
 - what is quantized: each row `act(gate) * up` `[rows, intermediate]` of one (token, routed expert) pair, before
   the top-k weight is applied (the weight multiplies the FC2 output, never the FC2 input);

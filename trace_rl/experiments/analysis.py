@@ -24,7 +24,7 @@ from megatron_trace.rows import TokenRows
 from megatron_trace.source import Site
 from trace_core.records.spec import Binding, ModelShape, RecordSpec, bytes_per_token, token_digest
 from trace_core.records.store import StepWriter, finalize_step
-from trace_rl.engine import EmbeddedEngine
+from trace_rl.rollout.engine import EmbeddedEngine
 from trace_rl.task import EOS, AdditionTask
 from trace_rl.trainer import MegatronTrainer
 from trace_rl.warmup import HF_DIR, load_megatron_state

@@ -50,12 +50,12 @@ from sglang_trace.handle import from_meta_info
 from trace_core.records.spec import Binding, RecordSpec, token_digest
 from trace_core.records.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
-from trace_rl.engine import Trajectory
 from trace_rl.http_deadline import DeadlineExceeded, call
 from trace_rl.policy import RolloutTask
+from trace_rl.rollout.engine import Trajectory
+from trace_rl.rollout.workers import Request, RolloutTimeout
 from trace_rl.task import EOS
 from trace_rl.weight_sync import WeightSync
-from trace_rl.workers import Request, RolloutTimeout
 
 WEIGHTS_DIR = "weights"
 POLL_S = (0.01, 0.5)  # first and longest pause between looks at the store while waiting for records

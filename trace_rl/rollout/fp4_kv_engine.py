@@ -8,7 +8,7 @@ steps attend by reading that pool: `trace_core.kernels.fp4_attention.fp4_decode_
 decode math), its pure-torch twin `trace_core.numerics.kv_attention.decode_attention_reference` elsewhere. The prefill
 attends over the dequantized values with SDPA, as before (SGLang's extend path also reads dequantized values).
 The engine counts its decode reads of the pool (`decode_reads`, one per layer and decode forward). The RL config
-selects it with `fp4_attention = "decode"` (`trace_rl.workers.RolloutWorker`).
+selects it with `fp4_attention = "decode"` (`trace_rl.rollout.workers.RolloutWorker`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trace_core.kernels.fp4_attention import MIN_HEAD_DIM, fp4_decode_attention
 from trace_core.numerics.kv_attention import decode_attention_reference
 from trace_core.numerics.role_quant import kv_pool_bytes, kv_pool_format
-from trace_rl.engine import EmbeddedEngine
+from trace_rl.rollout.engine import EmbeddedEngine
 
 ATTENTION = "trace_fp4_kv"
 KV_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits

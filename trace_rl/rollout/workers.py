@@ -30,9 +30,9 @@ import torch
 from trace_core.records.spec import Binding, RecordSpec, token_digest
 from trace_core.records.store import StepWriter
 from trace_rl.config import RLConfig
-from trace_rl.engine import EmbeddedEngine, Trajectory, WorkerDied
-from trace_rl.fp4_kv_engine import FP4AttentionEngine
 from trace_rl.policy import RolloutTask
+from trace_rl.rollout.engine import EmbeddedEngine, Trajectory, WorkerDied
+from trace_rl.rollout.fp4_kv_engine import FP4AttentionEngine
 
 
 class RolloutTimeout(RuntimeError):
@@ -206,7 +206,7 @@ def init_ray() -> None:
 
 class RolloutPool(Protocol):
     """What the controller asks of a pool of rollout workers: `LocalPool`, `RayPool`
-    (`trace_rl.sglang_worker.SGLangPool` for patched SGLang servers)."""
+    (`trace_rl.rollout.sglang_worker.SGLangPool` for patched SGLang servers)."""
 
     def run(self, requests: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
         """Each request's trajectories, in request order, and the worker restarts the step took."""
