@@ -8,7 +8,7 @@ server process narrows it: `off` (SGLang's dequantize-then-attend path), or a co
 `extend`. Any other value is refused when the backend is built, and so are backend settings the kernels do not
 cover (paged KV, decode context parallelism, MLA, the deterministic unified extend kernel, speculative verify).
 The kernels give SGLang's dequantize-then-attend result (`trace_core.kernels.fp4_attention`,
-`fp4_extend_attention`; tests/test_fp4_attention.py); extend features they refuse (custom mask, xai temperature)
+`fp4_extend_attention`; tests/kernels/test_fp4_attention.py); extend features they refuse (custom mask, xai temperature)
 raise ValueError naming them. The pool's scale bytes are E8M0 (kv_fp4) or, under an NVFP4-KV recipe, E4M3
 (`kv.pool_format`); both kernels and SGLang's dequantize path (`hooks.kv_pool_dequantize`) read them so.
 """

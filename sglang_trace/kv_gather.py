@@ -6,7 +6,7 @@ concatenation: 193 launches per result batch for Qwen3-30B-A3B's 48 layers, each
 CPU time. `KVGather` does the same copy in one Triton launch: a table of the per-layer buffers' device addresses,
 built once (SGLang allocates its KV pool once, at start-up), and a kernel that copies row `slots[i]` of every
 buffer into row i of the output, in `gather_kv_raw`'s column order. It is a byte copy, so bit-identical to the twin
-(`tests/test_sglang_kv.py` runs it under the Triton interpreter; the GPU bench checks it on the device).
+(`tests/sglang/test_sglang_kv.py` runs it under the Triton interpreter; the GPU bench checks it on the device).
 """
 
 from __future__ import annotations

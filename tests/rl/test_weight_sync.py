@@ -7,7 +7,7 @@ parsing, the tokenizer manager's normalization, `TpModelWorker`'s deserializatio
 `destroy_weights_update_group`), behind the RL protocol stand-in (`tests.rl_stand_in.StandIn`: in a thread, or as
 server processes the launcher's `ServerGroup` starts) and behind SGLang's real Qwen3-MoE model on CPU with TRACE's
 emulate hook (`tests/sglang_weights_cpu.py`, a process of its own). Distributed groups run on gloo here; what needs
-CUDA IPC or NCCL is in `tests/test_weight_sync_gpu.py`. Every multi-process test is bounded by the timeouts it
+CUDA IPC or NCCL is in `tests/rl/test_weight_sync_gpu.py`. Every multi-process test is bounded by the timeouts it
 passes (server start-up, `weight_sync_timeout_s`, waits for exit).
 """
 

@@ -35,8 +35,8 @@ PAD_HEAD_DIM = 32
 """On CUDA the grouped decode kernel and the extend kernel run head dim 16 as a 32-column tile: triton 3.6
 compiled the grouped decode kernel's 16-column tile wrong on the H200 when the tile was built from byte loads
 (its dots then took the operand layout kWidth 8; the dequantized tile alone was exact, and so is SGLang's kernel;
-`bench/fp4_attention_head_dim.py`), and the extend kernel's prefix dot is built the same way. Since the tile
-reaches the dots in SGLang's layout (`_fp4_tile`) the unpadded tile gives the twin's values in that bench too, but
+docs/performance.md), and the extend kernel's prefix dot is built the same way. Since the tile
+reaches the dots in SGLang's layout (`_fp4_tile`) the unpadded tile gives the twin's values too, but
 the padding is what the GPU tests cover. The padded tile gives SGLang's values bit for bit on the H200: the
 tensor-core dot's first 16-deep step takes the same products, the second adds exact zeros. The CPU interpreter
 keeps the 16-column tile, which it computes right (its FP32 matmul would order a 32-deep sum differently)."""

@@ -72,7 +72,7 @@ tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). T
 the guided kernel take `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add
 per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
 `wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
-faster on the H200, `bench/record_variants.py --wide`); with `whole_chunks` = 1 and a record it takes rows that leave
+faster on the H200, docs/performance.md); with `whole_chunks` = 1 and a record it takes rows that leave
 threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-token nvfp4 rows of at least
 `prefetch` columns (0: none) in one or two chunks are loaded ahead, `prefetch_loop` row tiles per program
 (`prefetched`); the per-token nvfp4 record kernel on rows of one chunk not loaded ahead holds at most `record_regs`
@@ -189,7 +189,7 @@ def block_per_thread(fmt: FP4Format, record: bool, first: bool, unit: int) -> bo
     rather than the group-per-thread one (`_quantize_record_kernel`), given `record_first` (`first`) and the record's
     store unit: always, except for nvfp4 with a record stored per block on a tile that does not give each thread
     whole blocks (rows of at most 256 columns with the default tile, or a `TRACE_FP4_LAUNCH` override), where the
-    group-per-thread kernel measured faster on the H200 (bench/record_variants.py, docs/performance.md)."""
+    group-per-thread kernel measured faster on the H200 (docs/performance.md)."""
     return fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale))
 
 

@@ -1,8 +1,8 @@
 """Triton kernels: fused FP4 quantize-and-record, and guided fake-quant from a record.
 
 Each kernel is the twin of `trace_core` reference functions and is tested against them bit for bit
-(`tests/kernel_checks.py`, run on the GPU by `tests/test_kernels_gpu.py` and on the CPU under the Triton interpreter
-by `tests/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` picks the kernel:
+(`tests/kernel_checks.py`, run on the GPU by `tests/kernels/test_kernels_gpu.py` and on the CPU under the Triton
+interpreter by `tests/kernels/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` picks the kernel:
 - quantize-and-record ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`:
   `_quantize_record16_kernel`, 16-element blocks (nvfp4, kv_fp4), one block per thread;
   `triton_token_groups._quantize_record16_token_groups_kernel`, the same for per-token nvfp4 rows taken a few per

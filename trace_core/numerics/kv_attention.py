@@ -9,7 +9,7 @@ SGLang's triton backend: request b attends over slots `kv_indices[kv_indptr[b]:k
 The twin follows the kernels' algorithm step by step (SGLang's split-KV decode: per split, blocks of `block_n`
 slots with an online softmax, the probabilities cast to the value dtype before the P V product on the grouped
 path, then the splits merged by log-sum-exp), so kernel and twin differ only in the order of FP32 sums and in
-`exp` (the GPU's `ex2.approx`): see `tests/test_fp4_attention.py` for the tolerance this gives.
+`exp` (the GPU's `ex2.approx`): see `tests/kernels/test_fp4_attention.py` for the tolerance this gives.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ imported from the same HF checkpoint, on one GPU at TP = 1.
 - A BF16 server (TRACE off, SGLang's R3 routes returned) against the trainer in `bf16` mode, replaying those routes.
 
 Run on a GPU machine with SGLang 0.5.15.post1, megatron-core and this package installed:
-`pytest -m gpu tests/test_sglang_trainer_gpu.py -s`. The report is printed as one JSON line per mode.
+`pytest -m gpu tests/sglang/test_sglang_trainer_gpu.py -s`. The report is printed as one JSON line per mode.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _fp4_rollout(tmp_path: Path, model: Path, vocab: int, recipe: str) -> tuple[
 
 def _bf16_rollout(tmp_path: Path, model: Path, vocab: int) -> tuple[list[Trajectory], list[torch.Tensor]]:
     """Sampled trajectories of a BF16 server (TRACE off) and SGLang's R3 routes `[n, layers, topk]` of each."""
-    from tests.test_sglang_served_gpu import _r3
+    from tests.sglang.test_sglang_served_gpu import _r3
 
     flags = served_flags(None, "bfloat16")
     server = Server(model, flags, tmp_path / "bf16.log")

@@ -10,7 +10,7 @@ stored (none refused), and that the routes in the records are the routes SGLang 
 (`--enable-return-routed-experts`).
 
 Run on a GPU machine with SGLang 0.5.15.post1 and this package installed (its `sglang.srt.plugins` entry point):
-`pytest -m gpu tests/test_sglang_served_gpu.py`.
+`pytest -m gpu tests/sglang/test_sglang_served_gpu.py`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ same log-probs bit for bit, so the weights the server computes with (fake-quanti
 disk load gives. The sync's seconds, bytes and peak extra GPU memory are printed (`-s`).
 
 Run on a GPU machine with SGLang 0.5.15.post1, its GPU wheels and this package installed (patch stack applied):
-`pytest -m gpu tests/test_weight_sync_gpu.py -s`.
+`pytest -m gpu tests/rl/test_weight_sync_gpu.py -s`.
 """
 
 from __future__ import annotations
