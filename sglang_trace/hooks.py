@@ -93,18 +93,17 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
 
 def kv_pool_quantize(original, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP4 KV pool's quantizer, `[T, H, D]` rows to packed codes `[T, H, D/2]` and scale bytes `[T, H*D/16]`:
-    SGLang's own (kv_fp4) unless the pool holds NVFP4 (`kv.pool_format`), whose codes and E4M3 bytes TRACE's
+    SGLang's own (kv_fp4) unless the pool holds NVFP4 (`kv.pool_role`), whose codes and E4M3 bytes TRACE's
     quantizer writes (`trace_core.numerics.role_quant.kv_pool_bytes`, static S_enc = 1)."""
-    from sglang_trace.kv import pool_format
-    from trace_core.numerics.formats import KV_FP4
+    from sglang_trace.kv import pool_role
 
-    fmt = pool_format()
-    if fmt is KV_FP4:
+    role = pool_role()
+    if role is None:
         return original(tensor)
     from trace_core.numerics.role_quant import kv_pool_bytes
 
     t, h, d = tensor.shape
-    codes, scales = kv_pool_bytes(get_recipe(_server_args().trace_recipe).k, tensor.reshape(t, h * d))
+    codes, scales = kv_pool_bytes(role, tensor.reshape(t, h * d))
     return codes.view(t, h, d // 2), scales
 
 

@@ -21,6 +21,7 @@ import torch
 
 from trace_core.numerics.e2m1 import unpack_fp4
 from trace_core.numerics.formats import KV_FP4, FP4Format
+from trace_core.numerics.recipe import Role
 from trace_core.records.spec import Record, check_bits, pack_low_bits
 from trace_core.sites import Site
 
@@ -40,9 +41,10 @@ def check_fp4_pool(pool) -> None:
         raise ValueError(f"{kind}: head dim {pool.head_dim} is not a multiple of the FP4 block {KV_BLOCK}")
 
 
-def pool_format() -> FP4Format:
-    """The format of this server's FP4 KV pool rows: SGLang's `kv_fp4`, unless TRACE is on under a recipe whose
-    K/V are NVFP4 (`check_server_args` accepts NVFP4 only with its static unit global scale)."""
+def pool_role() -> Role | None:
+    """The K/V role whose rows TRACE writes into this server's FP4 KV pool: None (SGLang's own `kv_fp4`) unless
+    TRACE is on under a recipe whose K/V are NVFP4 (`check_server_args` accepts NVFP4 only with its static unit
+    global scale)."""
     from sglang.srt.server_args import get_global_server_args
 
     from trace_core.numerics.recipe import get_recipe
@@ -50,13 +52,19 @@ def pool_format() -> FP4Format:
     try:
         args = get_global_server_args()
     except ValueError:  # a pool outside a server (SGLang publishes the arguments before it builds one)
-        return KV_FP4
+        return None
     if getattr(args, "trace_mode", "off") == "off":
-        return KV_FP4
-    fmt = get_recipe(args.trace_recipe).k.fmt
-    if not isinstance(fmt, FP4Format):  # check_server_args refuses such a recipe with the FP4 pool
-        raise ValueError(f"--trace-recipe {args.trace_recipe}: K / V as {fmt.name}, not an FP4 KV pool format")
-    return fmt
+        return None
+    role = get_recipe(args.trace_recipe).k
+    if not isinstance(role.fmt, FP4Format):  # check_server_args refuses such a recipe with the FP4 pool
+        raise ValueError(f"--trace-recipe {args.trace_recipe}: K / V as {role.fmt.name}, not an FP4 KV pool format")
+    return None if role.fmt is KV_FP4 else role
+
+
+def pool_format() -> FP4Format:
+    """The format of this server's FP4 KV pool rows (`pool_role`'s, or SGLang's `kv_fp4`)."""
+    role = pool_role()
+    return KV_FP4 if role is None else role.fmt  # type: ignore[return-value]  # pool_role checked it is FP4
 
 
 def request_slots(req_to_token: torch.Tensor, req_pool_idx: int, seqlen: int) -> torch.Tensor:
