@@ -4,8 +4,9 @@ and capture cost, and what FP4 KV buys, each configuration a server this bench s
 The model is a local HF directory holding only `config.json` (Qwen3-30B-A3B's shape: hidden 2048, 48 layers, 128
 experts top-8, MoE FFN 768, 32 / 4 heads x 128, vocab 151,936), served with random weights (`--load-format dummy
 --skip-tokenizer-init`, input ids only). Every server runs `--attention-backend triton --sampling-backend pytorch
---grammar-backend none --page-size 1 --dtype bfloat16 --mem-fraction-static 0.85` with SGLang's default CUDA graphs,
-in its own process group (torn down on exit, error, SIGINT and SIGTERM; what a killed run left, its server and
+--grammar-backend none --page-size 1 --dtype bfloat16 --mem-fraction-static 0.85` with SGLang's default decode CUDA
+graphs and no prefill graphs (`--disable-prefill-cuda-graph`: they change only the time to first token and their
+capture took 93 s of each start on the H200), in its own process group (torn down on exit, error, SIGINT and SIGTERM; what a killed run left, its server and
 record store, is found through `PID_FILE` next to `--out` and removed before the next start).
 
 Configurations (`CONFIGS`):
@@ -111,6 +112,7 @@ HF_CONFIG: dict[str, object] = {
 BASE_FLAGS = (
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
     "--page-size", "1", "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+    "--disable-prefill-cuda-graph",
 )  # fmt: skip
 BF16_KV = ("--kv-cache-dtype", "bfloat16")
 FP4_KV = ("--kv-cache-dtype", "fp4_e2m1")
@@ -466,9 +468,31 @@ def client_call(url: str, batch: int, input_len: int, output_len: int, name: str
     )  # fmt: skip
 
 
+def without_hf_datasets() -> None:
+    """Let SGLang's bench client import where HF `datasets` is not installed (a GPU image without it).
+
+    `sglang.benchmark.datasets` imports its MMMU loader, which imports `datasets.load_dataset`, at package import;
+    the random-ids prompts never call it. The stand-in raises if anything does.
+    """
+    import importlib.util
+    from types import ModuleType
+
+    if "datasets" in sys.modules or importlib.util.find_spec("datasets") is not None:
+        return
+
+    def load_dataset(*args, **kwargs):
+        raise ImportError("bench/serve.py: the HF `datasets` package is not installed (only random-ids prompts run)")
+
+    stand_in = ModuleType("datasets")
+    stand_in.load_dataset = load_dataset  # type: ignore[attr-defined]
+    sys.modules["datasets"] = stand_in
+
+
 def run_client(call: dict, seed: int):
     """One `run_one_case`; the random-ids dataset needs only the vocabulary size of a tokenizer."""
     import numpy as np
+
+    without_hf_datasets()
     from sglang.benchmark.one_batch_server import run_one_case
 
     random.seed(seed)
