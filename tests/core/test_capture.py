@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from trace_core.kernels import quantize_record
-from trace_core.numerics.formats import format_names, get_format
+from trace_core.numerics.formats import get_format
 from trace_core.numerics.quant import quantize
+from trace_core.numerics.recipe import recipe_names
 from trace_core.records.capture import RecordCapturer
 from trace_core.records.host_ring import HostRing
 from trace_core.records.layout import TrajectoryRecords
@@ -84,15 +85,16 @@ def assert_same(got: TrajectoryRecords, want: TrajectoryRecords) -> None:
         assert torch.equal(got.routes.cpu(), want.routes.cpu())
 
 
-def make(fmt: str = "nvfp4", bits: int = 1, *, routes=ROUTES, max_tokens=16, num_slots=64, **kw) -> RecordCapturer:
-    spec = RecordSpec(bits=bits, moe_layers=(1, 3), attn_layers=(2,), moe_format=fmt, kv_format=kw.pop("kv", "kv_fp4"))
+def make(recipe: str | None = None, bits=1, *, routes=ROUTES, max_tokens=16, num_slots=64, **kw) -> RecordCapturer:
+    spec = RecordSpec.of_recipe(recipe, (1, 3), (2,), bits)  # the sites the recipe records, in its formats
     return RecordCapturer(spec, SHAPE, max_tokens=max_tokens, num_slots=num_slots, routes=routes, **kw)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-@pytest.mark.parametrize("fmt", format_names())
-def test_round_trip_chunked_prefill_then_decode(fmt, bits):
-    cap = make(fmt, bits, kv=fmt)
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_round_trip_chunked_prefill_then_decode(recipe, bits):
+    """Every recorded format (nvfp4 with its token or static scale, mxfp4, kv_fp4) through the recipes' layouts."""
+    cap = make(recipe, bits)
     drv = Driver(cap)
     seeds = list(range(100, 111))  # 11 tokens: prompt 7 in chunks of 4 + 3, then 4 decode steps
     slots = [40, 41, 42, 43, 20, 21, 22, 5, 6, 7, 8]
@@ -108,12 +110,12 @@ def test_round_trip_chunked_prefill_then_decode(fmt, bits):
 
 
 def test_row_bytes_match_the_record_spec_accounting():
-    cap = make("nvfp4", 1, routes=None)
+    cap = make(None, 1, routes=None)
     # moe_in: 64 * 1.5 / 8 + 4 (token scale) = 16; k, v: 64 * 1.5 / 8 = 12 each; the written byte: 57, padded to
     # whole 8-byte words (the store copies words)
     assert cap.row.row_bytes == 64
     # routes and hook markers: one 4-aligned sentinel range (3 marker bytes padded to 4), reset by one int32 fill
-    cap = make("nvfp4", 1, marks=3)
+    cap = make(None, 1, marks=3)
     routes, marks = cap.row.fields[("routes", "routes")], cap.row.fields[("meta", "marks")]
     assert marks == (sum(routes), 3) and cap.row.sentinels == slice(routes[0], sum(routes) + 4)
     assert routes[0] % 4 == 0 and cap.row.row_bytes % 8 == 0
@@ -148,7 +150,7 @@ def test_retraction_frees_slots_that_a_later_request_reuses():
 
 
 def test_static_scale_is_repeated_per_row_and_kernels_may_write_views_directly():
-    cap = make("nvfp4", 2, routes=None, sites=[(1, "moe_in")])
+    cap = make(None, 2, routes=None, sites=[(1, "moe_in")])
     x = torch.randn(3, 64)
     q = quantize(x, "nvfp4", global_scale=torch.tensor(50.0))
     cap.stage_quantized((1, "moe_in"), q)
@@ -225,9 +227,10 @@ def test_out_of_range_out_cache_loc_is_rejected_and_nothing_is_written():
     assert_same(cap.gather(torch.tensor([3]), 1), drv.expected([1]))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_the_quantize_record_kernel_op_writes_into_staging_rows(fmt):
-    cap = make(fmt, 1, routes=None, sites=[(3, "moe_in")])
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a4-kv4", "mxfp4-w4a4-kv4"])
+def test_the_quantize_record_kernel_op_writes_into_staging_rows(recipe):
+    cap = make(recipe, 1, routes=None, sites=[(3, "moe_in")])
+    fmt = cap.layouts[(3, "moe_in")][0]
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     per_token = get_format(fmt).has_global_scale
     buf = cap.staging_rows((3, "moe_in"), 5)

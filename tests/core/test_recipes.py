@@ -70,8 +70,11 @@ def test_record_spec_layout_follows_the_recipe():
     assert (w4a8.moe_format, w4a8.moe_layers, w4a8.sites()) == (None, (), [(i, kv) for i in layers for kv in "kv"])
     nvkv = RecordSpec.default(layers, layers, recipe="nvfp4-w4a4-nvfp4kv")
     assert (nvkv.moe_format, nvkv.kv_format, nvkv.per_token_scale, nvkv.sites()) == ("nvfp4", "nvfp4", True, nv.sites())
-    with pytest.raises(ValueError, match=r"RecordSpec.moe_format='nvfp4' disagrees with recipe 'mxfp4-w4a4-kv4'"):
+    assert (mx.per_token_scale, w4a8.kv_format, w4a8.per_token_scale) == (False, "kv_fp4", False)
+    with pytest.raises(TypeError, match="moe_format"):  # derived from the recipe, never given (cannot disagree)
         RecordSpec(moe_layers=(1,), moe_format="nvfp4", recipe="mxfp4-w4a4-kv4")
+    with pytest.raises(AttributeError):
+        mx.moe_format = "nvfp4"
     with pytest.raises(ValueError, match="'mxfp4-w4a8-kv4' does not record moe_in"):
         RecordSpec(moe_layers=(1,), recipe="mxfp4-w4a8-kv4")
     # engines and trainer refuse a spec written for another recipe, or a layout their recipe does not write
@@ -346,6 +349,37 @@ def test_records_of_another_recipe_are_refused_by_the_trainer_check(tmp_path):
     reader.check_bindings({"0": written})
     with pytest.raises(BindingMismatchError, match="recipe 'mxfp4-w4a4-kv4' != expected 'nvfp4-w4a4-kv4'"):
         reader.check_bindings({"0": Binding(0, 0, "0", "a", "d")})
+
+
+def test_a_record_in_another_format_than_its_binding_recipe_records_is_refused_on_read(tmp_path):
+    """The shard header keeps each site's format (`fmt`, what `RecordSpec.moe_format` / `kv_format` derive from the
+    recipe); the reader checks it against the recipe the trajectory is bound to and names the field."""
+    from trace_core.records.layout import TrajectoryRecords
+    from trace_core.records.reader import RecordReader
+    from trace_core.records.store import CorruptShardError, StepWriter
+
+    x = torch.randn(3, H)
+    mx = Record.from_quantized(quantize_role(get_recipe("mxfp4-w4a4-kv4").moe_in, x), 1)
+    nv = Record.from_quantized(quantize_role(get_recipe(DEFAULT_RECIPE).moe_in, x), 1)
+    bind = {
+        name: Binding(0, 0, name, "a", "d", recipe=recipe)
+        for name, recipe in (("ok", "mxfp4-w4a4-kv4"), ("other", DEFAULT_RECIPE), ("unrecorded", "mxfp4-w4a8-kv4"))
+    }
+    writer = StepWriter(tmp_path, 0)
+    for name, rec in (("ok", mx), ("other", mx), ("unrecorded", mx)):
+        writer.write({name: TrajectoryRecords(3, {(1, "moe_in"): rec}, binding=bind[name])})
+    writer.write({"unbound": TrajectoryRecords(3, {(1, "moe_in"): nv})})
+    reader = RecordReader(tmp_path, 0)
+    assert reader.load([("ok", 0, 3)]).records[(1, "moe_in")].fmt is MXFP4
+    assert reader.load([("unbound", 0, 3)]).records[(1, "moe_in")].fmt is NVFP4  # no recipe named: not checked
+    with pytest.raises(
+        CorruptShardError,
+        match=r"site 1.moe_in: fmt 'mxfp4' disagrees with the binding's recipe "
+        r"'nvfp4-w4a4-kv4', which records it as 'nvfp4'",
+    ):
+        reader.load([("other", 0, 3)])
+    with pytest.raises(CorruptShardError, match="fmt 'mxfp4' disagrees with .*'mxfp4-w4a8-kv4', which records no"):
+        reader.load([("unrecorded", 0, 3)])
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 from trace_core.numerics.e2m1 import pack_fp4
 from trace_core.numerics.formats import KV_FP4, NVFP4
 from trace_core.numerics.quant import quantize
-from trace_core.records.spec import ModelShape, Record, RecordSpec, bytes_per_token, pack_low_bits, unpack_low_bits
+from trace_core.records.spec import (
+    ModelShape,
+    Record,
+    RecordSpec,
+    bytes_per_token,
+    pack_low_bits,
+    site_bytes,
+    unpack_low_bits,
+)
 
 
 @given(bits=st.integers(1, 4), rows=st.integers(0, 3), n=st.integers(1, 70), seed=st.integers(0, 1000))
@@ -71,8 +79,10 @@ def test_default_spec_is_b1_at_every_layer_and_the_papers_is_the_latter_half():
     assert paper.sites()[:2] == [(20, "moe_in"), (21, "moe_in")] and paper.sites()[-1] == (39, "v")
     with pytest.raises(ValueError, match="distinct non-negative"):
         RecordSpec(moe_layers=(1, 1))
-    with pytest.raises(ValueError, match="unknown FP4 format"):
-        RecordSpec(kv_format="fp5")
+    with pytest.raises(ValueError, match="unknown precision recipe 'fp5'"):
+        RecordSpec(recipe="fp5")
+    with pytest.raises(TypeError, match="kv_format"):  # the layout follows from the recipe, never given
+        RecordSpec(kv_format="kv_fp4")
 
 
 QWEN35_35B = ModelShape(hidden=2048, num_kv_heads=2, head_dim=256)
@@ -80,19 +90,24 @@ MOE_LAYERS = tuple(range(40))
 ATTN_LAYERS = tuple(range(3, 40, 4))  # 10 full-attention layers
 
 
+TOKEN_SCALE = 4  # bytes: the FP32 token scale of a per-token nvfp4 MoE-input record (the paper's scales are static)
+
+
 def test_paper_full_information_sizes():
     # Paper §3.2: 4.5 bits per value -> ~45 KB activations + 5.6 KB KV per token (static scales).
-    full = bytes_per_token(QWEN35_35B, RecordSpec(4, MOE_LAYERS, ATTN_LAYERS, per_token_scale=False))
-    assert full.moe_in == 40 * 2048 * 4.5 / 8 == 45 * 1024
+    full = bytes_per_token(QWEN35_35B, RecordSpec(4, MOE_LAYERS, ATTN_LAYERS))
+    assert full.moe_in - 40 * TOKEN_SCALE == 40 * 2048 * 4.5 / 8 == 45 * 1024
     assert full.kv == 10 * 2 * 2 * 256 * 4.5 / 8 == 5.625 * 1024
     # The per-token FP32 scale adds 4 bytes per MoE site.
-    assert bytes_per_token(QWEN35_35B, RecordSpec(4, MOE_LAYERS, ATTN_LAYERS)).moe_in == 45 * 1024 + 40 * 4
+    assert full.moe_in == 45 * 1024 + 40 * 4
+    assert full.per_site[(0, "moe_in")] == site_bytes(2048, 4, 16, token_scale=True) == 2048 * 4.5 / 8 + 4
 
 
 def test_paper_mantissa_only_size():
     # Paper §4.2: b = 1 on the latter 20 MoE layers = 2048 * 20 * 1.5 bits = 7.5 KB per token.
-    spec = RecordSpec(1, tuple(range(20, 40)), (), per_token_scale=False)
-    assert bytes_per_token(QWEN35_35B, spec).total == 7.5 * 1024
+    spec = RecordSpec(1, tuple(range(20, 40)), ())
+    assert spec.per_token_scale
+    assert bytes_per_token(QWEN35_35B, spec).total - 20 * TOKEN_SCALE == 7.5 * 1024
 
 
 def test_record_bytes_are_the_capture_rows_fields_nvfp4_kv_with_its_static_scale():

@@ -38,12 +38,20 @@ SHAPE = ModelShape(hidden=64, num_kv_heads=2, head_dim=32)
 REPO = Path(__file__).resolve().parents[2]
 
 
+def one_format_layout(fmt: str, bits: int) -> dict:
+    """MoE input at layers 1 and 3, K and V at layer 2, all in `fmt`: the store writes and reads records of any
+    format, whichever a recipe (and so a `RecordSpec`) records."""
+    kv = SHAPE.num_kv_heads * SHAPE.head_dim
+    return {(1, "moe_in"): (fmt, bits, SHAPE.hidden), (3, "moe_in"): (fmt, bits, SHAPE.hidden)} | {
+        (2, kind): (fmt, bits, kv) for kind in ("k", "v")
+    }
+
+
 def trajectory(seed: int, num_tokens: int, fmt: str = "nvfp4", bits: int = 1, routes: bool = True):
     """Records of a synthetic trajectory, quantized by the reference quantizer."""
     gen = torch.Generator().manual_seed(seed)
-    spec = RecordSpec(bits=bits, moe_layers=(1, 3), attn_layers=(2,), moe_format=fmt, kv_format=fmt)
     records = {}
-    for site, (fmt_name, b, n) in site_layout(spec, SHAPE).items():
+    for site, (fmt_name, b, n) in one_format_layout(fmt, bits).items():
         x = torch.randn(num_tokens, n, generator=gen) * (1 + seed % 3)
         f = get_format(fmt_name)
         q = quantize(x, f, **({"per_token": True} if f.has_global_scale else {}))

@@ -34,6 +34,7 @@ from trace_core.records.store import (
     StoreError,
     build_index,
     check_format,
+    check_site_recipe,
     parse_site,
     read_failures,
     read_header,
@@ -344,6 +345,7 @@ class RecordReader:
                 where = f"shard {self.dir / shard}, site {key}"
                 check_format(meta["fmt"], where)
                 site, found = parse_site(key), (meta["fmt"], meta["bits"], meta["n"])
+                check_site_recipe(site, meta["fmt"], entry.get("binding"), where)
                 if self.layout is not None and site not in self.layout:
                     continue
                 if layout.setdefault(site, found) != found:

@@ -132,10 +132,16 @@ def recipe_layout(recipe: str | PrecisionRecipe) -> dict[str, object]:
     and `per_token_scale` (an FP32 token scale next to the MoE-input block scales)."""
     r = get_recipe(recipe)
     return {
-        "moe_format": r.moe_in.fmt.name if r.moe_in.recorded else None,
-        "kv_format": r.k.fmt.name if r.k.recorded else None,
+        "moe_format": recorded_format(r, "moe_in"),
+        "kv_format": recorded_format(r, "k"),
         "per_token_scale": r.moe_in.scale is Scale.PER_TOKEN,
     }
+
+
+def recorded_format(recipe: str | PrecisionRecipe, kind: str) -> str | None:
+    """Name of the format `recipe` records site kind `kind` (moe_in, k, v) in; None when it records no such site."""
+    role = get_recipe(recipe).role(kind)
+    return role.fmt.name if role.recorded else None
 
 
 LAYER_PRESETS = ("all", "latter-half")
@@ -184,39 +190,48 @@ class RecordSpec:
     layers (sites `k` and `v`). `RecordSpec.default` keeps b = 1 at every given layer, the policy docs/results.md
     measured best (the paper's default, b = 1 on the latter half, is `RecordSpec.latter_half`).
     `recipe` names the precision recipe (`trace_core.numerics.recipe`) whose rollout writes the records; the record
-    layout (`moe_format`, `kv_format`, `per_token_scale`) then follows from it and a value given that disagrees is
-    refused. Without a recipe the spec describes a record layout only (today's nvfp4 / kv_fp4 / per-token by default).
+    layout (`moe_format`, `kv_format`, `per_token_scale`) is derived from it (`layout_recipe`), never stored, so it
+    cannot disagree with it. Without a recipe the spec describes today's layout (that of `DEFAULT_RECIPE`: nvfp4 /
+    kv_fp4 / per-token) and names no recipe.
     """
 
     bits: int = 1
     moe_layers: tuple[int, ...] = ()
     attn_layers: tuple[int, ...] = ()
-    moe_format: str | None = None
-    kv_format: str | None = None
-    per_token_scale: bool | None = None
     recipe: str | None = None
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        layout = recipe_layout(self.recipe if self.recipe is not None else DEFAULT_RECIPE)
-        for name, value in layout.items():
-            given = getattr(self, name)
-            if given is None:
-                object.__setattr__(self, name, value)
-            elif self.recipe is not None and given != value:
-                raise ValueError(f"RecordSpec.{name}={given!r} disagrees with recipe {self.recipe!r} ({value!r})")
+        layout = self.layout_recipe  # an unknown recipe name is refused here
         for name, kind in (("moe_layers", "moe_in"), ("attn_layers", "k")):
             layers = getattr(self, name)
             if len(set(layers)) != len(layers) or any(not isinstance(i, int) or i < 0 for i in layers):
                 raise ValueError(f"RecordSpec.{name} must be distinct non-negative layer ids, got {layers}")
-            fmt = self.moe_format if kind == "moe_in" else self.kv_format
-            if fmt is None and layers:
+            if layers and not layout.recorded(kind):
                 raise ValueError(
                     f"recipe {self.recipe!r} does not record {kind} (rounded to nearest on both sides); "
                     f"RecordSpec.{name} must be empty, got {layers}"
                 )
-            if fmt is not None:
-                get_format(fmt)
+
+    @property
+    def layout_recipe(self) -> PrecisionRecipe:
+        """The recipe the record layout follows: the spec's, else `DEFAULT_RECIPE`."""
+        return get_recipe(self.recipe if self.recipe is not None else DEFAULT_RECIPE)
+
+    @property
+    def moe_format(self) -> str | None:
+        """Format name of the `moe_in` records (None when the recipe records no MoE input)."""
+        return recorded_format(self.layout_recipe, "moe_in")
+
+    @property
+    def kv_format(self) -> str | None:
+        """Format name of the `k` / `v` records (None when the recipe records no K / V)."""
+        return recorded_format(self.layout_recipe, "k")
+
+    @property
+    def per_token_scale(self) -> bool:
+        """Whether the MoE-input records carry an FP32 token scale next to their block scales."""
+        return self.layout_recipe.moe_in.scale is Scale.PER_TOKEN
 
     @classmethod
     def default(
@@ -319,7 +334,7 @@ def bytes_per_token(shape: ModelShape, spec: RecordSpec) -> RecordBytes:
     for layer, kind in spec.sites():
         fmt = spec.site_format(kind)
         if kind == "moe_in":
-            token_scale = bool(spec.per_token_scale) and fmt.has_global_scale
+            token_scale = spec.per_token_scale and fmt.has_global_scale
             per_site[(layer, kind)] = site_bytes(shape.hidden, spec.bits, fmt.block, token_scale)
         else:  # an nvfp4 K/V row carries its static S_enc (the record's global scale per row)
             width = shape.num_kv_heads * shape.head_dim

@@ -39,8 +39,9 @@ import torch
 import zstandard
 
 from trace_core.numerics.formats import get_format
+from trace_core.numerics.recipe import DEFAULT_RECIPE
 from trace_core.records.layout import TrajectoryRecords
-from trace_core.records.spec import Binding, Record
+from trace_core.records.spec import Binding, Record, recorded_format
 from trace_core.sites import SITE_KINDS, Site, check_site
 
 MAGIC = b"TRACEREC"
@@ -485,3 +486,19 @@ def check_format(name: str, where: str) -> None:
         get_format(name)
     except ValueError as e:
         raise CorruptShardError(f"{where}: {e}") from e
+
+
+def check_site_recipe(site: Site, fmt: str, binding: Mapping | None, where: str) -> None:
+    """Raise `CorruptShardError` naming the `fmt` field unless a bound trajectory's record of `site` is in the
+    format its binding's recipe records that site kind in (the record spec derives it from the recipe,
+    `RecordSpec.moe_format` / `kv_format`); an unbound trajectory names no recipe and is not checked."""
+    if binding is None:
+        return
+    recipe = binding.get("recipe", DEFAULT_RECIPE)
+    try:
+        want = recorded_format(recipe, site[1])
+    except ValueError as e:
+        raise CorruptShardError(f"{where}: bad binding recipe ({e})") from e
+    if fmt != want:
+        records = f"records it as {want!r}" if want is not None else "records no such site"
+        raise CorruptShardError(f"{where}: fmt {fmt!r} disagrees with the binding's recipe {recipe!r}, which {records}")
