@@ -55,7 +55,7 @@ def _entries(
         (p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(), i) for i, p in enumerate(params)
     )
     covered = [0] * len(params)
-    out = []
+    out: list[tuple[str, object, int, tuple | None]] = []
     for n, e in enumerate(nested_values(extract_sharded_tensors_and_factories(model)[0])):
         t = e.data
         if id(t) in index:
@@ -287,21 +287,27 @@ def load(
         for name, key, t in targets:
             t.copy_(loaded[name][key])
     step = common["adam_step"]
+    # (inner torch optimizer, its master tensor, parameter index, range [lo, hi) of the flattened parameter or None)
+    slots: list[tuple[torch.optim.Optimizer, torch.Tensor, int, tuple[int, int] | None]]
     if local:
         optimizer.state.clear()
         slots = [(optimizer, m, i, None) for i, m in enumerate(master)]
     else:
         shards = _dp_shards(optimizer)
         index = {id(p): i for i, p in enumerate(params)}
-        slots = [(inner, main, index[k], (lo, hi)) for k, (inner, lo, hi, main) in shards.items()]
+        ranges = [(inner, main, index[k], lo, hi) for k, (inner, lo, hi, main) in shards.items()]
         with torch.no_grad():
-            for inner, main, i, (lo, hi) in slots:
+            for inner, main, i, lo, hi in ranges:
                 main.copy_(master[i].view(-1)[lo:hi])
                 inner.state.pop(main, None)
+        slots = [(inner, main, i, (lo, hi)) for inner, main, i, lo, hi in ranges]
     for inner, main, i, span in slots:
         if step:
-            part = (lambda t: t) if span is None else (lambda t, lo=span[0], hi=span[1]: t.view(-1)[lo:hi].clone())
-            inner.state[main] = {"step": torch.tensor(float(step))} | {n: part(moments[n][i]) for n in MOMENTS}
+            mine = {n: moments[n][i] for n in MOMENTS}
+            if span is not None:
+                lo, hi = span
+                mine = {n: t.view(-1)[lo:hi].clone() for n, t in mine.items()}
+            inner.state[main] = {"step": torch.tensor(float(step))} | mine
     if lr is not None:
         inners = [optimizer] if local else [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         for group in (g for inner in inners for g in inner.param_groups):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import types
+from typing import Any
 
 import torch
 
@@ -32,7 +33,10 @@ def install_cpu_shims() -> None:
         return
     from megatron.core.tensor_parallel import random as tp_random
 
-    torch.cuda.current_device = lambda: "cpu"
+    # current_device and current_stream answer outside torch's annotations (a device name, a stream stand-in): they
+    # are set through an untyped handle of torch.cuda, since these shims replace its typed functions on purpose
+    cuda: Any = torch.cuda
+    cuda.current_device = lambda: "cpu"
     torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
     tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
@@ -45,7 +49,7 @@ def install_cpu_shims() -> None:
 
     schedules.torch = _TorchCudaOnCpu("torch")
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    cuda.current_stream = lambda *a, **k: _NoStream()
     _INSTALLED = True
 
 

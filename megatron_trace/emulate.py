@@ -29,10 +29,12 @@ class _Table:
 
     def __init__(self, spec: RecordSpec, role: Role, width: int, shape: tuple[int, int], device):
         t, p = shape
+        if not isinstance(role.fmt, FP4Format):  # a recorded role is FP4 (`Role` refuses anything else)
+            raise ValueError(f"{role.fmt.name} is not an FP4 format; records hold FP4 codes only")
         self.role, self.fmt, self.bits, self.width = role, role.fmt, spec.bits, width
         self.low = torch.zeros(t, p, packed_len(width, spec.bits), dtype=torch.uint8, device=device)
         self.scales = torch.zeros(t, p, width // role.fmt.block, dtype=torch.uint8, device=device)
-        has_gs = isinstance(role.fmt, FP4Format) and role.fmt.has_global_scale  # per token, or static repeated
+        has_gs = role.fmt.has_global_scale  # per token, or static repeated
         self.gs = torch.ones(t, p, 1, dtype=torch.float32, device=device) if has_gs else None
         self.has = torch.zeros(t, p, dtype=torch.bool, device=device)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -62,7 +62,10 @@ def model_dims(config: dict) -> MoEModelConfig:
         errors.append(f"rope scaling {rope!r} (the trainer builds plain RoPE)")
     if config.get("shared_expert_intermediate_size"):
         errors.append("shared_expert_intermediate_size (Qwen3-MoE has no shared experts)")
-    if errors:
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if experts is None:
+        errors.append("no num_experts (nor num_local_experts): not an MoE config")
+    if errors or experts is None:
         raise UnsupportedCheckpoint("unsupported Qwen3-MoE config: " + "; ".join(errors))
     heads = config["num_attention_heads"]
     return MoEModelConfig(
@@ -72,7 +75,7 @@ def model_dims(config: dict) -> MoEModelConfig:
         heads=heads,
         kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        experts=config.get("num_experts", config.get("num_local_experts")),
+        experts=experts,
         topk=config["num_experts_per_tok"],
         expert_ffn=config["moe_intermediate_size"],
         max_seq=config["max_position_embeddings"],
@@ -99,7 +102,7 @@ class HFCheckpoint:
         else:
             raise FileNotFoundError(f"{self.path} holds neither model.safetensors nor model.safetensors.index.json")
         self.files = weight_map
-        self._open: dict[str, object] = {}
+        self._open: dict[str, safe_open] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -191,7 +194,7 @@ def megatron_state(ckpt: HFCheckpoint) -> dict[str, torch.Tensor]:
     return {n: megatron_tensor(ckpt, n) for n in tqdm(names, desc=f"import {ckpt.path.name}", unit="tensor")}
 
 
-class LazyMegatronState(Mapping):
+class LazyMegatronState(Mapping[str, torch.Tensor]):
     """The full single-rank Megatron state of a checkpoint as a mapping that reads each tensor when asked for it,
     so a rank of a parallel layout reads only what it loads."""
 
@@ -202,7 +205,7 @@ class LazyMegatronState(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return megatron_tensor(self.ckpt, name)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -130,7 +130,7 @@ def _tp_split(param: torch.Tensor) -> int | None:
     return param.partition_dim  # type: ignore[attr-defined]  # set by megatron-core with tensor_model_parallel
 
 
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's shard of every parameter of `model` (one chunk) out of the single-rank state dict `full`."""
     from megatron.core import parallel_state
 

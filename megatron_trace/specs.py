@@ -12,14 +12,19 @@ to the weight site yet (`TraceSession` raises), so the trainer builds this spec.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 
 class SequenceParallelNorm:
-    """`RMSNorm` / `LayerNorm` for Megatron specs that accepts `sequence_parallel` (Megatron's norm signature)."""
+    """`RMSNorm` / `LayerNorm` for Megatron specs that accepts `sequence_parallel` (Megatron's norm signature).
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+    A class whose construction returns a torch norm (`torch.nn.RMSNorm` or `torch.nn.LayerNorm`), not an instance of
+    itself, as Megatron's `WrappedTorchNorm`: a spec's `build_module` instantiates classes and returns functions
+    uncalled. `__new__` is therefore typed `Any`, since a type checker requires it to return an instance."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> Any:
         if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
             raise ValueError("SequenceParallelNorm: zero-centered gamma / memory-efficient norm are not supported")
         kinds = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
