@@ -6,8 +6,9 @@ experts top-8, MoE FFN 768, 32 / 4 heads x 128, vocab 151,936), served with rand
 --skip-tokenizer-init`, input ids only). Every server runs `--attention-backend triton --sampling-backend pytorch
 --grammar-backend none --page-size 1 --dtype bfloat16 --mem-fraction-static 0.85` with SGLang's default decode CUDA
 graphs and no prefill graphs (`--disable-prefill-cuda-graph`: they change only the time to first token and their
-capture took 93 s of each start on the H200), in its own process group (torn down on exit, error, SIGINT and SIGTERM; what a killed run left, its server and
-record store, is found through `PID_FILE` next to `--out` and removed before the next start).
+capture took 93 s of each start on the H200), in its own process group (torn down on exit, error, SIGINT and SIGTERM;
+what a killed run left, its server and record store, is found through `PID_FILE` next to `--out` and removed before
+the next start).
 
 Configurations (`CONFIGS`):
   bf16                           BF16 W/A, BF16 KV, TRACE off
@@ -582,10 +583,11 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
     store = Path(tempfile.mkdtemp(prefix="serve-store-", dir=args.store_dir)).resolve() if traced(flags) else None
     port = free_port()
     argv = server_argv(write_model((args.model_dir or out_dir / "model").resolve()), flags, port, store, args)
-    entry |= {"server_command": argv, "log": str(out_dir / "logs" / f"{name}.log")}
+    log = out_dir / "logs" / f"{name.replace('+', '_')}.log"
+    entry |= {"server_command": argv, "log": str(log)}
     result["configs"][name] = entry
     t0 = time.monotonic()
-    server = Server(argv, f"http://127.0.0.1:{port}", out_dir / "logs" / f"{name}.log", out_dir / PID_FILE, store)
+    server = Server(argv, f"http://127.0.0.1:{port}", log, out_dir / PID_FILE, store)
     try:
         try:
             server.wait_ready(min(args.start_timeout_s, max(1.0, left())))
@@ -669,8 +671,8 @@ CAPTURE_PAIRS = (
 )
 TARGETS: tuple[Target, ...] = (
     *(
-        Target("capture", "decode throughput with capture >= 0.97 x without, at every batch >= 16", c, b,
-               "decode_throughput", 0.97, True, "batch16")
+        Target("capture", "output throughput with capture >= 0.97 x without, at every batch >= 16", c, b,
+               "output_throughput", 0.97, True, "batch16")
         for c, b in CAPTURE_PAIRS
     ),
     Target("emulation", "emulate NVFP4 W/A decode step <= 1.3 x BF16 at batch 64 (1K context)", "emulate", "bf16",
