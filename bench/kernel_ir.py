@@ -64,20 +64,18 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(
-        fmt: str, mode: int, bits: int, block_kernel: bool | None = None, rec_unit: int | None = None, prefetch: int = 0
-    ) -> tuple:
+    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, prefetch: int = 0) -> tuple:
         tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
         block = ops.get_format(fmt).block
         fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
         first = ops.record_first(tile["RB"], tile["C"], tile["num_warps"])
-        use16 = ops.block_per_thread(fmt_obj, bool(bits), first, rec_unit or unit(bits))
+        use16 = ops.block_per_thread(fmt_obj, bool(bits), first)
         use16 = use16 if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         if block == 32:  # half a block per thread, where the module has that kernel
             kernel = getattr(mod, "_quantize_record32_halves_kernel", None)
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
-                "REC_UNIT": rec_unit or unit(bits), "RECORD_FIRST": first,
+                "REC_UNIT": unit(bits), "RECORD_FIRST": first,
                 "ROW_LOOP": prefetch or ops.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
         regs = ops.record_regs(bool(bits), mode, 1 if tile["ONE_PASS"] else 2, bool(prefetch))
         if kernel and regs:  # as ops caps the 16-element kernel
@@ -102,8 +100,6 @@ def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None)
         ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, False)),
         ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
         ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
-        ("quant kv_fp4 b=1 wide record stores", quant("kv_fp4", ops.SCALE_NONE, 1, rec_unit=16)),
-        ("quant nvfp4 per-token b=1 wide record stores", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, True, rec_unit=16)),
         ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
         ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
         ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),

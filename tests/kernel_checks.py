@@ -75,7 +75,7 @@ def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int
     quantize_fn(x, fmt, 0, gs, per_token, plain, None, None, None)
     assert torch.equal(plain, dequantize(q, dtype)), f"{fmt.name} {dtype} {mode}: no-record output differs"
     # output and record into aligned buffers: the 16-element kernels store a block's record bytes in 2- or 4-byte
-    # words there (or wider, `ops.record_store_unit`)
+    # words there (`ops.record_unit`)
     out = torch.full_like(x, float("nan"))
     low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
     quantize_fn(x, fmt, bits, gs, per_token, out, low, scales, token)

@@ -71,16 +71,6 @@ def cases() -> dict[str, Callable[[], None]]:
             for bits in (1, 4):
                 q = partial(quant, fmt, 5, 512, torch.float32, bits, mode, "cpu")
                 out[f"quant-{fmt}-{mode}-b{bits}-record-first"] = partial(_record_first, q)
-    for fmt in ("nvfp4", "kv_fp4"):  # D a multiple of 128, aligned buffers: the record in 16-byte vectors
-        for mode in kernel_checks.SCALE_MODES[fmt]:
-            for bits in (1, 2):
-                q = partial(quant, fmt, 3, 256, torch.float32, bits, mode, "cpu")
-                out[f"quant-{fmt}-{mode}-b{bits}-wide-record"] = partial(_wide, q)  # one chunk per row
-                q = partial(quant, fmt, 5, 384, torch.float32, bits, mode, "cpu")
-                # three chunks of 128 columns per row, two rows per tile, two row tiles per program
-                out[f"quant-{fmt}-{mode}-b{bits}-wide-record-small-tiles"] = partial(
-                    _wide, q, rows=2, chunk=128, row_chunk=128, row_loop=2
-                )
     for bits in (1, 4):  # per-token rows of one chunk of 512 columns, and of two chunks of 256 (448 columns: the
         # second partly masked), 3 row tiles per program, each loaded before the previous is quantized
         # (ops.prefetched; the last program's last tile past the last row)
@@ -127,11 +117,6 @@ def _record_first(fn: Callable[[], None]) -> None:
     other cases give a block to two threads or more); the last tile partly past the last row."""
     with ops.launch_overrides({"rows": 2, "chunk": 512, "warps": 1}):
         assert ops.record_first(*ops._launch_shape(ops.get_format("kv_fp4"), 512))
-        fn()
-
-
-def _wide(fn: Callable[[], None], **tile: int) -> None:
-    with ops.launch_overrides({"wide_record": 1, **tile}):
         fn()
 
 

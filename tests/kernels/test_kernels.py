@@ -169,29 +169,26 @@ def test_rows_are_taken_as_whole_chunks_only_for_block_scales_and_contiguous_ten
     assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, [x, None, wide, scales]) == 0  # strided record
 
 
-def test_record_store_unit_takes_16_byte_vectors_only_where_they_fit():
-    low, scales, _ = record_buffers(4, 256, "kv_fp4", 1, "cpu")
-    assert ops.record_store_unit(low, scales, 1, 256) == 2  # off by default: per-block 2-byte words
-    saved = ops.LAUNCH["quant"]["wide_record"]
-    try:
-        ops.LAUNCH["quant"]["wide_record"] = 1
-        assert ops.record_store_unit(low, scales, 1, 256) == 16
-        low2, scales2, _ = record_buffers(4, 256, "kv_fp4", 2, "cpu")
-        assert ops.record_store_unit(low2, scales2, 2, 256) == 16
-        low4, scales4, _ = record_buffers(4, 256, "kv_fp4", 4, "cpu")
-        assert ops.record_store_unit(low4, scales4, 4, 256) == 4  # b = 4: per-block 4-byte words
-        odd = torch.zeros(4, low.shape[1] + 1, dtype=torch.uint8)[:, 1:]
-        assert ops.record_store_unit(odd, scales, 1, 256) == 1  # a staging-row view at an odd address
-        narrow, narrow_scales, _ = record_buffers(4, 96, "kv_fp4", 1, "cpu")
-        assert ops.record_store_unit(narrow, narrow_scales, 1, 96) == 2  # D not a multiple of 128
-    finally:
-        ops.LAUNCH["quant"]["wide_record"] = saved
+def test_record_unit_takes_the_widest_word_the_buffer_allows():
+    low, _, _ = record_buffers(4, 256, "kv_fp4", 1, "cpu")
+    assert ops.record_unit(low, 1) == 2  # b = 1: a block's 2 record bytes as one 2-byte word
+    low2, _, _ = record_buffers(4, 256, "kv_fp4", 2, "cpu")
+    assert ops.record_unit(low2, 2) == 4  # b = 2: one 4-byte word
+    low4, _, _ = record_buffers(4, 256, "kv_fp4", 4, "cpu")
+    assert ops.record_unit(low4, 4) == 4  # b = 4: two 4-byte words
+    low3, _, _ = record_buffers(4, 256, "kv_fp4", 3, "cpu")
+    assert ops.record_unit(low3, 3) == 1  # b = 3: byte by byte
+    odd = torch.zeros(4, low.shape[1] + 1, dtype=torch.uint8)[:, 1:]
+    assert ops.record_unit(odd, 1) == 1  # a staging-row view at an odd address
 
 
 def test_launch_override_refuses_unknown_keys_by_name():
-    # blocks_per_thread was an opt-in kernel, removed after it timed ~2x slower on the H200: the key is refused
+    # blocks_per_thread was an opt-in kernel, removed after it timed ~2x slower on the H200, and wide_record the
+    # opt-in 16-byte record stores, removed as no faster: the keys are refused
     with pytest.raises(ValueError, match=r"unknown keys \['blocks_per_thread'\]"):
         ops._launch_overrides('{"quant": {"blocks_per_thread": 8}}')
+    with pytest.raises(ValueError, match=r"unknown keys \['wide_record'\]"):
+        ops._launch_overrides('{"quant": {"wide_record": 1}}')
     with pytest.raises(ValueError, match="non-positive"):
         ops._launch_overrides('{"guided": {"row_loop": 0}}')
     assert "blocks_per_thread" not in ops.LAUNCH["quant"]
@@ -225,7 +222,7 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
             f = ops.get_format(fmt)
             rb, chunk, warps = ops._launch_shape(f, d, per_token=mode == ops.SCALE_PER_TOKEN)
             first = ops.record_first(rb, chunk, warps)
-            assert first and ops.block_per_thread(f, True, first, 2), (d, fmt)  # _quantize_record16_kernel
+            assert first and ops.block_per_thread(f, True, first), (d, fmt)  # _quantize_record16_kernel
             one_pass = -(-d // chunk) == 1
             args = {"RB": rb, "C": chunk, "ONE_PASS": one_pass, "num_warps": warps, "FMT": f.kernel_id,
                     "SCALE_MODE": mode, "BITS": 1, "WRITE_OUT": True, "REC_UNIT": 2, "RECORD_FIRST": first,

@@ -43,17 +43,6 @@ def test_quantize_record_is_bit_exact(fmt, dtype, shape):
             kernel_checks.check_quantize_record(fmt, *shape, dtype, bits, mode, "cuda", _via_op)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4"])
-def test_record_in_16_byte_vectors_is_bit_exact(fmt, monkeypatch):
-    # the 16-byte record stores (off by default, LAUNCH["quant"]["wide_record"]) on D multiples of 128, one and
-    # two chunks per row; the strided buffers of check_quantize_record keep the per-block stores
-    monkeypatch.setitem(ops.LAUNCH["quant"], "wide_record", 1)
-    for mode in kernel_checks.SCALE_MODES[fmt]:
-        for bits in (1, 2):
-            for t, d in ((64, 2048), (130, 7168)):
-                kernel_checks.check_quantize_record(fmt, t, d, torch.bfloat16, bits, mode, "cuda", _via_op)
-
-
 def _swept_tiles() -> list:
     """Parameters (D, LAUNCH["quant"] overrides) of every tile bench/record_tiles.py times (`SWEPT_TILES`)."""
     return [pytest.param(d, tile, id=f"{d}-" + ("-".join(f"{k}{n}" for k, n in tile.items()) or "default"))

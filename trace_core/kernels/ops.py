@@ -59,7 +59,6 @@ LAUNCH: dict[str, dict[str, int]] = {
         "prefetch": 4096,
         "prefetch_loop": 4,
         "record_regs": 40,
-        "wide_record": 0,
         "whole_chunks": 1,
         "token_groups": 1,
         "group_ahead": 3,
@@ -70,9 +69,8 @@ LAUNCH: dict[str, dict[str, int]] = {
 """Program tile per kernel: rows x chunk columns and warps (tuned on H200 with `bench/kernels.py --tune`; the quantize
 tile's fit to each row width by `bench/record_tiles.py`: see `_launch_shape`). The 16-element quantize kernel and
 the guided kernel take `row_loop` tiles of rows one after the other per program (guided: 4, one redirected-count add
-per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`), and the quantize kernel with
-`wide_record` = 1 stores the record in 16-byte vectors where `record_store_unit` allows it (off by default: no
-faster on the H200, docs/performance.md); with `whole_chunks` = 1 and a record it takes rows that leave
+per program instead of one per tile: `bench/kernels.py --guided-row-loops 1 4`); with `whole_chunks` = 1 and a
+record the quantize kernel takes rows that leave
 threads masked as rows of whole chunks where it can (`whole_chunk_rows`); per-token nvfp4 rows of at least
 `prefetch` columns (0: none) in one or two chunks are loaded ahead, `prefetch_loop` row tiles per program
 (`prefetched`); the per-token nvfp4 record kernel on rows of one chunk not loaded ahead holds at most `record_regs`
@@ -85,7 +83,6 @@ with a record (docs/performance.md, "token groups"). `TRACE_FP4_LAUNCH` (JSON, e
 
 
 SWITCHES = (
-    "wide_record",
     "whole_chunks",
     "prefetch",
     "record_regs",
@@ -167,16 +164,6 @@ def record_unit(buf: torch.Tensor, bits: int) -> int:
     return 1
 
 
-def record_store_unit(low_bits: torch.Tensor, scales: torch.Tensor, bits: int, d: int) -> int:
-    """How the 16-element quantize kernel stores a record: 16 (16-byte vectors of code bits, 8-byte words of scale
-    bytes, per 128 columns) where `LAUNCH["quant"]["wide_record"]` is on, b is 1 or 2, D a multiple of 128, the
-    code-bit rows 16-byte and the scale rows 8-byte aligned; else `record_unit`'s per-block words."""
-    aligned = all(b.data_ptr() % u == 0 and b.stride(0) % u == 0 for b, u in ((low_bits, 16), (scales, 8)))
-    if LAUNCH["quant"]["wide_record"] and bits in (1, 2) and d % 128 == 0 and aligned:
-        return 16
-    return record_unit(low_bits, bits)
-
-
 def record_first(rows: int, chunk: int, warps: int) -> bool:
     """Whether the quantize kernels that hold 16 elements per thread (`_quantize_record16_kernel`,
     `_quantize_record32_halves_kernel`) store the record before the output (`RECORD_FIRST`): where their tile of
@@ -184,13 +171,13 @@ def record_first(rows: int, chunk: int, warps: int) -> bool:
     return rows * chunk // 16 >= 32 * warps
 
 
-def block_per_thread(fmt: FP4Format, record: bool, first: bool, unit: int) -> bool:
+def block_per_thread(fmt: FP4Format, record: bool, first: bool) -> bool:
     """Whether the quantize kernel for 16-element blocks is the block-per-thread one (`_quantize_record16_kernel`)
-    rather than the group-per-thread one (`_quantize_record_kernel`), given `record_first` (`first`) and the record's
-    store unit: always, except for nvfp4 with a record stored per block on a tile that does not give each thread
+    rather than the group-per-thread one (`_quantize_record_kernel`), given `record_first` (`first`): always,
+    except for nvfp4 with a record on a tile that does not give each thread
     whole blocks (rows of at most 256 columns with the default tile, or a `TRACE_FP4_LAUNCH` override), where the
     group-per-thread kernel measured faster on the H200 (docs/performance.md)."""
-    return fmt.block == 16 and (first or unit == 16 or not (record and fmt.has_global_scale))
+    return fmt.block == 16 and (first or not (record and fmt.has_global_scale))
 
 
 def whole_chunk_rows(
@@ -311,7 +298,7 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
             D=d,
             G=g,
             C=c,
-            REC_UNIT=record_store_unit(low_bits, scales, bits, d) if record else 1,
+            REC_UNIT=record_unit(low_bits, bits) if record else 1,
             AHEAD=LAUNCH["quant"]["group_ahead"],
             num_warps=w,
         )
@@ -340,9 +327,9 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
         return
     per_prog = n_chunks if mode == SCALE_PER_TOKEN else 1
     loop = 1
-    unit = record_store_unit(low_bits, scales, bits, d) if record and fmt.block == 16 else 1
+    unit = record_unit(low_bits, bits) if record and fmt.block == 16 else 1
     first = record_first(rb, chunk, warps)
-    if block_per_thread(fmt, record, first, unit):
+    if block_per_thread(fmt, record, first):
         prefetch = prefetched(t, d, rb, n_chunks, mode, x.device)
         loop = LAUNCH["quant"]["prefetch_loop" if prefetch else "row_loop"]
         kernel = k._quantize_record16_kernel

@@ -13,8 +13,7 @@ interpreter by `tests/kernels/test_kernels.py::test_triton_kernel_under_the_inte
   `test_quantize_record_is_bit_exact` (every format and scale mode; nvfp4 records at D = 64 take the group kernel),
   `test_quantize_record_on_every_swept_tile`, `test_per_token_rows_wider_than_one_tile`,
   `test_per_token_rows_loaded_ahead`, `test_per_token_record_kernel_register_cap`,
-  `test_record_in_16_byte_vectors_is_bit_exact`, `test_rows_taken_as_whole_chunks_are_bit_exact` (the E8M0
-  formats), `test_per_token_rows_in_token_groups`;
+  `test_rows_taken_as_whole_chunks_are_bit_exact` (the E8M0 formats), `test_per_token_rows_in_token_groups`;
 - guided fake-quant ↔ `guided.guided_quantize` + `quant.dequantize`: `_guided_kernel`, one kernel for 16- and
   32-element blocks, 16 elements per thread. Tests: `test_guided_is_bit_exact`,
   `test_guided_with_other_row_tiles_per_program`.
@@ -517,74 +516,12 @@ def _load_record16(rec, mask, BITS: tl.constexpr, REC_UNIT: tl.constexpr):
 
 
 @triton.jit
-def _lane_pack(w, N: tl.constexpr, WIDTH: tl.constexpr):
-    """The WIDTH-bit words w [RB, NB] of each N consecutive blocks as one integer [RB, NB / N], block i of a group
-    at bit i * WIDTH (int64 when N * WIDTH > 32): a sum over the threads that hold them (warp shuffles)."""
-    RB: tl.constexpr = w.shape[0]
-    NB: tl.constexpr = w.shape[1]
-    shift = tl.arange(0, N) * WIDTH
-    if N * WIDTH > 32:
-        w = w.to(tl.uint32, bitcast=True).to(tl.int64)  # zero-extended: a 32-bit word may have its top bit set
-        shift = shift.to(tl.int64)
-    return tl.sum(tl.reshape(w, (RB, NB // N, N)) << shift[None, None, :], axis=2)
-
-
-@triton.jit
-def _store_wide(ptr, lo, hi, mask, WORDS: tl.constexpr):
-    """Store int64 lo (WORDS = 1), or lo then hi (WORDS = 2, one 16-byte vector), at byte pointers ptr (8- or
-    16-byte aligned) where mask is set. By inline PTX: the compiler's own store would first move the packed words
-    into a layout of its choosing, through shared memory."""
-    if INTERPRET:
-        p = ptr.to(tl.pointer_type(tl.int64))
-        tl.store(p, lo, mask=mask)
-        if WORDS == 2:
-            tl.store(p + 1, hi, mask=mask)
-    elif WORDS == 2:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.v2.b64 [$1], {$3, $4}; mov.b32 $0, 0; }",
-            "=r,l,r,l,l",
-            [ptr.to(tl.int64), mask.to(tl.int32), lo, hi],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.b64 [$1], $3; mov.b32 $0, 0; }",
-            "=r,l,r,l",
-            [ptr.to(tl.int64), mask.to(tl.int32), lo],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
 def _spread(v, N: tl.constexpr):
-    """v [RB, NB / N] back on the [RB, NB] blocks it was packed from (`_lane_pack`): each block gets its group's
-    value, which the threads of the group already hold (no data movement)."""
+    """v [RB, NB / N] back on the [RB, NB] entries it was reduced from, N per group (`_pair_max`): each entry gets
+    its group's value, which the threads of the group already hold (no data movement)."""
     RB: tl.constexpr = v.shape[0]
     G: tl.constexpr = v.shape[1]
     return tl.reshape(tl.broadcast_to(v[:, :, None], (RB, G, N)), (RB, G * N))
-
-
-@triton.jit
-def _store_record_wide(rec_row, scale_row, blk, word, byte, bmask, BITS: tl.constexpr):
-    """Store a chunk's record as 16-byte vectors of code bits and 8-byte words of scale bytes, one per 8 // BITS
-    (8) blocks, each by the thread of the group's first block: whole sectors per warp instead of 2 * BITS and 1
-    bytes per thread. word [RB, NB] is each block's 16 * BITS code bits, byte its scale byte, blk its index in
-    the row; rec_row / scale_row point at each row's record [RB, 1]. Needs BITS in (1, 2), D a multiple of 128
-    and record rows 16-byte aligned (`ops.record_store_unit`)."""
-    BPV: tl.constexpr = 8 // BITS  # blocks per 16-byte vector of code bits
-    RB: tl.constexpr = word.shape[0]
-    NB: tl.constexpr = word.shape[1]
-    pairs = tl.reshape(_lane_pack(word, 4 // BITS, 16 * BITS), (RB, NB // BPV, 2))
-    half = tl.arange(0, 2)[None, None, :]
-    lo = _spread(tl.sum(tl.where(half == 0, pairs, 0), axis=2), BPV)
-    hi = _spread(tl.sum(tl.where(half == 1, pairs, 0), axis=2), BPV)
-    _store_wide(rec_row + blk * (2 * BITS), lo, hi, bmask & (blk % BPV == 0), 2)
-    scales = _spread(_lane_pack(_lane_pack(byte, 4, 8), 2, 32), 8)
-    _store_wide(scale_row + blk, scales, scales, bmask & (blk % 8 == 0), 1)
 
 
 @triton.jit
@@ -624,18 +561,13 @@ def _quantize_chunk16(
         # per-token rows in one chunk keep the sum: 1.9 % slower by shifts (H200, nvfp4, D = 4096, T = 65536)
         shifts = not (SCALE_MODE == SCALE_PER_TOKEN and ONE_PASS)
         wa, wb = _record_words(qa, ta, za, qb, tb, zb, BITS, FMT, shifts)
-        if REC_UNIT == 16:
-            rec_row = rec_ptr + rows64[:, None] * rec_stride
-            scale_row = scale_ptr + rows64[:, None] * scale_stride
-            _store_record_wide(rec_row, scale_row, blk, wa | (wb << (8 * BITS)), byte, bmask, BITS)
+        if BLOCK == 32:
+            smask = bmask & (blk % 2 == 0)
         else:
-            if BLOCK == 32:
-                smask = bmask & (blk % 2 == 0)
-            else:
-                smask = bmask
-            tl.store(scale_ptr + rows64[:, None] * scale_stride + blk // (BLOCK // 16), byte.to(tl.uint8), mask=smask)
-            _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
-                            REC_UNIT)  # fmt: skip
+            smask = bmask
+        tl.store(scale_ptr + rows64[:, None] * scale_stride + blk // (BLOCK // 16), byte.to(tl.uint8), mask=smask)
+        _store_record16(rec_ptr + rows64[:, None] * rec_stride + blk * (2 * BITS), wa, wb, bmask, BITS,
+                        REC_UNIT)  # fmt: skip
     if WRITE_OUT and RECORD_FIRST:
         _store_halves(out_ptr + rows64[:, None, None] * out_stride + c0 + offs, qa, za, qb, zb, decode, m)
 
