@@ -37,7 +37,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
 from tests.sm90 import compile_kernel, ptxas_info
-from trace_core.kernels import ops, triton_token_groups
+from trace_core.kernels import launch, triton_token_groups
+from trace_core.kernels.launch import ScaleMode
+from trace_core.numerics.formats import get_format
 
 
 def load_module(path: str | None):
@@ -53,71 +55,71 @@ def load_module(path: str | None):
 
 
 def configs(mod, d: int, rows: int | None, chunk: int | None, warps: int | None) -> list[tuple]:
-    """(label, kernel, constexprs, warps) of the representative configurations, tiled as `ops` launches them for
+    """(label, kernel, constexprs, warps) of the representative configurations, tiled as `launch` picks them for
     rows of width d unless rows / chunk / warps are given."""
 
-    def launch(fmt: str, kernel: str = "quant", per_token: bool = False) -> dict:
-        rb, c, w = ops._launch_shape(ops.get_format(fmt), d, kernel, per_token=per_token)
+    def tile_of(fmt: str, kernel: str = "quant", per_token: bool = False) -> dict:
+        rb, c, w = launch.launch_shape(get_format(fmt), d, kernel, per_token=per_token)
         c = chunk or c
         return {"RB": rows or rb, "C": c, "ONE_PASS": -(-d // c) == 1, "num_warps": warps or w}
 
     def unit(bits: int) -> int:  # an aligned record buffer
         return next((u for u in (4, 2) if u == 2 * bits or bits % u == 0), 1) if bits else 1
 
-    def quant(fmt: str, mode: int, bits: int, block_kernel: bool | None = None, prefetch: int = 0) -> tuple:
-        tile = launch(fmt, per_token=mode == ops.SCALE_PER_TOKEN)
-        block = ops.get_format(fmt).block
-        fmt_obj = ops.get_format(fmt)  # the kernel ops launches (triton_quantize_record), unless block_kernel says
-        first = ops.record_first(tile["RB"], tile["C"], tile["num_warps"])
-        use16 = ops.block_per_thread(fmt_obj, bool(bits), first)
+    def quant(fmt: str, mode: ScaleMode, bits: int, block_kernel: bool | None = None, prefetch: int = 0) -> tuple:
+        tile = tile_of(fmt, per_token=mode == ScaleMode.PER_TOKEN)
+        block = get_format(fmt).block
+        fmt_obj = get_format(fmt)  # the kernel `launch` picks (triton_quantize_record), unless block_kernel says
+        first = launch.record_first(tile["RB"], tile["C"], tile["num_warps"])
+        use16 = launch.block_per_thread(fmt_obj, bool(bits), first)
         use16 = use16 if block_kernel is None else block_kernel
         kernel = getattr(mod, "_quantize_record16_kernel", None) if use16 else None
         if block == 32:  # half a block per thread, where the module has that kernel
             kernel = getattr(mod, "_quantize_record32_halves_kernel", None)
         args = {**tile, "FMT": fmt_obj.kernel_id, "SCALE_MODE": mode, "BITS": bits, "WRITE_OUT": True, "BLOCK": block,
                 "REC_UNIT": unit(bits), "RECORD_FIRST": first,
-                "ROW_LOOP": prefetch or ops.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
-        regs = ops.record_regs(bool(bits), mode, 1 if tile["ONE_PASS"] else 2, bool(prefetch))
-        if kernel and regs:  # as ops caps the 16-element kernel
+                "ROW_LOOP": prefetch or launch.LAUNCH["quant"]["row_loop"], "PREFETCH": bool(prefetch)}  # fmt: skip
+        regs = launch.record_regs(bool(bits), mode, 1 if tile["ONE_PASS"] else 2, bool(prefetch))
+        if kernel and regs:  # as `launch` caps the 16-element kernel
             args["maxnreg"] = regs
         return kernel or mod._quantize_record_kernel, args
 
-    def guided(fmt: str, mode: int, bits: int, loop: int | None = None) -> tuple:
-        f = ops.get_format(fmt)
+    def guided(fmt: str, mode: ScaleMode, bits: int, loop: int | None = None) -> tuple:
+        f = get_format(fmt)
         block = f.block
         # one guided kernel for every block size; a module from before has `_guided16_kernel` for 16-element blocks
         kernel = getattr(mod, "_guided16_kernel", None) if block == 16 else None
-        args = {**launch(fmt, "guided"), "FMT": f.kernel_id, "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
+        args = {**tile_of(fmt, "guided"), "FMT": f.kernel_id, "SCALE_MODE": mode, "BITS": bits, "RECORD_BITS": bits,
                 "HAS_MASK": False, "BLOCK": block, "REC_UNIT": unit(bits),
-                "ROW_LOOP": loop or ops.LAUNCH["guided"]["row_loop"]}  # fmt: skip
+                "ROW_LOOP": loop or launch.LAUNCH["guided"]["row_loop"]}  # fmt: skip
         return kernel or mod._guided_kernel, args
 
-    loop, p = ops.LAUNCH["quant"]["prefetch_loop"], ops.SCALE_PER_TOKEN
-    per_token_tile = launch("nvfp4", per_token=True)
-    ahead = -(-d // per_token_tile["C"]) <= 2  # rows of one or two chunks: also loaded ahead (ops.prefetched)
+    loop, p = launch.LAUNCH["quant"]["prefetch_loop"], ScaleMode.PER_TOKEN
+    per_token_tile = tile_of("nvfp4", per_token=True)
+    ahead = -(-d // per_token_tile["C"]) <= 2  # rows of one or two chunks: also loaded ahead (launch.prefetched)
     table = [
-        ("quant nvfp4 per-token b=1", quant("nvfp4", ops.SCALE_PER_TOKEN, 1)),
-        ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ops.SCALE_PER_TOKEN, 1, False)),
-        ("quant nvfp4 per-token no-record", quant("nvfp4", ops.SCALE_PER_TOKEN, 0)),
-        ("quant kv_fp4 b=1", quant("kv_fp4", ops.SCALE_NONE, 1)),
-        ("quant kv_fp4 no-record", quant("kv_fp4", ops.SCALE_NONE, 0)),
-        ("quant nvfp4 row b=4", quant("nvfp4", ops.SCALE_ROW, 4)),
-        ("quant mxfp4 b=2", quant("mxfp4", ops.SCALE_NONE, 2)),
-        ("guided nvfp4 b=1", guided("nvfp4", ops.SCALE_ROW, 1)),
-        ("guided nvfp4 b=1, 4 row tiles per program", guided("nvfp4", ops.SCALE_ROW, 1, loop=4)),
-        ("guided kv_fp4 b=1", guided("kv_fp4", ops.SCALE_NONE, 1)),
-        ("guided nvfp4 b=2", guided("nvfp4", ops.SCALE_ROW, 2)),
-        ("guided nvfp4 b=4", guided("nvfp4", ops.SCALE_ROW, 4)),
+        ("quant nvfp4 per-token b=1", quant("nvfp4", ScaleMode.PER_TOKEN, 1)),
+        ("quant nvfp4 per-token b=1 group kernel", quant("nvfp4", ScaleMode.PER_TOKEN, 1, False)),
+        ("quant nvfp4 per-token no-record", quant("nvfp4", ScaleMode.PER_TOKEN, 0)),
+        ("quant kv_fp4 b=1", quant("kv_fp4", ScaleMode.NONE, 1)),
+        ("quant kv_fp4 no-record", quant("kv_fp4", ScaleMode.NONE, 0)),
+        ("quant nvfp4 row b=4", quant("nvfp4", ScaleMode.ROW, 4)),
+        ("quant mxfp4 b=2", quant("mxfp4", ScaleMode.NONE, 2)),
+        ("guided nvfp4 b=1", guided("nvfp4", ScaleMode.ROW, 1)),
+        ("guided nvfp4 b=1, 4 row tiles per program", guided("nvfp4", ScaleMode.ROW, 1, loop=4)),
+        ("guided kv_fp4 b=1", guided("kv_fp4", ScaleMode.NONE, 1)),
+        ("guided nvfp4 b=2", guided("nvfp4", ScaleMode.ROW, 2)),
+        ("guided nvfp4 b=4", guided("nvfp4", ScaleMode.ROW, 4)),
     ]
     if ahead:
         table[3:3] = [(f"quant nvfp4 per-token b=1, {loop} row tiles prefetched", quant("nvfp4", p, 1, prefetch=loop)),
                      (f"quant nvfp4 per-token no-record, {loop} row tiles prefetched",
                       quant("nvfp4", p, 0, prefetch=loop))]  # fmt: skip
-    tile = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
-    for bits in (1, 0):  # per-token rows in token groups, where ops takes them so (with enough rows)
-        if groups := ops.token_groups(1 << 20, d, tile, p, [], torch.device("cpu"), bool(bits)):
+    tile = launch.launch_shape(get_format("nvfp4"), d, per_token=True)
+    for bits in (1, 0):  # per-token rows in token groups, where `launch` takes them so (with enough rows)
+        if groups := launch.token_groups(1 << 20, d, tile, p, [], torch.device("cpu"), bool(bits)):
             g, c, w = groups
-            ahead = ops.LAUNCH["quant"]["group_ahead"]
+            ahead = launch.LAUNCH["quant"]["group_ahead"]
             args = {"RB": 1, "C": c, "num_warps": w, "BITS": bits, "WRITE_OUT": True, "D": d, "G": g,
                     "REC_UNIT": unit(bits), "AHEAD": ahead}  # fmt: skip
             label = f"quant nvfp4 per-token {f'b={bits}' if bits else 'no-record'}, token groups of {g} rows"
@@ -201,9 +203,9 @@ def attention(module: str | None) -> None:
         sglang._fwd_grouped_kernel_stage1,
         {**ATTENTION_SHAPE, "BLOCK_DMODEL": 128, "BLOCK_DPE": 0, "BLOCK_DV": 128, "Lv": 128, **launches[0][1]},
         {**ATTENTION_TYPES, "K_Buffer": "*bf16", "V_Buffer": "*bf16"})))]  # fmt: skip
-    for label, launch in launches:
+    for label, options in launches:
         kernel = fa._fp4_grouped_kernel_stage1
-        constexprs = {**ATTENTION_SHAPE, "BLOCK_DMODEL": 128, "KV_DTYPE": tl.bfloat16, **launch}
+        constexprs = {**ATTENTION_SHAPE, "BLOCK_DMODEL": 128, "KV_DTYPE": tl.bfloat16, **options}
         rows.append((f"FP4 {Path(module).name if module else 'package'}, {label}",
                      attention_stats(compile_kernel(kernel, constexprs, {**ATTENTION_TYPES, **fp4}))))  # fmt: skip
     print(f"triton {triton.__version__}, target sm_90")
@@ -219,9 +221,9 @@ def main() -> None:
     parser.add_argument("--module", help="a triton_fp4.py (with --attention: fp4_attention.py) to compile instead of "
                         "the package's (old vs new)")  # fmt: skip
     parser.add_argument("--d", type=int, default=4096, help="row width the tiles are chosen for (default 4096)")
-    parser.add_argument("--rows", type=int, help="rows per program (default: as ops launches)")
-    parser.add_argument("--chunk", type=int, help="chunk columns (default: as ops launches)")
-    parser.add_argument("--warps", type=int, help="warps (default: as ops launches)")
+    parser.add_argument("--rows", type=int, help="rows per program (default: as `launch` picks)")
+    parser.add_argument("--chunk", type=int, help="chunk columns (default: as `launch` picks)")
+    parser.add_argument("--warps", type=int, help="warps (default: as `launch` picks)")
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this folder")
     parser.add_argument("--attention", action="store_true", help="the grouped decode attention kernels instead")
     args = parser.parse_args()
@@ -229,7 +231,7 @@ def main() -> None:
         attention(args.module)
         return
     mod = load_module(args.module)
-    print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={ops.LAUNCH}")
+    print(f"triton {triton.__version__}, target sm_90, D={args.d}, LAUNCH={launch.LAUNCH}")
     header = ["kernel", "tile", "convert_layout", "local_alloc", "local_load/store", "shared_B", "ptx_shared_ops",
               "ptx_bar_sync", "ptx_instr", "ptx_sha", "sass_instr", "n_regs", "n_spills", "loop_sass", "loop_ldg_stg",
               "loop_sass_per_16", "stg_at"]  # fmt: skip

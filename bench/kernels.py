@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.*, tests.* of this checkout
 
 from bench.common import bench_ms, copy_gbps, graph_ms, markdown, versions, write_json
-from trace_core.kernels import guided_fake_quant, ops, quantize_record, record_buffers, rtn_fake_quant
+from trace_core.kernels import guided_fake_quant, kernel_rtn_fake_quant, launch, quantize_record, record_buffers
 from trace_core.numerics.guided import GuidanceStats, guided_quantize
 from trace_core.numerics.quant import dequantize, quantize
 from trace_core.records.spec import Record, pack_low_bits
@@ -89,12 +89,12 @@ def run_case(fmt: str, t: int, d: int, compiled: dict) -> dict:
         guided_fake_quant(xg, rec, BITS, stats=stats).backward(grad)
 
     def rtn_step():
-        rtn_fake_quant(xg, fmt, **kwargs).backward(grad)
+        kernel_rtn_fake_quant(xg, fmt, **kwargs).backward(grad)
 
     t_guided, t_rtn = bench_ms(guided_step), bench_ms(rtn_step)
     t_guided_graph, t_rtn_graph = graph_ms(guided_step), graph_ms(rtn_step)
     t_guided_fwd = graph_ms(lambda: guided_fake_quant(xt, rec, BITS, stats=stats))
-    t_rtn_fwd = graph_ms(lambda: rtn_fake_quant(xt, fmt, **kwargs))
+    t_rtn_fwd = graph_ms(lambda: kernel_rtn_fake_quant(xt, fmt, **kwargs))
     row = {
         "format": fmt,
         "T": t,
@@ -147,7 +147,7 @@ def tune(
     """Sweep each kernel's program tile (rows x chunk, warps; `row_chunk` for per-token nvfp4) at T = `t`, graph-
     timed; the best tile per kernel minimizes the summed time over formats and widths (quantize: with and without
     the record). Prints every configuration, returns (and writes to `out`) the best as a `TRACE_FP4_LAUNCH` JSON."""
-    saved = {k: dict(v) for k, v in ops.LAUNCH.items()}
+    saved = {k: dict(v) for k, v in launch.LAUNCH.items()}
     cases = []
     for d in ds:
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -160,9 +160,9 @@ def tune(
     for kernel, tiles in ((k, {"quant": QUANT_TILES, "guided": GUIDED_TILES}[k]) for k in kernels):
         row_chunks = (4096, 8192) if kernel == "quant" else (None,)
         for (rows, chunk, warps), row_chunk in itertools.product(tiles, row_chunks):
-            ops.LAUNCH[kernel].update(rows=rows, chunk=chunk, warps=warps)
+            launch.LAUNCH[kernel].update(rows=rows, chunk=chunk, warps=warps)
             if row_chunk:
-                ops.LAUNCH[kernel]["row_chunk"] = row_chunk
+                launch.LAUNCH[kernel]["row_chunk"] = row_chunk
             total = 0.0
             for fmt, d, x, kwargs, low, scales, token, rec in cases:
                 if kernel == "quant":
@@ -176,8 +176,8 @@ def tune(
                 print(f"{kernel:<7}{fmt:<8}D={d:<6}rows={rows} chunk={chunk:<5} warps={warps:<3}"
                       f"row_chunk={row_chunk}  {1e3 * ms:8.1f} us", flush=True)  # fmt: skip
             totals[(kernel, rows, chunk, warps, row_chunk)] = total
-        ops.LAUNCH[kernel].clear()
-        ops.LAUNCH[kernel].update(saved[kernel])
+        launch.LAUNCH[kernel].clear()
+        launch.LAUNCH[kernel].update(saved[kernel])
     best = {}
     for kernel in kernels:
         ranked = sorted((v, k) for k, v in totals.items() if k[0] == kernel)
@@ -198,7 +198,7 @@ def _fwd_bwd(op, x: torch.Tensor, grad: torch.Tensor, *args, **kwargs) -> None:
 def guided_row_loops(t: int, ds: list[int], loops: list[int]) -> list[dict]:
     """Guided fwd + bwd (graph) over RTN's at nvfp4 per token, T = `t`, for each `LAUNCH["guided"]["row_loop"]` in
     `loops` (row tiles per guided program, one redirected-count add per program), on the moved x of `run_case`."""
-    rows, saved = [], ops.LAUNCH["guided"]["row_loop"]
+    rows, saved = [], launch.LAUNCH["guided"]["row_loop"]
     for d in ds:
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         low, scales, token = record_buffers(t, d, "nvfp4", BITS, "cuda", per_token=True)
@@ -207,14 +207,14 @@ def guided_row_loops(t: int, ds: list[int], loops: list[int]) -> list[dict]:
         noise = 0.02 * x.float().abs().amax(-1, keepdim=True) * torch.randn_like(x, dtype=torch.float32)
         xg = (x.float() + noise).to(x.dtype).requires_grad_(True)
         grad, stats = torch.randn_like(x), GuidanceStats()
-        rtn = graph_ms(partial(_fwd_bwd, rtn_fake_quant, xg, grad, "nvfp4", per_token=True))
+        rtn = graph_ms(partial(_fwd_bwd, kernel_rtn_fake_quant, xg, grad, "nvfp4", per_token=True))
         for loop in loops:
-            ops.LAUNCH["guided"]["row_loop"] = loop
+            launch.LAUNCH["guided"]["row_loop"] = loop
             guided = graph_ms(partial(_fwd_bwd, guided_fake_quant, xg, grad, rec, BITS, stats=stats))
             rows.append({"T": t, "D": d, "row_loop": loop, "guided_us": 1e3 * guided, "rtn_us": 1e3 * rtn,
                          "guided_over_rtn_graph": guided / rtn})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    ops.LAUNCH["guided"]["row_loop"] = saved
+    launch.LAUNCH["guided"]["row_loop"] = saved
     return rows
 
 

@@ -26,7 +26,7 @@ import torch
 
 from trace_core.numerics.formats import get_format
 from trace_core.numerics.guided import GuidanceStats
-from trace_core.kernels import guided_fake_quant, quantize_record, record_buffers, rtn_fake_quant
+from trace_core.kernels import guided_fake_quant, kernel_rtn_fake_quant, quantize_record, record_buffers
 from trace_core.records.spec import Record
 
 t, d = 65536, int(os.environ.get("D", "4096"))
@@ -42,7 +42,7 @@ cases = {  # one matching kernel launch each, in this order
     "quant_record_kv_fp4_b1": lambda: quantize_record(x, "kv_fp4", 1, out=out, low_bits=kv_low, scales=kv_scales),
     "quant_no_record_nvfp4_per_token": lambda: quantize_record(x, "nvfp4", 1, per_token=True, out=out),
     "quant_no_record_kv_fp4": lambda: quantize_record(x, "kv_fp4", 1, out=out),
-    "rtn_fake_quant_nvfp4_per_token": lambda: rtn_fake_quant(x, "nvfp4", per_token=True),
+    "rtn_fake_quant_nvfp4_per_token": lambda: kernel_rtn_fake_quant(x, "nvfp4", per_token=True),
     "guided_nvfp4_b1": lambda: guided_fake_quant(x, rec, 1, stats=stats),
 }
 for phase in ("warm-up", "profiled"):  # ncu skips the warm-up launches (compilation, first touch)

@@ -1,7 +1,7 @@
 """The quantize tile per row width: candidate `LAUNCH["quant"]` settings timed against each other on a CUDA GPU.
 
 For each row width D and T, nvfp4 (per token) and kv_fp4, BF16, b = 1, graph-timed like bench/kernels.py: the
-quantize kernel that `ops` launches under each candidate setting (`CANDIDATES`, `tests.kernel_tiles.SWEPT_TILES`:
+quantize kernel that `launch` picks under each candidate setting (`CANDIDATES`, `tests.kernel_tiles.SWEPT_TILES`:
 the settings the GPU tests check bit for bit; applied for that width only), with and without the record, its record
 overhead and its ratio to a device-to-device copy of as many bytes. Every candidate's output, record and token scales
 are checked against the pure-torch reference (bit for bit). The first candidate of each width is the default tile.
@@ -28,30 +28,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench.common import copy_gbps, graph_ms, write_json
 from bench.kernels import BITS, FORMATS
 from tests.kernel_tiles import SWEPT_TILES as CANDIDATES
-from trace_core.kernels import ops, quantize_record, record_buffers
+from trace_core.kernels import launch, quantize_record, record_buffers
+from trace_core.kernels.launch import ScaleMode
+from trace_core.numerics.formats import get_format
 from trace_core.numerics.quant import dequantize, quantize
 from trace_core.records.spec import pack_low_bits
 
 
 def tile_label(fmt: str, t: int, d: int) -> str:
-    """The tile `ops` launches for fmt on [t, d] under the current LAUNCH: rows x chunk / warps (passes)."""
+    """The tile `launch` picks for fmt on [t, d] under the current LAUNCH: rows x chunk / warps (passes)."""
     per_token = FORMATS[fmt].get("per_token", False)
-    rows, chunk, warps = ops._launch_shape(ops.get_format(fmt), d, per_token=per_token)
+    rows, chunk, warps = launch.launch_shape(get_format(fmt), d, per_token=per_token)
     chunks = -(-d // chunk)
     passes = ", 2 passes" if per_token and chunks > 1 else ""
-    first = "" if ops.record_first(rows, chunk, warps) else ", block per 2 threads"
-    if not per_token and ops.LAUNCH["quant"]["whole_chunks"] and d % chunk:  # ops.whole_chunk_rows (T x D fills)
+    first = "" if launch.record_first(rows, chunk, warps) else ", block per 2 threads"
+    if not per_token and launch.LAUNCH["quant"]["whole_chunks"] and d % chunk:  # launch.whole_chunk_rows (T x D fills)
         return f"{rows}x{chunk}/{warps}w (with a record: rows of whole chunks{first})"
-    tile = ops.LAUNCH["quant"]
-    mode = ops.SCALE_PER_TOKEN if per_token else ops.SCALE_NONE
-    groups = [ops.token_groups(t, d, (rows, chunk, warps), mode, [], torch.device("cuda"), r) for r in (True, False)]
+    tile = launch.LAUNCH["quant"]
+    mode = ScaleMode.PER_TOKEN if per_token else ScaleMode.NONE
+    groups = [launch.token_groups(t, d, (rows, chunk, warps), mode, [], torch.device("cuda"), r) for r in (True, False)]
     if all(groups):
         (g, c, w), (pg, pc, pw) = groups
         return (f"token groups, {tile['group_ahead']} chunks ahead: {g} rows as {g * d // c} chunks of {c}/{w}w, "
                 f"without the record {pg} rows as {pg * d // pc} chunks of {pc}/{pw}w")  # fmt: skip
     loop = tile["row_loop"]
     tiles = f", {loop} row tiles per program" if loop > 1 else ""
-    if ops.loaded_ahead_rows(d, chunks, mode):
+    if launch.loaded_ahead_rows(d, chunks, mode):
         tiles = f", {tile['prefetch_loop']} row tiles per program loaded ahead where they fill the SMs"
     return f"{rows}x{chunk}/{warps}w ({chunks} chunk{'s' if chunks > 1 else ''}{passes}{first}{tiles})"
 
@@ -78,7 +80,7 @@ def time_case(x: torch.Tensor, fmt: str, only: list[int] | None = None) -> list[
     for i, override in enumerate(CANDIDATES[d]):
         if only is not None and i not in only:
             continue
-        with ops.launch_overrides(override):
+        with launch.launch_overrides(override):
             for b in written:
                 b.zero_()
             rec_us, plain_us = 1e3 * graph_ms(with_record), 1e3 * graph_ms(without_record)
@@ -144,10 +146,10 @@ def main() -> None:
     parser.add_argument("--best", help="write the best candidate per width here, {D: TRACE_FP4_LAUNCH JSON}")
     args = parser.parse_args()
     rows = run(args.t, args.d, args.candidates, args.formats)
-    print(f"\nGPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  LAUNCH {ops.LAUNCH['quant']}\n")
+    print(f"\nGPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  LAUNCH {launch.LAUNCH['quant']}\n")
     print(markdown(rows) + "\n")
     chosen = best(rows)
-    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "launch": ops.LAUNCH["quant"], "rows": rows})
+    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "launch": launch.LAUNCH["quant"], "rows": rows})
     write_json(args.best, {str(d): json.dumps({"quant": o}) for d, o in chosen.items()}, indent=None)
 
 

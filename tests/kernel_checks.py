@@ -1,12 +1,13 @@
 """Bit-exact checks of the FP4 kernels against the `trace_core` reference, shared by the GPU tests and the
 Triton-interpreter test on CPU. `quantize_fn` / `guided_fn` take the same arguments as
-`ops.triton_quantize_record` / `ops.triton_guided`, so either the custom ops or the raw launchers can be checked."""
+`launch.triton_quantize_record` / `launch.triton_guided`, so either the custom ops or the raw launchers can be
+checked."""
 
 from __future__ import annotations
 
 import torch
 
-from trace_core.kernels import ops
+from trace_core.kernels import api
 from trace_core.numerics.formats import NVFP4, FP4Format, get_format
 from trace_core.numerics.guided import fallback_scale, guided_quantize, guided_round
 from trace_core.numerics.quant import dequantize, quantize
@@ -49,7 +50,7 @@ def scale_kwargs(mode: str, x: torch.Tensor) -> dict:
 
 def _strided_record_buffers(t, d, fmt, bits, device, per_token):
     """Record buffers as views into wider rows, like a staging buffer that holds several sites per token."""
-    low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
+    low, scales, token = api.record_buffers(t, d, fmt, bits, device, per_token=per_token)
     wide = [torch.zeros(t, b.shape[1] + 3, dtype=b.dtype, device=device)[:, 1 : 1 + b.shape[1]] for b in (low, scales)]
     if token is not None:
         token = torch.zeros(t, 3, dtype=torch.float32, device=device)[:, 1:2]
@@ -75,9 +76,9 @@ def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int
     quantize_fn(x, fmt, 0, gs, per_token, plain, None, None, None)
     assert torch.equal(plain, dequantize(q, dtype)), f"{fmt.name} {dtype} {mode}: no-record output differs"
     # output and record into aligned buffers: the 16-element kernels store a block's record bytes in 2- or 4-byte
-    # words there (`ops.record_unit`)
+    # words there (`launch.record_unit`)
     out = torch.full_like(x, float("nan"))
-    low, scales, token = ops.record_buffers(t, d, fmt, bits, device, per_token=per_token)
+    low, scales, token = api.record_buffers(t, d, fmt, bits, device, per_token=per_token)
     quantize_fn(x, fmt, bits, gs, per_token, out, low, scales, token)
     assert torch.equal(out, plain), f"{fmt.name} {dtype} {mode} b={bits}: output differs"
     assert torch.equal(low, pack_low_bits(q.codes, bits)), f"{fmt.name} {dtype} {mode} b={bits}: aligned record differs"
@@ -117,11 +118,11 @@ def check_static_kv(t: int, d: int, dtype, bits: int, device: str, quantize_fn, 
     """NVFP4 K/V under the static unit S_enc (`Scale.STATIC`) through the kernels as the rollout and trainer run
     them: the record (kernel at S_enc = 1) holds the reference's codes and scale bytes; the trainer's guided values
     from it (S_enc 1 per row, as the store holds it) are `guided_round`'s, and rows without a record take the
-    role's RTN exactly (`fallback_scale`, as `ops.guided_fake_quant` composes them): `fake_quant(role, row)`."""
+    role's RTN exactly (`fallback_scale`, as `api.guided_fake_quant` composes them): `fake_quant(role, row)`."""
     role = Role(NVFP4, Scale.STATIC, recorded=True)
     rollout = make_input(t, d, dtype, device, seed=1)
     q = quantize(rollout.cpu(), NVFP4, global_scale=1.0)
-    low, scales, _ = ops.record_buffers(t, d, NVFP4, bits, device)
+    low, scales, _ = api.record_buffers(t, d, NVFP4, bits, device)
     static = fallback_scale(q, role)["global_scale"].to(device)
     quantize_fn(rollout, NVFP4, bits, static, False, None, low, scales, None)
     assert torch.equal(low.cpu(), pack_low_bits(q.codes, bits)) and torch.equal(scales.cpu(), q.scales), f"b={bits}"

@@ -33,12 +33,12 @@ SWEPT_TILES: dict[int, list[dict[str, int]]] = {
     5120: [{}, {"token_groups": 0}, {"whole_chunks": 0}],
     6144: [{}, {"token_groups": 0}, {"whole_chunks": 0}],
 }
-"""Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`ops._launch_shape`):
+"""Row width -> `LAUNCH["quant"]` overrides to time there; the first, {}, is the default tile (`launch.launch_shape`):
 2048: 1 row x 2048 columns, 4 warps; 4096: 1 x 4096, 8 warps, per-token nvfp4 with 4 row tiles per program, each
-loaded before the previous is quantized (`ops.prefetched`, where the programs fill the SMs); 7168 (and 5120, 6144): 1
+loaded before the previous is quantized (`launch.prefetched`, where the programs fill the SMs); 7168 (and 5120, 6144): 1
 x 4096, 8 warps, the row in two chunks; with a record kv_fp4 takes the rows as rows of whole chunks
-(`ops.whole_chunk_rows`), and per-token nvfp4 takes groups of 4 rows (2 at 6144) as whole chunks where the programs
-fill the SMs (`ops.token_groups`), streamed 1 chunk ahead with a record and 3 without (`group_ahead`,
+(`launch.whole_chunk_rows`), and per-token nvfp4 takes groups of 4 rows (2 at 6144) as whole chunks where the programs
+fill the SMs (`launch.token_groups`), streamed 1 chunk ahead with a record and 3 without (`group_ahead`,
 `group_ahead_plain`). The third at 2048 is the tile launched there before (8 warps: each block split between two
 threads); the others split rows into more or fewer chunks, take two row tiles per program one after the other
 (`row_loop`), or (`row_chunk` 8192) per-token 7168-column rows in one pass on 16 warps (loaded ahead, as at 4096).

@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core.kernels.ops import quantize_record
-from trace_core.kernels.ops import rtn_fake_quant as kernel_rtn_fake_quant
+from trace_core.kernels import kernel_rtn_fake_quant, quantize_record
 from trace_core.numerics import e2m1
 from trace_core.numerics.formats import KV_FP4, MXFP4, MXFP4_OCP, NVFP4, Rounding, get_format
 from trace_core.numerics.quant import decode_scales, dequantize, quantize

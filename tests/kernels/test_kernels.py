@@ -8,15 +8,18 @@ import torch
 from tests import kernel_checks, kernel_interpret
 from tests.interpret import Interpreted, interpret
 from trace_core.kernels import (
+    api,
     guided_fake_quant,
-    ops,
+    kernel_rtn_fake_quant,
+    launch,
     quantize_nvfp4_weight,
     quantize_record,
     record_buffers,
-    rtn_fake_quant,
 )
+from trace_core.kernels.launch import ScaleMode
 from trace_core.numerics import guided as ref_guided
 from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.formats import get_format
 from trace_core.numerics.guided import GuidanceStats
 from trace_core.numerics.quant import quantize
 from trace_core.numerics.recipe import DEFAULT_RECIPE, get_recipe
@@ -54,7 +57,7 @@ def test_guided_fake_quant_matches_guided_round_with_fallback_rows():
 
 @pytest.mark.parametrize("bits", [1, 4])
 def test_static_kv_role_through_the_cpu_ops(bits):
-    kernel_checks.check_static_kv(7, 64, torch.bfloat16, bits, "cpu", _op_quantize, ops._guided_op)
+    kernel_checks.check_static_kv(7, 64, torch.bfloat16, bits, "cpu", _op_quantize, api._guided_op)
 
 
 def test_rows_without_a_record_take_the_roles_rtn():
@@ -83,8 +86,16 @@ def test_straight_through_gradients():
     (guided_fake_quant(x, rec, 1, stats=GuidanceStats()) * g).sum().backward()
     assert torch.equal(x.grad, g)
     x.grad = None
-    (rtn_fake_quant(x, "nvfp4", per_token=True) * g).sum().backward()
+    (kernel_rtn_fake_quant(x, "nvfp4", per_token=True) * g).sum().backward()
     assert torch.equal(x.grad, g)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_ocp", "kv_fp4"])
+def test_kernel_rtn_fake_quant_gives_the_reference_values(fmt):
+    # the op's wrapper against the one reference definition, every scale argument (nvfp4 without one: per tensor)
+    x = kernel_checks.make_input(7, 64, torch.bfloat16, "cpu")
+    for kwargs in ({}, {"per_token": True}, {"global_scale": 97.0}) if fmt == "nvfp4" else ({},):
+        assert torch.equal(kernel_rtn_fake_quant(x, fmt, **kwargs), ref_guided.rtn_fake_quant(x, fmt, **kwargs))
 
 
 def test_nvfp4_weight_export_matches_the_reference():
@@ -134,21 +145,21 @@ def test_triton_kernel_under_the_interpreter(interpreted, case):
 
 def test_launch_shape_respects_blocks():
     for fmt in ("nvfp4", "mxfp4"):
-        rb, chunk, _ = ops._launch_shape(ops.get_format(fmt), 16 if fmt == "nvfp4" else 32)
-        assert chunk % ops.get_format(fmt).block == 0 and chunk % 8 == 0 and rb >= 1
+        rb, chunk, _ = launch.launch_shape(get_format(fmt), 16 if fmt == "nvfp4" else 32)
+        assert chunk % get_format(fmt).block == 0 and chunk % 8 == 0 and rb >= 1
 
 
 def test_quantize_tile_gives_each_thread_whole_blocks_at_the_target_widths():
-    # ops._launch_shape: warps scale with the chunk (4096 columns on 8 warps), one 16-element block per thread
-    kv, nv = ops.get_format("kv_fp4"), ops.get_format("nvfp4")
+    # launch.launch_shape: warps scale with the chunk (4096 columns on 8 warps), one 16-element block per thread
+    kv, nv = get_format("kv_fp4"), get_format("nvfp4")
     for d, tile in {2048: (1, 2048, 4), 4096: (1, 4096, 8), 7168: (1, 4096, 8)}.items():
-        assert ops._launch_shape(kv, d) == tile and ops._launch_shape(nv, d, per_token=True) == tile, d
-        assert ops.record_first(*tile), d
-    assert ops._launch_shape(kv, 64) == (1, 64, 1)  # at least one warp
-    with ops.launch_overrides({"row_chunk": 8192}):  # a per-token row of 8192 columns in one chunk: 16 warps
-        assert ops._launch_shape(nv, 7168, per_token=True) == (1, 8192, 16)
-        assert ops._launch_shape(kv, 7168) == (1, 4096, 8)
-    assert ops._launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled
+        assert launch.launch_shape(kv, d) == tile and launch.launch_shape(nv, d, per_token=True) == tile, d
+        assert launch.record_first(*tile), d
+    assert launch.launch_shape(kv, 64) == (1, 64, 1)  # at least one warp
+    with launch.launch_overrides({"row_chunk": 8192}):  # a per-token row of 8192 columns in one chunk: 16 warps
+        assert launch.launch_shape(nv, 7168, per_token=True) == (1, 8192, 16)
+        assert launch.launch_shape(kv, 7168) == (1, 4096, 8)
+    assert launch.launch_shape(kv, 2048, "guided") == (2, 1024, 4)  # the guided tile is not scaled
 
 
 def test_rows_are_taken_as_whole_chunks_only_for_block_scales_and_contiguous_tensors():
@@ -156,79 +167,79 @@ def test_rows_are_taken_as_whole_chunks_only_for_block_scales_and_contiguous_ten
     x = torch.zeros(4, 7168)
     low, scales, token = record_buffers(4, 7168, "kv_fp4", 1, "cpu")
     bufs = [x, None, low, scales]
-    assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, bufs) == 7  # 4 rows of 7168 = 7 of 4096
-    for mode in (ops.SCALE_SCALAR, ops.SCALE_ROW, ops.SCALE_PER_TOKEN):
-        assert ops.whole_chunk_rows(4, 7168, 4096, mode, bufs + [token]) == 0, mode
-    assert ops.whole_chunk_rows(3, 7168, 4096, ops.SCALE_NONE, bufs) == 0  # 3 x 7168: not whole chunks
-    assert ops.whole_chunk_rows(4, 8192, 4096, ops.SCALE_NONE, bufs) == 0  # no masked threads to save
+    assert launch.whole_chunk_rows(4, 7168, 4096, ScaleMode.NONE, bufs) == 7  # 4 rows of 7168 = 7 of 4096
+    for mode in (ScaleMode.SCALAR, ScaleMode.ROW, ScaleMode.PER_TOKEN):
+        assert launch.whole_chunk_rows(4, 7168, 4096, mode, bufs + [token]) == 0, mode
+    assert launch.whole_chunk_rows(3, 7168, 4096, ScaleMode.NONE, bufs) == 0  # 3 x 7168: not whole chunks
+    assert launch.whole_chunk_rows(4, 8192, 4096, ScaleMode.NONE, bufs) == 0  # no masked threads to save
     # without a record only where the last chunk is at most half used: 5120 and 6144, not 7168
-    assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, bufs, record=False) == 0
-    assert ops.whole_chunk_rows(4, 5120, 4096, ops.SCALE_NONE, [torch.zeros(4, 5120)], record=False) == 5
-    assert ops.whole_chunk_rows(2, 6144, 4096, ops.SCALE_NONE, [torch.zeros(2, 6144)], record=False) == 3
+    assert launch.whole_chunk_rows(4, 7168, 4096, ScaleMode.NONE, bufs, record=False) == 0
+    assert launch.whole_chunk_rows(4, 5120, 4096, ScaleMode.NONE, [torch.zeros(4, 5120)], record=False) == 5
+    assert launch.whole_chunk_rows(2, 6144, 4096, ScaleMode.NONE, [torch.zeros(2, 6144)], record=False) == 3
     wide = torch.zeros(4, low.shape[1] + 2, dtype=torch.uint8)[:, 1:-1]
-    assert ops.whole_chunk_rows(4, 7168, 4096, ops.SCALE_NONE, [x, None, wide, scales]) == 0  # strided record
+    assert launch.whole_chunk_rows(4, 7168, 4096, ScaleMode.NONE, [x, None, wide, scales]) == 0  # strided record
 
 
 def test_record_unit_takes_the_widest_word_the_buffer_allows():
     low, _, _ = record_buffers(4, 256, "kv_fp4", 1, "cpu")
-    assert ops.record_unit(low, 1) == 2  # b = 1: a block's 2 record bytes as one 2-byte word
+    assert launch.record_unit(low, 1) == 2  # b = 1: a block's 2 record bytes as one 2-byte word
     low2, _, _ = record_buffers(4, 256, "kv_fp4", 2, "cpu")
-    assert ops.record_unit(low2, 2) == 4  # b = 2: one 4-byte word
+    assert launch.record_unit(low2, 2) == 4  # b = 2: one 4-byte word
     low4, _, _ = record_buffers(4, 256, "kv_fp4", 4, "cpu")
-    assert ops.record_unit(low4, 4) == 4  # b = 4: two 4-byte words
+    assert launch.record_unit(low4, 4) == 4  # b = 4: two 4-byte words
     low3, _, _ = record_buffers(4, 256, "kv_fp4", 3, "cpu")
-    assert ops.record_unit(low3, 3) == 1  # b = 3: byte by byte
+    assert launch.record_unit(low3, 3) == 1  # b = 3: byte by byte
     odd = torch.zeros(4, low.shape[1] + 1, dtype=torch.uint8)[:, 1:]
-    assert ops.record_unit(odd, 1) == 1  # a staging-row view at an odd address
+    assert launch.record_unit(odd, 1) == 1  # a staging-row view at an odd address
 
 
 def test_launch_override_refuses_unknown_keys_by_name():
     # blocks_per_thread was an opt-in kernel, removed after it timed ~2x slower on the H200, and wide_record the
     # opt-in 16-byte record stores, removed as no faster: the keys are refused
     with pytest.raises(ValueError, match=r"unknown keys \['blocks_per_thread'\]"):
-        ops._launch_overrides('{"quant": {"blocks_per_thread": 8}}')
+        launch.apply_launch_override('{"quant": {"blocks_per_thread": 8}}')
     with pytest.raises(ValueError, match=r"unknown keys \['wide_record'\]"):
-        ops._launch_overrides('{"quant": {"wide_record": 1}}')
+        launch.apply_launch_override('{"quant": {"wide_record": 1}}')
     with pytest.raises(ValueError, match="non-positive"):
-        ops._launch_overrides('{"guided": {"row_loop": 0}}')
-    assert "blocks_per_thread" not in ops.LAUNCH["quant"]
-    saved = {kernel: dict(tile) for kernel, tile in ops.LAUNCH.items()}
+        launch.apply_launch_override('{"guided": {"row_loop": 0}}')
+    assert "blocks_per_thread" not in launch.LAUNCH["quant"]
+    saved = {kernel: dict(tile) for kernel, tile in launch.LAUNCH.items()}
     with (
         pytest.raises(ValueError, match=r"unknown keys \['blocks_per_thread'\]"),
-        ops.launch_overrides({"blocks_per_thread": 8}),
+        launch.launch_overrides({"blocks_per_thread": 8}),
     ):
         pass
-    with pytest.raises(ValueError, match="non-positive"), ops.launch_overrides(guided={"row_loop": 0}):
+    with pytest.raises(ValueError, match="non-positive"), launch.launch_overrides(guided={"row_loop": 0}):
         pass
     with pytest.raises(ValueError, match=r"\{'group_ahead': 4\} above the largest allowed \{'group_ahead': 3\}"):
-        ops._launch_overrides('{"quant": {"group_ahead": 4}}')
-    with ops.launch_overrides({"chunk": 2048}, {"warps": 8}):
-        assert ops.LAUNCH["quant"]["chunk"] == 2048 and ops.LAUNCH["guided"]["warps"] == 8
-    assert ops.LAUNCH == saved  # restored
+        launch.apply_launch_override('{"quant": {"group_ahead": 4}}')
+    with launch.launch_overrides({"chunk": 2048}, {"warps": 8}):
+        assert launch.LAUNCH["quant"]["chunk"] == 2048 and launch.LAUNCH["guided"]["warps"] == 8
+    assert launch.LAUNCH == saved  # restored
 
 
 @pytest.mark.slow
 def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
-    # RECORD_FIRST (ops.record_first): a thread's two 16-byte output stores fill the halves of the same sectors, and
+    # RECORD_FIRST (launch.record_first): a thread's two 16-byte output stores fill the halves of the same sectors, and
     # the L1 merges them only when they issue back to back (docs/performance.md, "the record before the output").
     # Compiled for sm_90 on the CPU with the ptxas triton ships.
-    # On every width of the targets, with the tile ops launches there (ops._launch_shape gives each thread whole
+    # On every width of the targets, with the tile `launch` picks there (launch.launch_shape gives each thread whole
     # blocks: 2048 columns on 4 warps, 4096 on 8; 7168 in two chunks of 4096 on 8).
     from tests import sm90
     from trace_core.kernels import triton_fp4
 
     for d in (2048, 4096, 7168):
-        for fmt, mode in (("kv_fp4", ops.SCALE_NONE), ("nvfp4", ops.SCALE_PER_TOKEN)):
-            f = ops.get_format(fmt)
-            rb, chunk, warps = ops._launch_shape(f, d, per_token=mode == ops.SCALE_PER_TOKEN)
-            first = ops.record_first(rb, chunk, warps)
-            assert first and ops.block_per_thread(f, True, first), (d, fmt)  # _quantize_record16_kernel
+        for fmt, mode in (("kv_fp4", ScaleMode.NONE), ("nvfp4", ScaleMode.PER_TOKEN)):
+            f = get_format(fmt)
+            rb, chunk, warps = launch.launch_shape(f, d, per_token=mode == ScaleMode.PER_TOKEN)
+            first = launch.record_first(rb, chunk, warps)
+            assert first and launch.block_per_thread(f, True, first), (d, fmt)  # _quantize_record16_kernel
             one_pass = -(-d // chunk) == 1
             args = {"RB": rb, "C": chunk, "ONE_PASS": one_pass, "num_warps": warps, "FMT": f.kernel_id,
                     "SCALE_MODE": mode, "BITS": 1, "WRITE_OUT": True, "REC_UNIT": 2, "RECORD_FIRST": first,
-                    "ROW_LOOP": ops.LAUNCH["quant"]["row_loop"], "PREFETCH": False}  # fmt: skip
-            if regs := ops.record_regs(True, mode, 1 if one_pass else 2, False):
-                args["maxnreg"] = regs  # as ops caps the per-token record kernel
+                    "ROW_LOOP": launch.LAUNCH["quant"]["row_loop"], "PREFETCH": False}  # fmt: skip
+            if regs := launch.record_regs(True, mode, 1 if one_pass else 2, False):
+                args["maxnreg"] = regs  # as `launch` caps the per-token record kernel
             compiled = sm90.compile_kernel(triton_fp4._quantize_record16_kernel, args)
             stores = [s.split("@") for s in sm90.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]
             (w1, p1), (w2, p2) = stores[-2:]
@@ -238,17 +249,17 @@ def test_output_stores_follow_the_record_back_to_back_in_the_sm90_sass():
 
 @pytest.mark.slow
 def test_mxfp4_output_stores_follow_the_record_in_the_sm90_sass():
-    # the half-block-per-thread kernel of mxfp4 and mxfp4_ocp on the tiles ops launches at the target widths (7168:
+    # the half-block-per-thread kernel of mxfp4 and mxfp4_ocp on the tiles `launch` picks at the target widths (7168:
     # rows of whole 4096-column chunks): the record's stores (scale byte, 2-byte code word for b = 1) come first, then
     # the thread's two 16-byte output stores with nothing but the exit of the masked lanes between them
     from tests import sm90
     from trace_core.kernels import triton_fp4
 
-    mx = ops.get_format("mxfp4")
+    mx = get_format("mxfp4")
     for d in (2048, 4096):
-        rb, chunk, warps = ops._launch_shape(mx, d)
+        rb, chunk, warps = launch.launch_shape(mx, d)
         args = {"RB": rb, "C": chunk, "num_warps": warps, "FMT": mx.kernel_id, "BITS": 1, "WRITE_OUT": True,
-                "REC_UNIT": 2, "RECORD_FIRST": ops.record_first(rb, chunk, warps)}  # fmt: skip
+                "REC_UNIT": 2, "RECORD_FIRST": launch.record_first(rb, chunk, warps)}  # fmt: skip
         assert args["RECORD_FIRST"], d
         compiled = sm90.compile_kernel(triton_fp4._quantize_record32_halves_kernel, args)
         stores = [s.split("@") for s in sm90.ptxas_info(compiled.asm["ptx"])["stg_at"].split()]

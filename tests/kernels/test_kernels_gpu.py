@@ -6,15 +6,18 @@ import torch
 from tests import kernel_checks
 from tests.kernel_tiles import SWEPT_TILES
 from trace_core.kernels import (
+    api,
     guided_fake_quant,
-    ops,
+    kernel_rtn_fake_quant,
+    launch,
     quantize_nvfp4_weight,
     quantize_record,
     record_buffers,
-    rtn_fake_quant,
 )
+from trace_core.kernels.launch import ScaleMode
 from trace_core.numerics.e2m1 import pack_fp4
-from trace_core.numerics.guided import GuidanceStats, guided_round
+from trace_core.numerics.formats import get_format
+from trace_core.numerics.guided import GuidanceStats, guided_round, rtn_fake_quant
 from trace_core.numerics.quant import dequantize, quantize
 from trace_core.numerics.recipe import DEFAULT_RECIPE, get_recipe
 from trace_core.numerics.role_quant import fake_quant, kv_pool_bytes
@@ -31,7 +34,7 @@ def _via_op(x, fmt, bits, gs, per_token, out, low, scales, token):
 
 
 def _guided_via_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected):
-    return ops._guided_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected)
+    return api._guided_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected)
 
 
 @pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
@@ -54,7 +57,7 @@ def _swept_tiles() -> list:
 def test_quantize_record_on_every_swept_tile(fmt, d, tile):
     # each quantize tile that bench/record_tiles.py times at this width (SWEPT_TILES: LAUNCH["quant"] overrides), on a
     # row count that leaves the last row tile partly past the end
-    with ops.launch_overrides(tile):
+    with launch.launch_overrides(tile):
         for mode in ("per_token", "row") if fmt == "nvfp4" else ("none",):
             for bits in (1, 4):
                 kernel_checks.check_quantize_record(fmt, 37, d, torch.bfloat16, bits, mode, "cuda", _via_op)
@@ -63,7 +66,7 @@ def test_quantize_record_on_every_swept_tile(fmt, d, tile):
 @pytest.mark.parametrize("fmt", ["kv_fp4", "mxfp4", "mxfp4_ocp"])
 def test_rows_taken_as_whole_chunks_are_bit_exact(fmt):
     # row counts whose t * d elements fill whole chunks: a record of the E8M0 formats into aligned buffers takes its
-    # rows as rows of one chunk (ops.whole_chunk_rows: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 of
+    # rows as rows of one chunk (launch.whole_chunk_rows: 64 x 7168 as 112 rows of 4096 columns, 32 x 544 as 17 of
     # 1024, 8 x 5120 as 10 of 4096); the calls into strided buffers take them as they are, and so do the calls
     # without a record except at 5120 (the last chunk a quarter used)
     for t, d in ((64, 7168), (32, 544), (8, 5120)):
@@ -74,7 +77,7 @@ def test_rows_taken_as_whole_chunks_are_bit_exact(fmt):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_token_rows_wider_than_one_tile(dtype):
     # D > LAUNCH["quant"]["row_chunk"]: a first pass over the row for its amax, then the chunks (the last partly masked)
-    d = ops.LAUNCH["quant"]["row_chunk"] + 16
+    d = launch.LAUNCH["quant"]["row_chunk"] + 16
     for bits in (1, 4):
         kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
 
@@ -84,8 +87,8 @@ def test_per_token_rows_wider_than_one_tile(dtype):
 def test_per_token_record_kernel_register_cap(d, regs, monkeypatch):
     # LAUNCH["quant"]["record_regs"]: the per-token record kernel on rows of one chunk not loaded ahead (T = 5) with
     # at most 40 registers (the default; a few bytes spilled to local memory), and uncapped
-    monkeypatch.setitem(ops.LAUNCH["quant"], "record_regs", regs)
-    assert not ops.prefetched(5, d, 1, 1, ops.SCALE_PER_TOKEN, torch.device("cuda"))
+    monkeypatch.setitem(launch.LAUNCH["quant"], "record_regs", regs)
+    assert not launch.prefetched(5, d, 1, 1, ScaleMode.PER_TOKEN, torch.device("cuda"))
     for dtype in DTYPES:
         for bits in (1, 2, 4):
             kernel_checks.check_quantize_record("nvfp4", 5, d, dtype, bits, "per_token", "cuda", _via_op)
@@ -94,16 +97,16 @@ def test_per_token_record_kernel_register_cap(d, regs, monkeypatch):
 @pytest.mark.parametrize("d, row_chunk", [(2048, 4096), (4096, 4096), (7168, 4096), (7168, 8192)])
 @pytest.mark.parametrize("loop", [4, 2])
 def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
-    # per-token rows loaded ahead (ops.prefetched): in one chunk (7168 columns in one 8192-column chunk on 16 warps
+    # per-token rows loaded ahead (launch.prefetched): in one chunk (7168 columns in one 8192-column chunk on 16 warps
     # where row_chunk allows) or in two (the amax from the loads ahead, then the quantize pass), on one row tile
     # more than the SMs' worth of programs, so that the last program's tiles are partly past the end, and on 3 rows
     # (too few programs: not loaded ahead)
     for key, value in {"row_chunk": row_chunk, "prefetch": 2048, "prefetch_loop": loop, "token_groups": 0}.items():
-        monkeypatch.setitem(ops.LAUNCH["quant"], key, value)
+        monkeypatch.setitem(launch.LAUNCH["quant"], key, value)
     t = loop * torch.cuda.get_device_properties(0).multi_processor_count + 1
     n_chunks = 1 if d <= row_chunk else 2
-    assert ops.prefetched(t, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda"))
-    assert not ops.prefetched(3, d, 1, n_chunks, ops.SCALE_PER_TOKEN, torch.device("cuda"))
+    assert launch.prefetched(t, d, 1, n_chunks, ScaleMode.PER_TOKEN, torch.device("cuda"))
+    assert not launch.prefetched(3, d, 1, n_chunks, ScaleMode.PER_TOKEN, torch.device("cuda"))
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 4):
@@ -115,16 +118,16 @@ def test_per_token_rows_loaded_ahead(d, row_chunk, loop, monkeypatch):
                                        (6144, ((2, 4096), (2, 4096)))])  # fmt: skip
 def test_per_token_rows_in_token_groups(d, groups, ahead, monkeypatch):
     # per-token rows of two chunks that are not whole chunks, taken G rows per program as whole chunks
-    # (ops.token_groups; groups: (G, chunk) with a record, without), streamed `ahead` chunks ahead: on the SMs'
+    # (launch.token_groups; groups: (G, chunk) with a record, without), streamed `ahead` chunks ahead: on the SMs'
     # worth of programs and one row more (the last group one row), and on 3 rows (too few programs: the row-wise
     # kernel). At 6144 the record's 2048-column chunks would give whole rows: it takes the tile's 4096.
-    monkeypatch.setitem(ops.LAUNCH["quant"], "group_ahead", ahead)
+    monkeypatch.setitem(launch.LAUNCH["quant"], "group_ahead", ahead)
     t = 2 * torch.cuda.get_device_properties(0).multi_processor_count * 2 + 1
     x = torch.empty(t, d, device="cuda")
-    tile = ops._launch_shape(ops.get_format("nvfp4"), d, per_token=True)
+    tile = launch.launch_shape(get_format("nvfp4"), d, per_token=True)
     for record, (g, chunk) in zip((True, False), groups, strict=True):
-        assert ops.token_groups(t, d, tile, ops.SCALE_PER_TOKEN, [x], x.device, record) == (g, chunk, chunk // 512)
-        assert not ops.token_groups(3, d, tile, ops.SCALE_PER_TOKEN, [x], x.device, record)
+        assert launch.token_groups(t, d, tile, ScaleMode.PER_TOKEN, [x], x.device, record) == (g, chunk, chunk // 512)
+        assert not launch.token_groups(3, d, tile, ScaleMode.PER_TOKEN, [x], x.device, record)
     for rows in (3, t):
         for dtype in DTYPES:
             for bits in (1, 2, 4):
@@ -147,7 +150,7 @@ def test_guided_is_bit_exact(fmt, dtype, shape):
 def test_guided_with_other_row_tiles_per_program(fmt, row_loop, monkeypatch):
     # LAUNCH["guided"]["row_loop"] (default 4): one tile of rows per program, and 3 (the last program's partly past
     # the last row)
-    monkeypatch.setitem(ops.LAUNCH["guided"], "row_loop", row_loop)
+    monkeypatch.setitem(launch.LAUNCH["guided"], "row_loop", row_loop)
     for mode in kernel_checks.SCALE_MODES[fmt]:
         for record_bits, bits in ((1, 1), (4, 2)):
             kernel_checks.check_guided(fmt, 37, 2048, torch.bfloat16, record_bits, bits, mode, "cuda", _guided_via_op)
@@ -175,7 +178,7 @@ def test_static_kv_records_guided_values_and_fallback_rows_are_bit_exact(dtype):
     # the role, rows without a record being the role's RTN
     role = get_recipe("nvfp4-w4a4-nvfp4kv").k
     for bits in (1, 2, 4) if dtype == torch.bfloat16 else (1, 4):
-        kernel_checks.check_static_kv(37, 544, dtype, bits, "cuda", ops.triton_quantize_record, ops.triton_guided)
+        kernel_checks.check_static_kv(37, 544, dtype, bits, "cuda", launch.triton_quantize_record, launch.triton_guided)
         kernel_checks.check_static_kv(37, 544, dtype, bits, "cuda", _via_op, _guided_via_op)
     x = kernel_checks.make_input(33, 1024, dtype, "cuda")
     roll = quantize(kernel_checks.make_input(33, 1024, dtype, "cuda", seed=3), "nvfp4", global_scale=1.0)
@@ -205,11 +208,11 @@ def test_kv_pool_bytes_inside_a_captured_cuda_graph(name):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "kv_fp4", "mxfp4"])
-def test_rtn_fake_quant_and_gradient(fmt):
+def test_kernel_rtn_fake_quant_and_gradient(fmt):
     x = kernel_checks.make_input(64, 1024, torch.bfloat16, "cuda").requires_grad_(True)
     kwargs = {"per_token": True} if fmt == "nvfp4" else {}
-    y = rtn_fake_quant(x, fmt, **kwargs)
-    assert torch.equal(y, dequantize(quantize(x.detach(), fmt, **kwargs), torch.bfloat16))
+    y = kernel_rtn_fake_quant(x, fmt, **kwargs)
+    assert torch.equal(y, rtn_fake_quant(x.detach(), fmt, **kwargs))  # the reference, bit for bit
     g = torch.randn_like(y)
     y.backward(g)
     assert torch.equal(x.grad, g)

@@ -2,11 +2,11 @@
 
 Each kernel is the twin of `trace_core` reference functions and is tested against them bit for bit
 (`tests/kernel_checks.py`, run on the GPU by `tests/kernels/test_kernels_gpu.py` and on the CPU under the Triton
-interpreter by `tests/kernels/test_kernels.py::test_triton_kernel_under_the_interpreter`); `ops` picks the kernel:
+interpreter by `tests/kernels/test_kernels.py::test_triton_kernel_under_the_interpreter`); `launch` picks the kernel:
 - quantize-and-record ↔ `quant.quantize` + `quant.dequantize` + `records.pack_low_bits`:
   `_quantize_record16_kernel`, 16-element blocks (nvfp4, kv_fp4), one block per thread;
   `triton_token_groups._quantize_record16_token_groups_kernel`, the same for per-token nvfp4 rows taken a few per
-  program as whole chunks (`ops.token_groups`);
+  program as whole chunks (`launch.token_groups`);
   `_quantize_record32_halves_kernel`, 32-element blocks (mxfp4, mxfp4_ocp), half a block per thread;
   `_quantize_record_kernel`, one 8-element group per thread, only for nvfp4 with a record on tiles that do not give
   each thread whole blocks (rows of at most 256 columns with the default tile). Tests:
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from trace_core.kernels.launch import ScaleMode
 from trace_core.numerics import formats
 
 # Format ids (constexpr), as the format definitions give them (`FP4Format.kernel_id`).
@@ -37,11 +38,11 @@ NVFP4 = tl.constexpr(formats.NVFP4.kernel_id)
 MXFP4 = tl.constexpr(formats.MXFP4.kernel_id)
 MXFP4_OCP = tl.constexpr(formats.MXFP4_OCP.kernel_id)
 KV_FP4 = tl.constexpr(formats.KV_FP4.kernel_id)
-# Global-scale modes for nvfp4.
-SCALE_NONE = tl.constexpr(0)  # E8M0 formats
-SCALE_SCALAR = tl.constexpr(1)  # one static / per-tensor S_enc
-SCALE_ROW = tl.constexpr(2)  # one static S_enc per row
-SCALE_PER_TOKEN = tl.constexpr(3)  # S_enc computed from each row's amax
+# Global-scale modes (constexpr), as `launch.ScaleMode` defines them.
+SCALE_NONE = tl.constexpr(ScaleMode.NONE.value)
+SCALE_SCALAR = tl.constexpr(ScaleMode.SCALAR.value)
+SCALE_ROW = tl.constexpr(ScaleMode.ROW.value)
+SCALE_PER_TOKEN = tl.constexpr(ScaleMode.PER_TOKEN.value)
 
 # The interpreter (TRITON_INTERPRET=1, CPU tests) has no libdevice; numpy's log2 stands in for it there.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -301,7 +302,7 @@ def _quantize_record_kernel(
     x is loaded as [RB, C / BLOCK, BLOCK / 8, 8] and stays in that register layout: block amax and per-token amax
     are reductions of it, scales broadcast back into it, and the record's bit groups are sums over its last axis.
     Per-token nvfp4 with ONE_PASS (the row fits in one chunk) reads x once; otherwise a first pass takes the amax.
-    `ops` launches it only for nvfp4 with a record on tiles that do not give each thread whole 16-element blocks
+    `launch` launches it only for nvfp4 with a record on tiles that do not give each thread whole 16-element blocks
     (rows of at most 256 columns with the default tile); every other launch takes one of the kernels below.
     """
     pid_r = tl.program_id(0)
@@ -606,11 +607,11 @@ def _quantize_record16_kernel(
 ):  # fmt: skip
     """`_quantize_record_kernel` for 16-element blocks, one block per thread (see above); each program takes
     ROW_LOOP tiles of RB rows one after the other, unrolled (its warps stay resident while earlier stores drain).
-    With PREFETCH (per-token rows of one or two chunks, `ops.prefetched`) they are a loop instead, and each tile's
+    With PREFETCH (per-token rows of one or two chunks, `launch.prefetched`) they are a loop instead, and each tile's
     x is loaded before the previous tile is quantized: the loads stay in flight across the row reduction and the
     stores. Rows of two chunks take their amax from those loads and read x again for the quantize pass.
 
-    RECORD_FIRST (`ops.record_first`: the tile gives each thread whole blocks) stores the record before the
+    RECORD_FIRST (`launch.record_first`: the tile gives each thread whole blocks) stores the record before the
     output. Such a thread's two 16-byte output stores fill the two halves of the same 32-byte sectors (lanes are
     32 bytes apart); issued back to back, the L1 merges them into whole sectors. With the record after them,
     ptxas issues the first half's store as soon as it is computed, about 100 instructions before the second: the
@@ -820,7 +821,7 @@ def _quantize_record32_halves_kernel(
     REC_UNIT: tl.constexpr, RECORD_FIRST: tl.constexpr,
 ):  # fmt: skip
     """`_quantize_record_kernel` for 32-element blocks with E8M0 scales, half a block per thread (see above): rows
-    [RB] x one chunk of C columns. RECORD_FIRST (`ops.record_first`: each thread holds whole halves) stores the
+    [RB] x one chunk of C columns. RECORD_FIRST (`launch.record_first`: each thread holds whole halves) stores the
     record before the output, so that a thread's two 16-byte output stores issue back to back (the reason is in
     `_quantize_record16_kernel`)."""
     pid_r = tl.program_id(0)

@@ -1,5 +1,5 @@
 """Triton kernel: per-token nvfp4 quantize-and-record on a few rows per program taken as whole chunks ("token
-groups", `ops.token_groups`), so that rows that are not a whole number of chunks (D = 7168 in chunks of 2048 or
+groups", `launch.token_groups`), so that rows that are not a whole number of chunks (D = 7168 in chunks of 2048 or
 4096) leave no thread masked. Each chunk is quantized and stored by `triton_fp4._quantize_chunk16`, as in the
 row-wise kernel; the twin and the tests are those of `triton_fp4` (`test_per_token_rows_in_token_groups`, and the
 interpreter's token-group cases)."""
@@ -62,7 +62,7 @@ def _quantize_record16_token_groups_kernel(
     REC_UNIT: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Per-token nvfp4 on G rows of D columns per program, taken as G * D / C chunks of C columns (x, the output
-    and the record contiguous, `ops.token_groups`): where D is not a multiple of C, a row's last chunk would leave
+    and the record contiguous, `launch.token_groups`): where D is not a multiple of C, a row's last chunk would leave
     threads masked (at D = 7168 a quarter of the second 4096-column chunk); here every thread holds a block of the
     group. The chunks are streamed: chunk j + AHEAD is loaded before chunk j's block amaxes go into its rows'; a
     row's S_enc is taken once its last chunk is in, and a chunk is quantized, reading x again (from the L1: a few

@@ -48,7 +48,7 @@ def fake_quant(role: Role, x: torch.Tensor, *, row_amax: torch.Tensor | None = N
         if row_amax is not None:
             raise ValueError(f"{role.fmt.name}: a row amax does not apply (block scales only)")
         return straight_through(x, mxfp8_rtn(x.detach()))
-    return kernels.rtn_fake_quant(x, role.fmt, **_fp4_scale(role, x, row_amax))
+    return kernels.kernel_rtn_fake_quant(x, role.fmt, **_fp4_scale(role, x, row_amax))
 
 
 def _per_tensor_format(role: Role) -> FP4Format:
@@ -64,7 +64,7 @@ def weight_rtn(role: Role, w: torch.Tensor, amax: torch.Tensor | None = None) ->
     if role.scale is Scale.PER_TENSOR:
         fmt = _per_tensor_format(role)
         scale = nvfp4_global_scale(w.detach().abs().amax() if amax is None else amax)
-        return kernels.rtn_fake_quant(w.detach(), fmt, global_scale=scale)
+        return kernels.kernel_rtn_fake_quant(w.detach(), fmt, global_scale=scale)
     return fake_quant(role, w.detach())
 
 
@@ -85,7 +85,7 @@ def expert_weights_rtn(role: Role, w: torch.Tensor, out: torch.Tensor | None = N
     amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=(1, 2))  # max |w| per matrix, without a |w| copy
     rows = nvfp4_global_scale(amax).repeat_interleave(n).unsqueeze(1)  # the matrix scale as a per-row scale
     if out is None:
-        return kernels.rtn_fake_quant(w.reshape(e * n, k), fmt, global_scale=rows).view(e, n, k)
+        return kernels.kernel_rtn_fake_quant(w.reshape(e * n, k), fmt, global_scale=rows).view(e, n, k)
     kernels.quantize_record(w.reshape(e * n, k), fmt, 0, global_scale=rows, out=out.detach().view(e * n, k))
     return out
 
