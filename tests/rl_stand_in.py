@@ -29,15 +29,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pydantic
 import torch
 from safetensors.torch import load_file, save_file
 
 # SGLang's package root imports its server dependencies (pybase64, ...): installed by `make setup`.
+from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_WEIGHTS
+from sglang.srt.managers import io_struct
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
 from tests.sglang_server import stand_in_server_info
@@ -59,6 +63,12 @@ AUTH_LEVELS = {  # sglang 0.5.15.post1 http_server.py
     "/init_weights_update_group": AuthLevel.ADMIN_OPTIONAL,
     "/update_weights_from_distributed": AuthLevel.ADMIN_OPTIONAL,
     "/destroy_weights_update_group": AuthLevel.ADMIN_OPTIONAL,
+    "/release_memory_occupation": AuthLevel.ADMIN_OPTIONAL,
+    "/resume_memory_occupation": AuthLevel.ADMIN_OPTIONAL,
+}
+MEMORY_REQUESTS = {  # the routes' body types
+    "/release_memory_occupation": io_struct.ReleaseMemoryOccupationReqInput,
+    "/resume_memory_occupation": io_struct.ResumeMemoryOccupationReqInput,
 }
 
 
@@ -104,6 +114,13 @@ class StandIn:
         self.dump: Path | None = None  # each completed update's weights go to <dump>/v<version>.safetensors
         self.log = False  # print each weight-update call (a server process's log)
         self.seed = 0
+        self.memory_saver = False  # started with --enable-memory-saver: /server_info says so, release / resume work
+        self.offloaded: set[str] = set()  # memory tags released (SGLang's weight_updater.offload_tags)
+        self.weights_lost = False  # weights resumed without CPU backup: undefined until a complete weight update
+        self.generating = 0  # /generate calls in flight (a release needs an idle server)
+        self.events: list[str] = []  # generate / release / resume / update, in arrival order
+        self.die_on_generate: int | None = None  # the process exits (status 9) on this /generate call (1 = first)
+        self.generate_calls = 0
         self.receiver = WeightReceiver(self._load)
         stand_in = self
 
@@ -141,7 +158,8 @@ class StandIn:
                     return
                 if self.path == "/server_info":
                     info = stand_in_server_info(trace_store=str(stand_in.store), **stand_in.policy)
-                    self._send(200, {"tp_size": 1, "dp_size": 1, "pp_size": 1} | info)
+                    sizes = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "enable_memory_saver": stand_in.memory_saver}
+                    self._send(200, sizes | info)
                     return
                 info = {"model_path": model_dir, "is_generation": True, "weight_version": stand_in.weight_version}
                 self._send(200, info)
@@ -153,6 +171,9 @@ class StandIn:
                 if self.path in REQUESTS:
                     self._send(*stand_in.weight_update(self.path, raw))
                     return
+                if self.path in MEMORY_REQUESTS:
+                    self._send(*stand_in.memory(self.path, raw))
+                    return
                 self._send(*getattr(stand_in, self.path.strip("/"))(json.loads(raw)))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -160,6 +181,46 @@ class StandIn:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def generate(self, body: dict) -> tuple[int, object]:
+        self.generate_calls += 1
+        if self.die_on_generate is not None and self.generate_calls >= self.die_on_generate:
+            print(f"stand-in: exiting during /generate call {self.generate_calls} (injected)", flush=True)
+            os._exit(9)
+        self.events.append("generate")
+        if self.offloaded or self.weights_lost:  # SGLang would run on unmapped or undefined memory
+            what = f"memory of {sorted(self.offloaded)} released" if self.offloaded else "weights resumed, not updated"
+            return 400, {"error": {"message": f"stand-in: /generate with {what}"}}
+        self.generating += 1
+        try:
+            return self._generate(body)
+        finally:
+            self.generating -= 1
+
+    def memory(self, endpoint: str, raw: bytes) -> tuple[int, object]:
+        """`/release_memory_occupation` / `/resume_memory_occupation` as SGLang 0.5.15's route and
+        `WeightUpdater` treat them: the body parsed as the route parses it, no tags = every type, a release only on
+        an idle server, a resume only of released tags; the weights' contents are lost on release (no CPU
+        backup), so after their resume the server must get a complete weight update before it generates. Success:
+        200 with an empty body (the route returns None)."""
+        if not self.memory_saver:  # SGLang answers success, but its no-op adapter frees nothing
+            return 400, {"error": {"message": "stand-in: started without --enable-memory-saver"}}
+        req = pydantic.TypeAdapter(MEMORY_REQUESTS[endpoint]).validate_json(raw)
+        tags = list(req.tags or GPU_MEMORY_ALL_TYPES)
+        self.events.append(f"{endpoint.strip('/').split('_')[0]} {','.join(sorted(tags))}")
+        if self.log:
+            print(f"{endpoint} tags={tags}", flush=True)
+        if endpoint == "/release_memory_occupation":
+            if self.generating:
+                return 400, {"error": {"message": "release_memory_occupation should be called only when idle"}}
+            self.offloaded |= set(tags)
+        else:
+            if not set(tags) <= self.offloaded:
+                return 400, {"error": {"message": f"KeyError: {sorted(set(tags) - self.offloaded)} not released"}}
+            self.offloaded -= set(tags)
+            if GPU_MEMORY_TYPE_WEIGHTS in tags:
+                self.weights_lost = True
+        return 200, None
+
+    def _generate(self, body: dict) -> tuple[int, object]:
         if self.pending:  # the engine takes the weights the last tensor / distributed updates left
             self.engine.load_weights(self.weights, int(self.weight_version))
             self.pending = False
@@ -213,6 +274,10 @@ class StandIn:
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, object]:
         self.updates.append(body)
+        self.events.append(f"update disk v{body['weight_version']}")
+        if GPU_MEMORY_TYPE_WEIGHTS in self.offloaded:
+            return 400, {"success": False, "message": "stand-in: weight update into released memory"}
+        self.weights_lost = False
         if self.fail_update:
             return 400, {"success": False, "message": "Failed to update weights: injected", "num_paused_requests": 0}
         self.weights = load_file(Path(body["model_path"]) / "model.safetensors")
@@ -247,6 +312,8 @@ class StandIn:
             return 400, {"success": False, "message": "Failed to update weights from tensor: injected"}
         if endpoint == "/update_weights_from_distributed" and self.fail_distributed_update:
             return 400, {"success": False, "message": "Failed to update parameter online: injected"}
+        if endpoint != "/destroy_weights_update_group" and GPU_MEMORY_TYPE_WEIGHTS in self.offloaded:
+            return 400, {"success": False, "message": "stand-in: weight update into released memory"}
         try:
             ok, msg, req = self.receiver.handle(endpoint, raw)
         except Exception as e:  # a body SGLang's route would refuse
@@ -260,6 +327,8 @@ class StandIn:
             if not self.ignore_version:
                 self.weight_version = req.weight_version
             if req.flush_cache:  # the last bucket of an update
+                self.events.append(f"update {endpoint.rsplit('_', 1)[1]} v{req.weight_version}")
+                self.weights_lost = False
                 self._dump()
         return (200 if ok else 400), {"success": ok, "message": msg}
 
@@ -283,6 +352,10 @@ def serve(argv: list[str]) -> None:
     ap.add_argument("--stand-in-dump", default="")
     ap.add_argument("--stand-in-join", default="yes")
     ap.add_argument("--stand-in-fail-distributed", action="store_true")
+    ap.add_argument("--stand-in-die-at", type=int, default=0)  # exit (status 9) on this /generate call
+    ap.add_argument("--stand-in-die-once", default="")  # ... only if this file is absent (it is created first)
+    ap.add_argument("--stand-in-die-port", type=int, default=0)  # ... only the server on this port (0: every one)
+    ap.add_argument("--enable-memory-saver", action="store_true")
     args, _ = ap.parse_known_args(argv)
     import socket
 
@@ -296,6 +369,12 @@ def serve(argv: list[str]) -> None:
     server.join = args.stand_in_join
     server.dump = Path(args.stand_in_dump) if args.stand_in_dump else None
     server.fail_distributed_update = args.stand_in_fail_distributed
+    server.memory_saver = args.enable_memory_saver
+    dies = args.stand_in_die_at and args.stand_in_die_port in (0, args.port)
+    if dies and not (args.stand_in_die_once and Path(args.stand_in_die_once).exists()):
+        if args.stand_in_die_once:
+            Path(args.stand_in_die_once).touch()
+        server.die_on_generate = args.stand_in_die_at
     server.log = True
     print(f"stand-in rl server: {server.url}", flush=True)
     threading.Event().wait()

@@ -59,10 +59,16 @@ FIELD_HELP = {
     "weight_sync_timeout_s": "deadline of one worker's weight sync (a late embedded worker is replaced, synced again); "
     "also of forming the distributed weight-update group",
     "sglang_start_timeout_s": "deadline of reaching every SGLang server at start (/model_info)",
-    "sglang_launch": "off, or local: the launcher starts the SGLang servers itself on this host",
+    "sglang_launch": "off, local (the launcher starts the SGLang servers itself on this host) or ray (as Ray actors "
+    "in a placement group)",
     "sglang_gpus": "GPU ids of each launched server, ';'-separated (e.g. 0,1;2,3: two servers at TP 2)",
     "sglang_args": "extra flags of every launched server (string or list)",
     "sglang_port_base": "port of the first launched server (server i: port_base + i)",
+    "sglang_max_restarts": "restarts of each launched server over the run (a dead one is started again, its requests "
+    "retried; past it the run stops with its log tail)",
+    "sglang_tp": "sglang_launch=ray: GPUs (TP size) of each server's placement-group bundle",
+    "sglang_cpus": "sglang_launch=ray: CPUs of each server's placement-group bundle",
+    "colocate": "servers and trainer share the GPUs: --enable-memory-saver, memory released for each trainer step",
     "weight_sync": "how weights reach the SGLang servers: disk (HF checkpoint + /update_weights_from_disk), tensor "
     "(colocated: CUDA IPC buckets, /update_weights_from_tensor) or distributed (NCCL group, "
     "/update_weights_from_distributed)",

@@ -19,7 +19,7 @@ from trace_core.modes import MODES
 from trace_core.numerics.recipe import DEFAULT_RECIPE, recipe_names
 from trace_core.records.spec import CapturePolicy, check_bits
 from trace_rl.algorithm import algorithm_errors
-from trace_rl.servers import launch_errors
+from trace_rl.server_command import launch_errors
 from trace_rl.weight_sync import weight_sync_errors
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
@@ -90,6 +90,12 @@ class RLConfig:
     sglang_launch = "local": the launcher starts the servers itself on this host (`trace_rl.servers.ServerGroup`),
     one per `;`-separated entry of `sglang_gpus` (its GPU ids, TP = their number), on ports `sglang_port_base + i`,
     with the extra flags `sglang_args`; it then sets `sglang_urls` to them and tears them down at the end.
+    sglang_launch = "ray": the same servers as Ray actors (`trace_rl.ray_servers.RayServerGroup`), `rollout_workers`
+    of them, each in a placement-group bundle of `sglang_tp` GPUs and `sglang_cpus` CPUs. sglang_max_restarts:
+    restarts of each launched server over the run (a server that dies is started again and its requests retried as
+    new attempts; past the bound the run stops with its log tail). colocate: servers and trainer share the GPUs: the
+    servers run with --enable-memory-saver and the loop releases their memory before each trainer step and resumes
+    it (weights, the weight sync, then KV cache and CUDA graphs) after (`trace_rl.rollout.colocate`).
     weight_sync: how the trainer's weights reach the SGLang servers after each step (`trace_rl.weight_sync`): `disk`
     (an HF checkpoint under out_dir and /update_weights_from_disk), `tensor` (colocated: buckets of at most
     `weight_sync_bucket_mb` MiB of CUDA IPC handles through /update_weights_from_tensor) or `distributed`
@@ -171,6 +177,10 @@ class RLConfig:
     sglang_gpus: str = ""
     sglang_args: str = ""
     sglang_port_base: int = 30000
+    sglang_max_restarts: int = 2
+    sglang_tp: int = 1
+    sglang_cpus: int = 1
+    colocate: bool = False
     weight_sync: str = "disk"
     weight_sync_bucket_mb: float = 512.0
     weight_sync_disk_fallback: bool = False
@@ -285,7 +295,7 @@ class RLConfig:
         if self.rollout_backend == "embedded":
             return [f"sglang_urls={self.sglang_urls!r} needs rollout_backend='sglang'"] if urls else []
         errors = []
-        if not urls and self.sglang_launch != "local":  # a local group's URLs are set by the launcher
+        if not urls and self.sglang_launch == "off":  # a launched group's URLs are set by the launcher
             errors.append("rollout_backend='sglang' needs sglang_urls (comma-separated http://host:port)")
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -60,6 +60,9 @@ from trace_rl.rundir import (
 )
 from trace_rl.tracking import Tracker
 from trace_rl.trainer import MegatronTrainer, RayTrainer
+
+if TYPE_CHECKING:
+    from trace_rl.servers import ServerGroup
 
 LEGACY_CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -94,6 +97,10 @@ RESUME_FREE = frozenset(
         "sglang_launch",
         "sglang_gpus",
         "sglang_port_base",
+        "sglang_max_restarts",
+        "sglang_tp",
+        "sglang_cpus",
+        "colocate",  # the same weights reach the servers after every release
         "weight_sync",  # the same bits reach the servers by every transport
         "weight_sync_bucket_mb",
         "weight_sync_disk_fallback",
@@ -186,8 +193,10 @@ def capture_spec(layers: int, cfg: RLConfig) -> RecordSpec:
 
 
 class Controller:
-    def __init__(self, cfg: RLConfig, *, resume: bool = True):
+    def __init__(self, cfg: RLConfig, *, resume: bool = True, servers: ServerGroup | None = None):
+        """`servers`: the launcher's group of the servers at `sglang_urls` (a dead one is then restarted)."""
         self.cfg = cfg
+        self.servers = servers
         self.out = Path(cfg.out_dir)
         self.lock = RunLock(self.out)  # before anything in out_dir is read or changed
         try:
@@ -235,7 +244,7 @@ class Controller:
         if cfg.rollout_backend == "sglang":
             from trace_rl.rollout.sglang_worker import SGLangPool
 
-            self.pool = SGLangPool(pool_cfg, capture, task)
+            self.pool = SGLangPool(pool_cfg, capture, task, servers=self.servers, policy=self.trainer.hf_weights)
         else:
             self.pool = (RayPool if cfg.use_ray else LocalPool)(pool_cfg, capture, task)
         self.pending: deque[RolloutBatch] = deque()
@@ -401,6 +410,12 @@ class Controller:
         waiting = time.perf_counter()
         rewards = self._rewards(batch.prompts, batch.trajectories, batch.rewards, batch.step)
         rolled = time.perf_counter()
+        if self.cfg.colocate:  # the servers give their GPU memory to the trainer step (trace_rl.rollout.colocate)
+            from trace_rl.rollout.sglang_worker import SGLangPool
+
+            assert isinstance(self.pool, SGLangPool), type(self.pool)
+            self.pool.release_memory()
+        released = time.perf_counter()
         metrics: dict[str, Any] = self.trainer.step(
             batch.trajectories, rewards, self.cfg.group_size, str(self.store), batch.step, batch.version
         )
@@ -422,9 +437,11 @@ class Controller:
             "time/step_s": synced - start,
             "time/rollout_s": rolled - start,
             "time/reward_wait_s": rolled - waiting,
-            "time/train_s": trained - rolled,
+            "time/train_s": trained - released,
             "time/sync_s": synced - trained,
         }
+        if self.cfg.colocate:
+            metrics["time/release_s"] = released - rolled
         metrics |= sync
         if batch.decode_reads is not None:
             metrics["rollout/fp4_decode_reads"] = float(batch.decode_reads)

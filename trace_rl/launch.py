@@ -6,8 +6,10 @@ Builds the tiny model first if `model_dir` holds none. Writes, under `out_dir`: 
 (metrics.jsonl, checkpoint, record store), metrics.csv, PNG plots and summary.txt / summary.json. With
 `rollout_backend = "sglang"` one mode runs (the config's, or `--modes`) on the servers of `sglang_urls`, whose
 `--trace-store` must be `<out_dir>/<mode>/records` (docs/deploy.md); with `sglang_launch = "local"` the launcher
-starts those servers itself (`trace_rl.servers.ServerGroup`, logs in `<out_dir>/<mode>/servers/`) and stops them at
-the end. With `fp4_attention = "decode"` the FP4 modes run (qat, trace): the BF16 baseline has no FP4 KV cache.
+starts those servers itself (`trace_rl.servers.ServerGroup`, logs in `<out_dir>/<mode>/servers/`; `"ray"`: as Ray
+actors in a placement group, `trace_rl.ray_servers.RayServerGroup`), restarts one that dies (`sglang_max_restarts`)
+and stops them at the end. With `fp4_attention = "decode"` the FP4 modes run (qat, trace): the BF16 baseline has no
+FP4 KV cache.
 """
 
 from __future__ import annotations
@@ -60,10 +62,19 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for mode in modes:
         cfg = base.replace(mode=mode, out_dir=str(out / mode))
-        if cfg.sglang_launch == "local":  # start the servers, run on them, tear them down (also on error / signal)
-            with ServerGroup(cfg) as group:
+        if cfg.sglang_launch != "off":  # start the servers, run on them, tear them down (also on error / signal)
+            if cfg.sglang_launch == "ray" and cfg.sglang_url_list():
+                raise ConfigError(f"sglang_urls={cfg.sglang_urls!r} with sglang_launch='ray': the launcher sets them")
+            group: ServerGroup
+            if cfg.sglang_launch == "ray":
+                from trace_rl.ray_servers import RayServerGroup
+
+                group = RayServerGroup(cfg)
+            else:
+                group = ServerGroup(cfg)
+            with group:
                 print(f"SGLang servers up: {', '.join(group.urls)} (logs in {Path(cfg.out_dir) / 'servers'})")
-                with Controller(cfg.replace(sglang_urls=",".join(group.urls))) as ctrl:
+                with Controller(cfg.replace(sglang_urls=",".join(group.urls)), servers=group) as ctrl:
                     runs[mode] = ctrl.run(desc=mode)
             continue
         with Controller(cfg) as ctrl:

@@ -42,7 +42,7 @@ import socket
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -357,9 +357,27 @@ class DiskTransport:
 
     def __init__(self, workers: Sequence[SGLangWorker], hf_config: Path, weights_root: Path):
         self.workers, self.hf_config, self.weights_root = list(workers), hf_config, weights_root
+        self.latest: tuple[Path, int] | None = None  # the export kept on disk and its version
 
-    def push(self, tensors: Mapping[str, torch.Tensor], version: int, deadline: float) -> int:
+    def load(self, workers: Sequence[SGLangWorker], version: int, deadline: float) -> bool:
+        """`workers` load the kept export of `version` (restarted servers catching up); False if there is none."""
+        if self.latest is None or self.latest[1] != version or not self.latest[0].is_dir():
+            return False
+        path = self.latest[0]
+        payload = {"model_path": str(path), "weight_version": str(version)}
+        _results(_post_all(workers, "/update_weights_from_disk", [payload] * len(workers), deadline))
+        return True
+
+    def push(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        deadline: float,
+        workers: Sequence[SGLangWorker] | None = None,
+    ) -> int:
         from safetensors.torch import save_file
+
+        workers = self.workers if workers is None else workers
 
         path = self.weights_root / f"v{version}"
         tmp = path.with_name(path.name + ".tmp")
@@ -369,8 +387,9 @@ class DiskTransport:
         shutil.copy(self.hf_config, tmp / "config.json")
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
+        self.latest = (path, version)
         payload = {"model_path": str(path), "weight_version": str(version)}
-        _results(_post_all(self.workers, "/update_weights_from_disk", [payload] * len(self.workers), deadline))
+        _results(_post_all(workers, "/update_weights_from_disk", [payload] * len(workers), deadline))
         for old in self.weights_root.iterdir():
             if old != path:
                 shutil.rmtree(old)
@@ -385,14 +404,21 @@ class TensorTransport:
     def __init__(self, workers: Sequence[SGLangWorker], bucket_bytes: int):
         self.workers, self.bucket_bytes = list(workers), bucket_bytes
 
-    def push(self, tensors: Mapping[str, torch.Tensor], version: int, deadline: float) -> int:
+    def push(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        deadline: float,
+        workers: Sequence[SGLangWorker] | None = None,
+    ) -> int:
+        workers = self.workers if workers is None else workers
         plan = plan_buckets(tensors, self.bucket_bytes)
         for i, bucket in enumerate(plan):
             staged = stage([tensors[n] for n in bucket.names])
             named = list(zip(bucket.names, staged, strict=True))
             last = i == len(plan) - 1
-            payloads = [tensor_payload(named, w.tp_size, version, flush_cache=last) for w in self.workers]
-            _results(_post_all(self.workers, "/update_weights_from_tensor", payloads, deadline))
+            payloads = [tensor_payload(named, w.tp_size, version, flush_cache=last) for w in workers]
+            _results(_post_all(workers, "/update_weights_from_tensor", payloads, deadline))
             del staged, named, payloads  # the servers copied them: the shared memory / IPC handles may go
         if any(t.is_cuda for t in tensors.values()):
             torch.cuda.ipc_collect()
@@ -501,21 +527,29 @@ class DistributedTransport:
             ) from e
         _results(futures)
 
-    def close(self) -> None:
-        """`/destroy_weights_update_group` on every server (best effort, problems said on stderr), then this
-        process's side of the group."""
+    def close(self, skip: Sequence[int] = ()) -> None:
+        """`/destroy_weights_update_group` on every server but those of `skip` (restarted: they hold no group; best
+        effort, problems said on stderr), then this process's side of the group."""
         if self.group is None:
             return
         deadline = time.monotonic() + min(self.cfg.weight_sync_timeout_s, 60.0)
         payload = {"group_name": GROUP_NAME}
-        futures = _post_all(self.workers, "/destroy_weights_update_group", [payload] * len(self.workers), deadline)
-        for w, f in zip(self.workers, futures, strict=True):
+        members = [w for i, w in enumerate(self.workers) if i not in skip]
+        futures = _post_all(members, "/destroy_weights_update_group", [payload] * len(members), deadline)
+        for w, f in zip(members, futures, strict=True):
             if f.exception() is not None:
                 print(f"weight sync: {w.url}: destroying the weight-update group: {f.exception()}", file=sys.stderr)
         try:
             torch.distributed.destroy_process_group(self.group)
         finally:
             self.group = None
+
+    def reopen(self, restarted: Sequence[int]) -> None:
+        """Form the group again after the servers of `restarted` were started again (a restarted server left the
+        old group with its process): the others leave the old one, then every server joins a new one."""
+        self.close(skip=restarted)
+        self.broken = None
+        self.open()
 
 
 class WeightSync:
@@ -582,6 +616,43 @@ class WeightSync:
                 file=sys.stderr,
             )
             return None
+
+    def rejoin(self, restarted: Sequence[int]) -> None:
+        """The servers of `restarted` were started again: a `distributed` group (not broken) is formed anew with
+        every server; nothing for the other transports."""
+        transport = self.transport
+        if restarted and isinstance(transport, DistributedTransport) and transport.broken is None:
+            transport.reopen(restarted)
+
+    def catch_up(
+        self, indices: Sequence[int], version: int, policy: Callable[[], Mapping[str, torch.Tensor]] | None
+    ) -> None:
+        """Bring the restarted servers of `indices` to policy `version`, which the others serve: by disk from the
+        kept export, else with `policy()` (the trainer's current tensors) by the configured transport (a
+        `distributed` group formed anew, every server updated through it; disk once the group is broken); then the
+        version check on each."""
+        workers = [self.workers[i] for i in indices]
+        deadline = time.monotonic() + self.cfg.weight_sync_timeout_s
+        transport = self.transport
+        if not self.disk.load(workers, version, deadline):
+            if policy is None:
+                raise WeightSyncError(
+                    f"restarted servers {[w.url for w in workers]} cannot be given policy version {version}: no "
+                    "export on disk and no source of the trainer's weights"
+                )
+            tensors = policy()
+            check_manifest(tensors, self.manifest, str(self.hf_dir))
+            if isinstance(transport, DistributedTransport) and transport.broken is None:
+                transport.reopen(indices)
+                transport.push(tensors, version, deadline)
+                workers = self.workers
+            elif isinstance(transport, TensorTransport):
+                transport.push(tensors, version, deadline, workers)
+            else:
+                self.disk.push(tensors, version, deadline, workers)
+        for w in workers:
+            w.check_version(version, deadline=deadline)
+        print(f"weight sync: restarted servers {[self.workers[i].url for i in indices]} serve policy version {version}")
 
     def close(self) -> None:
         if isinstance(self.transport, DistributedTransport):

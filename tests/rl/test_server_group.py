@@ -140,7 +140,10 @@ def test_an_occupied_port_is_refused_by_name_before_anything_starts(tmp_path):
 
 
 def test_a_server_dying_mid_run_stops_the_run_with_its_log_tail(tmp_path):
-    cfg = config(tmp_path, sglang_args="--stand-in die-after --stand-in-delay 1.5 --stand-in-child")
+    """With no restart allowed (`sglang_max_restarts = 0`) the monitor stops the run at once."""
+    cfg = config(
+        tmp_path, sglang_args="--stand-in die-after --stand-in-delay 1.5 --stand-in-child", sglang_max_restarts=0
+    )
     before = signal.getsignal(signal.SIGTERM)  # whatever an earlier test of the process installed
     t0 = time.monotonic()
     with pytest.raises(ServerGroupError, match=r"(?s)server\d .* exited with status 4 while the run used it.*argv"):
@@ -149,6 +152,31 @@ def test_a_server_dying_mid_run_stops_the_run_with_its_log_tail(tmp_path):
     assert time.monotonic() - t0 < 15
     assert wait_gone(recorded_pids(tmp_path)) == []
     assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+def test_a_dead_server_is_restarted_on_its_port_until_its_restarts_are_spent(tmp_path):
+    """`restart` starts a server that exited again (same command and port, its log appended, a new process, its
+    generation moved) and does nothing to one that runs; the monitor leaves a dead server with restarts left to the
+    pool, and stops the run (log tail) once they are spent."""
+    import requests
+
+    cfg = config(tmp_path, servers=1, sglang_args="--stand-in die-after --stand-in-delay 2", sglang_max_restarts=1)
+    t0 = time.monotonic()
+    with pytest.raises(
+        ServerGroupError, match=r"(?s)server0 .* status 4 .* after 1 restarts \(sglang_max_restarts=1\)"
+    ):
+        with ServerGroup(cfg, command=STAND_IN) as group:
+            assert group.restart(0) is False and group.generations == [0]  # it runs
+            assert group.exited(0, grace_s=10) == 4
+            time.sleep(2 * 1.0)  # two monitor looks: a restart is left, so the run goes on
+            first = group.pids[0]
+            assert group.restart(0) is True and group.generations == [1] and group.restarts == [1]
+            assert group.pids[0] != first and requests.get(f"{group.urls[0]}/health", timeout=5).ok
+            log = group.specs[0].log.read_text()
+            assert log.count("--stand-in die-after") == 2 and "# restart 1 of 1 after exit status 4: " in log
+            time.sleep(30)  # it dies again with no restart left: the monitor stops this
+    assert time.monotonic() - t0 < 25
+    assert wait_gone(recorded_pids(tmp_path)) == []
 
 
 LAUNCHER = """
@@ -233,7 +261,8 @@ def test_the_launcher_starts_the_group_runs_on_its_urls_and_tears_it_down(tmp_pa
         pass
 
     class FakeController:
-        def __init__(self, c: RLConfig):
+        def __init__(self, c: RLConfig, servers=None):
+            seen["group"] = servers
             seen["urls"] = c.sglang_url_list()
             seen["healthy"] = all(requests.get(f"{u}/health", timeout=5).ok for u in seen["urls"])
             seen["out_dir"] = c.out_dir
@@ -248,7 +277,7 @@ def test_the_launcher_starts_the_group_runs_on_its_urls_and_tears_it_down(tmp_pa
             raise Stop  # the run fails: the group still goes
 
     monkeypatch.setattr(launch, "Controller", FakeController)
-    monkeypatch.setattr("trace_rl.servers.SERVER_COMMAND", STAND_IN)
+    monkeypatch.setattr("trace_rl.server_command.SERVER_COMMAND", STAND_IN)
     overrides = [f"{k}={getattr(cfg, k)}" for k in ("sglang_gpus", "sglang_port_base", "out_dir", "model_dir")]
     overrides += ["rollout_backend=sglang", "sglang_launch=true", "mode=qat", f"sglang_args={cfg.sglang_args}"]
     with pytest.raises(Stop):
@@ -264,7 +293,7 @@ def test_the_launcher_starts_the_group_runs_on_its_urls_and_tears_it_down(tmp_pa
     ("overrides", "message"),
     [
         (["sglang_launch=maybe"], "sglang_launch='maybe' is not one of"),
-        (["sglang_gpus=0;1"], "sglang_gpus='0;1' needs sglang_launch='local'"),
+        (["sglang_gpus=0;1"], "sglang_gpus='0;1' needs sglang_launch='local' or 'ray'"),
         (["sglang_launch=local", "rollout_backend=sglang", "sglang_gpus=0;x"], "sglang_gpus='0;x': 'x' is not"),
         (["sglang_launch=local", "rollout_backend=sglang", "sglang_gpus=0;0"], "gives a GPU to two servers"),
         (["sglang_launch=local", "rollout_backend=sglang", "sglang_gpus=0"], "rollout_workers=2 must equal the 1"),
@@ -278,6 +307,11 @@ def test_the_launcher_starts_the_group_runs_on_its_urls_and_tears_it_down(tmp_pa
             ["sglang_launch=local", "rollout_backend=sglang", "sglang_gpus=0;1", "sglang_urls=http://a:1,http://b:2"],
             "must be empty",
         ),
+        (["sglang_launch=ray", "rollout_backend=sglang", "sglang_gpus=0;1"], "Ray assigns the GPUs"),
+        (["sglang_launch=ray", "rollout_backend=sglang", "sglang_tp=0"], "sglang_tp=0 must be >= 1"),
+        (["sglang_launch=ray", "rollout_backend=sglang", "sglang_cpus=0"], "sglang_cpus=0 must be >= 1"),
+        (["sglang_tp=2"], "sglang_tp=2 needs sglang_launch='ray'"),
+        (["sglang_max_restarts=-1"], "sglang_max_restarts=-1 must be >= 0"),
     ],
 )
 def test_bad_launch_keys_are_refused_by_name(overrides, message):

@@ -27,8 +27,11 @@ server echoes.
 server (through `<out_dir>/weights/v<version>` and `/update_weights_from_disk`, buckets of CUDA IPC handles through
 `/update_weights_from_tensor`, or broadcasts over a weight-update group formed at start-up), each with
 `weight_version=str(version)`, then checks that `/model_info` reports that version. A server failure raises with the
-server URL and its response; nothing retries, and disk stands in for a failed tensor / distributed sync only with
-`weight_sync_disk_fallback` (counted in the step metrics).
+server URL and its response, and disk stands in for a failed tensor / distributed sync only with
+`weight_sync_disk_fallback` (counted in the step metrics). The one retry: with servers the launcher started
+(`trace_rl.servers.ServerGroup`), a server whose process died is started again, brought to the current policy and
+given its requests again as new attempts, at most `sglang_max_restarts` times. With `colocate` the pool releases the
+servers' GPU memory before each trainer step and resumes it around the weight sync (`trace_rl.rollout.colocate`).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ import http.client
 import json
 import math
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig
@@ -52,10 +57,15 @@ from trace_core.records.store import StepWatcher, rollout_rid
 from trace_rl.config import RLConfig
 from trace_rl.http_deadline import DeadlineExceeded, call
 from trace_rl.policy import RolloutTask
+from trace_rl.rollout.colocate import MemoryHandoff
 from trace_rl.rollout.engine import Trajectory
 from trace_rl.rollout.workers import Request, RolloutTimeout
+from trace_rl.servers import EXIT_GRACE_S
 from trace_rl.task import EOS
 from trace_rl.weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from trace_rl.servers import ServerGroup
 
 WEIGHTS_DIR = "weights"
 POLL_S = (0.01, 0.5)  # first and longest pause between looks at the store while waiting for records
@@ -371,6 +381,17 @@ class SGLangWorker:
             )
         self._version = version
 
+    def post_memory(self, endpoint: str, tags: list[str]) -> None:
+        """`/release_memory_occupation` or `/resume_memory_occupation` of `tags` (admin key; `colocate`,
+        `trace_rl.rollout.colocate`); SGLangError naming the server unless it answers 200."""
+        self._call("POST", endpoint, {"tags": tags}, admin=True)
+
+    def reconnect(self, *, deadline: float | None = None) -> None:
+        """After the server was started again: forget its `/server_info` and read its weight version anew."""
+        self._info = None
+        self._last_update = ("no update since its restart", None)
+        self._version = self.version(deadline=deadline, budget="sglang_start_timeout_s")
+
     def update_weights(self, path: Path, version: int, *, deadline: float | None = None) -> None:
         """`/update_weights_from_disk` of the HF checkpoint at `path` as policy `version`, then check the version;
         both calls before `deadline` (the sync's, `weight_sync_timeout_s`)."""
@@ -381,31 +402,105 @@ class SGLangWorker:
 
 
 class SGLangPool:
-    """One `SGLangWorker` per URL of `cfg.sglang_urls`; requests run concurrently, one server each."""
+    """One `SGLangWorker` per URL of `cfg.sglang_urls`; requests run concurrently, one server each.
 
-    def __init__(self, cfg: RLConfig, spec: RecordSpec, task: RolloutTask):
-        self.cfg = cfg
+    With `servers` (the launcher's `trace_rl.servers.ServerGroup`), a server whose process has exited is started
+    again (`ServerGroup.restart`, at most `sglang_max_restarts` times) when the pool next needs it: before a request,
+    after a failed request (which then runs again as a new attempt: its earlier attempt's shard, if any, is set aside
+    when the step is finalized), and around a weight sync. A restarted server comes back at version 0 with the
+    checkpoint's weights; before it serves a request it gets the pool's policy version (by disk from the kept export,
+    else `policy()`, the trainer's current HF tensors, by the configured transport; a `distributed` group is formed
+    again with every server). With `cfg.colocate` the pool releases and resumes the servers' GPU memory
+    (`trace_rl.rollout.colocate.MemoryHandoff`)."""
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        spec: RecordSpec,
+        task: RolloutTask,
+        *,
+        servers: ServerGroup | None = None,
+        policy: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ):
+        self.cfg, self.spec, self.servers, self.policy = cfg, spec, servers, policy
         self.hf_config = Path(task.hf_dir) / "config.json"
         vocab = json.loads(self.hf_config.read_text())["vocab_size"]
         deadline = time.monotonic() + cfg.sglang_start_timeout_s  # reaching every server, each call bounded too
         self.workers = [SGLangWorker(url, cfg, vocab, task.eos, deadline=deadline) for url in cfg.sglang_url_list()]
-        hf_config = AutoConfig.from_pretrained(task.hf_dir)
+        self.hf = AutoConfig.from_pretrained(task.hf_dir)
         for worker in self.workers:  # one capture policy: each server's must be the trainer's
-            worker.check_policy(spec, hf_config, deadline=deadline, budget="sglang_start_timeout_s")
+            worker.check_policy(spec, self.hf, deadline=deadline, budget="sglang_start_timeout_s")
+        self.memory = MemoryHandoff(self.workers) if cfg.colocate else None
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
         self.sync = WeightSync(cfg, self.workers, Path(task.hf_dir), self.weights_root)  # forms a group at start-up
+        self.version: int | None = None  # the policy version last pushed to every server
+        self.generations = list(servers.generations) if servers is not None else []
+        self._locks = [threading.Lock() for _ in self.workers]
 
+    # ----------------------------------------------------------------- dead servers
+    def _dead(self, indices: Sequence[int], grace_s: float = 0.0) -> list[int]:
+        """The servers of `indices` whose process has exited, waiting up to `grace_s` for one to show."""
+        if self.servers is None:
+            return []
+        end = time.monotonic() + grace_s
+        while True:
+            dead = [i for i in indices if self.servers.exited(i) is not None]
+            if dead or time.monotonic() >= end:
+                return dead
+            time.sleep(0.05)
+
+    def _revive(self, i: int, *, sync: bool = True) -> bool:
+        """Server `i` started again if its process has exited (ServerGroupError past `sglang_max_restarts`), its
+        worker re-read and its capture policy checked; with `sync` it is brought to the pool's policy version.
+        True if it was restarted since the pool last looked."""
+        if self.servers is None:
+            return False
+        with self._locks[i]:
+            self.servers.restart(i)  # nothing if it runs
+            if self.servers.generations[i] == self.generations[i]:
+                return False
+            self.generations[i] = self.servers.generations[i]
+            deadline = time.monotonic() + self.cfg.sglang_start_timeout_s
+            worker = self.workers[i]
+            worker.reconnect(deadline=deadline)
+            worker.check_policy(self.spec, self.hf, deadline=deadline, budget="sglang_start_timeout_s")
+            if self.memory is not None:
+                self.memory.awake(i)
+            if sync and self.version is not None and worker._version != self.version:
+                self.sync.catch_up([i], self.version, self.policy)
+            return True
+
+    # ----------------------------------------------------------------- rollout
     def run(self, requests_: Sequence[Request]) -> tuple[list[list[Trajectory]], int]:
-        """Results in request order; no restarts (a server failure is an error, so is a step that does not finish
-        within `rollout_step_timeout_s`: each HTTP call is bounded by `sglang_timeout_s`)."""
+        """Results in request order and the server restarts the step took. A request whose server died runs again
+        as a new attempt on the restarted server; any other failure is an error, so is a step that does not finish
+        within `rollout_step_timeout_s` (each HTTP call is bounded by `sglang_timeout_s`)."""
+        if self.memory is not None and self.memory.asleep:
+            raise SGLangError(
+                "colocate: a rollout was asked of servers whose memory is released; load_weights (resume, sync) "
+                "comes first"
+            )
+        restarts = [0]
+        count = threading.Lock()
+
+        def one(req: Request) -> list[Trajectory]:
+            w = req.index % len(self.workers)
+            while True:
+                if self._revive(w):
+                    with count:
+                        restarts[0] += 1
+                try:
+                    return self.workers[w].generate(req.next_attempt())
+                except Exception:
+                    if not self._dead([w], EXIT_GRACE_S):
+                        raise
+
         ex = ThreadPoolExecutor(max_workers=len(self.workers))
         try:
-            futures = [
-                ex.submit(self.workers[r.index % len(self.workers)].generate, r.next_attempt()) for r in requests_
-            ]
+            futures = [ex.submit(one, r) for r in requests_]
             deadline = time.monotonic() + self.cfg.rollout_step_timeout_s
             try:
-                return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures], 0
+                return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures], restarts[0]
             except TimeoutError:
                 raise RolloutTimeout(
                     f"step {requests_[0].step}: SGLang rollout did not finish within rollout_step_timeout_s="
@@ -414,10 +509,52 @@ class SGLangPool:
         finally:
             ex.shutdown(wait=False, cancel_futures=True)
 
+    # ----------------------------------------------------------------- colocation
+    def release_memory(self) -> float:
+        """`colocate`: every server releases its GPU memory for the trainer step (a server found dead is started
+        again first, and released too). Seconds taken."""
+        if self.memory is None:
+            return 0.0
+        start = time.perf_counter()
+        for i in range(len(self.workers)):
+            self._revive(i, sync=False)  # the sync after the trainer step gives it the new policy
+        try:
+            self.memory.release()
+        except Exception:
+            dead = self._dead(range(len(self.workers)), EXIT_GRACE_S)
+            if not dead:
+                raise
+            for i in dead:
+                self._revive(i, sync=False)
+            self.memory.release()
+        return time.perf_counter() - start
+
+    # ----------------------------------------------------------------- weights
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Every server serves `tensors` as policy `version` (`weight_sync`: disk, tensor or distributed, then the
-        `/model_info` check); the sync's metrics (`trace_rl.weight_sync.WeightSync.push`)."""
-        return self.sync.push(tensors, version)
+        `/model_info` check); the sync's metrics (`trace_rl.weight_sync.WeightSync.push`), the servers restarted
+        during it (`weight_sync/restarts`) and, with `colocate`, `time/resume_s` (resuming the weights before the
+        sync and the KV cache and CUDA graphs after it)."""
+        everyone = range(len(self.workers))
+        revived = [i for i in everyone if self._revive(i, sync=False)]  # the push gives them this version
+        self.sync.rejoin(revived)
+        resume_s = self.memory.resume_weights() if self.memory is not None else 0.0
+        while True:
+            try:
+                metrics = self.sync.push(tensors, version)
+                break
+            except Exception:
+                dead = self._dead(everyone, EXIT_GRACE_S)
+                if not dead:
+                    raise
+                again = [i for i in dead if self._revive(i, sync=False)]
+                revived += again
+                self.sync.rejoin(again)
+        self.version = version
+        metrics["weight_sync/restarts"] = float(len(revived))
+        if self.memory is not None:
+            metrics["time/resume_s"] = resume_s + self.memory.resume_rest()
+        return metrics
 
     def close(self) -> None:
         """Leave the weight-update group (`weight_sync = "distributed"`)."""
