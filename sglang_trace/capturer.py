@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1  # rows computed after a weight update that carried no usable weight_version
 RING_REQUESTS = 2  # default host ring: room for this many requests of the full context length
-SHARD_WORKERS = 8  # threads writing one transfer's shards: a single one wrote 0.8 GB/s of records on the H200
 
 
 @dataclass
@@ -247,7 +246,6 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._writer = StepWriter(self._store(), args.step) if tp_rank == 0 else None
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
-        self._shard_pool = ThreadPoolExecutor(max_workers=SHARD_WORKERS, thread_name_prefix="trace-shard")
         self._writes: list[Future] = []
         self._pending: list[_Finished] = []  # finished in the result batch being processed
         self._lock = threading.Lock()
@@ -471,8 +469,8 @@ class TraceCapturer(RoutedExpertsCapturer):
     ) -> None:
         """Writer thread: wait for the transfer's copy, gather every rank's span to rank 0 (one gather under TP),
         then on rank 0 split each rank's span into its record rows and K/V bytes, and check, merge, unpack and write
-        each request's shard (`SHARD_WORKERS` at a time). A refusal or write error is counted, logged and marked in
-        the store, never raised; the host ring span is released in every case."""
+        each request's shard. A refusal or write error is counted, logged and marked in the store, never raised;
+        the host ring span is released in every case."""
         try:
             if copied is not None:
                 copied.synchronize()
@@ -494,14 +492,12 @@ class TraceCapturer(RoutedExpertsCapturer):
                     part = torch.empty(0, dtype=torch.uint8)
                 rows.append(part[:rows_end].view(n, reader.row.row_bytes))
                 raws.append(part[rows_end : rows_end + n * self.kv_bytes].view(n, self.kv_bytes))
-            jobs, offset = [], 0
+            offset = 0
             for f in chunk:
                 at = slice(offset, offset + f.slots.shape[0])
                 offset = at.stop
                 if f.error is None:
-                    jobs.append((f, [r[at] for r in rows], [r[at] for r in raws] if self.kv_bytes else []))
-            for done in [self._shard_pool.submit(self._write, *job) for job in jobs]:  # before the span is released
-                done.result()
+                    self._write(f, [r[at] for r in rows], [r[at] for r in raws] if self.kv_bytes else [])
         except Exception as e:  # a failed transfer must not take the server down
             logger.error("TRACE transfer of %d requests failed: %s: %s", len(chunk), type(e).__name__, e)
             for f in chunk:
@@ -633,4 +629,3 @@ class TraceCapturer(RoutedExpertsCapturer):
     def close(self) -> None:
         self.flush()
         self._pool.shutdown()
-        self._shard_pool.shutdown()
