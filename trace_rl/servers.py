@@ -306,6 +306,8 @@ class ServerGroup:
         """Raise `ServerGroupError` (log tail) if a server of the group has exited (`spent_only`: one with no
         restart left)."""
         for spec in self.specs:
+            if spent_only and self._locks[spec.index].locked():  # a restart under way: it decides
+                continue
             code = self._exit_code(spec.index)
             if code is None or (spent_only and self.restarts[spec.index] < self.cfg.sglang_max_restarts):
                 continue
