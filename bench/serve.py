@@ -576,7 +576,8 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
         print(f"serve: {name}: all {len(points)} points measured; skipped (--force remeasures)")
         result["configs"][name] = entry
         return
-    if left() <= 0:
+    if left() < args.min_start_s:
+        print(f"serve: {name}: {max(0.0, left()):.0f} s of --budget-s left, under --min-start-s; not started")
         return
     flags = CONFIGS[name]
     out_dir = args.out.parent
@@ -589,11 +590,13 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
     t0 = time.monotonic()
     server = Server(argv, f"http://127.0.0.1:{port}", log, out_dir / PID_FILE, store)
     try:
+        wait_s = min(args.start_timeout_s, max(1.0, left()))
         try:
-            server.wait_ready(min(args.start_timeout_s, max(1.0, left())))
+            server.wait_ready(wait_s)
             info = server.info()
-        except RuntimeError as e:
-            entry |= {"status": "failed", "error": str(e)[-4000:]}
+        except RuntimeError as e:  # a live server cut off by --budget-s did not fail: nothing is judged on it
+            cut = wait_s < args.start_timeout_s and server.proc.poll() is None
+            entry |= {"status": "budget" if cut else "failed", "error": str(e)[-4000:]}
             save()
             print(f"serve: {name}: {e}", file=sys.stderr)
             return
@@ -731,14 +734,14 @@ def evaluate(target: Target, configs: dict) -> dict:
     if target.metric == "starts":
         if not base or base.get("status") != "ok":
             return out | {"status": "not-measured", "why": f"{target.baseline} not started"}
-        if not entry or "status" not in entry:
-            return out | {"status": "not-measured", "why": f"{target.config} not run"}
+        if not entry or entry.get("status") not in ("ok", "failed"):
+            return out | {"status": "not-measured", "why": f"{target.config} not run (or cut by --budget-s)"}
         failed = [k for k, p in entry["points"].items() if "error" in p]
         ok = entry["status"] == "ok" and not failed
         return out | {"status": "met" if ok else "missed", "failed": entry.get("error") or failed}
     if target.metric == "cuda_graphs":
-        if not entry or "status" not in entry:
-            return out | {"status": "not-measured", "why": f"{target.config} not run"}
+        if not entry or entry.get("status") not in ("ok", "failed"):
+            return out | {"status": "not-measured", "why": f"{target.config} not run (or cut by --budget-s)"}
         if entry["status"] != "ok":
             return out | {"status": "missed", "why": "server did not start", "error": entry.get("error")}
         max_bs = (entry["server"].get("cuda_graph_decode") or {}).get("max_bs") or 0
@@ -901,6 +904,9 @@ def main() -> None:
     p.add_argument("--store-dir", help="parent of the record stores of TRACE servers (default: the temp dir)")
     p.add_argument("--start-timeout-s", type=float, default=600, help="wait for a server's /health")
     p.add_argument("--budget-s", type=float, help="start no server or point after this many seconds")
+    p.add_argument(
+        "--min-start-s", type=float, default=120, help="start no server with less of --budget-s left (a start: 1-4 min)"
+    )
     p.add_argument("--force", action="store_true", help="remeasure points already in --out")
     p.add_argument("--dry-run", action="store_true", help="print server commands and client calls; start nothing")
     args = p.parse_args()
