@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--requests", type=int, default=10, help="result batches timed (after one warm-up batch)")
     p.add_argument("--batch", type=int, default=1, help="requests finishing in one result batch")
+    p.add_argument("--sites", default=str(SERVER_ARGS_FIELDS["trace_sites"]), help="--trace-sites of the capturer")
     p.add_argument("--store-dir", help="where the record store is written (default: the system temp dir)")
     p.add_argument("--kv-gather", choices=("kernel", "torch"), default="kernel", help="K/V gather on the device")
     p.add_argument("--seam-stand-in", action="store_true", help="stand-ins where SGLang does not import (docstring)")
@@ -128,7 +129,7 @@ def main() -> None:
         mode="emulate",
         bits=int(defaults["trace_record_bits"]),
         layers=parse_layers(str(defaults["trace_layers"])),
-        sites=parse_sites(str(defaults["trace_sites"])),
+        sites=parse_sites(a.sites),
         store=store,
         step=0,
     )
@@ -158,7 +159,9 @@ def main() -> None:
     if a.kv_gather == "torch":
         cap.kv_gather = KVGather(pool, cap.spec.attn_layers, cap.kv_kinds, kernel=False)
     probe = torch.randint(1, slots, (4096,), device=dev, dtype=torch.int32)  # req_to_token's dtype
-    kv_equal = torch.equal(cap.kv_gather(probe), gather_kv_raw(pool, probe, cap.spec.attn_layers, cap.kv_kinds))
+    kv_equal = cap.kv_gather is None or torch.equal(
+        cap.kv_gather(probe), gather_kv_raw(pool, probe, cap.spec.attn_layers, cap.kv_kinds)
+    )
     # one forward wrote every position: stand in for its hooks' staging writes (what they wrote does not matter
     # for the finish path), set the hook markers where the capturer has them
     rows = a.tokens
@@ -175,7 +178,7 @@ def main() -> None:
     if a.kv_only:
         kv_only(a, pool, req_pool, layout, cap)
         return
-    times, cpu_times, finish_times = [], [], []
+    times, cpu_times, finish_times, write_times = [], [], [], []
     prompt, output = list(range(a.tokens)), [0]  # the request's own id lists (SGLang's Req holds them)
     for i in range(a.requests + 1):
         sync(dev)
@@ -187,7 +190,9 @@ def main() -> None:
         times.append((time.perf_counter() - t0) / a.batch)
         finish_times.append((t1 - t0) / a.batch)
         cpu_times.append((time.thread_time() - c0) / a.batch)
+        t2 = time.perf_counter()
         cap.flush()
+        write_times.append((time.perf_counter() - t2) / a.batch)
     assert cap.stats.write_failures == 0, cap.stats
     assert cap.stats.transfers == a.requests + 1, cap.stats  # one transfer per result batch
     cap.close()
@@ -210,6 +215,8 @@ def main() -> None:
                 "finish_ms": ms,
                 "finish_request_ms_per_request_median": statistics.median(finish_ms),
                 "scheduler_cpu_ms_per_request_median": statistics.median(cpu_ms),
+                "writer_ms_per_request_median": 1e3 * statistics.median(write_times[1:]),
+                "writer_MBps": a.tokens * token_bytes / statistics.median(write_times[1:]) / 1e6,
             }
         )
     )
