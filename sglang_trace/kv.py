@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from trace_core.numerics.e2m1 import unpack_fp4
 from trace_core.numerics.formats import KV_FP4, FP4Format
 from trace_core.numerics.recipe import Role
-from trace_core.records.spec import Record, check_bits, pack_low_bits
+from trace_core.records.spec import Record, check_bits, pack_low_bits_of_fp4
 from trace_core.sites import Site
 
 KV_BLOCK = KV_FP4.block
@@ -121,18 +120,16 @@ def kv_records_from_raw(
 ) -> dict[Site, Record]:
     """Records (low `bits` of each code, scale bytes) of the sites in `raw` (`gather_kv_raw`'s layout; `width`
     elements per site row, this shard's), in the pool's format `fmt`."""
-    out: dict[Site, Record] = {}
-    offset, codes_len, scales_len = 0, width // 2, width // KV_BLOCK
-    if raw.shape[1] != len(layers) * len(kinds) * (codes_len + scales_len):
+    codes_len, scales_len = width // 2, width // KV_BLOCK
+    sites = [(layer, kind) for layer in layers for kind in kinds]
+    if raw.shape[1] != len(sites) * (codes_len + scales_len):
         raise ValueError(f"raw K/V rows of {raw.shape[1]} bytes do not hold {len(layers)}x{len(kinds)} sites")
-    for layer in layers:
-        for kind in kinds:
-            packed = raw[:, offset : offset + codes_len]
-            scales = raw[:, offset + codes_len : offset + codes_len + scales_len]
-            offset += codes_len + scales_len
-            codes = unpack_fp4(packed)  # [L, W]
-            out[(layer, kind)] = kv_record(fmt, bits, width, pack_low_bits(codes, bits), scales.contiguous())
-    return out
+    per_site = raw.reshape(raw.shape[0], len(sites), codes_len + scales_len)
+    low = pack_low_bits_of_fp4(per_site[..., :codes_len], bits)  # every site's codes in one pass
+    return {
+        site: kv_record(fmt, bits, width, low[:, i].contiguous(), per_site[:, i, codes_len:].contiguous())
+        for i, site in enumerate(sites)
+    }
 
 
 def gather_kv_shard(

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core.numerics.e2m1 import pack_fp4
+from trace_core.numerics.e2m1 import pack_fp4, unpack_fp4
 from trace_core.numerics.formats import KV_FP4, NVFP4
 from trace_core.numerics.quant import quantize
 from trace_core.records.spec import (
@@ -14,9 +14,28 @@ from trace_core.records.spec import (
     RecordSpec,
     bytes_per_token,
     pack_low_bits,
+    pack_low_bits_of_fp4,
     site_bytes,
     unpack_low_bits,
 )
+
+
+@given(
+    bits=st.integers(1, 4), lead=st.lists(st.integers(0, 3), max_size=2), m=st.integers(1, 40), seed=st.integers(0, 999)
+)
+@settings(max_examples=200, deadline=None)
+def test_low_bits_of_packed_fp4_equal_unpacking_then_packing(bits, lead, m, seed):
+    """The writer's word-level path (b = 1, 2 on widths of 4 bytes) and its fallbacks give, bit for bit, the low bits
+    of the unpacked codes: every byte value, odd widths, empty and strided inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (*lead, 2 * m), generator=gen, dtype=torch.uint8)[..., ::2]  # a strided view
+    assert torch.equal(pack_low_bits_of_fp4(packed, bits), pack_low_bits(unpack_fp4(packed), bits))
+
+
+def test_low_bits_of_packed_fp4_cover_every_byte():
+    every = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    for bits in (1, 2, 3, 4):
+        assert torch.equal(pack_low_bits_of_fp4(every, bits), pack_low_bits(unpack_fp4(every), bits))
 
 
 @given(bits=st.integers(1, 4), rows=st.integers(0, 3), n=st.integers(1, 70), seed=st.integers(0, 1000))

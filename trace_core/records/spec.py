@@ -52,6 +52,42 @@ def pack_low_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (stream.reshape(*stream.shape[:-1], packed_len(n, bits), 8) * weights).sum(dim=-1).to(torch.uint8)
 
 
+_COMPRESS = {  # per b: the word mask of each byte's two codes' low b bits, then (shift, mask) steps
+    1: (0x11111111, ((3, 0x03030303), (6, 0x000F000F), (12, 0x000000FF))),
+    2: (0x33333333, ((2, 0x0F0F0F0F), (4, 0x00FF00FF), (8, 0x0000FFFF))),
+}
+
+
+def pack_low_bits_of_fp4(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_low_bits(unpack_fp4(packed), bits)` without unpacking: the low `bits` of the codes in packed FP4 bytes
+    uint8 `[..., m]` (two codes a byte, the first in the low nibble), as uint8 `[..., ceil(2 * m * bits / 8)]`.
+
+    For b = 1 and 2 and m a multiple of 4, each 32-bit word of 8 codes is compressed in place by three shift / OR
+    / mask steps into the 8 b stream bits `pack_low_bits` gives them (little-endian bytes, as on CPUs and GPUs);
+    b = 4 is the input itself; b = 3 and other widths take the reference path. The record writer runs this on
+    every K/V site of every finished request."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"pack_low_bits_of_fp4 expects uint8 bytes, got {packed.dtype}")
+    if packed.dim() == 0:
+        raise ValueError("pack_low_bits_of_fp4 needs at least one dimension")
+    check_bits(bits)
+    if bits == 4:
+        return packed.contiguous()
+    m = packed.shape[-1]
+    if bits == 3 or m % 4:
+        from trace_core.numerics.e2m1 import unpack_fp4
+
+        return pack_low_bits(unpack_fp4(packed), bits)
+    if packed.numel() == 0:
+        return packed.new_empty(*packed.shape[:-1], m * bits // 4)
+    mask, steps = _COMPRESS[bits]
+    t = packed.contiguous().view(torch.int32) & mask  # bit 31 clear: the right shifts bring in zeros
+    for shift, keep in steps:
+        t = (t | (t >> shift)) & keep
+    out = t.to(torch.uint8) if bits == 1 else t.to(torch.int16).view(torch.uint8)
+    return out.reshape(*packed.shape[:-1], m * bits // 4)
+
+
 def unpack_low_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of `pack_low_bits`: uint8 `[..., ceil(n * bits / 8)]` -> low code bits uint8 `[..., n]`."""
     if packed.dtype != torch.uint8:
