@@ -118,7 +118,8 @@ def record_shards(
 
 def record_args(args: TraceArgs, layout: ModelLayout, shard: RecordShard | None = None) -> dict:
     """`RecordCapturer` arguments of one rank's record shard (default: one rank keeps everything); one
-    definition for the capturer and the memory accounting: what one KV slot holds in that rank's record store."""
+    definition for the capturer and the memory accounting: what one KV slot holds in that rank's record store
+    (routes as `trace_core.records.capture.route_dtype` of the model's expert count)."""
     if shard is None:
         shard = record_shards(args, layout)[0]
     return dict(
@@ -128,6 +129,7 @@ def record_args(args: TraceArgs, layout: ModelLayout, shard: RecordShard | None 
         routes=(len(shard.routes), layout.topk) if shard.routes else None,
         marks=len(shard.marks),
         versioned=True,
+        num_experts=layout.num_experts,
     )
 
 

@@ -360,6 +360,7 @@ class ModelLayout:
     num_kv_heads: int
     head_dim: int
     topk: int
+    num_experts: int | None = None  # routed experts (None: unknown, routes kept as int32 in the record rows)
 
 
 def model_layout(hf_config) -> ModelLayout:
@@ -388,6 +389,7 @@ def model_layout(hf_config) -> ModelLayout:
         num_kv_heads=hf_config.num_key_value_heads,
         head_dim=head_dim,
         topk=hf_config.num_experts_per_tok,
+        num_experts=getattr(hf_config, "num_experts", None),
     )
 
 

@@ -15,7 +15,7 @@ from trace_core.kernels import quantize_record
 from trace_core.numerics.formats import get_format
 from trace_core.numerics.quant import quantize
 from trace_core.numerics.recipe import recipe_names
-from trace_core.records.capture import RecordCapturer
+from trace_core.records.capture import RecordCapturer, route_dtype
 from trace_core.records.host_ring import HostRing
 from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.spec import ModelShape, Record, RecordSpec, pack_low_bits
@@ -304,6 +304,93 @@ def test_a_replay_whose_hook_or_route_capture_did_not_run_is_refused_by_the_rese
         cap.gather(torch.tensor([6]), 1)
     staged = cap.row.view(cap.staging, "routes", "routes", torch.int32)
     assert bool((staged == -1).all()) and bool((cap.row.view(cap.staging, "meta", "marks") == 0xFF).all())
+
+
+@pytest.mark.parametrize(
+    ("experts", "dtype"),
+    [(8, torch.uint8), (128, torch.uint8), (255, torch.uint8), (256, torch.int16), (257, torch.int16),
+     (1 << 15, torch.int16), ((1 << 15) + 1, torch.int32), (None, torch.int32)],
+)  # fmt: skip
+def test_routes_are_kept_narrow_on_the_device_and_read_back_as_int32_bit_for_bit(experts, dtype):
+    """The record rows keep routes in the narrowest dtype whose all-0xFF reset value is no expert id (uint8 up to
+    255 experts, int16 up to 32,768, else int32); `read`, `gather` and a host copy of gathered rows return the staged
+    ids as int32, every id of the model (0 and the largest) included."""
+    assert route_dtype(experts) is dtype
+    cap = make(routes=ROUTES, num_experts=experts, versioned=True)
+    assert cap.row.route_dtype is dtype and cap.route_buffer().dtype is dtype
+    offset, size = cap.row.fields[("routes", "routes")]
+    assert size == dtype.itemsize * ROUTES[0] * ROUTES[1] and offset % 4 == 0
+    top = (experts or 1 << 31) - 1
+    gen = torch.Generator().manual_seed(experts or 0)
+    ids = torch.randint(0, top + 1, (5, *ROUTES), generator=gen, dtype=torch.int64).to(torch.int32)
+    ids[0, 0, 0], ids[1, 2, 1] = 0, top  # the smallest and largest expert id
+    cap.stage_quantized((1, "moe_in"), quantize_rows("nvfp4", site_rows((1, "moe_in"), range(5), 64)))
+    for site in [(3, "moe_in"), (2, "k"), (2, "v")]:
+        cap.stage_quantized(site, quantize_rows(cap.layouts[site][0], site_rows(site, range(5), 64)))
+    for layer in range(ROUTES[0]):
+        cap.stage_routes(layer, ids[:, layer])
+    slots = torch.tensor([7, 3, 12, 0, 9])
+    cap.on_forward_end(slots, version=2)
+    got = cap.gather(slots, 5, version=2)
+    assert got.routes.dtype == torch.int32 and torch.equal(got.routes, ids)
+    host = cap.gather_rows(slots[[4, 1]]).clone()
+    assert torch.equal(cap.read(host, version=2).routes, ids[[4, 1]])
+
+
+@pytest.mark.parametrize("experts", [8, 128, 256, 257, None])
+def test_an_unstaged_route_row_is_refused_in_every_route_dtype(experts):
+    """The reset after every forward writes all-0xFF bytes into the staged routes (255 in uint8, -1 in int16 and
+    int32): a replay in which one layer's route capture did not run stores that value, and every read of the row
+    refuses it with the same error, whatever the routes' dtype."""
+    cap = make(routes=ROUTES, num_experts=experts, marks=1, versioned=True)
+    unset = 0xFF if cap.row.route_dtype == torch.uint8 else -1
+    assert bool((cap.route_buffer() == unset).all())
+
+    def replay(slots: list[int], skip: int | None = None) -> None:
+        seeds = list(range(len(slots)))
+        for site, (fmt_name, _, n) in cap.layouts.items():
+            cap.stage_quantized(site, quantize_rows(fmt_name, site_rows(site, seeds, n)))
+        for layer in range(ROUTES[0]):
+            if layer != skip:
+                cap.stage_routes(layer, torch.ones(len(slots), ROUTES[1], dtype=torch.int32))
+        cap.mark(0, len(slots))
+        cap.on_forward_end(torch.tensor(slots), graph_replay=True, version=0)
+
+    replay([1, 2, 3])  # every staging row a valid-looking route
+    replay([4, 5], skip=2)
+    assert bool((cap.route_buffer() == unset).all())
+    assert torch.equal(cap.gather(torch.tensor([1, 2, 3]), 3).routes, torch.ones(3, *ROUTES, dtype=torch.int32))
+    message = r"2 of 2 positions .* \(first \(position, route layer\) \[\[0, 2\], \[1, 2\]\]\): its route capture"
+    with pytest.raises(ValueError, match=message):
+        cap.gather(torch.tensor([4, 5]), 2)
+    with pytest.raises(ValueError, match=message):
+        cap.read(cap.gather_rows(torch.tensor([4, 5])).clone())
+
+
+@pytest.mark.parametrize("marks", [0, 3])
+def test_narrow_routes_of_any_size_keep_the_reset_off_the_other_fields(marks):
+    """uint8 routes of 3 layers x top-1 (3 bytes) are padded to 4: the reset fill covers the routes, the padding and
+    the hook markers only, so the written byte and the records next to them survive it."""
+    cap = make(None, 1, routes=(3, 1), num_experts=16, marks=marks, sites=[(1, "moe_in")])
+    offset, size = cap.row.fields[("routes", "routes")]
+    assert size == 3 and cap.row.sentinels.start == offset and cap.row.sentinels.stop % 4 == 0
+    others = [v for k, v in cap.row.fields.items() if k not in (("routes", "routes"), ("meta", "marks"))]
+    assert all(o + n <= cap.row.sentinels.start or o >= cap.row.sentinels.stop for o, n in others)
+    cap.stage_quantized((1, "moe_in"), quantize_rows("nvfp4", torch.randn(2, 64)))
+    for layer in range(3):
+        cap.stage_routes(layer, torch.full((2, 1), 15 - layer, dtype=torch.int32))
+    for index in range(marks):
+        cap.mark(index, 2)
+    cap.on_forward_end(torch.tensor([5, 6]))
+    assert bool((cap.row.view(cap.staging, "meta", "written") == 1).all())
+    got = cap.gather(torch.tensor([5, 6]), 2)
+    assert got.routes.tolist() == [[[15], [14], [13]]] * 2
+
+
+def test_a_bad_expert_count_is_named():
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="num_experts must be a positive int or None"):
+            route_dtype(bad)
 
 
 class TestHostRing:

@@ -65,12 +65,12 @@ def test_the_config_table_gives_every_field_and_its_default():
 
 
 def test_the_capture_memory_example_of_the_records_page():
-    """24 captured MoE layers of width 2048 at b = 1 and routes of 48 layers x top-8: the row size docs/records.md
-    quotes (records, routes, the written byte, rounded up to 8)."""
+    """24 captured MoE layers of width 2048 at b = 1 and routes of 48 layers x top-8 of 128 experts (uint8 ids): the
+    row size docs/records.md quotes (records, routes, the written byte, rounded up to 8)."""
     spec = RecordSpec.default(moe_layers=tuple(range(24, 48)), attn_layers=())
     shape = ModelShape(hidden=2048, num_kv_heads=4, head_dim=128)
-    row_bytes = RecordCapturer(spec, shape, max_tokens=1, num_slots=1, routes=(48, 8)).row.row_bytes
-    assert row_bytes == 10_856
+    row_bytes = RecordCapturer(spec, shape, max_tokens=1, num_slots=1, routes=(48, 8), num_experts=128).row.row_bytes
+    assert row_bytes == 9_704
     assert f"is {row_bytes:,} bytes per token" in (DOCS / "records.md").read_text()
 
 

@@ -274,9 +274,10 @@ def qwen3_30b_a3b() -> Qwen3MoeConfig:
 
 def shard_row_bytes(sites: int, marks: int, routes: int, hidden: int = 2048, topk: int = 8, bits: int = 1) -> int:
     """A record-store row by its definition (docs/sglang.md "Memory"): per MoE-input site the packed low bits, one
-    E4M3 scale per 16 elements and the FP32 token scale; 4 * topk bytes of routes per route layer; one hook-marker
-    byte per marked layer, padded to 4 bytes; the weight version (4) and the written byte; rounded up to 8 bytes."""
-    row = sites * (hidden * bits // 8 + hidden // 16 + 4) + routes * 4 * topk + -(-marks // 4) * 4 + 4 + 1
+    E4M3 scale per 16 elements and the FP32 token scale; topk bytes of routes per route layer (uint8 ids: 128
+    experts), padded to 4 bytes; one hook-marker byte per marked layer, padded to 4 bytes; the weight version (4)
+    and the written byte; rounded up to 8 bytes."""
+    row = sites * (hidden * bits // 8 + hidden // 16 + 4) + -(-routes * topk // 4) * 4 + -(-marks // 4) * 4 + 4 + 1
     return -(-row // 8) * 8
 
 
@@ -324,7 +325,14 @@ def test_docs_record_store_sizes():
         for tp in (1, 4)
         for r3 in (False, True)
     }
-    assert (kv_tp4, sizes["all", 1, False], sizes["latter-half", 1, False]) == (6912, 20168, 10856)
-    assert (sizes["all", 4, False], sizes["all", 4, True], sizes["latter-half", 4, False]) == (5048, 6200, 2720)
+    assert (kv_tp4, sizes["all", 1, False], sizes["latter-half", 1, False]) == (6912, 19016, 9704)
+    assert (sizes["all", 4, False], sizes["all", 4, True], sizes["latter-half", 4, False]) == (4760, 5048, 2432)
     share = {k: round(100 * kv_tp4 / (kv_tp4 + v)) for k, v in sizes.items() if k[1] == 4}
-    assert (share["all", 4, False], share["all", 4, True], share["latter-half", 4, False]) == (58, 53, 72)
+    assert (share["all", 4, False], share["all", 4, True], share["latter-half", 4, False]) == (59, 58, 74)
+    # the smallest capture policy (b = 1 MoE-input records of one layer)
+    smallest = record_bytes_per_slot(trace_args(trace_layers="47", trace_sites="moe_in"), layout)
+    assert smallest == 784
+    int32 = record_bytes_per_slot(
+        trace_args(trace_layers="47", trace_sites="moe_in"), dataclasses.replace(layout, num_experts=None)
+    )
+    assert int32 == 1936  # the same row with int32 routes (an expert count the layout does not know)

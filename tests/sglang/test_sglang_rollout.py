@@ -412,9 +412,9 @@ def test_a_graph_replay_in_which_a_hook_did_not_run_is_refused_not_stored(rollou
 
 
 def test_a_graph_replay_in_which_a_route_capture_did_not_run_is_refused_not_stored(rollout):
-    """The routes are the FusedMoE hooks' marker: the staged routes are reset to -1 after every forward, so a
-    replay whose top-k hook did not run for one layer leaves -1 routes, even where the previous (larger) forward
-    staged valid ids in the same staging rows."""
+    """The routes are the FusedMoE hooks' marker: the staged routes are reset after every forward (to 255, no
+    expert id of the rows' uint8 routes), so a replay whose top-k hook did not run for one layer leaves unset
+    routes, even where the previous (larger) forward staged valid ids in the same staging rows."""
     rollout.forward([1, 2, 3], ForwardMode.EXTEND, graph_replay=True)
     rollout.forward([4, 5], ForwardMode.EXTEND, graph_replay=True, skip_routes=(1,))
     ok, stale = rollout.finish("ok", 0, [1, 2, 3]), rollout.finish("stale", 1, [4, 5])

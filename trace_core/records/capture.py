@@ -6,7 +6,8 @@ next to the KV cache it describes, so host memory never mirrors the KV pool (doc
   * every captured site writes its record rows (packed low code bits, block scale bytes and, for nvfp4, the FP32
     token scale) into views of one staging buffer `[max_tokens, row_bytes]` allocated once: fixed addresses, a
     `copy_` per write, so writes are CUDA-graph safe (`stage`, or a kernel writing into `staging_rows` directly);
-    R3 routes `[tokens, route_layers, topk]` int32 live in the same rows;
+    R3 routes `[tokens, route_layers, topk]` live in the same rows, as the narrowest integer dtype that holds the
+    expert ids and an unset marker (`route_dtype`: uint8 for up to 255 experts), widened to int32 when read;
   * `on_forward_end(out_cache_loc)` copies rows [0, T) into the store at rows `out_cache_loc[i]` (one
     `index_copy_` on the forward's stream: no host work, no host sync);
   * `gather(slots, length)` returns the request's `TrajectoryRecords` for positions [0, length) from the slots of
@@ -34,6 +35,30 @@ from trace_core.sites import Site
 # costs 8x the elements). Fields: fp32 / int32 ones first (4-aligned, read through dtype views), then the bytes.
 ALIGN, WORD = 8, torch.int64
 MARK_SET = 1  # a hook marker's byte once its hook ran; a reset sets every sentinel byte to 0xFF
+
+
+def route_dtype(num_experts: int | None) -> torch.dtype:
+    """The dtype of the routes in the record rows for a model of `num_experts` routed experts: the narrowest integer
+    whose all-0xFF bytes (what the reset after every forward writes: `route_unset`) is no expert id. uint8 for up to
+    255 experts (255 is the unset marker, so 256 experts need int16), int16 for up to 32,768 (-1), else int32 (-1);
+    None (the expert count unknown): int32. Rows are widened to int32 when read (`RowReader.read`), the dtype of
+    `TrajectoryRecords.routes`, the store and R3's answer; a staged id must be below `num_experts` (the copy into a
+    narrow dtype does not check, so that staging stays CUDA-graph safe)."""
+    if num_experts is None:
+        return torch.int32
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int or None, got {num_experts!r}")
+    if num_experts <= 0xFF:
+        return torch.uint8
+    if num_experts <= 1 << 15:
+        return torch.int16
+    return torch.int32
+
+
+def route_unset(routes: torch.Tensor) -> torch.Tensor:
+    """bool mask of the route entries still holding the reset value (all bytes 0xFF: 255 in uint8, -1 in int16 and
+    int32; any negative id counts as unset in the signed dtypes, as it did in int32)."""
+    return routes == 0xFF if routes.dtype == torch.uint8 else routes < 0
 
 
 @dataclass
@@ -66,15 +91,22 @@ def _round_up(n: int, to: int) -> int:
 class RowLayout:
     """Byte offsets of every field inside a token row; fp32/int32 fields first, so all of them are aligned. Every
     row carries a `written` byte (1 in staging, so a stored row is marked written; `release` clears it). The routes
-    (last wide field) and the hook markers (first narrow field, padded to 4 bytes) are adjacent: `sentinels` is
-    their 4-aligned byte range, which one int32 fill resets after every forward (`RecordCapturer.on_forward_end`)."""
+    (`route_dtype`, after the 4-byte fields, padded to 4 bytes) and the hook markers (first narrow field, padded to 4
+    bytes) are adjacent: `sentinels` is their 4-aligned byte range, which one int32 fill resets after every forward
+    (`RecordCapturer.on_forward_end`)."""
 
     fields: dict[tuple[str, str], tuple[int, int]]  # (owner, field) -> (offset, bytes)
     row_bytes: int
+    route_dtype: torch.dtype = torch.int32
 
     @classmethod
     def build(
-        cls, sites: dict[Site, SiteLayout], routes: tuple[int, int] | None, marks: int = 0, version: bool = False
+        cls,
+        sites: dict[Site, SiteLayout],
+        routes: tuple[int, int] | None,
+        marks: int = 0,
+        version: bool = False,
+        route_dtype: torch.dtype = torch.int32,
     ) -> RowLayout:
         wide: list[tuple[tuple[str, str], int]] = []
         narrow: list[tuple[tuple[str, str], int]] = []
@@ -90,14 +122,14 @@ class RowLayout:
             narrow.append(((owner, "low_bits"), packed_len(n, bits)))
             narrow.append(((owner, "scales"), n // fmt.block))
         if routes is not None:
-            wide.append((("routes", "routes"), 4 * routes[0] * routes[1]))
+            wide.append((("routes", "routes"), route_dtype.itemsize * routes[0] * routes[1]))
         fields, offset = {}, 0
         for key, size in wide + narrow:
             fields[key] = (offset, size)
             offset += size
-            if key == ("meta", "marks"):
+            if key in (("routes", "routes"), ("meta", "marks")):
                 offset = _round_up(offset, 4)  # the sentinel range ends on a 4-byte boundary
-        return cls(fields=fields, row_bytes=_round_up(offset, ALIGN))
+        return cls(fields=fields, row_bytes=_round_up(offset, ALIGN), route_dtype=route_dtype)
 
     @property
     def sentinels(self) -> slice:
@@ -121,9 +153,11 @@ def record_row_layout(
     routes: tuple[int, int] | None = None,
     marks: int = 0,
     versioned: bool = False,
+    num_experts: int | None = None,
 ) -> tuple[dict[Site, SiteLayout], RowLayout]:
     """The captured sites' layouts and the token row of a `RecordCapturer` built with these arguments (its store
-    costs `row_bytes` per KV slot: what an engine adds to its per-token KV memory)."""
+    costs `row_bytes` per KV slot: what an engine adds to its per-token KV memory; the routes take
+    `route_dtype(num_experts)`'s bytes per id)."""
     full = site_layout(spec, shape)
     chosen: list[Site] = list(full) if sites is None else [(layer, kind) for layer, kind in sites]
     unknown = [s for s in chosen if s not in full]
@@ -134,7 +168,7 @@ def record_row_layout(
     if marks < 0:
         raise ValueError(f"marks must be >= 0, got {marks}")
     layouts = {s: full[s] for s in chosen}
-    return layouts, RowLayout.build(layouts, routes, marks, versioned)
+    return layouts, RowLayout.build(layouts, routes, marks, versioned, route_dtype(num_experts))
 
 
 def shard_layers(layers: Sequence[int], recorded: Sequence[int], tp_size: int) -> list[tuple[int, ...]]:
@@ -173,9 +207,9 @@ class RowReader:
         )
 
     def read(self, rows: torch.Tensor, version: int | None = None) -> TrajectoryRecords:
-        """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows`; raises
-        ValueError for unwritten rows, unset hook markers, unset routes or another weight version (see
-        `RecordCapturer.gather`)."""
+        """The records of gathered store rows `[length, row_bytes]` (any device), as views of `rows` (the routes
+        widened to int32: a copy unless the rows hold int32 routes); raises ValueError for unwritten rows, unset
+        hook markers, unset routes or another weight version (see `RecordCapturer.gather`)."""
         if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != self.row.row_bytes:
             raise ValueError(f"rows must be uint8 [length, {self.row.row_bytes}], got {rows.dtype} {tuple(rows.shape)}")
         length = rows.shape[0]
@@ -194,14 +228,15 @@ class RowReader:
                 )
         routes = None
         if self.routes_shape is not None:
-            routes = self.row.view(rows, "routes", "routes", torch.int32).view(length, *self.routes_shape)
-            unrouted = (routes < 0).any(dim=2).nonzero()
+            routes = self.row.view(rows, "routes", "routes", self.row.route_dtype).view(length, *self.routes_shape)
+            unrouted = route_unset(routes).any(dim=2).nonzero()
             if unrouted.numel():
                 raise ValueError(
                     f"{unrouted[:, 0].unique().numel()} of {length} positions were written by a forward in which "
                     f"the routes of a layer were not staged (first (position, route layer) {unrouted[:4].tolist()}): "
                     "its route capture or the hook that stages them did not run; a hook did not run, records refused"
                 )
+            routes = routes.to(torch.int32)
         if version is not None:
             if not self.versioned:
                 raise ValueError("gather(version=...) needs a capturer built with versioned=True")
@@ -228,12 +263,15 @@ class RecordCapturer:
         sites: the subset of `spec.sites()` staged per forward (default all; KV sites may instead be gathered from
             an FP4 KV pool at request finish).
         routes: `(route_layers, topk)` to capture R3 routes, layer ids 0..route_layers-1; None to skip.
+        num_experts: the model's routed experts: the routes are kept as `route_dtype(num_experts)` (uint8 up to 255
+            experts; None: int32) and widened to int32 when read.
         device: where staging and the store live (the forward's device).
         marks: hook markers per row (`mark`): every forward must set all of them on its rows, inside a CUDA graph
             too. After storing a forward's rows `on_forward_end` resets the markers and the staged routes (to -1,
             never a valid expert id) in one fill, so a replay in which a hook, or a layer's route capture, did not
-            run leaves an unset marker or a -1 route, and every gather through those rows fails (a stale row is
-            never stored). The route capture needs no marker of its own.
+            run leaves an unset marker or an unset route (all bytes 0xFF: 255 in uint8, -1 in int16 / int32, never
+            an expert id), and every gather through those rows fails (a stale row is never stored). The route
+            capture needs no marker of its own.
         versioned: keep the weight version of the forward that wrote each row (`on_forward_end(version=...)`);
             `gather(version=v)` refuses rows written under another version.
     """
@@ -250,10 +288,11 @@ class RecordCapturer:
         device: torch.device | str = "cpu",
         marks: int = 0,
         versioned: bool = False,
+        num_experts: int | None = None,
     ) -> None:
         if max_tokens < 1 or num_slots < 1:
             raise ValueError(f"max_tokens and num_slots must be >= 1, got {max_tokens}, {num_slots}")
-        self.layouts, self.row = record_row_layout(spec, shape, sites, routes, marks, versioned)
+        self.layouts, self.row = record_row_layout(spec, shape, sites, routes, marks, versioned, num_experts)
         self.reader = RowReader(self.layouts, self.row, routes, marks, versioned)
         self.routes_shape = routes
         self.marks, self.versioned = marks, versioned
@@ -268,7 +307,7 @@ class RecordCapturer:
         self._site_views = {site: self.reader.buffers(self.staging, site) for site in self.layouts}
         self._route_view = None
         if routes is not None:
-            self._route_view = self.row.view(self.staging, "routes", "routes", torch.int32).view(-1, *routes)
+            self._route_view = self.row.view(self.staging, "routes", "routes", self.row.route_dtype).view(-1, *routes)
         sentinels = self.row.sentinels
         self._sentinel_words = self.staging.view(torch.int32)[:, sentinels.start // 4 : sentinels.stop // 4]
         self._reset_sentinels()
@@ -298,7 +337,7 @@ class RecordCapturer:
         return SiteBuffers(low_bits=buf.low_bits[:rows], scales=buf.scales[:rows], global_scale=gs)
 
     def route_buffer(self) -> torch.Tensor:
-        """Staging view of the routes, int32 `[max_tokens, route_layers, topk]`."""
+        """Staging view of the routes, `[max_tokens, route_layers, topk]` of `row.route_dtype`."""
         if self._route_view is None:
             raise ValueError("this capturer was built without routes")
         return self._route_view
@@ -336,7 +375,8 @@ class RecordCapturer:
         self.stage(site, pack_low_bits(q.codes, bits), q.scales, q.global_scale)
 
     def stage_routes(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Copy one layer's top-k expert ids `[T, topk]` into the routes staging (CUDA-graph safe)."""
+        """Copy one layer's top-k expert ids `[T, topk]` (any integer dtype, each below the capturer's
+        `num_experts`) into the routes staging, cast to `row.route_dtype` (CUDA-graph safe)."""
         buf = self.route_buffer()
         if not 0 <= layer < buf.shape[1] or topk_ids.dim() != 2 or topk_ids.shape[1] != buf.shape[2]:
             raise ValueError(
@@ -407,7 +447,7 @@ class RecordCapturer:
         return self.stats.forwards - 1
 
     def _reset_sentinels(self) -> None:
-        """Every staging row's routes to -1 and hook markers to unset: one int32 fill (each sentinel byte 0xFF)."""
+        """Every staging row's routes and hook markers to unset: one int32 fill (each sentinel byte 0xFF)."""
         self._sentinel_words.fill_(-1)
 
     def _check_range(self, slots: torch.Tensor) -> None:
