@@ -13,17 +13,15 @@ the next start).
 Configurations (`CONFIGS`):
   bf16                           BF16 W/A, BF16 KV, TRACE off
   fp4kv                          BF16 W/A, FP4 KV (the project's FP4-KV attention), TRACE off
-  emulate                        NVFP4 W/A emulated, BF16 KV, the smallest capture (see below)
+  emulate                        NVFP4 W/A emulated, BF16 KV, no capture (`--trace-sites none`, see below)
   emulate+capture-default        emulate, b = 1 MoE-input records of every layer (BF16 KV: no K/V sites)
   emulate+capture-paper          emulate, b = 1 MoE-input records of the latter half
-  emulate+fp4kv                  emulate, FP4 KV (kv_fp4), the smallest capture
-  emulate+nvfp4kv                emulate, FP4 KV holding NVFP4 (`--trace-recipe nvfp4-w4a4-nvfp4kv`), smallest capture
+  emulate+fp4kv                  emulate, FP4 KV (kv_fp4), no capture
+  emulate+nvfp4kv                emulate, FP4 KV holding NVFP4 (`--trace-recipe nvfp4-w4a4-nvfp4kv`), no capture
   emulate+fp4kv+capture-default  emulate + FP4 KV, b = 1 MoE-input and K/V records of every layer
   emulate+fp4kv+capture-paper    emulate + FP4 KV, b = 1 MoE-input and K/V records of the latter half
-TRACE cannot emulate without capturing: `--trace-mode emulate` always installs the capturer, `--trace-sites` needs
-a kind and `--trace-layers` a layer (sglang_trace.config). The configurations "without capture" therefore record
-the smallest policy there is: b = 1 MoE-input records of the last layer (`SMALLEST_CAPTURE`; routes of every layer
-and the hook markers are kept whatever the policy).
+The configurations without capture run `--trace-sites none` (`NO_CAPTURE`, sglang_trace.config): the recipe's
+numerics hooks only, no record rows in the KV budget, no record store (`traced` is false for them).
 
 Points: batch 1, 16, 64, 256 at 1K context (`--batches`, input `--batch-context` tokens), then 8K and 32K contexts
 (`--contexts`) at the largest batch that fits: floor(`--fill` x the server's KV token capacity / (context +
@@ -125,17 +123,17 @@ def capture(sites: str, layers: str) -> tuple[str, ...]:
     return ("--trace-sites", sites, "--trace-layers", layers, "--trace-record-bits", "1")
 
 
-SMALLEST_CAPTURE = capture("moe_in", str(NUM_LAYERS - 1))
+NO_CAPTURE = ("--trace-sites", "none")  # emulate's numerics, no records
 
 
 CONFIGS: dict[str, tuple[str, ...]] = {
     "bf16": BF16_KV,
     "fp4kv": FP4_KV,
-    "emulate": (*EMULATE, *SMALLEST_CAPTURE, *BF16_KV),
+    "emulate": (*EMULATE, *NO_CAPTURE, *BF16_KV),
     "emulate+capture-default": (*EMULATE, *capture("moe_in", "all"), *BF16_KV),
     "emulate+capture-paper": (*EMULATE, *capture("moe_in", "latter-half"), *BF16_KV),
-    "emulate+fp4kv": (*EMULATE, *SMALLEST_CAPTURE, *FP4_KV),
-    "emulate+nvfp4kv": (*EMULATE, *SMALLEST_CAPTURE, *FP4_KV, "--trace-recipe", "nvfp4-w4a4-nvfp4kv"),
+    "emulate+fp4kv": (*EMULATE, *NO_CAPTURE, *FP4_KV),
+    "emulate+nvfp4kv": (*EMULATE, *NO_CAPTURE, *FP4_KV, "--trace-recipe", "nvfp4-w4a4-nvfp4kv"),
     "emulate+fp4kv+capture-default": (*EMULATE, *capture("moe_in,k,v", "all"), *FP4_KV),
     "emulate+fp4kv+capture-paper": (*EMULATE, *capture("moe_in,k,v", "latter-half"), *FP4_KV),
 }
@@ -214,7 +212,9 @@ def server_argv(model: Path, flags: Sequence[str], port: int | str, store: Path 
 
 
 def traced(flags: Sequence[str]) -> bool:
-    return "--trace-mode" in flags
+    """TRACE on and recording (not `--trace-sites none`): the server gets a record store, drained per point."""
+    sites = flags[flags.index("--trace-sites") + 1] if "--trace-sites" in flags else None
+    return "--trace-mode" in flags and sites != "none"
 
 
 def free_port() -> int:
@@ -921,10 +921,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(args.out.read_text()) if args.out.exists() else {"configs": {}}
     result |= {"bench": "bench/serve.py", "hf_config": HF_CONFIG, "quantities": QUANTITIES, "gpu": gpu_name()}
-    result["smallest_capture"] = {
-        "flags": list(SMALLEST_CAPTURE),
-        "why": "--trace-mode emulate always captures; the configurations without capture record this policy",
-    }
     start = time.monotonic()
 
     def left() -> float:

@@ -18,6 +18,9 @@ in its place when `--trace-mode` is not off, which
   * still answers R3's `get_topk` (`[seqlen - 1 - start_len, num_hidden_layers, topk]` int32) when
     `--enable-return-routed-experts` is on; its routes come from the same record rows, so they reach the store
     whether or not a request asked for them.
+With `--trace-sites none` (`TraceArgs.records` False) it runs the recipe's numerics hooks only: no record rows, host
+ring, writer or handle, nothing reaches a store; with `--enable-return-routed-experts` rank 0 keeps routes-only rows
+for R3's answer (checked as above), which are never stored.
 """
 
 from __future__ import annotations
@@ -105,7 +108,11 @@ def record_shards(
 ) -> list[RecordShard]:
     """The record shards of `tp_size` attention-TP ranks (rank order; MoE layers assigned by
     `trace_core.records.capture.shard_layers`). `routes_on_first`: rank 0 keeps every layer's routes (R3's answer is
-    read on rank 0 at finish)."""
+    read on rank 0 at finish). With `--trace-sites none` nothing is kept (every shard empty), except rank 0's routes
+    when `routes_on_first` (R3's answer only)."""
+    if not args.records:
+        routes = tuple(layout.moe_layers) if routes_on_first else ()
+        return [RecordShard((), (), routes if rank == 0 else ()) for rank in range(tp_size)]
     spec = model_spec(args, layout)
     sites = [s for s in spec.sites() if s[1] == "moe_in"]
     shards = []
@@ -114,6 +121,12 @@ def record_shards(
         marks = tuple(layer for layer in mine if layer not in routes)
         shards.append(RecordShard(tuple(s for s in sites if s[0] in mine), marks, routes))
     return shards
+
+
+def keeps_rows(args: TraceArgs, shard: RecordShard) -> bool:
+    """Whether a rank of this shard has a record store at all: always when the server records, else only for the
+    routes R3 answers from (`--trace-sites none`)."""
+    return args.records or bool(shard.routes)
 
 
 def record_args(args: TraceArgs, layout: ModelLayout, shard: RecordShard | None = None) -> dict:
@@ -142,9 +155,10 @@ def shard_reader(args: TraceArgs, layout: ModelLayout, shard: RecordShard) -> Ro
 
 def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout, tp_size: int = 1, routes_on_first: bool = False) -> int:
     """Device bytes the record store adds to every KV slot on each of `tp_size` attention-TP ranks: the largest
-    rank's shard (added to SGLang's per-token KV cell size on every rank, so all ranks size their KV pools alike)."""
+    rank's shard (added to SGLang's per-token KV cell size on every rank, so all ranks size their KV pools alike);
+    0 with `--trace-sites none` and R3 off (no record store)."""
     return max(
-        shard_reader(args, layout, shard).row.row_bytes
+        shard_reader(args, layout, shard).row.row_bytes if keeps_rows(args, shard) else 0
         for shard in record_shards(args, layout, tp_size, routes_on_first)
     )
 
@@ -221,31 +235,37 @@ class TraceCapturer(RoutedExpertsCapturer):
         # site), so its last hook marks the layer (by staging its routes where this rank keeps them)
         self.moe_mark = "fc2" if args.mode == "emulate" else "moe_in"
         rec = record_args(args, layout, shard)
-        self.records = RecordCapturer(max_tokens=max_tokens, num_slots=num_slots, device=device, **rec)
-        self.readers = [shard_reader(args, layout, s) for s in self.shards] if tp_rank == 0 else []
+        # --trace-sites none: no record store on this rank, unless it keeps the routes R3 answers from
+        self.records: RecordCapturer | None = None
+        if keeps_rows(args, shard):
+            self.records = RecordCapturer(max_tokens=max_tokens, num_slots=num_slots, device=device, **rec)
+        self.readers = [shard_reader(args, layout, s) for s in self.shards] if tp_rank == 0 and args.records else []
         self.site_order = [s for s in self.spec.sites() if s[1] == "moe_in"]  # one rank's record order
         # host bytes per token of a transfer, the same on every rank (so all ranks run the same transfers and
         # gathers): this rank's record row, then its raw K/V, padded to the largest rank's record row + K/V
         self.kv_bytes = self._kv_bytes()
         self.kv_gather = KVGather(kv_pool, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
-        self.row_bytes = self.records.row.row_bytes
+        self.row_bytes = 0 if self.records is None else self.records.row.row_bytes
         self.shard_bytes = record_bytes_per_slot(args, layout, tp_size, routes_on_first=return_routes)
         self.token_bytes = token_bytes = self.kv_bytes + self.shard_bytes
-        if host_ring_bytes is None:
-            host_ring_bytes = RING_REQUESTS * max_request_tokens * token_bytes
-        if host_ring_bytes < max_request_tokens * token_bytes:
-            raise ValueError(
-                f"TRACE host ring of {host_ring_bytes} bytes cannot hold one request of {max_request_tokens} tokens "
-                f"x {token_bytes} bytes"
-            )
-        self.ring_tokens = host_ring_bytes // token_bytes
-        self.ring = HostRing(self.ring_tokens * token_bytes, pin=torch.device(device).type == "cuda")
+        self.ring: HostRing | None = None  # the finish path's host ring: none when nothing is stored
+        self.ring_tokens = 0
+        if args.records:
+            if host_ring_bytes is None:
+                host_ring_bytes = RING_REQUESTS * max_request_tokens * token_bytes
+            if host_ring_bytes < max_request_tokens * token_bytes:
+                raise ValueError(
+                    f"TRACE host ring of {host_ring_bytes} bytes cannot hold one request of {max_request_tokens} "
+                    f"tokens x {token_bytes} bytes"
+                )
+            self.ring_tokens = host_ring_bytes // token_bytes
+            self.ring = HostRing(self.ring_tokens * token_bytes, pin=torch.device(device).type == "cuda")
         self.return_routes = return_routes
         self.tp_rank, self.tp_size, self.trace_group, self.moe_tp_group = tp_rank, tp_size, trace_group, moe_tp_group
         self.step: int | None = args.step
         self.debug = debug
         self.stats = TraceStats()
-        self._writer = StepWriter(self._store(), args.step) if tp_rank == 0 else None
+        self._writer = StepWriter(self._store(), args.step) if tp_rank == 0 and args.records else None
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
         self._writes: list[Future] = []
@@ -275,7 +295,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._fc2_layer = layer_id
         if self.moe_mark == "moe_in":
             self._mark(layer_id, x.shape[0])
-        if site in self.records.layouts:
+        if self.records is not None and site in self.records.layouts:
             rows = self.records.staging_rows(site, x.shape[0])
         if self.args.mode == "emulate":
             x = emulate_moe_input(x, self.spec.bits, rows, self.args.recipe.moe_in)
@@ -322,6 +342,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         that keeps the layer's routes, stage the routes the layer's top-k hook handed on (when it ran in this layer,
         on as many rows; else they stay -1 and the rows are refused); on a rank that keeps only its marker, set
         it."""
+        if self.records is None:  # --trace-sites none on a rank keeping no routes: nothing to stage
+            return
         index = self.route_index.get(layer_id)
         if index is not None:
             handed, self._topk = self._topk, None
@@ -345,7 +367,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         if forward_batch.forward_mode.is_idle():
             return
         version = UNKNOWN_VERSION if self.step is None else self.step
-        self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph), version=version)
+        if self.records is not None:  # none with --trace-sites none (unless this rank keeps R3's routes)
+            self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph), version=version)
         if self.debug is not None:
             self.debug.on_forward_end(forward_batch.out_cache_loc)
 
@@ -374,15 +397,21 @@ class TraceCapturer(RoutedExpertsCapturer):
         A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
         or whose write fails is not stored: it is counted in `stats`, logged, and marked failed in the store
         (`trace_core.records.store.write_failure`, which the reader reports); the server keeps serving. When that is
-        known at finish (R3 on, or no weight version), the handle also says so (`"error"`)."""
+        known at finish (R3 on, or no weight version), the handle also says so (`"error"`).
+
+        `--trace-sites none`: nothing is queued and no handle returned; with R3 on, rank 0 reads the routes for R3's
+        answer from its routes-only rows (the same checks; refused routes leave R3's answer empty and return
+        `{"error": ...}` in place of a handle)."""
         if len(tokens) + len(output_ids) != seqlen:
             raise ValueError(f"request {rid!r}: {len(tokens) + len(output_ids)} prompt + output ids, seqlen {seqlen}")
         slots = request_slots(req_to_token_pool.req_to_token, req_pool_idx, seqlen)
         length = slots.shape[0]
-        if self.debug is not None and self._writer is not None:
+        if self.debug is not None and self.tp_rank == 0:
             self.debug.save(Path(self._store()) / "debug" / f"{rid}.pt", slots)
         self.stats.requests += 1
         self.stats.tokens += length
+        if not self.args.records:
+            return self._routes_only(rid, req_pool_idx, slots)
         if self._writer is None:  # every rank queues the request: its K/V shard joins the batch's gather
             self._pending.append(_Finished(None, slots, None))
             return None
@@ -405,6 +434,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         finished = _Finished(binding, slots, self._writer, None, tokens, output_ids, len(output_ids))
         self._pending.append(finished)
         if self.return_routes:
+            if self.records is None:
+                raise RuntimeError("R3: this rank keeps no record rows")
             try:
                 rows = self.records.gather_rows(slots).cpu()
                 routes = self.records.read(rows, version=step).routes
@@ -416,6 +447,22 @@ class TraceCapturer(RoutedExpertsCapturer):
                 self._failed(trajectory, attempt, step, finished.error)
                 return {**handle, "error": f"TRACE records refused: {e}"}
         return handle
+
+    def _routes_only(self, rid: str, req_pool_idx: int, slots: torch.Tensor) -> dict | None:
+        """`--trace-sites none`: R3's answer for a finished request from the routes-only rows (rank 0 with R3 on;
+        checked for written rows, staged routes and, when the step is known, the weight version); nothing else."""
+        if not self.return_routes or self.records is None:
+            return None
+        try:
+            routes = self.records.read(self.records.gather_rows(slots).cpu(), version=self.step).routes
+            if routes is None:
+                raise RuntimeError("R3: the capturer's record rows hold no routes")
+        except ValueError as e:
+            trajectory, attempt = parse_rollout_rid(str(rid))
+            self._failed(trajectory, attempt, None, f"R3 routes refused: {e}")  # no store: counted and logged only
+            return {"error": f"TRACE R3 routes refused: {e}"}
+        self._routes[req_pool_idx] = self._r3_routes(routes)
+        return None
 
     def on_batch_done(self) -> None:
         """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V
@@ -447,6 +494,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         n = slots.shape[0]
         ticket, span, copied = None, None, None
         if n:
+            if self.records is None or self.ring is None:  # never: nothing is queued with --trace-sites none
+                raise RuntimeError("TRACE: a transfer on a capturer that stores nothing (--trace-sites none)")
             rows_end, used = n * self.row_bytes, n * (self.row_bytes + self.kv_bytes)
             staged = torch.empty(used, dtype=torch.uint8, device=self.records.device)
             self.records.gather_rows(slots, out=staged[:rows_end].view(n, self.row_bytes))
@@ -506,7 +555,7 @@ class TraceCapturer(RoutedExpertsCapturer):
                 if f.binding is not None and f.error is None:
                     self._failed(f.binding.trajectory, f.binding.attempt, f.binding.step, f"{type(e).__name__}: {e}")
         finally:
-            if ticket is not None:
+            if ticket is not None and self.ring is not None:
                 self.ring.release(ticket)
 
     def _merge(self, rows: list[torch.Tensor], version: int) -> TrajectoryRecords:

@@ -76,13 +76,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=str,
         default=SERVER_ARGS_FIELDS["trace_sites"],
         help="Comma-separated site kinds to record: moe_in (routed-expert input), k, v (k and v need "
-        "--kv-cache-dtype fp4_e2m1).",
+        "--kv-cache-dtype fp4_e2m1); or none: the --trace-recipe's FP4 numerics without records (a QAT-only "
+        "rollout: no record store, no --trace-store; with --enable-return-routed-experts only the routes are kept, "
+        "for R3's answer).",
     )
     group.add_argument(
         "--trace-store",
         type=str,
         default=SERVER_ARGS_FIELDS["trace_store"],
-        help="Record store root directory (shared with the trainer); required unless --trace-mode off.",
+        help="Record store root directory (shared with the trainer); required unless --trace-mode off or "
+        "--trace-sites none.",
     )
     group.add_argument(
         "--trace-step",
@@ -129,12 +132,20 @@ def parse_layers(text: str) -> str | tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+NO_SITES = "none"  # `--trace-sites none`: FP4 numerics, no records
+
+
 def parse_sites(text: str) -> tuple[str, ...]:
-    """A `--trace-sites` value as site kinds; ValueError naming unknown or repeated kinds."""
+    """A `--trace-sites` value as site kinds (`none`: no kind, nothing recorded); ValueError naming unknown or
+    repeated kinds."""
+    if text.strip() == NO_SITES:
+        return ()
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     unknown = [k for k in kinds if k not in SITE_KINDS]
     if not kinds or unknown or len(set(kinds)) != len(kinds):
-        raise ValueError(f"--trace-sites {text!r}: use distinct kinds from {SITE_KINDS} (unknown: {unknown})")
+        raise ValueError(
+            f"--trace-sites {text!r}: use distinct kinds from {SITE_KINDS}, or {NO_SITES!r} alone (unknown: {unknown})"
+        )
     return kinds
 
 
@@ -154,6 +165,11 @@ class TraceArgs:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def records(self) -> bool:
+        """Whether the server records anything (False with `--trace-sites none`: the recipe's numerics only)."""
+        return self.enabled and bool(self.sites)
 
     @property
     def kv_sites(self) -> bool:
@@ -217,8 +233,10 @@ def check_server_args(server_args) -> TraceArgs:
     check_registered()
     mode, recipe = args.mode, args.recipe
     problems = []
-    if not args.store:
+    if args.records and not args.store:
         problems.append("--trace-store is required (the record store root the trainer reads)")
+    if args.debug_layer is not None and not args.store:
+        problems.append("--trace-debug-layer writes under --trace-store <root>/debug: pass --trace-store")
     if args.kv_sites and server_args.kv_cache_dtype != "fp4_e2m1":
         problems.append(
             f"k/v sites need --kv-cache-dtype fp4_e2m1 (got {server_args.kv_cache_dtype!r}); "
@@ -423,13 +441,20 @@ def model_spec(args: TraceArgs, layout: ModelLayout) -> RecordSpec:
 def served_spec(server_info: Mapping, hf_config) -> RecordSpec:
     """The record spec a running server captures, from its `/server_info` answer (its `--trace-*` fields) and the
     model's HF config: what a trainer compares with its own before guiding with the server's records. ValueError
-    naming the field when TRACE is off there or a field is missing or invalid."""
+    naming the field when TRACE is off there, when it records nothing (`--trace-sites none`: no records, routes or
+    bindings reach the store), or a field is missing or invalid."""
     missing = [name for name in SERVER_ARGS_FIELDS if name not in server_info]
     if missing:
         raise ValueError(f"/server_info has no {missing} (not a TRACE-patched SGLang server)")
     args = parse_trace_args(SimpleNamespace(**{name: server_info[name] for name in SERVER_ARGS_FIELDS}))
     if not args.enabled:
         raise ValueError("trace_mode='off': the server records nothing (start it with --trace-mode emulate)")
+    if not args.records:
+        raise ValueError(
+            f"trace_sites={server_info['trace_sites']!r}: the server runs the FP4 numerics of {args.recipe.name} but "
+            "records nothing (no records, routes or bindings reach the store); start it with --trace-sites naming "
+            "the sites the trainer reads"
+        )
     return model_spec(args, model_layout(hf_config))
 
 

@@ -297,6 +297,14 @@ def install_capturer(model_runner) -> bool:
         debug=debug,
     )
     set_global_experts_capturer(capturer)
+    if not args.records:
+        logger.info(
+            "TRACE %s: %s numerics, no records (--trace-sites none)%s",
+            args.mode,
+            args.recipe.name,
+            "; routes kept for R3's answer only" if server_args.enable_return_routed_experts else "",
+        )
+        return True
     logger.info(
         "TRACE %s: recording %d sites at %d bits (MoE layers %s, attention layers %s) into %s",
         args.mode,

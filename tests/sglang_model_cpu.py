@@ -6,7 +6,9 @@ installed by the plugin's hook around `ModelRunner.init_routed_experts_capturer`
 model-load layer check included), and one prefill forward through SGLang's
 `torch_native` attention backend and FP4 KV pool. The request's stored records must equal the reference
 quantization of what each layer actually saw (observed with forward hooks on SGLang's modules): MoE inputs, K and
-V, and the routes the model's top-k chose.
+V, and the routes the model's top-k chose. A second case serves the same prefill with `--trace-sites none` (the
+recipe's numerics, no records): its logits equal those of the capturing server bit for bit, and it allocates no
+record rows and writes nothing.
 """
 
 from __future__ import annotations
@@ -55,34 +57,32 @@ def checkpoint(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return ckpt
 
 
-def prefill_records_equal_what_the_layers_saw() -> None:
-    load_trace_plugin()
-    init_cpu_parallel_state()
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.layers.dp_attention import initialize_dp_attention
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+def model_config():
     from transformers import Qwen3MoeConfig
 
-    from sglang_trace.capturer import TraceCapturer
-    from trace_core.numerics.formats import KV_FP4
-    from trace_core.numerics.quant import quantize
-    from trace_core.records.reader import RecordReader
-    from trace_core.records.spec import Record
+    return Qwen3MoeConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                          num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=E, num_experts_per_tok=TOPK,
+                          moe_intermediate_size=INTER, intermediate_size=2 * INTER, vocab_size=VOCAB,
+                          norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
 
-    store = tempfile.mkdtemp()
+
+def server_args(**trace):
+    """The CPU server's `ServerArgs` (FP4 KV, torch_native attention, TRACE emulate with `trace` fields), set as the
+    scheduler's global arguments."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
     args = ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1", attention_backend="torch_native",
-                      trace_mode="emulate", trace_store=store)  # fmt: skip
+                      trace_mode="emulate", **trace)  # fmt: skip
     set_global_server_args_for_scheduler(args)
-    cfg = Qwen3MoeConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=E, num_experts_per_tok=TOPK,
-                         moe_intermediate_size=INTER, intermediate_size=2 * INTER, vocab_size=VOCAB,
-                         norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
+    return args
+
+
+def build_model(args, cfg):
+    """SGLang's `Qwen3MoeForCausalLM` built under `args` and loaded through its own `load_weights` (the plugin's
+    hook quantizes the experts as they load)."""
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
     initialize_dp_attention(args, SimpleNamespace(hidden_size=H, dtype=torch.bfloat16, hf_config=cfg))
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # SGLang's model loader builds the model under the checkpoint dtype
@@ -91,28 +91,34 @@ def prefill_records_equal_what_the_layers_saw() -> None:
     finally:
         torch.set_default_dtype(default)
     model.load_weights(checkpoint(torch.Generator().manual_seed(0)).items())
+    return model
+
+
+def serve_prefill(args, cfg, model, slots: torch.Tensor, ids: torch.Tensor):
+    """TRACE installed for `args` by the plugin's hook on `ModelRunner.init_routed_experts_capturer` over a fresh FP4
+    pool, then one prefill of `ids` at KV `slots` and the forward's end, as ModelRunner runs them; returns the
+    capturer, the runner, the request pool and the logits."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+    from sglang_trace.capturer import TraceCapturer
+
     pool = MHATokenToKVPoolFP4(size=32, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=KV_HEADS,
                                head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                                enable_alt_stream=False)  # fmt: skip
     req_to_token = ReqToTokenPool(size=2, max_context_len=32, device="cpu", enable_memory_saver=False)
     runner = SimpleNamespace(server_args=args, model_config=SimpleNamespace(hf_config=cfg, context_len=32),
                              model=model, token_to_kv_pool=pool, max_running_requests=2, max_total_num_tokens=32,
-                             page_size=1, device="cpu", is_draft_worker=False,
+                             page_size=1, device="cpu", is_draft_worker=False, tp_size=1,
                              req_to_token_pool=req_to_token)  # fmt: skip
     assert ModelRunner.init_routed_experts_capturer(runner) is None  # the plugin's hook installs TRACE's capturer
     capturer = get_global_experts_capturer()
     assert isinstance(capturer, TraceCapturer)
-
-    seen: dict = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__((i, "moe_in"), a[0].clone()))
-        layer.mlp.topk.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__((i, "routes"), out.topk_ids))
-        layer.self_attn.attn.register_forward_pre_hook(
-            lambda m, a, i=i: seen.update({(i, "k"): a[1].clone(), (i, "v"): a[2].clone()})
-        )
-    slots = torch.tensor([9, 4, 17, 3, 12, 5, 30])
     req_to_token.req_to_token[0, :T] = slots.int()
-    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(1))
     batch = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=1,
@@ -138,7 +144,31 @@ def prefill_records_equal_what_the_layers_saw() -> None:
         capturer.on_forward_end(forward_batch=batch, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=False)
         is None
     )
-    assert bool(out.next_token_logits.isfinite().all())
+    return capturer, runner, req_to_token, out.next_token_logits
+
+
+def prefill_records_equal_what_the_layers_saw() -> None:
+    load_trace_plugin()
+    init_cpu_parallel_state()
+    from trace_core.numerics.formats import KV_FP4
+    from trace_core.numerics.quant import quantize
+    from trace_core.records.reader import RecordReader
+    from trace_core.records.spec import Record
+
+    store = tempfile.mkdtemp()
+    args, cfg = server_args(trace_store=store), model_config()
+    model = build_model(args, cfg)
+    seen: dict = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__((i, "moe_in"), a[0].clone()))
+        layer.mlp.topk.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__((i, "routes"), out.topk_ids))
+        layer.self_attn.attn.register_forward_pre_hook(
+            lambda m, a, i=i: seen.update({(i, "k"): a[1].clone(), (i, "v"): a[2].clone()})
+        )
+    slots = torch.tensor([9, 4, 17, 3, 12, 5, 30])
+    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(1))
+    capturer, _, req_to_token, logits = serve_prefill(args, cfg, model, slots, ids)
+    assert bool(logits.isfinite().all())
     # the request: prompt of T - 1 tokens plus one sampled token, so positions [0, T - 1) have records
     handle = capturer.finish_request("req", 0, T, req_to_token, ids[: T - 1].tolist(), [int(ids[T - 1])])
     capturer.flush()
@@ -160,5 +190,46 @@ def prefill_records_equal_what_the_layers_saw() -> None:
     capturer.close()
 
 
+def no_capture_serves_the_capturing_servers_logits() -> None:
+    """One model, served by an emulate server recording every site and by one with `--trace-sites none`: the same
+    prefill gives bit-identical logits (records do not change the numerics), and the second has no record rows, no
+    host ring, adds nothing to the KV cell, returns no handle and writes nothing (the record store holds the
+    capturing server's request only)."""
+    load_trace_plugin()
+    init_cpu_parallel_state()
+    from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
+
+    from sglang_trace import hooks
+
+    store = tempfile.mkdtemp()
+    capture_args, cfg = server_args(trace_store=store), model_config()
+    model = build_model(capture_args, cfg)
+    slots = torch.tensor([9, 4, 17, 3, 12, 5, 30])
+    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, args in (("capture", capture_args), ("none", server_args(trace_sites="none"))):
+        capturer, runner, req_to_token, logits[name] = serve_prefill(args, cfg, model, slots, ids)
+        handle = capturer.finish_request(name, 0, T, req_to_token, ids[: T - 1].tolist(), [int(ids[T - 1])])
+        capturer.flush()
+        assert capturer.stats.write_failures == 0, capturer.stats
+        if name == "none":
+            assert handle is None and capturer.records is None and capturer.ring is None
+            capturing = SimpleNamespace(server_args=capture_args, model_config=runner.model_config, tp_size=1)
+            assert hooks.record_bytes_per_token(runner) == 0 < hooks.record_bytes_per_token(capturing)
+        else:
+            assert handle["tokens"] == T - 1
+        capturer.close()
+        set_global_experts_capturer(None)
+    assert torch.equal(logits["none"], logits["capture"]) and bool(logits["none"].isfinite().all())
+    from trace_core.records.store import read_header, shard_paths, step_dir
+
+    assert {t for p in shard_paths(step_dir(store, 0)) for t in read_header(p)["trajectories"]} == {"capture"}
+
+
 if __name__ == "__main__":
-    run_cases({"qwen3-moe-prefill": prefill_records_equal_what_the_layers_saw})
+    run_cases(
+        {
+            "qwen3-moe-prefill": prefill_records_equal_what_the_layers_saw,
+            "qwen3-moe-no-capture": no_capture_serves_the_capturing_servers_logits,
+        }
+    )

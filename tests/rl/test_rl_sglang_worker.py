@@ -133,6 +133,7 @@ def test_launch_runs_one_mode_on_sglang_servers(model_dir, tmp_path):
         ({"trace_layers": "latter-half"}, "moe_layers: server (1,), trainer (0, 1)"),
         ({"trace_sites": "moe_in"}, "attn_layers: server (), trainer (0, 1)"),
         ({"trace_mode": "off"}, "the server records nothing"),
+        ({"trace_sites": "none"}, "trace_sites='none': the server runs the FP4 numerics of nvfp4-w4a4-kv4 but records"),
     ],
 )
 def test_a_server_capturing_another_policy_is_refused_by_name(model_dir, tmp_path, policy, named):

@@ -85,6 +85,9 @@ def test_cli_flags_parse_into_server_args():
         (dict(trace_layers="7-3"), "ascending"),
         (dict(trace_layers="1,1"), "more than once"),
         (dict(trace_sites="moe_in,q"), "--trace-sites"),
+        (dict(trace_sites="none,moe_in"), "or 'none' alone"),
+        (dict(trace_sites=""), "--trace-sites ''"),
+        (dict(trace_sites="none", trace_debug_layer=1, trace_store=None), "--trace-debug-layer writes under"),
         (dict(trace_store=None), "--trace-store is required"),
         (dict(kv_cache_dtype="auto"), "--kv-cache-dtype fp4_e2m1"),
         (dict(trace_mode="native"), "--quantization modelopt_fp4"),
@@ -189,6 +192,35 @@ def test_native_mode_accepts_the_observable_blackwell_setup():
 def test_moe_only_sites_need_no_fp4_kv_and_off_checks_nothing_else():
     assert make(trace_sites="moe_in", kv_cache_dtype="auto").trace_sites == "moe_in"
     assert ServerArgs(model_path="dummy", trace_store=None, kv_cache_dtype="auto").trace_mode == "off"
+
+
+@pytest.mark.parametrize("r3", [False, True])
+def test_sites_none_is_the_recipes_numerics_without_records(r3):
+    """`--trace-sites none` (a QAT-only rollout): TRACE on, no site recorded, no record store required, the K/V pool
+    free to be BF16, in emulate and native alike; no record-store shard on any rank, except rank 0's routes when R3
+    answers (`--enable-return-routed-experts`); a trainer reading the server's policy refuses it by name."""
+    from sglang_trace.capturer import record_bytes_per_slot, record_shards
+    from sglang_trace.config import served_spec
+    from tests.sglang_server import stand_in_server_info
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--model-path", "dummy", "--device", "cpu", "--trace-mode", "emulate", "--trace-sites", "none"]
+    args = check_server_args(ServerArgs.from_cli_args(parser.parse_args(argv)))
+    assert args == TraceArgs("emulate", 1, "all", (), None, 0)
+    assert args.enabled and not args.records and not args.kv_sites
+    assert trace_args(trace_sites="none", trace_store=None, kv_cache_dtype="auto").sites == ()
+    native = dict(trace_mode="native", quantization="modelopt_fp4", moe_runner_backend="flashinfer_cutlass")
+    assert not trace_args(trace_sites="none", trace_store=None, **native).records
+    layout = model_layout(qwen3_30b_a3b())
+    assert model_spec(args, layout).sites() == []
+    shards = record_shards(args, layout, 4, routes_on_first=r3)
+    assert all(not s.sites and not s.marks for s in shards)
+    assert [s.routes for s in shards] == [tuple(layout.moe_layers) if r3 else (), (), (), ()]
+    assert record_bytes_per_slot(args, layout, 4, r3) == (shard_row_bytes(0, 0, 48) if r3 else 0)
+    with pytest.raises(ValueError, match=r"trace_sites='none': the server runs the FP4 numerics .* records nothing"):
+        served_spec(stand_in_server_info(trace_sites="none"), qwen3_30b_a3b())
+    assert served_spec(stand_in_server_info(), qwen3_30b_a3b()) == model_spec(trace_args(), layout)
 
 
 def test_model_spec_latter_half_and_explicit_layers():
@@ -329,9 +361,10 @@ def test_docs_record_store_sizes():
     assert (sizes["all", 4, False], sizes["all", 4, True], sizes["latter-half", 4, False]) == (4760, 5048, 2432)
     share = {k: round(100 * kv_tp4 / (kv_tp4 + v)) for k, v in sizes.items() if k[1] == 4}
     assert (share["all", 4, False], share["all", 4, True], share["latter-half", 4, False]) == (59, 58, 74)
-    # the smallest capture policy (b = 1 MoE-input records of one layer)
+    # the smallest capture policy (b = 1 MoE-input records of one layer), no capture, and no capture with R3 on
     smallest = record_bytes_per_slot(trace_args(trace_layers="47", trace_sites="moe_in"), layout)
-    assert smallest == 784
+    none, none_r3 = (record_bytes_per_slot(trace_args(trace_sites="none"), layout, 1, r3) for r3 in (False, True))
+    assert (smallest, none, none_r3) == (784, 0, 392)
     int32 = record_bytes_per_slot(
         trace_args(trace_layers="47", trace_sites="moe_in"), dataclasses.replace(layout, num_experts=None)
     )

@@ -86,19 +86,23 @@ def forward_batch(mode: ForwardMode, out_cache_loc: torch.Tensor) -> ForwardBatc
 
 
 class Rollout:
-    """The engine state a scheduler process holds, built from real SGLang parts, plus what each position saw."""
+    """The engine state a scheduler process holds, built from real SGLang parts, plus what each position saw
+    (`overrides`: other server arguments)."""
 
-    def __init__(self, store: str) -> None:
+    def __init__(self, store: str | None, **overrides) -> None:
         init_cpu_parallel_state()
         self.args = ServerArgs(
-            model_path="dummy",
-            device="cpu",
-            kv_cache_dtype="fp4_e2m1",
-            trace_mode="emulate",
-            trace_layers="all",
-            trace_record_bits=1,
-            trace_store=store,
-            enable_return_routed_experts=True,
+            **dict(
+                model_path="dummy",
+                device="cpu",
+                kv_cache_dtype="fp4_e2m1",
+                trace_mode="emulate",
+                trace_layers="all",
+                trace_record_bits=1,
+                trace_store=store,
+                enable_return_routed_experts=True,
+            )
+            | overrides
         )
         set_global_server_args_for_scheduler(self.args)
         self.gen = torch.Generator().manual_seed(0)
@@ -126,7 +130,7 @@ class Rollout:
             enable_alt_stream=False,
         )
         self.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
-        runner = SimpleNamespace(
+        self.runner = runner = SimpleNamespace(
             server_args=self.args,
             model=torch.nn.ModuleList(self.moe),
             model_config=SimpleNamespace(hf_config=qwen3_moe(), context_len=32),
@@ -140,6 +144,7 @@ class Rollout:
         self.capturer: TraceCapturer = get_global_experts_capturer()
         self.sent: list = []  # what the output streamers sent to the detokenizer
         self.seen: dict[int, dict] = {}  # KV slot -> what the last forward that wrote it computed
+        self.outputs: list[torch.Tensor] = []  # every MoE layer's output, in forward order
 
     def load_weights(self, shards: tuple[str, ...] = ("w1", "w3", "w2")) -> None:
         """Every expert's `shards` through the FusedMoE weight loader (w1 gate, w3 up, w2 down)."""
@@ -168,7 +173,7 @@ class Rollout:
                 get_global_experts_capturer().capture(layer_id=layer, topk_indices=ids)
             topk = StandardTopKOutput(torch.rand(t, TOPK, generator=self.gen), ids, None)
             if layer not in skip_moe:
-                self.moe[layer].forward_impl(x, topk)
+                self.outputs.append(self.moe[layer].forward_impl(x, topk))
             k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=self.gen).to(torch.bfloat16)
             v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=self.gen).to(torch.bfloat16)
             self.pool.set_kv_buffer(None, loc, k.clone(), v.clone(), layer_id_override=layer)
@@ -421,6 +426,47 @@ def test_a_graph_replay_in_which_a_route_capture_did_not_run_is_refused_not_stor
     assert "error" not in handle(ok) and "routes of a layer were not staged" in handle(stale)["error"]
     check_store(rollout, 0, "ok", [1, 2, 3])
     assert rollout.capturer.stats.failed == ["stale"]
+
+
+@pytest.mark.parametrize("r3", [False, True])
+def test_sites_none_runs_the_same_numerics_and_records_nothing(tmp_path, r3):
+    """`--trace-sites none` (a QAT-only rollout) through the same SGLang parts: the FusedMoE hooks run the recipe's
+    numerics, so every MoE layer's output equals that of a server recording every site (capture does not change
+    what is served); no record row, host ring or store write exists, no handle is returned, and SGLang's KV budget
+    adds nothing. With R3 on only the routes are kept (uint8 rows), and R3's answer holds the routes the top-k chose."""
+    runs = {}
+    for name, kw in (("capture", {}), ("none", dict(trace_sites="none", trace_store=None))):
+        rollout = Rollout(str(tmp_path / name) if name == "capture" else None, enable_return_routed_experts=r3, **kw)
+        try:
+            rollout.forward([10, 11, 12, 13], ForwardMode.EXTEND)
+            rollout.forward([20, 21], ForwardMode.DECODE)
+            reqs = rollout.finish_batch([("a", 0, [10, 11, 12, 13, 20]), ("b", 1, [10, 11, 12, 21])])
+            rollout.capturer.flush()
+            runs[name] = rollout, reqs
+        finally:
+            rollout.capturer.close()
+            set_global_experts_capturer(None)
+    (capture, with_records), (none, without) = runs["capture"], runs["none"]
+    assert len(none.outputs) == len(capture.outputs) == 2 * LAYERS
+    for got, want in zip(none.outputs, capture.outputs, strict=True):
+        assert torch.equal(got, want)
+    assert all(handle(r) is not None and "error" not in handle(r) for r in with_records)
+    assert all(handle(r) is None for r in without) and not (tmp_path / "none").exists()
+    cap = none.capturer
+    assert cap.ring is None and cap._writer is None and cap.stats.requests == 2 and cap.stats.write_failures == 0
+    runner = SimpleNamespace(server_args=none.args, model_config=SimpleNamespace(hf_config=qwen3_moe()), tp_size=1)
+    if not r3:
+        assert cap.records is None and hooks.record_bytes_per_token(runner) == 0
+        assert all(r.routed_experts is None for r in without)
+        return
+    assert cap.records is not None and cap.records.layouts == {} and cap.records.row.route_dtype == torch.uint8
+    assert hooks.record_bytes_per_token(runner) == cap.records.row.row_bytes == 16  # version, uint8 routes, written
+    for req, slots in zip(without, ([10, 11, 12, 13, 20], [10, 11, 12, 21]), strict=True):
+        want = torch.stack([torch.stack([none.seen[s][("routes", la)] for la in range(LAYERS)]) for s in slots])
+        assert torch.equal(req.routed_experts, want)
+        assert req.routed_experts.dtype == torch.int32
+    for req, twin in zip(without, with_records, strict=True):
+        assert torch.equal(req.routed_experts, twin.routed_experts)
 
 
 class SentinelWrites(TorchDispatchMode):
