@@ -159,6 +159,10 @@ QUANTITIES = {
     "peak_running_requests": "largest '#running-req' of the server log's Prefill / Decode batch lines in the point",
     "cuda_graph_decode_fraction": "share of the point's 'Decode batch' log lines with 'cuda graph: True'",
     "retractions": "'KV cache pool is full. Retract requests.' log lines in the point",
+    "slow_finish_s": "scheduler-thread seconds of the result batches whose TRACE transfers took > 50 ms "
+    "(the server's 'TRACE finish:' log lines in the point)",
+    "slow_finish_ring_wait_s": "of those, seconds waiting for host-ring space (the store writer behind)",
+    "slow_finish_requests": "requests finished in those batches",
     "kv_capacity_tokens": "max_total_num_tokens of /server_info (the KV pool in tokens, after the record store's "
     "share of the cell size)",
     "record_bytes_per_token": "raw record bytes (MoE-input and K/V sites) per token over the point's trajectories, "
@@ -330,18 +334,27 @@ class Server:
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False)")
 PREFILL_LINE = re.compile(r"Prefill batch.*?#running-req: (\d+),")
 RETRACT_LINE = "KV cache pool is full. Retract requests."
+SLOW_FINISH_LINE = re.compile(
+    r"TRACE finish: (\d+) requests, (\d+) tokens in ([\d.]+) s on the scheduler thread "
+    r"\(host ring waits \d+, ([\d.]+) s\)"
+)  # sglang_trace.capturer: a result batch whose record transfers held the scheduler longer than SLOW_FINISH_S
 
 
 def parse_log(text: str) -> dict:
-    """Peak running requests, decode lines in CUDA graphs and retractions in a span of the server log. A prefill
-    line counts the requests running before the batch it adds, so the peak comes from the decode lines too."""
+    """Peak running requests, decode lines in CUDA graphs, retractions and TRACE's slow finishes (scheduler seconds,
+    host-ring waits) in a span of the server log. A prefill line counts the requests running before the batch it
+    adds, so the peak comes from the decode lines too."""
     decode = [(int(n), flag == "True") for n, flag in DECODE_LINE.findall(text)]
     running = [n for n, _ in decode] + [int(n) for n in PREFILL_LINE.findall(text)]
+    slow = SLOW_FINISH_LINE.findall(text)
     return {
         "peak_running_requests": max(running, default=0),
         "decode_log_lines": len(decode),
         "cuda_graph_decode_fraction": sum(g for _, g in decode) / len(decode) if decode else None,
         "retractions": text.count(RETRACT_LINE),
+        "slow_finish_s": sum(float(took) for *_, took, _ in slow),
+        "slow_finish_ring_wait_s": sum(float(wait) for *_, wait in slow),
+        "slow_finish_requests": sum(int(n) for n, *_ in slow),
     }
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -42,7 +43,7 @@ from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.numerics.formats import FP4Format
 from trace_core.records.capture import RecordCapturer, RowReader, record_row_layout, shard_layers
-from trace_core.records.host_ring import HostRing
+from trace_core.records.host_ring import HostRing, RingStats
 from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.spec import Binding, ModelShape, token_digest
 from trace_core.records.store import StepWriter, parse_rollout_rid, write_failure
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1  # rows computed after a weight update that carried no usable weight_version
 RING_REQUESTS = 2  # default host ring: room for this many requests of the full context length
+SLOW_FINISH_S = 0.05  # a result batch whose transfers hold the scheduler thread longer is logged (`on_batch_done`)
 
 
 @dataclass
@@ -67,6 +69,9 @@ class TraceStats:
     shards_written: int = 0
     write_failures: int = 0
     failed: list[str] = field(default_factory=list)  # trajectories (rids) refused or not written, last 1000
+    finish_s: float = 0.0  # scheduler-thread seconds in on_batch_done (host-ring waits included)
+    write_s: float = 0.0  # writer-thread seconds in the transfers' writes
+    host_bytes: int = 0  # bytes copied into the host ring
 
 
 @dataclass
@@ -473,17 +478,29 @@ class TraceCapturer(RoutedExpertsCapturer):
         (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
         if not self._pending:
             return
+        ring = self.ring.stats if self.ring is not None else RingStats()
+        t0, stalls, stall_s = time.perf_counter(), ring.stalls, ring.stall_s
         pending, self._pending = self._pending, []
         self.stats.batches += 1
         chunk: list[_Finished] = []
-        tokens = 0
+        tokens = total = 0
         for finished in pending:
             if chunk and tokens + finished.slots.shape[0] > self.ring_tokens:
                 self._transfer(chunk)
                 chunk, tokens = [], 0
             chunk.append(finished)
             tokens += finished.slots.shape[0]
+            total += finished.slots.shape[0]
         self._transfer(chunk)
+        took = time.perf_counter() - t0
+        self.stats.finish_s += took
+        if took > SLOW_FINISH_S:  # the finish path's profile on a live server: what held the scheduler, and why
+            logger.info(
+                "TRACE finish: %d requests, %d tokens in %.3f s on the scheduler thread (host ring waits %d, %.3f s); "
+                "totals: finish %.3f s, writer %.3f s, %.1f MB to the host",
+                len(pending), total, took, ring.stalls - stalls, ring.stall_s - stall_s,
+                self.stats.finish_s, self.stats.write_s, self.stats.host_bytes / 1e6,
+            )  # fmt: skip
 
     def _transfer(self, chunk: list[_Finished]) -> None:
         """One transfer: the chunk's record rows and K/V bytes gathered into one device buffer (this rank's record
@@ -503,6 +520,7 @@ class TraceCapturer(RoutedExpertsCapturer):
                 self.kv_gather(slots, out=staged[rows_end:].view(n, self.kv_bytes))
             ticket, span = self.ring.reserve(n * self.token_bytes)
             span[:used].copy_(staged, non_blocking=True)
+            self.stats.host_bytes += used
             if slots.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
@@ -522,6 +540,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         then on rank 0 split each rank's span into its record rows and K/V bytes, and check, merge, unpack and write
         each request's shard. A refusal or write error is counted, logged and marked in the store, never raised;
         the host ring span is released in every case."""
+        t0 = time.perf_counter()
         try:
             if copied is not None:
                 copied.synchronize()
@@ -557,6 +576,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         finally:
             if ticket is not None and self.ring is not None:
                 self.ring.release(ticket)
+            with self._lock:
+                self.stats.write_s += time.perf_counter() - t0
 
     def _merge(self, rows: list[torch.Tensor], version: int) -> TrajectoryRecords:
         """One request's MoE-input records and routes from every rank's record rows (rank order), each checked

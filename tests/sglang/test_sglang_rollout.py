@@ -558,25 +558,34 @@ def test_chunked_update_may_split_gate_and_up_but_no_forward_runs_half_updated(r
     assert handle(rollout.finish("after-update", 0, [1, 2]))["step"] == 2
 
 
-def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_refused(rollout):
+def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_refused(rollout, monkeypatch, caplog):
     """Requests finishing in one result batch move in one transfer when the batch is streamed; a request whose
-    batch was never streamed before the next forward (its slots may be reused) is refused, not stored."""
+    batch was never streamed before the next forward (its slots may be reused) is refused, not stored. The finish
+    path's time and bytes are counted, and a batch slower than `SLOW_FINISH_S` is logged with its ring waits."""
+    import logging
+
+    import sglang_trace.capturer as capturer_module
+
     rollout.capturer.return_routes = False
+    monkeypatch.setattr(capturer_module, "SLOW_FINISH_S", 0.0)
     rollout.forward([1, 2, 3], ForwardMode.EXTEND)
     rollout.forward([4, 5], ForwardMode.EXTEND)
-    rollout.finish_batch([("a", 0, [1, 2, 3]), ("b", 1, [4, 5])])
+    with caplog.at_level(logging.INFO, logger=capturer_module.logger.name):
+        rollout.finish_batch([("a", 0, [1, 2, 3]), ("b", 1, [4, 5])])
     stats = rollout.capturer.stats
     assert (stats.batches, stats.transfers, stats.requests) == (1, 1, 2)
     assert rollout.capturer.ring.stats.reserves == 1 and rollout.capturer.ring.stats.bytes == 5 * (
         rollout.capturer.kv_bytes + rollout.capturer.row_bytes
     )
+    assert stats.host_bytes == 5 * (rollout.capturer.kv_bytes + rollout.capturer.row_bytes) and stats.finish_s > 0
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("TRACE finish: 2 requests, 5 tokens")]
     check_store(rollout, 0, "a", [1, 2, 3])
     check_store(rollout, 0, "b", [4, 5])
     processor, _ = rollout.processors()
     processor._maybe_collect_routed_experts(rollout.request("unclosed", 2, [4, 5], r3=False))  # no stream_output
     rollout.forward([4, 5], ForwardMode.EXTEND)  # the next forward before the batch was streamed
     rollout.capturer.flush()
-    assert stats.failed == ["unclosed"] and stats.transfers == 1
+    assert stats.failed == ["unclosed"] and stats.transfers == 1 and stats.write_s > 0
     with pytest.raises(FailedRecordError, match="result batch was not closed"):
         RecordReader(rollout.args.trace_store, 0).load([("unclosed", 0, 2)])
 
