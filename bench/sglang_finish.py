@@ -119,7 +119,7 @@ def main() -> None:
     ran, make_pool, make_req_pool = sglang_parts(a.seam_stand_in)
     from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot
     from sglang_trace.config import model_spec
-    from sglang_trace.kv import gather_kv_raw
+    from sglang_trace.kv import gather_kv_raw, kv_row_bytes
     from sglang_trace.kv_gather import KVGather
     from sglang_trace.moe import ExpertWeights
 
@@ -137,7 +137,7 @@ def main() -> None:
         "Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), HIDDEN, KV_HEADS, HEAD_DIM, TOPK
     )
     kv_sites = len(model_spec(args, layout).attn_layers) * 2
-    token_bytes = kv_sites * KV_HEADS * (HEAD_DIM // 2 + HEAD_DIM // 16) + record_bytes_per_slot(args, layout)
+    token_bytes = kv_row_bytes(kv_sites, KV_HEADS * HEAD_DIM, args.bits) + record_bytes_per_slot(args, layout)
     slots = a.tokens + 1
     pool = make_pool(slots, a.device)
     for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):

@@ -38,7 +38,7 @@ from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
 from sglang_trace.debug import DebugTap
-from sglang_trace.kv import gather_to_first, kv_records_from_shards, request_slots
+from sglang_trace.kv import gather_to_first, kv_records_from_shards, kv_row_bytes, kv_rows_from_raw, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from trace_core.numerics.formats import FP4Format
@@ -247,7 +247,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.readers = [shard_reader(args, layout, s) for s in self.shards] if tp_rank == 0 and args.records else []
         self.site_order = [s for s in self.spec.sites() if s[1] == "moe_in"]  # one rank's record order
         # host bytes per token of a transfer, the same on every rank (so all ranks run the same transfers and
-        # gathers): this rank's record row, then its raw K/V, padded to the largest rank's record row + K/V
+        # gathers): this rank's record row, then its K/V record row, padded to the largest rank's record row + K/V
         self.kv_bytes = self._kv_bytes()
         self.kv_gather = KVGather(kv_pool, self.spec.attn_layers, self.kv_kinds) if self.kv_bytes else None
         self.row_bytes = 0 if self.records is None else self.records.row.row_bytes
@@ -282,12 +282,18 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
 
     def _kv_bytes(self) -> int:
-        """Raw K/V bytes per token on this rank (`gather_kv_raw`'s row), 0 without k/v sites."""
+        """K/V record bytes per token on this rank (`kv_rows_from_raw`'s row), 0 without k/v sites."""
         if not self.spec.attn_layers:
             return 0
+        return kv_row_bytes(self._kv_sites(), self._kv_width(), self.spec.bits)
+
+    def _kv_sites(self) -> int:
+        return len(self.spec.attn_layers) * len(self.kv_kinds)
+
+    def _kv_width(self) -> int:
+        """Elements of one K/V site row on this rank (its KV heads x head_dim)."""
         pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
-        width = pool.head_num * pool.head_dim
-        return len(self.spec.attn_layers) * len(self.kv_kinds) * (width // 2 + width // 16)
+        return pool.head_num * pool.head_dim
 
     # --- forward side -------------------------------------------------------------------------------------------
 
@@ -473,7 +479,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V
         of every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds
         the host ring): one slot concatenation, one gather of the record rows, the K/V index ops of
-        `gather_kv_raw` (one `KVGather` launch on CUDA), and one asynchronous copy into the host ring, which waits
+        `gather_kv_raw` (one `KVGather` launch on CUDA) and the low bits kept from them (`kv_rows_from_raw`), and one
+        asynchronous copy into the host ring, which waits
         while the ring is full
         (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
         if not self._pending:
@@ -504,9 +511,9 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def _transfer(self, chunk: list[_Finished]) -> None:
         """One transfer: the chunk's record rows and K/V bytes gathered into one device buffer (this rank's record
-        rows first, 8-byte aligned for the store's word gather, then its raw K/V) and copied into a host ring span
-        `[n * token_bytes]` (the rest of the span pads to the largest rank's rows) in one copy (async on CUDA), then
-        queued for the writer thread."""
+        rows first, 8-byte aligned for the store's word gather, then its K/V record rows) and copied into a host ring
+        span `[n * token_bytes]` (the rest of the span pads to the largest rank's rows) in one copy (async on CUDA),
+        then queued for the writer thread."""
         slots = chunk[0].slots if len(chunk) == 1 else torch.cat([f.slots for f in chunk])
         n = slots.shape[0]
         ticket, span, copied = None, None, None
@@ -516,8 +523,15 @@ class TraceCapturer(RoutedExpertsCapturer):
             rows_end, used = n * self.row_bytes, n * (self.row_bytes + self.kv_bytes)
             staged = torch.empty(used, dtype=torch.uint8, device=self.records.device)
             self.records.gather_rows(slots, out=staged[:rows_end].view(n, self.row_bytes))
-            if self.kv_gather is not None:
-                self.kv_gather(slots, out=staged[rows_end:].view(n, self.kv_bytes))
+            if self.kv_gather is not None:  # the low bits are kept here, on the device: 3 x fewer bytes at b = 1
+                raw = self.kv_gather(slots)
+                kv_rows_from_raw(
+                    raw,
+                    self._kv_sites(),
+                    self._kv_width(),
+                    self.spec.bits,
+                    out=staged[rows_end:].view(n, self.kv_bytes),
+                )
             ticket, span = self.ring.reserve(n * self.token_bytes)
             span[:used].copy_(staged, non_blocking=True)
             self.stats.host_bytes += used
@@ -551,7 +565,7 @@ class TraceCapturer(RoutedExpertsCapturer):
                     self.stats.collectives += 1
             if self._writer is None:
                 return
-            raws, rows = [], []
+            kvs, rows = [], []
             if span is None:
                 spans = [None] * len(self.readers)
             if spans is None:
@@ -561,13 +575,13 @@ class TraceCapturer(RoutedExpertsCapturer):
                 if part is None:  # a transfer of requests with no positions (seqlen 1)
                     part = torch.empty(0, dtype=torch.uint8)
                 rows.append(part[:rows_end].view(n, reader.row.row_bytes))
-                raws.append(part[rows_end : rows_end + n * self.kv_bytes].view(n, self.kv_bytes))
+                kvs.append(part[rows_end : rows_end + n * self.kv_bytes].view(n, self.kv_bytes))
             offset = 0
             for f in chunk:
                 at = slice(offset, offset + f.slots.shape[0])
                 offset = at.stop
                 if f.error is None:
-                    self._write(f, [r[at] for r in rows], [r[at] for r in raws] if self.kv_bytes else [])
+                    self._write(f, [r[at] for r in rows], [r[at] for r in kvs] if self.kv_bytes else [])
         except Exception as e:  # a failed transfer must not take the server down
             logger.error("TRACE transfer of %d requests failed: %s: %s", len(chunk), type(e).__name__, e)
             for f in chunk:
@@ -596,8 +610,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         records = {site: found[site] for site in self.site_order}
         return TrajectoryRecords(num_tokens=length, records=records, routes=routes)
 
-    def _write(self, f: _Finished, rows: list[torch.Tensor], raws: list[torch.Tensor]) -> None:
-        """One trajectory's shard from its record rows and K/V bytes on the host (one of each per rank, rank
+    def _write(self, f: _Finished, rows: list[torch.Tensor], kvs: list[torch.Tensor]) -> None:
+        """One trajectory's shard from its record rows and K/V record rows on the host (one of each per rank, rank
         order)."""
         if f.binding is None:
             raise RuntimeError("TRACE: a request without a binding reached the shard write")
@@ -605,13 +619,13 @@ class TraceCapturer(RoutedExpertsCapturer):
         try:
             gathered = self._merge(rows, binding.step)
             kv = {}
-            if raws:
+            if kvs:
                 pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
                 fmt = self.args.recipe.k.fmt
                 if not isinstance(fmt, FP4Format):
                     raise ValueError(f"K/V records in the FP4 KV pool need an FP4 format, the recipe has {fmt.name}")
                 kv = kv_records_from_shards(
-                    raws,
+                    kvs,
                     self.spec.attn_layers,
                     self.kv_kinds,
                     self.spec.bits,

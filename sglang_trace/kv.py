@@ -21,7 +21,7 @@ import torch
 
 from trace_core.numerics.formats import KV_FP4, FP4Format
 from trace_core.numerics.recipe import Role
-from trace_core.records.spec import Record, check_bits, pack_low_bits_of_fp4
+from trace_core.records.spec import Record, check_bits, pack_low_bits_of_fp4, packed_len
 from trace_core.sites import Site
 
 KV_BLOCK = KV_FP4.block
@@ -90,9 +90,8 @@ def gather_kv_raw(pool, slots: torch.Tensor, layers: Sequence[int], kinds: Seque
     """This rank's raw K/V bytes of `layers` x `kinds` at KV `slots` `[L]`: one uint8 tensor `[L, sites * (W/2 +
     W/16)]` (W = head_num * head_dim; per site the packed E2M1 codes then the E8M0 bytes), on the pool's device.
 
-    Two index ops per site and one concatenation, once per result batch for all its finished requests: the K/V
-    work on the scheduler thread (unpacking and keeping the low bits happen on the writer thread,
-    `kv_records_from_raw`)."""
+    Two index ops per site and one concatenation, once per result batch for all its finished requests (the
+    capturer runs `KVGather`, its one-launch twin, then keeps the low bits on the same device, `kv_rows_from_raw`)."""
     check_fp4_pool(getattr(pool, "full_kv_pool", pool))
     parts = []
     for layer in layers:
@@ -115,21 +114,60 @@ def kv_record(fmt: FP4Format, bits: int, width: int, low_bits: torch.Tensor, sca
     return Record(fmt, bits, width, low_bits, scales, gs)
 
 
+KV_SITE_GROUP = 16  # sites converted per pass of `kv_rows_from_raw`: bounds its temporaries to 16 sites' codes
+
+
+def kv_row_bytes(num_sites: int, width: int, bits: int) -> int:
+    """Bytes per token of `kv_rows_from_raw`'s K/V record rows: per site, the packed low bits, then the scales."""
+    return num_sites * (packed_len(width, bits) + width // KV_BLOCK)
+
+
+def kv_rows_from_raw(
+    raw: torch.Tensor, num_sites: int, width: int, bits: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """K/V record rows `[L, kv_row_bytes]` from raw pool rows (`gather_kv_raw`'s layout: per site the packed
+    codes, then the scale bytes; `width` elements per site row): each code's low `bits`, then the scales. Runs on
+    the rows' device, so the finish path copies and writes these rows, not the 4-bit codes."""
+    codes_len, scales_len = width // 2, width // KV_BLOCK
+    low_len = packed_len(width, bits)
+    if raw.shape[1] != num_sites * (codes_len + scales_len):
+        raise ValueError(f"raw K/V rows of {raw.shape[1]} bytes do not hold {num_sites} sites of {width}")
+    rows = raw.shape[0]
+    if out is None:
+        out = torch.empty(rows, kv_row_bytes(num_sites, width, bits), dtype=torch.uint8, device=raw.device)
+    per_site = raw.view(rows, num_sites, codes_len + scales_len)
+    dst = out.view(rows, num_sites, low_len + scales_len)
+    for g in range(0, num_sites, KV_SITE_GROUP):
+        dst[:, g : g + KV_SITE_GROUP, :low_len] = pack_low_bits_of_fp4(
+            per_site[:, g : g + KV_SITE_GROUP, :codes_len], bits
+        )
+    dst[..., low_len:] = per_site[..., codes_len:]
+    return out
+
+
+def kv_records_from_rows(
+    rows: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], width: int, bits: int, fmt: FP4Format = KV_FP4
+) -> dict[Site, Record]:
+    """Records of the sites in K/V record rows (`kv_rows_from_raw`'s layout, `width` elements per site row, this
+    shard's), in the pool's format `fmt`."""
+    sites = [(layer, kind) for layer in layers for kind in kinds]
+    low_len = packed_len(width, bits)
+    if rows.shape[1] != kv_row_bytes(len(sites), width, bits):
+        raise ValueError(f"K/V record rows of {rows.shape[1]} bytes do not hold {len(layers)}x{len(kinds)} sites")
+    per_site = rows.view(rows.shape[0], len(sites), low_len + width // KV_BLOCK)
+    return {
+        site: kv_record(fmt, bits, width, per_site[:, i, :low_len].contiguous(), per_site[:, i, low_len:].contiguous())
+        for i, site in enumerate(sites)
+    }
+
+
 def kv_records_from_raw(
     raw: torch.Tensor, layers: Sequence[int], kinds: Sequence[str], width: int, bits: int, fmt: FP4Format = KV_FP4
 ) -> dict[Site, Record]:
     """Records (low `bits` of each code, scale bytes) of the sites in `raw` (`gather_kv_raw`'s layout; `width`
     elements per site row, this shard's), in the pool's format `fmt`."""
-    codes_len, scales_len = width // 2, width // KV_BLOCK
-    sites = [(layer, kind) for layer in layers for kind in kinds]
-    if raw.shape[1] != len(sites) * (codes_len + scales_len):
-        raise ValueError(f"raw K/V rows of {raw.shape[1]} bytes do not hold {len(layers)}x{len(kinds)} sites")
-    per_site = raw.reshape(raw.shape[0], len(sites), codes_len + scales_len)
-    low = pack_low_bits_of_fp4(per_site[..., :codes_len], bits)  # every site's codes in one pass
-    return {
-        site: kv_record(fmt, bits, width, low[:, i].contiguous(), per_site[:, i, codes_len:].contiguous())
-        for i, site in enumerate(sites)
-    }
+    rows = kv_rows_from_raw(raw, len(layers) * len(kinds), width, bits)
+    return kv_records_from_rows(rows, layers, kinds, width, bits, fmt)
 
 
 def gather_kv_shard(
@@ -179,7 +217,7 @@ def gather_to_first(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
 
 
 def kv_records_from_shards(
-    raws: Sequence[torch.Tensor],
+    rows: Sequence[torch.Tensor],
     layers: Sequence[int],
     kinds: Sequence[str],
     bits: int,
@@ -188,9 +226,9 @@ def kv_records_from_shards(
     num_kv_heads: int,
     fmt: FP4Format = KV_FP4,
 ) -> dict[Site, Record]:
-    """Full-width K/V records in the pool's format `fmt` from the TP ranks' raw bytes (rank order; one shard: no
-    merge)."""
-    shards = [kv_records_from_raw(raw, layers, kinds, shard_width, bits, fmt) for raw in raws]
+    """Full-width K/V records in the pool's format `fmt` from the TP ranks' K/V record rows (`kv_rows_from_raw`;
+    rank order; one shard: no merge)."""
+    shards = [kv_records_from_rows(r, layers, kinds, shard_width, bits, fmt) for r in rows]
     return shards[0] if len(shards) == 1 else merge_tp_shards(shards, len(shards), num_kv_heads)
 
 
@@ -205,11 +243,11 @@ def gather_kv_records(
     fmt: FP4Format = KV_FP4,
 ) -> dict[Site, Record]:
     """K/V records of a request at `slots` on one rank holding all `num_kv_heads` KV heads (under attention TP the
-    capturer gathers the ranks' raw shards with `gather_to_first` and merges them with `kv_records_from_shards`)."""
+    capturer gathers the ranks' K/V record rows with `gather_to_first`, merged by `kv_records_from_shards`)."""
     check_bits(bits)
     fp4 = getattr(pool, "full_kv_pool", pool)
     if fp4.head_num != num_kv_heads:
         raise ValueError(f"pool holds {fp4.head_num} of {num_kv_heads} KV heads but no TP group was given")
-    raw = gather_kv_raw(pool, slots, layers, kinds)
     width = fp4.head_num * fp4.head_dim
-    return kv_records_from_shards([raw], layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads, fmt=fmt)
+    rows = kv_rows_from_raw(gather_kv_raw(pool, slots, layers, kinds), len(layers) * len(kinds), width, bits)
+    return kv_records_from_shards([rows], layers, kinds, bits, shard_width=width, num_kv_heads=num_kv_heads, fmt=fmt)

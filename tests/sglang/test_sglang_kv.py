@@ -18,12 +18,20 @@ load_trace_plugin()  # the hybrid pool's FP4 choice is the plugin's hook on Hybr
 
 import sglang.srt.mem_cache.memory_pool as memory_pool  # noqa: E402
 
-from sglang_trace.kv import gather_kv_records, gather_kv_shard, merge_tp_shards, request_slots  # noqa: E402
+from sglang_trace.kv import (  # noqa: E402
+    KV_SITE_GROUP,
+    gather_kv_records,
+    gather_kv_shard,
+    kv_records_from_raw,
+    merge_tp_shards,
+    request_slots,
+)
+from trace_core.numerics.e2m1 import unpack_fp4  # noqa: E402
 from trace_core.numerics.formats import KV_FP4, NVFP4  # noqa: E402
 from trace_core.numerics.quant import quantize  # noqa: E402
 from trace_core.numerics.recipe import get_recipe  # noqa: E402
 from trace_core.numerics.role_quant import fake_quant, quantize_role  # noqa: E402
-from trace_core.records.spec import Record  # noqa: E402
+from trace_core.records.spec import Record, pack_low_bits  # noqa: E402
 
 HEADS, HEAD_DIM, LAYERS, SLOTS = 4, 32, 3, 64
 
@@ -421,3 +429,19 @@ def test_the_one_launch_kv_gather_equals_its_twin_on_the_gpu():
     gather = KVGather(pool, (1, 2, 5), ("k", "v"))
     assert gather.kernel
     assert torch.equal(gather(slots), gather_kv_raw(pool, slots, (1, 2, 5), ("k", "v")))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_kv_record_rows_keep_each_sites_low_bits_and_scales(bits):
+    """`kv_rows_from_raw` (run on the device at finish, sites in groups of KV_SITE_GROUP) then the writer's parse
+    give every site exactly `pack_low_bits(unpack_fp4(codes))` and its scale bytes, across group boundaries."""
+    sites, width, rows = KV_SITE_GROUP + 5, 64, 7
+    gen = torch.Generator().manual_seed(bits)
+    raw = torch.randint(0, 256, (rows, sites * (width // 2 + width // 16)), generator=gen, dtype=torch.uint8)
+    layers = list(range(0, sites, 2)) if sites % 2 == 0 else list(range(sites))
+    kinds = ("k", "v") if sites % 2 == 0 else ("k",)
+    records = kv_records_from_raw(raw, layers, kinds, width, bits)
+    per_site = raw.view(rows, sites, width // 2 + width // 16)
+    for i, site in enumerate((layer, kind) for layer in layers for kind in kinds):
+        assert torch.equal(records[site].low_bits, pack_low_bits(unpack_fp4(per_site[:, i, : width // 2]), bits))
+        assert torch.equal(records[site].scales, per_site[:, i, width // 2 :])
