@@ -75,10 +75,12 @@ class RLConfig:
     whole codes everywhere (the analyses of docs/results.md); the trainer still guides with the spec above.
     rollout_backend: embedded (`EmbeddedEngine` workers, in-process or Ray actors) or sglang (running patched SGLang
     servers at the comma-separated `sglang_urls`, one rollout worker each; docs/deploy.md); with sglang, `use_ray`
-    moves only the trainer into a Ray actor. fp4_attention: `decode` makes the embedded engine's decode attention
-    read SGLang's FP4 paged KV pool (`trace_rl.rollout.fp4_kv_engine.FP4AttentionEngine`: the Triton kernel on CUDA, its
-    pure-torch twin on CPU) instead of SDPA over the dequantized cache; `off` (default) keeps SDPA. It needs an FP4
-    mode and the embedded backend (an SGLang server selects it with TRACE_FP4_ATTENTION); every recipe's K/V fit
+    moves only the trainer into a Ray actor; in bf16 mode the servers run `--trace-mode off` and return each
+    trajectory's routes (`--enable-return-routed-experts`), which the worker stores for R3. fp4_attention: `decode`
+    makes the embedded engine's decode attention read SGLang's FP4 paged KV pool
+    (`trace_rl.rollout.fp4_kv_engine.FP4AttentionEngine`: the Triton kernel on CUDA, its pure-torch twin on CPU)
+    instead of SDPA over the dequantized cache; `off` (default) keeps SDPA. It needs an FP4 mode and the embedded
+    backend (an SGLang server selects it with TRACE_FP4_ATTENTION); every recipe's K/V fit
     the pool (kv_fp4, or NVFP4 under its static unit scale).
     sglang_api_key / sglang_admin_api_key: where the servers' --api-key / --admin-api-key are, `env:VARIABLE` or
     `file:PATH` (a key itself is refused: configs land in checkpoints).
@@ -304,8 +306,11 @@ class RLConfig:
             errors.append(f"sglang_urls {urls} name a server twice")
         if urls and self.rollout_workers != len(urls):
             errors.append(f"rollout_workers={self.rollout_workers} must equal the {len(urls)} sglang_urls")
-        if self.mode == "bf16":
-            errors.append("mode='bf16' needs rollout_backend='embedded' (a --trace-mode off server records no routes)")
+        if self.mode == "bf16" and self.measure_all_sites:
+            errors.append(
+                "measure_all_sites=true needs an FP4 mode with rollout_backend='sglang' (mode='bf16': the "
+                "server runs --trace-mode off and records no sites, only the routes it returns)"
+            )
         if self.async_lag != 0:
             errors.append(
                 f"async_lag={self.async_lag} needs rollout_backend='embedded': an SGLang server writes records under "

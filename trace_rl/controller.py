@@ -37,7 +37,15 @@ from tqdm import tqdm
 
 from trace_core.records.reader import RecordReader
 from trace_core.records.spec import CapturePolicy, RecordSpec
-from trace_core.records.store import INDEX_NAME, StoreError, apply_retention, finalize_step, list_steps, step_dir
+from trace_core.records.store import (
+    INDEX_NAME,
+    LOCK_NAME,
+    StoreError,
+    apply_retention,
+    finalize_step,
+    list_steps,
+    step_dir,
+)
 from trace_rl import samples
 from trace_rl.algorithm import trainer_kwargs
 from trace_rl.config import ConfigError, RLConfig
@@ -176,6 +184,38 @@ class RolloutBatch:
     rewards: list[Future]  # one per trajectory, scored in the reward pool
     stale_shards: int = 0  # shards of earlier rollout attempts set aside when the step was finalized
     decode_reads: int | None = None  # decode reads of the workers' FP4 KV pools (fp4_attention = "decode")
+    generate_s: float = 0.0  # wall seconds of the rollout pool's run (a resumed batch: 0, it ran before)
+    record_wait_s: float = 0.0  # the part of it spent after the answers until their records were in the store
+
+
+BREAKDOWN = ("rollout", "record_wait", "record_read", "train", "weight_sync", "idle")
+"""The parts of a step's wall time, `time/breakdown/<part>_s`, which add up to `time/step_s` (`step_breakdown`)."""
+
+
+def step_breakdown(
+    step_s: float,
+    *,
+    generate_s: float,
+    record_wait_s: float,
+    record_read_s: float,
+    train_s: float,
+    weight_sync_s: float,
+) -> dict[str, float]:
+    """A step's wall time `step_s` in disjoint parts that add up to it: `rollout` (the pool generating, less the
+    record wait), `record_wait` (after the answers, until the records were in the store: SGLang servers write them
+    behind their answers; bf16: the routes stored), `record_read` (the trainer reading and unpacking the step's
+    records and routes from the store), `train` (the trainer step, less the record read), `weight_sync` (the
+    policy's export and push to the engines, with `colocate` the servers' memory release and resume) and `idle`
+    (the rest: waiting for the reward pool, finalizing and checking the store's step, retention)."""
+    parts = {
+        "rollout": generate_s - record_wait_s,
+        "record_wait": record_wait_s,
+        "record_read": min(record_read_s, train_s),
+        "train": train_s - min(record_read_s, train_s),
+        "weight_sync": weight_sync_s,
+    }
+    parts["idle"] = max(0.0, step_s - sum(parts.values()))
+    return {f"time/breakdown/{k}_s": v for k, v in parts.items()}
 
 
 def record_spec(layers: int, cfg: RLConfig) -> RecordSpec:
@@ -276,13 +316,29 @@ class Controller:
 
     def _discard_unsaved_rollouts(self) -> None:
         """Record-store steps that no checkpoint knows of (a fresh start, or rollouts after the last checkpoint)
-        are regenerated, so their old directories go."""
+        are regenerated, so what they hold goes. With SGLang servers the next step's directory itself stays, emptied
+        but for its lock file: a live server opened it for its records when it started (its writer would find it
+        gone)."""
         first = self.step + len(self.pending)
         stale = [s for s in list_steps(self.store) if s >= first] if self.store.exists() else []
+        keep = first if self.cfg.rollout_backend == "sglang" else None
+        discarded = []
         for s in stale:
-            shutil.rmtree(step_dir(self.store, s))
-        if stale:
-            print(f"discarded record-store steps {stale} of {self.out} (not covered by a checkpoint)")
+            directory = step_dir(self.store, s)
+            if s != keep:
+                shutil.rmtree(directory)
+                discarded.append(s)
+                continue
+            entries = [e for e in directory.iterdir() if e.name != LOCK_NAME]
+            for entry in entries:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            if entries:
+                discarded.append(s)
+        if discarded:
+            print(f"discarded record-store steps {discarded} of {self.out} (not covered by a checkpoint)")
 
     def close(self) -> None:
         """Close the loggers, stop the reward pool and release `out_dir` (the lock); the controller is not used
@@ -313,7 +369,11 @@ class Controller:
                 rows = tuple(range(int(groups[0]) * n, (int(groups[-1]) + 1) * n))
                 seed = (cfg.seed * 1_000_003 + step) * 64 + w
                 requests.append(Request(w, step, [ids[r] for r in rows], rows, seed, str(self.store)))
+        generating = time.perf_counter()
         results, restarts = self.pool.run(requests)
+        generate_s = time.perf_counter() - generating
+        take_wait = getattr(self.pool, "take_record_wait", None)  # SGLang servers write records after answering
+        record_wait_s = min(take_wait(), generate_s) if take_wait is not None else 0.0
         check_results(requests, results, cfg.max_new_tokens, self.policy.dims.vocab)
         reads = self._take_decode_reads()
         keys = [p.key for p in prompts]
@@ -337,7 +397,9 @@ class Controller:
         if stale:
             print(f"step {step}: set aside {len(stale)} shards of earlier rollout attempts: {stale}", file=sys.stderr)
         scores = self._score(prompts, trajs)
-        return RolloutBatch(step, versions.pop(), prompts, trajs, restarts, scores, len(stale), reads)
+        return RolloutBatch(
+            step, versions.pop(), prompts, trajs, restarts, scores, len(stale), reads, generate_s, record_wait_s
+        )
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Future]:
         """Submit every trajectory's response text (EOS stripped) with its prompt's answer to the reward pool."""
@@ -403,8 +465,10 @@ class Controller:
             )
         self.lock.check()
         start = time.perf_counter()
+        rolled_now: list[RolloutBatch] = []  # the rollouts this step ran (with async_lag, not only the trained one)
         while len(self.pending) <= self.cfg.async_lag and self.step + len(self.pending) < self.steps:
-            self.pending.append(self.rollout(self.step + len(self.pending)))
+            rolled_now.append(self.rollout(self.step + len(self.pending)))
+            self.pending.append(rolled_now[-1])
         batch = self.pending.popleft()
         self._check_pairing(batch)
         waiting = time.perf_counter()
@@ -424,6 +488,7 @@ class Controller:
         metrics["reward/zero_variance_groups"] = self._zero_variance_groups(rewards, batch.step)
         version = self.trainer.policy_version()
         sync = self.pool.load_weights(self.trainer.hf_weights(), version) or {}  # SGLang: weight_sync/* metrics
+        pushed = time.perf_counter()
         apply_retention(self.store, self.cfg.keep_record_steps, protect=self._protected_steps())
         synced = time.perf_counter()
         metrics |= {
@@ -442,6 +507,14 @@ class Controller:
         }
         if self.cfg.colocate:
             metrics["time/release_s"] = released - rolled
+        metrics |= step_breakdown(
+            synced - start,
+            generate_s=sum(b.generate_s for b in rolled_now),
+            record_wait_s=sum(b.record_wait_s for b in rolled_now),
+            record_read_s=metrics.get("time/record_read_s", 0.0),
+            train_s=trained - released,
+            weight_sync_s=(pushed - trained) + (released - rolled),
+        )
         metrics |= sync
         if batch.decode_reads is not None:
             metrics["rollout/fp4_decode_reads"] = float(batch.decode_reads)

@@ -41,13 +41,22 @@ def _cfg(model_dir: str, out: Path, *servers: StandIn, **kw) -> RLConfig:
 def test_config_validates_the_sglang_backend():
     ok = RLConfig(rollout_backend="sglang", sglang_urls="http://a:1, http://b:2")
     assert ok.sglang_url_list() == ["http://a:1", "http://b:2"]
+    assert ok.replace(mode="bf16").mode == "bf16"  # TRACE off on the servers, their routes stored (test_rl_live.py)
     bad = {
         "rollout_backend": ({"rollout_backend": "vllm"}, "is not one of"),
         "no urls": ({"rollout_backend": "sglang", "rollout_workers": 1}, "needs sglang_urls"),
         "urls unused": ({"sglang_urls": "http://a:1"}, "needs rollout_backend='sglang'"),
         "scheme": ({"rollout_backend": "sglang", "sglang_urls": "a:1,b:2"}, "must start with http"),
         "count": ({"rollout_backend": "sglang", "sglang_urls": "http://a:1"}, "rollout_workers=2 must equal"),
-        "bf16": ({"rollout_backend": "sglang", "sglang_urls": "http://a:1,http://b:2", "mode": "bf16"}, "bf16"),
+        "bf16 measure": (
+            {
+                "rollout_backend": "sglang",
+                "sglang_urls": "http://a:1,http://b:2",
+                "mode": "bf16",
+                "measure_all_sites": True,
+            },
+            "measure_all_sites=true needs an FP4 mode",
+        ),
         "async": ({"rollout_backend": "sglang", "sglang_urls": "http://a:1,http://b:2", "async_lag": 1}, "async_lag"),
     }
     for kw, match in bad.values():

@@ -71,10 +71,14 @@ def summary(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def print_table(table: dict[str, dict[str, float]], console: Console | None = None, note: str = "") -> str:
-    """Print the summary (modes as columns, titled by them and `note`) and return it as plain text."""
+def print_table(
+    table: dict[str, dict[str, float]], console: Console | None = None, note: str = "", title: str | None = None
+) -> str:
+    """Print the summary (modes as columns, titled by them and `note`, after `title`, by default the embedded
+    default's) and return it as plain text."""
     modes = list(table)
-    t = Table(title="TRACE embedded default: " + " vs ".join(MODE_LABELS.get(m, m) for m in modes) + note)
+    head = "TRACE embedded default" if title is None else title
+    t = Table(title=f"{head}: " + " vs ".join(MODE_LABELS.get(m, m) for m in modes) + note)
     t.add_column("metric")
     for mode in modes:
         t.add_column(mode, justify="right")

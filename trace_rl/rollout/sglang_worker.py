@@ -8,9 +8,12 @@ weight version, bound to (step, policy version, trajectory, attempt, token diges
 `meta_info["trace"]`; the worker checks every handle against the request and the policy version it pushed (a
 mismatch is a stale rollout: an error), then waits until a shard bound to exactly this attempt and these tokens is
 on disk (shards of earlier attempts do not count), or a failure marker of the server says it will not come.
-Waiting reads each new shard header once (`StepWatcher`). At start-up the pool reads every server's `--trace-*`
-settings from `/server_info` and refuses one whose capture policy (record bits, MoE and attention layers, recipe)
-is not the trainer's (`SGLangWorker.check_policy`).
+Waiting reads each new shard header once (`StepWatcher`). In `bf16` mode the server runs SGLang's own numerics
+(`--trace-mode off`) and records nothing: it returns each answer's routes (`--enable-return-routed-experts`), and
+the worker writes them into the store as the request's shard, bound the same way, for R3. At start-up the pool
+reads every server's `--trace-*` settings from `/server_info` and refuses one whose capture policy (record bits, MoE
+and attention layers, recipe) is not the trainer's (`SGLangWorker.check_policy`; bf16: one that runs TRACE or
+returns no routes).
 
 With `sglang_api_key` / `sglang_admin_api_key` (references `env:VARIABLE` or `file:PATH`, read at start, never
 logged), every call carries `Authorization: Bearer <key>`: the API key on `/generate` and `/model_info`, the admin
@@ -36,6 +39,7 @@ servers' GPU memory before each trainer step and resumes it around the weight sy
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import math
@@ -52,8 +56,9 @@ from transformers import AutoConfig
 
 from sglang_trace.config import served_spec
 from sglang_trace.handle import from_meta_info
+from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.spec import Binding, RecordSpec, token_digest
-from trace_core.records.store import StepWatcher, rollout_rid
+from trace_core.records.store import StepWatcher, StepWriter, rollout_rid
 from trace_rl.config import RLConfig
 from trace_rl.http_deadline import DeadlineExceeded, call
 from trace_rl.policy import RolloutTask
@@ -120,6 +125,10 @@ class SGLangWorker:
             or read_secret(cfg.sglang_api_key, "sglang_api_key"),
         }
         self.headers_read = 0  # shard headers read while waiting for records (each new shard once)
+        self.bf16 = cfg.mode == "bf16"  # TRACE off on the server: the worker stores the answers' routes
+        self.route_shape: tuple[int, int, int | None] | None = None  # bf16: (layers, top-k, experts), set by the pool
+        self.record_wait_s = 0.0  # seconds after answers spent until their records were in the store
+        self._wait_lock = threading.Lock()
         self._info: dict | None = None  # /server_info, read once
         self._last_update: tuple[str, object] = ("no update", None)
         self._version = self.version(deadline=deadline, budget="sglang_start_timeout_s")
@@ -191,6 +200,9 @@ class SGLangWorker:
         policy would leave the trainer's sites without records, and the trainer would fall back to RTN there."""
         info = self._call("GET", "/server_info", deadline=deadline, budget=budget)
         self._info = info if isinstance(info, dict) else {}
+        if self.cfg.mode == "bf16":
+            self._check_bf16(self._info)
+            return
         try:
             served = served_spec(info if isinstance(info, dict) else {}, hf_config)
         except ValueError as e:
@@ -207,9 +219,23 @@ class SGLangWorker:
                 "config's record_bits, record_all_layers and recipe"
             )
 
+    def _check_bf16(self, info: dict) -> None:
+        """mode = bf16: SGLangError unless the server runs SGLang's own numerics (`--trace-mode off`: BF16 experts
+        and KV cache) and returns each answer's routes (`--enable-return-routed-experts`), which R3 replays."""
+        problems = []
+        if info.get("trace_mode", "off") != "off":
+            problems.append(
+                f"it runs --trace-mode {info.get('trace_mode')} (FP4 numerics); start it with --trace-mode off"
+            )
+        if info.get("enable_return_routed_experts") is not True:
+            problems.append("it does not return routes: start it with --enable-return-routed-experts")
+        if problems:
+            raise SGLangError(f"SGLang server {self.url} cannot serve mode='bf16': {'; '.join(problems)}")
+
     # ----------------------------------------------------------------- rollout
     def generate(self, req: Request) -> list[Trajectory]:
-        """Sample one response per row of `req`; the server writes the records (trajectory id = row)."""
+        """Sample one response per row of `req`; the server writes the records (trajectory id = row). In bf16
+        mode the server records nothing: the worker stores the routes each answer carries (`_store_routes`)."""
         if req.step != self._version:
             raise StaleRolloutHandle(
                 f"request for rollout step {req.step} sent to {self.url}, which serves policy version "
@@ -226,13 +252,23 @@ class SGLangWorker:
             },
             "return_logprob": True,
         }
+        if self.bf16:
+            payload["return_routed_experts"] = True
         outs = self._call("POST", "/generate", payload)
         if not isinstance(outs, list) or len(outs) != len(prompts):
             raise SGLangError(f"SGLang server {self.url}/generate: expected {len(prompts)} outputs, got {outs!r:.2000}")
         trajs = [
             self._trajectory(req, row, prompt, out) for row, prompt, out in zip(req.rows, prompts, outs, strict=True)
         ]
-        self._wait_for_records(req, trajs)
+        start = time.monotonic()
+        try:
+            if self.bf16:
+                self._store_routes(req, trajs, outs)
+            else:
+                self._wait_for_records(req, trajs)
+        finally:
+            with self._wait_lock:
+                self.record_wait_s += time.monotonic() - start
         return trajs
 
     def _output(self, where: str, prompt: list[int], out: object) -> tuple[list[int], list[float], dict]:
@@ -279,6 +315,21 @@ class SGLangWorker:
             raise SGLangError(
                 f"{where}: answer for request id {meta.get('id')!r}, not {rollout_rid(str(row), req.attempt)!r}"
             )
+        if self.bf16:
+            if str(meta.get("weight_version")) != str(self._version):
+                raise StaleRolloutHandle(
+                    f"{where}: answered by weight_version {meta.get('weight_version')!r}, but the worker pushed policy "
+                    f"version {self._version} for rollout step {req.step}"
+                )
+            tokens = prompt + output_ids
+            return Trajectory(
+                torch.tensor(tokens),
+                len(prompt),
+                torch.tensor(logprobs),
+                records=None,
+                recorded=len(tokens) - 1,
+                attempt=req.attempt,
+            )
         try:
             handle = from_meta_info(meta)
         except ValueError as e:
@@ -313,6 +364,38 @@ class SGLangWorker:
             recorded=expected["tokens"],
             attempt=req.attempt,
         )
+
+    def _store_routes(self, req: Request, trajs: list[Trajectory], outs: list) -> None:
+        """bf16 mode: one shard of the request's routes (`meta_info["routed_experts"]`: SGLang's R3 capture, int32
+        `[tokens - 1, layers, top-k]` in base64, every position the server fed forward), bound to this step, policy
+        version, trajectory, attempt and tokens, written into the step's store directory as a server would."""
+        if self.route_shape is None:
+            raise SGLangError("SGLangWorker.route_shape (layers, top-k, experts) must be set for mode='bf16'")
+        layers, topk, experts = self.route_shape
+        records = {}
+        for row, t, out in zip(req.rows, trajs, outs, strict=True):
+            where = f"SGLang server {self.url}/generate, trajectory {row}"
+            text = out["meta_info"].get("routed_experts")
+            if not isinstance(text, str):
+                raise SGLangError(
+                    f"{where}: no meta_info['routed_experts'] (start the server with --enable-return-routed-experts)"
+                )
+            try:
+                raw = base64.b64decode(text, validate=True)
+            except ValueError:
+                raise SGLangError(f"{where}: meta_info['routed_experts'] is not base64") from None
+            n = len(t.tokens) - 1
+            if len(raw) != 4 * n * layers * topk:
+                raise SGLangError(
+                    f"{where}: meta_info['routed_experts'] holds {len(raw) // 4} ids, not {n} positions x {layers} "
+                    f"layers x top-{topk}"
+                )
+            routes = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(n, layers, topk)
+            if experts is not None and bool(((routes < 0) | (routes >= experts)).any()):
+                raise SGLangError(f"{where}: routed expert ids outside 0..{experts - 1}")
+            binding = Binding(req.step, self._version, str(row), req.attempt, token_digest(t.tokens), self.cfg.recipe)
+            records[str(row)] = TrajectoryRecords(n, {}, routes, binding)
+        StepWriter(req.store, req.step).write(records)
 
     def _wait_for_records(self, req: Request, trajs: list[Trajectory]) -> None:
         """The server writes shards on a background thread after answering: wait until every row has a shard bound
@@ -428,7 +511,9 @@ class SGLangPool:
         deadline = time.monotonic() + cfg.sglang_start_timeout_s  # reaching every server, each call bounded too
         self.workers = [SGLangWorker(url, cfg, vocab, task.eos, deadline=deadline) for url in cfg.sglang_url_list()]
         self.hf = AutoConfig.from_pretrained(task.hf_dir)
+        experts = getattr(self.hf, "num_experts", None) or getattr(self.hf, "num_local_experts", None)
         for worker in self.workers:  # one capture policy: each server's must be the trainer's
+            worker.route_shape = (self.hf.num_hidden_layers, self.hf.num_experts_per_tok, experts)
             worker.check_policy(spec, self.hf, deadline=deadline, budget="sglang_start_timeout_s")
         self.memory = MemoryHandoff(self.workers) if cfg.colocate else None
         self.weights_root = (Path(cfg.out_dir) / WEIGHTS_DIR).resolve()
@@ -555,6 +640,16 @@ class SGLangPool:
         if self.memory is not None:
             metrics["time/resume_s"] = resume_s + self.memory.resume_rest()
         return metrics
+
+    def take_record_wait(self) -> float:
+        """Seconds the rollouts since the last call spent after their answers, until their records were in the store
+        (bf16: the routes stored); the longest over the servers, whose requests run concurrently."""
+        waits = []
+        for w in self.workers:
+            with w._wait_lock:
+                waits.append(w.record_wait_s)
+                w.record_wait_s = 0.0
+        return max(waits, default=0.0)
 
     def close(self) -> None:
         """Leave the weight-update group (`weight_sync = "distributed"`)."""
