@@ -185,7 +185,11 @@ def test_a_non_finite_gradient_is_refused_before_the_update(model_dir, tmp_path)
             metrics = trainer.step(*args)
             results.append((metrics, trainer_state(trainer)))
     (metrics, state), (ref_metrics, ref_state) = results
-    assert metrics == ref_metrics and metrics["actor/grad_norm"] > 0
+
+    def untimed(m: dict) -> dict:  # wall times (time/record_read_s) differ between any two runs
+        return {k: v for k, v in m.items() if not k.startswith("time/")}
+
+    assert untimed(metrics) == untimed(ref_metrics) and metrics["actor/grad_norm"] > 0
     for a, b in zip(state, ref_state, strict=True):
         assert torch.equal(a, b)
 
