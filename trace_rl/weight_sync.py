@@ -388,8 +388,7 @@ class DiskTransport:
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
         self.latest = (path, version)
-        payload = {"model_path": str(path), "weight_version": str(version)}
-        _results(_post_all(workers, "/update_weights_from_disk", [payload] * len(workers), deadline))
+        self.load(workers, version, deadline)
         for old in self.weights_root.iterdir():
             if old != path:
                 shutil.rmtree(old)
