@@ -104,6 +104,15 @@ def _kv_dequantize(original, *args, **kwargs):
     return hooks.kv_pool_dequantize(original, *args, **kwargs)
 
 
+def _qwen3_moe_attention(result, attn, *args, **kwargs):
+    """AFTER `Qwen3MoeAttention.__init__`: a head size whose RoPE takes SGLang's fallback kernel (on CUDA, any but
+    64 / 128 / 256 / 512) cannot also write the KV cache in the RoPE call, so the layer writes it in the attention
+    call instead (upstream asserts in the RoPE call on a BF16 KV pool). The cached K/V values are the same; on with
+    every `--trace-mode`, since the BF16 policy is served with TRACE off."""
+    if getattr(attn.rotary_emb, "use_fallback_kernel", False):
+        attn.compatible_with_fused_kv_buffer = False
+
+
 _KV_UTIL = "sglang.srt.layers.quantization.kvfp4_tensor.BlockFP4KVQuantizeUtil"
 
 HOOKS = (
@@ -131,6 +140,7 @@ HOOKS = (
     Hook("sglang.srt.mem_cache.memory_pool.HybridLinearKVPool.__init__", "BEFORE", _hybrid_pool),
     Hook(f"{_KV_UTIL}.batched_quantize", "AROUND", _kv_quantize),
     Hook(f"{_KV_UTIL}.batched_dequantize", "AROUND", _kv_dequantize),
+    Hook("sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__", "AFTER", _qwen3_moe_attention),
 )
 
 

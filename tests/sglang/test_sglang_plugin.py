@@ -7,6 +7,7 @@ import importlib.metadata
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -30,6 +31,20 @@ def test_sglang_load_plugins_applies_every_trace_hook() -> None:
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     assert plugin._wraps(FusedMoE.run_moe_core, plugin._moe_input)
+
+
+def test_a_head_size_on_the_fallback_rope_writes_its_kv_in_the_attention_call() -> None:
+    """On CUDA, SGLang's RoPE takes its fallback kernel for head sizes other than 64 / 128 / 256 / 512, which cannot
+    also write the KV cache; the hook on `Qwen3MoeAttention.__init__` leaves that write to the attention call."""
+    load_plugins()
+    from sglang.srt.models.qwen3_moe import Qwen3MoeAttention
+
+    assert plugin._wraps(Qwen3MoeAttention.__init__, plugin._qwen3_moe_attention)
+    for fallback in (True, False):
+        rope = types.SimpleNamespace(use_fallback_kernel=fallback)  # RotaryEmbedding's flag: True for head size 16
+        attn = types.SimpleNamespace(rotary_emb=rope, compatible_with_fused_kv_buffer=True)
+        plugin._qwen3_moe_attention(None, attn)
+        assert attn.compatible_with_fused_kv_buffer is not fallback
 
 
 def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -228,7 +228,7 @@ class Live:
     def run_live(self, task: str, mode: str) -> None:
         """One mode on a server the launcher starts for it (each run's own: TRACE's server hooks take weight
         versions that only go up, so a server is not set back to version 0 for the next run). A failure with
-        `colocate` turns it off for the remaining runs, and this run is repeated without."""
+        `colocate` repeats this run without it; if that one runs, the remaining runs go without it too."""
         key = f"{task}/live/{mode}"
         if not self._fits(key, "live", start=True):
             return
@@ -247,13 +247,15 @@ class Live:
             info["wall_s"] = time.monotonic() - began
             self._free_device()
         if "error" in info and cfg.colocate and self.colocate == "auto":
-            self.colocate = "off"  # the memory handoff never ran on a GPU before this command: the rest goes without
-            self.notes.append(
-                f"{key} failed with colocate=true ({info['error'][:300]}); it ran again, and the rest, with "
-                "colocate=false"
-            )
+            self.colocate = "off"  # this run again without the memory handoff, to tell whether it was the cause
             self.info[f"{key} (colocate=true)"] = self.info.pop(key)
             self.run_live(task, mode)
+            if "error" in self.info[key]:  # it fails without colocation too: the rest stay colocated
+                self.colocate = "auto"
+                cause = "it failed without colocation too, so the other runs stay colocated"
+            else:
+                cause = "it ran without colocation, so the remaining runs go without it too"
+            self.notes.append(f"{key} failed with colocate=true ({info['error'][:300]}); {cause}")
 
     def _steps(self, ctrl: Controller, key: str, backend: str) -> None:
         history = self.runs.setdefault(key.split("/")[0], {}).setdefault(backend, {}).setdefault(key.split("/")[2], [])
@@ -504,8 +506,8 @@ def parser() -> argparse.ArgumentParser:
         "--colocate",
         choices=("auto", "off"),
         default="auto",
-        help="auto (default): the config's colocate while torch_memory_saver is installed, off for the remaining runs "
-        "once a colocated run fails (that run is repeated without); off: never",
+        help="auto (default): the config's colocate while torch_memory_saver is installed; a colocated run that fails "
+        "is repeated without, and if that one runs, the remaining runs go without too; off: never",
     )
     ap.add_argument(
         "--server-command", default="", help="the server executable (default: python -m sglang.launch_server)"
