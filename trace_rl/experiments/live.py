@@ -181,12 +181,12 @@ class Live:
     # ----------------------------------------------------------------- runs
     def estimate(self, backend: str, start: bool = True) -> float:
         """Seconds a run needs at least: two steps, and a server start (live) when `start`, from what was measured
-        so far."""
+        so far (the latest start: the first one on a machine also compiles kernels the later ones find cached)."""
         steps = self.step_s[backend]
         step = statistics.median(steps) if steps else FIRST_STEP_S[backend]
         if backend == "embedded" or not start:
             return 2 * step
-        return (max(self.start_s) if self.start_s else FIRST_START_S) + 2 * step
+        return (self.start_s[-1] if self.start_s else FIRST_START_S) + 2 * step
 
     def left(self) -> float:
         return self.deadline - RESERVE_S - time.monotonic()
