@@ -59,14 +59,16 @@ SLOW_FINISH_S = 0.05  # a result batch whose transfers hold the scheduler thread
 @dataclass
 class TraceStats:
     """Counters a server reports: requests and tokens recorded, result batches and transfers (one host copy and,
-    under attention TP, one gather each), store writes done, failed (records refused or the write failed)."""
+    under attention TP, one gather each), shards and trajectories written to the store, failed (records refused
+    or the write failed)."""
 
     requests: int = 0
     tokens: int = 0
     batches: int = 0
     transfers: int = 0
     collectives: int = 0
-    shards_written: int = 0
+    shards_written: int = 0  # shard files: one per transfer and step writer (a trajectory id once per shard)
+    trajectories_written: int = 0
     write_failures: int = 0
     failed: list[str] = field(default_factory=list)  # trajectories (rids) refused or not written, last 1000
     finish_s: float = 0.0  # scheduler-thread seconds in on_batch_done (host-ring waits included)
@@ -101,7 +103,7 @@ class RecordShard:
     layers it owns, and a hook marker for each of those whose routes it does not keep (where it keeps a layer's
     routes, the FusedMoE hook stages them, and they are that layer's marker); each in MoE-layer order. MoE inputs
     and routes are the same on every TP rank, so each is kept by one rank only; the store-writing rank merges the
-    shards (`TraceCapturer._write`)."""
+    shards (`TraceCapturer._merge`)."""
 
     sites: tuple[Site, ...]
     marks: tuple[int, ...]
@@ -551,9 +553,11 @@ class TraceCapturer(RoutedExpertsCapturer):
         ticket: int | None,
     ) -> None:
         """Writer thread: wait for the transfer's copy, gather every rank's span to rank 0 (one gather under TP),
-        then on rank 0 split each rank's span into its record rows and K/V bytes, and check, merge, unpack and write
-        each request's shard. A refusal or write error is counted, logged and marked in the store, never raised;
-        the host ring span is released in every case."""
+        then on rank 0 split each rank's span into its record rows and K/V bytes, check, merge and unpack each
+        request's records (`_records`: a request refused is marked failed alone), and write the requests that
+        passed in one shard per step writer (`_write`; a trajectory id that repeats within the transfer goes in a
+        further shard), not one shard (two fsyncs) per request. A refusal or write error is counted, logged and
+        marked in the store, never raised; the host ring span is released in every case."""
         t0 = time.perf_counter()
         try:
             if copied is not None:
@@ -577,11 +581,25 @@ class TraceCapturer(RoutedExpertsCapturer):
                 rows.append(part[:rows_end].view(n, reader.row.row_bytes))
                 kvs.append(part[rows_end : rows_end + n * self.kv_bytes].view(n, self.kv_bytes))
             offset = 0
+            # id(step writer) -> (that writer, its shards of this transfer: trajectory id -> records)
+            shards: dict[int, tuple[StepWriter, list[dict[str | int, TrajectoryRecords]]]] = {}
             for f in chunk:
                 at = slice(offset, offset + f.slots.shape[0])
                 offset = at.stop
-                if f.error is None:
-                    self._write(f, [r[at] for r in rows], [r[at] for r in kvs] if self.kv_bytes else [])
+                if f.error is not None:
+                    continue
+                tr = self._records(f, [r[at] for r in rows], [r[at] for r in kvs] if self.kv_bytes else [])
+                if tr is None or tr.binding is None or f.writer is None:
+                    continue
+                writer, mine = shards.setdefault(id(f.writer), (f.writer, []))
+                shard = next((m for m in mine if tr.binding.trajectory not in m), None)  # one id per shard
+                if shard is None:
+                    shard = {}
+                    mine.append(shard)
+                shard[tr.binding.trajectory] = tr
+            for writer, mine in shards.values():
+                for shard in mine:
+                    self._write(writer, shard)
         except Exception as e:  # a failed transfer must not take the server down
             logger.error("TRACE transfer of %d requests failed: %s: %s", len(chunk), type(e).__name__, e)
             for f in chunk:
@@ -610,9 +628,10 @@ class TraceCapturer(RoutedExpertsCapturer):
         records = {site: found[site] for site in self.site_order}
         return TrajectoryRecords(num_tokens=length, records=records, routes=routes)
 
-    def _write(self, f: _Finished, rows: list[torch.Tensor], kvs: list[torch.Tensor]) -> None:
-        """One trajectory's shard from its record rows and K/V record rows on the host (one of each per rank, rank
-        order)."""
+    def _records(self, f: _Finished, rows: list[torch.Tensor], kvs: list[torch.Tensor]) -> TrajectoryRecords | None:
+        """One trajectory's records from its record rows and K/V record rows on the host (one of each per rank, rank
+        order), checked (`_merge`, the K/V records) and bound; None (the request marked failed alone) when they are
+        refused."""
         if f.binding is None:
             raise RuntimeError("TRACE: a request without a binding reached the shard write")
         binding = replace(f.binding, tokens=token_digest(f.ids()))
@@ -635,15 +654,27 @@ class TraceCapturer(RoutedExpertsCapturer):
                 )
             records = {**gathered.records, **kv}
             length = rows[0].shape[0]
-            tr = TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
             if f.writer is None:
                 raise RuntimeError("TRACE: a request without a store writer reached the shard write")
-            f.writer.write({binding.trajectory: tr})
+            return TrajectoryRecords(num_tokens=length, records=records, routes=gathered.routes, binding=binding)
         except Exception as e:
             self._failed(binding.trajectory, binding.attempt, binding.step, f"{type(e).__name__}: {e}")
+            return None
+
+    def _write(self, writer: StepWriter, trajectories: dict[str | int, TrajectoryRecords]) -> None:
+        """One shard of one step writer holding `trajectories` (checked and bound by `_records`); if the write
+        fails, every trajectory of it is marked failed."""
+        try:
+            writer.write(trajectories)
+        except Exception as e:
+            for tr in trajectories.values():
+                if tr.binding is not None:
+                    b = tr.binding
+                    self._failed(b.trajectory, b.attempt, b.step, f"{type(e).__name__}: {e}")
             return
         with self._lock:
             self.stats.shards_written += 1
+            self.stats.trajectories_written += len(trajectories)
 
     def _refuse_pending(self, reason: str) -> None:
         """Drop the queued requests (every rank does, in lockstep) and mark them failed on rank 0."""

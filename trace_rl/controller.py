@@ -393,12 +393,21 @@ class Controller:
         versions = set(self.pool.versions())
         if len(versions) != 1:
             raise RuntimeError(f"rollout workers hold different policy versions {sorted(versions)}")
-        stale = json.loads(index.read_bytes())["stale"]
-        if stale:
-            print(f"step {step}: set aside {len(stale)} shards of earlier rollout attempts: {stale}", file=sys.stderr)
+        stale = json.loads(index.read_bytes())["stale"]  # shards holding trajectories of earlier attempts
+        set_aside = [s["shard"] for s in stale if s["set_aside"]]
+        if set_aside:
+            print(
+                f"step {step}: set aside {len(set_aside)} shards of earlier rollout attempts: {set_aside}",
+                file=sys.stderr,
+            )
+        kept = {s["shard"]: s["trajectories"] for s in stale if not s["set_aside"]}
+        if kept:
+            print(
+                f"step {step}: trajectories of earlier rollout attempts not indexed, by shard: {kept}", file=sys.stderr
+            )
         scores = self._score(prompts, trajs)
         return RolloutBatch(
-            step, versions.pop(), prompts, trajs, restarts, scores, len(stale), reads, generate_s, record_wait_s
+            step, versions.pop(), prompts, trajs, restarts, scores, len(set_aside), reads, generate_s, record_wait_s
         )
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Future]:

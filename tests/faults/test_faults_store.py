@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.core.test_store import trajectory
+from tests.core.test_store import assert_rows, trajectory
 from trace_core.numerics.formats import get_format
+from trace_core.numerics.quant import quantize
 from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.reader import BindingMismatchError, CorruptShardError, RecordReader
 from trace_core.records.spec import Binding, Record, token_digest
@@ -103,23 +104,76 @@ def test_a_write_racing_finalize_fails_and_leaves_nothing(tmp_path):
         finalize_step(tmp_path, 0)
 
 
-def test_finalize_sets_aside_earlier_attempts_and_refuses_a_mix_or_a_gap(tmp_path):
-    def b(traj: str, attempt: str, step: int = 0) -> Binding:
-        return Binding(step, 0, traj, attempt, "d")
+def b(traj: str, attempt: str, step: int = 0) -> Binding:
+    return Binding(step, 0, traj, attempt, "d")
 
+
+def test_finalize_sets_aside_earlier_attempts_and_refuses_a_gap(tmp_path):
     StepWriter(tmp_path, 0).write({"x": bound(1, 3, b("x", "old")), "y": bound(2, 3, b("y", "new"))})
-    with pytest.raises(StoreError, match="mixes trajectories of the current and of earlier rollout attempts"):
-        finalize_step(tmp_path, 0, attempts={"x": "new", "y": "new"})
+    with pytest.raises(StoreError, match=r"no shard of the current attempt holds trajectories \['x'\]"):
+        finalize_step(tmp_path, 0, attempts={"x": "new", "y": "new"})  # x's stale entry is not indexed: a gap
     StepWriter(tmp_path, 1).write({"x": bound(1, 3, b("x", "old", 1))})
     StepWriter(tmp_path, 1).write({"x": bound(1, 3, b("x", "new", 1))})
     with pytest.raises(StoreError, match=r"no shard of the current attempt holds trajectories \['y'\]"):
         finalize_step(tmp_path, 1, attempts={"x": "new", "y": "new"})
     StepWriter(tmp_path, 2).write({"x": bound(1, 3, b("x", "old", 2))})
     StepWriter(tmp_path, 2).write({"x": bound(1, 3, b("x", "new", 2))})
-    finalize_step(tmp_path, 2, attempts={"x": "new"})
+    index = finalize_step(tmp_path, 2, attempts={"x": "new"})
     reader = RecordReader(tmp_path, 2)
     assert reader.binding("x").attempt == "new"
-    assert len([p for p in step_dir(tmp_path, 2).iterdir() if p.name.startswith(".stale-")]) == 1
+    (aside,) = [p.name for p in step_dir(tmp_path, 2).iterdir() if p.name.startswith(".stale-")]
+    (stale,) = json.loads(index.read_bytes())["stale"]
+    assert stale == {"shard": aside.removeprefix(".stale-"), "trajectories": ["x"], "set_aside": True}
+    StepWriter(tmp_path, 3).write({"x": bound(1, 3, b("x", "new", 3))})
+    StepWriter(tmp_path, 3).write({"x": bound(1, 3, b("x", "new", 3)), "y": bound(2, 3, b("y", "new", 3))})
+    with pytest.raises(StoreError, match="trajectory 'x' of .* is in two shards"):
+        finalize_step(tmp_path, 3, attempts={"x": "new", "y": "new"})  # current in two shards: still an error
+
+
+def recipe_bound(seed: int, rows: int, binding: Binding) -> TrajectoryRecords:
+    """A bound trajectory whose records are in the formats its binding's (default) recipe records: MoE input in
+    nvfp4 (per-token global scale), K and V in kv_fp4, and routes, so that the reader loads it."""
+    gen = torch.Generator().manual_seed(seed)
+    records = {}
+    for site, fmt, kw in (
+        ((1, "moe_in"), "nvfp4", {"per_token": True}),
+        ((2, "k"), "kv_fp4", {}),
+        ((2, "v"), "kv_fp4", {}),
+    ):
+        records[site] = Record.from_quantized(quantize(torch.randn(rows, 64, generator=gen), fmt, **kw), 1)
+    routes = torch.randint(0, 64, (rows, 4, 2), generator=gen, dtype=torch.int32)
+    return TrajectoryRecords(rows, records, routes, binding)
+
+
+def test_finalize_keeps_a_shard_mixing_attempts_and_indexes_the_retry(tmp_path):
+    """Several requests of one transfer share a shard; one of them (x) was retried as a new attempt, written in a
+    later shard. The mixed shard stays: its current trajectory (y) is indexed there, its stale entry of x is left
+    out of the index (listed under "stale", which readers do not read), and the reader returns the retry's
+    records of x, bit for bit."""
+    first = {
+        "x": recipe_bound(1, 3, b("x", "old")),
+        "y": recipe_bound(2, 5, b("y", "new")),
+        "z": recipe_bound(3, 2, b("z", "new")),
+    }
+    mixed = StepWriter(tmp_path, 0).write(first)
+    retry = recipe_bound(4, 6, b("x", "new"))
+    again = StepWriter(tmp_path, 0).write({"x": retry})
+    with pytest.raises(StoreError, match="trajectory 'x' of .* is in two shards"):
+        RecordReader(tmp_path, 0)  # unfinalized, no attempts known: x is in two shards
+    index = finalize_step(tmp_path, 0, attempts={"x": "new", "y": "new", "z": "new"})
+    written = json.loads(index.read_bytes())
+    assert written["shards"] == {"x": again.name, "y": mixed.name, "z": mixed.name}
+    assert written["stale"] == [{"shard": mixed.name, "trajectories": ["x"], "set_aside": False}]
+    directory = step_dir(tmp_path, 0)
+    assert shard_paths(directory) == sorted([mixed, again])
+    assert not [p for p in directory.iterdir() if p.name.startswith(".stale-")]
+    reader = RecordReader(tmp_path, 0)
+    assert reader.trajectories() == ["x", "y", "z"] and reader.binding("x") == b("x", "new")
+    mb = reader.load([("x", 0, 6), ("y", 0, 5), ("z", 0, 2)])
+    for i, tr in enumerate((retry, first["y"], first["z"])):
+        assert_rows(mb, i, tr, 0, tr.num_tokens)
+    assert not torch.equal(mb.records[(1, "moe_in")].low_bits[0, :3], first["x"].records[(1, "moe_in")].low_bits)
+    assert reader.verify() > 0  # every indexed frame checks; the stale entry of x is not read
 
 
 def long_trajectory(rows: int, width: int) -> TrajectoryRecords:

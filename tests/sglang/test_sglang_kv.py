@@ -316,7 +316,7 @@ def run_rank(rank: int, world: int, group, store: str, return_routes: bool) -> d
     cap.flush()
     s = cap.stats
     out = dict(
-        stats=[s.batches, s.transfers, s.collectives, s.shards_written, s.write_failures],
+        stats=[s.batches, s.transfers, s.collectives, s.shards_written, s.trajectories_written, s.write_failures],
         record_bytes=cap.records.row.row_bytes,
         experts_ran_on=experts_ran_on,
         handles=handles,
@@ -358,9 +358,9 @@ def test_tp_ranks_keep_record_shards_and_the_store_equals_one_rank_bit_for_bit(t
     for r3 in (False, True):
         one = run_rank(0, 1, None, str(tmp_path / f"tp1-r3{r3}"), r3)
         ranks = [tp[rank][r3] for rank in range(2)]
-        assert one["stats"] == [1, 1, 0, 2, 1]  # batches, transfers, gathers, shards written, failures
-        assert ranks[0]["stats"] == [1, 1, 1, 2, 1]
-        assert ranks[1]["stats"] == [1, 1, 1, 0, 0]  # rank 1 sends its shards; rank 0 checks, merges, writes
+        assert one["stats"] == [1, 1, 0, 1, 2, 1]  # batches, transfers, gathers, shards, trajectories, failures
+        assert ranks[0]["stats"] == [1, 1, 1, 1, 2, 1]  # a and b in one shard
+        assert ranks[1]["stats"] == [1, 1, 1, 0, 0, 0]  # rank 1 sends its shards; rank 0 checks, merges, writes
         # layers 0, 2 on rank 0 and layer 1 on rank 1; R3 keeps every layer's routes on rank 0
         assert ranks[0]["record_bytes"] < one["record_bytes"] and ranks[1]["record_bytes"] < one["record_bytes"] / 2
         unstored = [{k: v for k, v in h.items() if k != "store"} for h in ranks[0]["handles"] + one["handles"]]

@@ -83,5 +83,5 @@ def test_slots_chosen_by_sglangs_radix_cache_and_allocator_carry_the_right_recor
     c, slots_c = sched.run("C", 2, [41, 42, 43], [51])
     assert set(slots_c) <= set(slots_a) | set(slots_b)  # C's slots were A's or B's, written again by C
     check_store(rollout, 0, "C", slots_c)
-    assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.shards_written == 3
+    assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.trajectories_written == 3
     sched.alloc.free(hold)

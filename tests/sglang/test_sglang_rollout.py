@@ -14,6 +14,7 @@ calls it.
 """
 
 import dataclasses
+import json
 import shutil
 from array import array
 from types import SimpleNamespace
@@ -52,6 +53,7 @@ from sglang_trace.handle import from_meta_info  # noqa: E402
 from trace_core.numerics.quant import quantize  # noqa: E402
 from trace_core.records.reader import FailedRecordError, RecordReader  # noqa: E402
 from trace_core.records.spec import Binding, Record, token_digest  # noqa: E402
+from trace_core.records.store import finalize_step, read_header, shard_paths, step_dir  # noqa: E402
 
 H, KV_HEADS, HEAD_DIM, EXPERTS, TOPK, INTER, LAYERS = 64, 2, 32, 4, 2, 32, 2
 
@@ -313,7 +315,8 @@ def test_two_samples_of_one_prompt_to_store_and_handle(rollout):
     check_store(rollout, 0, "traj-B", slots_b)
     digest = token_digest([*slots_a, 0])  # the rollout's token ids: the test uses slot numbers as ids
     assert RecordReader(rollout.args.trace_store, 0).binding("traj-A") == Binding(0, 0, "traj-A", "", digest)
-    assert rollout.capturer.stats.requests == 2 and rollout.capturer.stats.shards_written == 2
+    stats = rollout.capturer.stats
+    assert stats.requests == 2 and stats.trajectories_written == stats.shards_written == 2  # two result batches
 
 
 def weight_updater(tp_worker) -> SchedulerWeightUpdaterManager:
@@ -524,19 +527,90 @@ def test_failed_gathers_and_writes_are_counted_and_the_server_keeps_serving(roll
     rollout.capturer._writer = broken = type(good)(str(tmp_path / "other-store"), 0)
     shutil.rmtree(broken.dir)
     broken.dir.write_text("not a directory")  # the step directory became unwritable
-    rollout.forward([3], ForwardMode.EXTEND)
-    rollout.finish("disk-error", 1, [3])
+    rollout.forward([3, 4], ForwardMode.EXTEND)
+    rollout.finish_batch([("disk-error", 1, [3]), ("disk-error-2", 2, [3, 4])])  # one shard: both fail with it
     rollout.capturer.flush()
     rollout.capturer._writer = good
     rollout.forward([5, 6], ForwardMode.EXTEND)
     rollout.finish("after", 3, [5, 6])
     check_store(rollout, 0, "after", [5, 6])
     reader = RecordReader(rollout.args.trace_store, 0)
-    for rid, message in (("never-run", "no captured record"), ("disk-error", "NotADirectoryError")):
+    for rid, message in (
+        ("never-run", "no captured record"),
+        ("disk-error", "NotADirectoryError"),
+        ("disk-error-2", "NotADirectoryError"),
+    ):
         with pytest.raises(FailedRecordError, match=message):
             reader.load([(rid, 0, 1)])
     stats = rollout.capturer.stats
-    assert stats.failed == ["never-run", "disk-error"] and stats.write_failures == 2 and stats.shards_written == 2
+    assert stats.failed == ["never-run", "disk-error", "disk-error-2"] and stats.write_failures == 3
+    assert stats.trajectories_written == stats.shards_written == 2
+
+
+def test_a_transfer_writes_one_shard_holding_all_its_requests(rollout):
+    """The requests of one result batch (one transfer) are written in one shard of the step (one temporary file,
+    fsync, link and directory fsync for the batch, not per request); each is read back bit for bit, bound to its
+    own trajectory and token ids, and the step finalizes with every trajectory indexed in that shard."""
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)
+    rollout.forward([4, 5], ForwardMode.EXTEND)
+    rollout.forward([6, 7, 8, 9], ForwardMode.EXTEND)
+    batch = [("a", 0, [1, 2, 3]), ("b", 1, [4, 5]), ("c", 2, [6, 7, 8, 9])]
+    assert all("error" not in handle(r) for r in rollout.finish_batch(batch))
+    rollout.capturer.flush()
+    (shard,) = shard_paths(step_dir(rollout.args.trace_store, 0))
+    assert list(read_header(shard)["trajectories"]) == ["a", "b", "c"]
+    stats = rollout.capturer.stats
+    assert (stats.transfers, stats.shards_written, stats.trajectories_written, stats.write_failures) == (1, 1, 3, 0)
+    finalize_step(rollout.args.trace_store, 0, attempts={"a": "", "b": "", "c": ""})
+    reader = RecordReader(rollout.args.trace_store, 0)
+    assert reader.index == {"a": shard.name, "b": shard.name, "c": shard.name}
+    for rid, _, slots in batch:
+        check_store(rollout, 0, rid, slots)
+        assert reader.binding(rid) == Binding(0, 0, rid, "", token_digest([*slots, 0]))
+
+
+def test_a_request_refused_on_the_writer_thread_fails_alone_and_the_rest_share_a_shard(rollout):
+    """With routes not returned, the record rows are checked on the writer thread, per request: the one request
+    of the transfer whose forward missed a hook is marked failed by itself, and the other requests of the transfer
+    are written together in one shard, bit for bit."""
+    rollout.capturer.return_routes = False
+    rollout.forward([1, 2], ForwardMode.EXTEND)
+    rollout.forward([3, 4], ForwardMode.EXTEND, graph_replay=True, skip_moe=(1,))
+    rollout.forward([5, 6, 7], ForwardMode.EXTEND)
+    batch = [("ok-1", 0, [1, 2]), ("refused", 1, [3, 4]), ("ok-2", 2, [5, 6, 7])]
+    assert all("error" not in handle(r) for r in rollout.finish_batch(batch))  # refused after the handle
+    rollout.capturer.flush()
+    (shard,) = shard_paths(step_dir(rollout.args.trace_store, 0))
+    assert list(read_header(shard)["trajectories"]) == ["ok-1", "ok-2"]
+    check_store(rollout, 0, "ok-1", [1, 2])
+    check_store(rollout, 0, "ok-2", [5, 6, 7])
+    with pytest.raises(FailedRecordError, match="hook did not run"):
+        RecordReader(rollout.args.trace_store, 0).load([("refused", 0, 2)])
+    stats = rollout.capturer.stats
+    assert stats.failed == ["refused"] and stats.write_failures == 1
+    assert (stats.transfers, stats.shards_written, stats.trajectories_written) == (1, 1, 2)
+
+
+def test_a_retry_in_the_same_transfer_goes_in_a_second_shard_and_finalize_indexes_it(rollout):
+    """Two attempts of trajectory x finish in one result batch with y: a trajectory id is never twice in a shard,
+    so the retry x#2 goes in a second shard. Finalizing with x's attempt 2 keeps the shard mixing x#1 and y (y
+    indexed there, x#1 left out and listed as stale) and the reader returns the retry's records."""
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)
+    rollout.forward([4, 5], ForwardMode.EXTEND)
+    rollout.forward([6, 7, 8, 9], ForwardMode.EXTEND)
+    rollout.finish_batch([("x#1", 0, [1, 2, 3]), ("y#1", 1, [4, 5]), ("x#2", 2, [6, 7, 8, 9])])
+    rollout.capturer.flush()
+    store = rollout.args.trace_store
+    mixed, retry = shard_paths(step_dir(store, 0))  # one writer: its shards in write order
+    assert list(read_header(mixed)["trajectories"]) == ["x", "y"] and list(read_header(retry)["trajectories"]) == ["x"]
+    assert (rollout.capturer.stats.shards_written, rollout.capturer.stats.trajectories_written) == (2, 3)
+    index = finalize_step(store, 0, attempts={"x": "2", "y": "1"})
+    assert json.loads(index.read_bytes())["stale"] == [{"shard": mixed.name, "trajectories": ["x"], "set_aside": False}]
+    reader = RecordReader(store, 0)
+    assert reader.index == {"x": retry.name, "y": mixed.name}
+    assert reader.binding("x") == Binding(0, 0, "x", "2", token_digest([6, 7, 8, 9, 0]))
+    check_store(rollout, 0, "x", [6, 7, 8, 9])
+    check_store(rollout, 0, "y", [4, 5])
 
 
 def test_chunked_update_may_split_gate_and_up_but_no_forward_runs_half_updated(rollout):

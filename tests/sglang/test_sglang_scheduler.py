@@ -330,7 +330,7 @@ def test_prefix_sharing_chunked_prefill_and_abort_through_sglangs_scheduler(roll
     assert outputs["B"][1]["type"] == "length" and outputs["E"][1]["type"] == "abort"
     assert len(sched.finished_slots["E"][0]) < 3 + 6 - 1  # aborted before its last token
     stats = rollout.capturer.stats
-    assert stats.write_failures == 0 and stats.shards_written == 5
+    assert stats.write_failures == 0 and stats.trajectories_written == 5
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -367,7 +367,7 @@ def test_cache_and_batch_modes_through_sglangs_scheduler(rollout, tmp_path, over
         assert type(sched.tree_cache).__name__ == "ChunkCache"
     else:
         assert any(mode.is_mixed() for mode, _ in sched.launched)
-    assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.shards_written == 4
+    assert rollout.capturer.stats.write_failures == 0 and rollout.capturer.stats.trajectories_written == 4
 
 
 def test_handles_reach_meta_info_through_sglangs_tokenizer_manager(rollout, tmp_path):  # noqa: F811
@@ -465,4 +465,4 @@ def test_an_in_place_pause_across_a_weight_update_through_sglangs_scheduler(roll
     handle = sched.outputs()["R"][0]
     assert handle["step"] == 1 and "computed under weight versions [0, 1]" in handle["error"]
     rollout.capturer.flush()
-    assert rollout.capturer.stats.shards_written == 0 and rollout.capturer.stats.failed == ["R"]
+    assert rollout.capturer.stats.trajectories_written == 0 and rollout.capturer.stats.failed == ["R"]

@@ -1,16 +1,18 @@
 """On-disk record store: one directory per RL step, zstandard shards of finished trajectories (docs/design.md,
 "Records").
 
-A rollout worker hands each finished trajectory's records (`TrajectoryRecords`) to a `StepWriter`, which writes
-them as a shard file: a small JSON header (the shard's index: trajectory -> site -> field -> byte range) followed
+A rollout worker hands finished trajectories' records (`TrajectoryRecords`) to a `StepWriter`, which writes
+them as a shard file (one or many trajectories per shard; SGLang's capturer writes every request of a transfer in
+one): a small JSON header (the shard's index: trajectory -> site -> field -> byte range) followed
 by zstandard frames of at most `FRAME_BYTES` raw bytes (whole rows) per (trajectory, site, field), so a reader
 decompresses only the rows a micro-batch needs. Every frame carries zstandard's content checksum (XXH64) and the
 header a CRC-32; each trajectory may carry a `Binding` (step, policy version, trajectory, attempt, token digest)
 that the trainer checks. Shards are written to a temporary name, fsynced and linked into place (never over an
 existing shard), so a crash never leaves a half-written shard under a shard name; shard names are unique per
 writer, so several workers (threads or processes, one host or many over a shared file system) write one step
-concurrently. `finalize_step` writes the step's `index.json` under the step's exclusive lock, and a write that
-lands after it fails; `apply_retention` keeps the last k steps.
+concurrently. `finalize_step` writes the step's `index.json` (trajectory -> shard; with the rollout's attempts,
+trajectories of earlier attempts are left out, whole stale shards set aside) under the step's exclusive lock, and
+a write that lands after it fails; `apply_retention` keeps the last k steps.
 
 Shard layout (all integers little-endian):
     magic b"TRACEREC" | u32 version | u32 header length H | u32 CRC-32 of header | header JSON (H bytes) | frames
@@ -348,11 +350,18 @@ def shard_paths(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob(f"*{SHARD_SUFFIX}") if not p.name.startswith("."))
 
 
-def build_index(directory: Path) -> dict[str, str]:
-    """Trajectory id -> shard file name, from the shards' headers; a trajectory in two shards is an error."""
+def build_index(directory: Path, leave_out: Mapping[str, Collection[str]] | None = None) -> dict[str, str]:
+    """Trajectory id -> shard file name, from the shards' headers; a trajectory in two shards is an error.
+
+    `leave_out` (shard file name -> trajectory ids): entries of those shards not indexed, so a trajectory that is
+    also (as one of them) in another shard is not an error: `finalize_step`'s stale trajectories of a shard that
+    also holds current ones."""
     index: dict[str, str] = {}
+    skip = leave_out or {}
     for path in shard_paths(directory):
         for traj in read_header(path)["trajectories"]:
+            if traj in skip.get(path.name, ()):
+                continue
             if traj in index:
                 raise StoreError(f"trajectory {traj!r} of {directory} is in two shards: {index[traj]} and {path.name}")
             index[traj] = path.name
@@ -364,27 +373,34 @@ def shard_attempts(header: dict) -> set[str | None]:
     return {(e.get("binding") or {}).get("attempt") for e in header["trajectories"].values()}
 
 
-def _set_aside_stale(directory: Path, attempts: Mapping[str, str]) -> list[str]:
-    """Rename the shards of earlier rollout attempts (every trajectory's attempt differs from `attempts`) to hidden
-    `.stale-` names readers ignore; a shard mixing current and stale trajectories is an error."""
+def _find_stale(directory: Path, attempts: Mapping[str, str]) -> list[dict]:
+    """The shards holding trajectories of earlier rollout attempts (a trajectory's attempt differs from
+    `attempts`; one not in `attempts` counts as current if unbound): one entry per shard, `{"shard": name,
+    "trajectories": [stale ids], "set_aside": bool}`. A shard all of whose trajectories are stale is set aside
+    (renamed to a hidden `.stale-` name readers ignore; "shard" keeps its name before); a shard that also holds
+    current trajectories stays where it is (several requests of a transfer share a shard, and one of them may
+    have been retried as a new attempt) and only its stale trajectories are left out of the index."""
     stale = []
     for path in shard_paths(directory):
         trajs = read_header(path)["trajectories"]
-        current = [(e.get("binding") or {}).get("attempt") == attempts.get(t) for t, e in trajs.items()]
-        if all(current):
+        old = sorted(t for t, e in trajs.items() if (e.get("binding") or {}).get("attempt") != attempts.get(t))
+        if not old:
             continue
-        if any(current):
-            raise StoreError(f"shard {path} mixes trajectories of the current and of earlier rollout attempts")
-        os.replace(path, directory / f"{STALE_PREFIX}{path.name}")
-        stale.append(path.name)
+        whole = len(old) == len(trajs)
+        if whole:
+            os.replace(path, directory / f"{STALE_PREFIX}{path.name}")
+        stale.append({"shard": path.name, "trajectories": old, "set_aside": whole})
     return stale
 
 
 def finalize_step(root: str | os.PathLike, step: int, attempts: Mapping[str, str] | None = None) -> Path:
-    """Write the step's `index.json` (trajectory -> shard) once all writers are done; later writes fail.
+    """Write the step's `index.json` (`"shards"`: trajectory -> shard) once all writers are done; later writes fail.
 
-    With `attempts` (trajectory id -> attempt id of the rollout that counts), shards of earlier attempts are set
-    aside (listed under "stale" in the index) and every trajectory of `attempts` must be in a current shard."""
+    With `attempts` (trajectory id -> attempt id of the rollout that counts), trajectories of earlier attempts are
+    not indexed: a shard holding only those is set aside, a shard that also holds current ones stays (its stale
+    entries are left out of the index, so a retry written in another shard is not a duplicate); each such shard
+    is listed under `"stale"` (`_find_stale`; readers read only `"shards"`). Every trajectory of `attempts` must be
+    in a shard as its current attempt, and no trajectory may be current in two shards."""
     directory = step_dir(root, step)
     if not directory.is_dir():
         raise StoreError(f"step directory {directory} does not exist")
@@ -392,8 +408,8 @@ def finalize_step(root: str | os.PathLike, step: int, attempts: Mapping[str, str
     with step_lock(directory, exclusive=True):
         if path.exists():
             raise StoreError(f"step {directory} is already finalized")
-        stale = [] if attempts is None else _set_aside_stale(directory, attempts)
-        index = build_index(directory)
+        stale = [] if attempts is None else _find_stale(directory, attempts)
+        index = build_index(directory, {s["shard"]: s["trajectories"] for s in stale if not s["set_aside"]})
         if attempts is not None:
             missing = sorted(set(attempts) - set(index))
             if missing:
