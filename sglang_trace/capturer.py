@@ -273,6 +273,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.debug = debug
         self.stats = TraceStats()
         self._writer = StepWriter(self._store(), args.step) if tp_rank == 0 and args.records else None
+        self._ahead: dict[int, StepWriter] = {}  # writers of rollout steps other than the weight version's
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
         self._writes: list[Future] = []
@@ -398,13 +399,14 @@ class TraceCapturer(RoutedExpertsCapturer):
     ) -> dict | None:
         """Queue a finished request's records (positions [0, seqlen - 1)) for the store; returns the handle on the
         store-writing rank (None elsewhere). Must run before the request's KV is released; `on_batch_done` moves
-        the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>`
-        (`trace_core.records.store.rollout_rid`; a plain id is the trajectory of attempt ""), and `tokens` +
-        `output_ids` the request's prompt + output ids (SGLang's `origin_input_ids` and `output_ids`, kept by reference
-        and read on the writer thread; a later append to `output_ids` is not read): the records are bound to (step,
-        policy version = step, trajectory, attempt, token digest, computed on the writer thread: hashing a long
-        request's ids costs about a millisecond), which the handle repeats except for the digest (the stored shard's
-        binding carries it).
+        the queued requests once the result batch is processed. `rid` is `<trajectory>#<attempt>@<step>`
+        (`trace_core.records.store.rollout_rid`; without `@<step>` the step is the weight version, a plain id the
+        trajectory of attempt ""), and `tokens` + `output_ids` the request's prompt + output ids (SGLang's
+        `origin_input_ids` and `output_ids`, kept by reference and read on the writer thread; a later append to
+        `output_ids` is not read): the records are bound to (rollout step, policy version = the weight version,
+        trajectory, attempt, token digest, computed on the writer thread: hashing a long request's ids costs about a
+        millisecond) and stored under the rollout step, which may run ahead of the weights (`async_lag`); the handle
+        repeats the binding except for the digest (the stored shard's binding carries it).
 
         No device work or wait here, except R3's answer (`--enable-return-routed-experts`), which is read at once.
         A request whose records are refused (a hook did not run, rows of another weight version, unwritten rows)
@@ -428,30 +430,31 @@ class TraceCapturer(RoutedExpertsCapturer):
         if self._writer is None:  # every rank queues the request: its K/V shard joins the batch's gather
             self._pending.append(_Finished(None, slots, None))
             return None
-        step = self.step
-        trajectory, attempt = parse_rollout_rid(str(rid))
+        version = self.step
+        trajectory, attempt, rollout_step = parse_rollout_rid(str(rid))
+        step = version if rollout_step is None else rollout_step
         handle = {
             "store": str(self.args.store),
             "step": step,
             "trajectory": trajectory,
             "attempt": attempt,
-            "policy_version": step,
+            "policy_version": version,
             "tokens": length,
         }
-        if step is None:
+        if version is None or step is None:
             error = "the weights were updated without an integer weight_version"
-            self._failed(trajectory, attempt, None, error)
+            self._failed(trajectory, attempt, step, error)
             self._pending.append(_Finished(None, slots, None, error))
             return {**handle, "error": "TRACE records refused: the weights were updated without a weight_version"}
-        binding = Binding(step, step, trajectory, attempt, "", self.args.recipe.name)  # digest: writer thread
-        finished = _Finished(binding, slots, self._writer, None, tokens, output_ids, len(output_ids))
+        binding = Binding(step, version, trajectory, attempt, "", self.args.recipe.name)  # digest: writer thread
+        finished = _Finished(binding, slots, self._step_writer(step), None, tokens, output_ids, len(output_ids))
         self._pending.append(finished)
         if self.return_routes:
             if self.records is None:
                 raise RuntimeError("R3: this rank keeps no record rows")
             try:
                 rows = self.records.gather_rows(slots).cpu()
-                routes = self.records.read(rows, version=step).routes
+                routes = self.records.read(rows, version=version).routes
                 if routes is None:
                     raise RuntimeError("R3: the capturer's record rows hold no routes")
                 self._routes[req_pool_idx] = self._r3_routes(routes)
@@ -460,6 +463,17 @@ class TraceCapturer(RoutedExpertsCapturer):
                 self._failed(trajectory, attempt, step, finished.error)
                 return {**handle, "error": f"TRACE records refused: {e}"}
         return handle
+
+    def _step_writer(self, step: int) -> StepWriter:
+        """The store writer of rollout step `step`: the weight version's, or one of a step the rollout runs ahead
+        for (`async_lag`; kept until the next weight update)."""
+        if self._writer is None:
+            raise RuntimeError("TRACE: a store writer asked for on a rank that writes none")
+        if step == self._writer.step:
+            return self._writer
+        if step not in self._ahead:
+            self._ahead[step] = StepWriter(self._store(), step)
+        return self._ahead[step]
 
     def _routes_only(self, rid: str, req_pool_idx: int, slots: torch.Tensor) -> dict | None:
         """`--trace-sites none`: R3's answer for a finished request from the routes-only rows (rank 0 with R3 on;
@@ -471,7 +485,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             if routes is None:
                 raise RuntimeError("R3: the capturer's record rows hold no routes")
         except ValueError as e:
-            trajectory, attempt = parse_rollout_rid(str(rid))
+            trajectory, attempt, _ = parse_rollout_rid(str(rid))
             self._failed(trajectory, attempt, None, f"R3 routes refused: {e}")  # no store: counted and logged only
             return {"error": f"TRACE R3 routes refused: {e}"}
         self._routes[req_pool_idx] = self._r3_routes(routes)
@@ -636,7 +650,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             raise RuntimeError("TRACE: a request without a binding reached the shard write")
         binding = replace(f.binding, tokens=token_digest(f.ids()))
         try:
-            gathered = self._merge(rows, binding.step)
+            gathered = self._merge(rows, binding.policy_version)
             kv = {}
             if kvs:
                 pool = getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
@@ -733,6 +747,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.flush()
         logger.info("TRACE step %s done: %s", self.step, self.stats)
         self.step = step
+        self._ahead.clear()
         if self._writer is not None and step is not None:
             self._writer = StepWriter(self._store(), step)
 

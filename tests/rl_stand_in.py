@@ -234,19 +234,21 @@ class StandIn:
             seed=self.seed,
             temperature=sp["temperature"],
         )
-        step = int(self.weight_version) + self.step_offset
-        records, answers = {}, []
+        version = int(self.weight_version) + self.step_offset  # the capturer's step (weight version)
+        records, answers, steps = {}, [], set()
         for rid, t in zip(body["rid"], out, strict=True):
             length = len(t.tokens) - 1
-            trajectory, attempt = parse_rollout_rid(rid)
-            binding = Binding(step, step, trajectory, attempt, token_digest(t.tokens))
+            trajectory, attempt, rollout_step = parse_rollout_rid(rid)
+            step = version if rollout_step is None else rollout_step
+            steps.add(step)
+            binding = Binding(step, version, trajectory, attempt, token_digest(t.tokens))
             records[trajectory] = dataclasses.replace(_truncate(t.records, length), binding=binding)
             handle = {
                 "store": str(self.store),
                 "step": step,
                 "trajectory": trajectory,
                 "attempt": attempt,
-                "policy_version": step,
+                "policy_version": version,
                 "tokens": length,
             }
             meta = {
@@ -265,9 +267,13 @@ class StandIn:
             self.tamper(answers)
         if self.fail_records:  # the writer thread fails and leaves a failure marker
             for rid in body["rid"]:
-                write_failure(self.store, step, *parse_rollout_rid(rid), "disk full (injected)")
+                trajectory, attempt, rollout_step = parse_rollout_rid(rid)
+                step = version if rollout_step is None else rollout_step
+                write_failure(self.store, step, trajectory, attempt, "disk full (injected)")
         elif not self.drop_records:  # the capturer writes after the answer, on its writer thread
-            writer = StepWriter(self.store, step)
+            if len(steps) != 1:
+                raise AssertionError(f"one /generate call of the worker holds one rollout step, got {sorted(steps)}")
+            writer = StepWriter(self.store, steps.pop())
             threading.Timer(0.2, writer.write, (records,)).start()
         time.sleep(self.delay)
         return 200, answers

@@ -311,11 +311,6 @@ class RLConfig:
                 "measure_all_sites=true needs an FP4 mode with rollout_backend='sglang' (mode='bf16': the "
                 "server runs --trace-mode off and records no sites, only the routes it returns)"
             )
-        if self.async_lag != 0:
-            errors.append(
-                f"async_lag={self.async_lag} needs rollout_backend='embedded': an SGLang server writes records under "
-                "its weight version, which equals the rollout step only when synchronous"
-            )
         if self.sglang_timeout_s <= 0:
             errors.append(f"sglang_timeout_s={self.sglang_timeout_s} must be > 0")
         return errors

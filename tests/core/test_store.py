@@ -29,7 +29,9 @@ from trace_core.records.store import (
     apply_retention,
     finalize_step,
     list_steps,
+    parse_rollout_rid,
     read_header,
+    rollout_rid,
     shard_paths,
     step_dir,
 )
@@ -395,3 +397,17 @@ def test_small_and_large_shards_encode_to_the_same_bytes_in_the_calling_thread_o
     monkeypatch.setattr(store, "POOL_MIN_BYTES", 0)
     assert store.encode_shard(trajs) == inline
     assert len(inline) > 8  # a frame per field and trajectory, after the header
+
+
+def test_a_request_id_carries_trajectory_attempt_and_rollout_step():
+    """`<trajectory>#<attempt>@<step>`: what a server binds its records to; a plain id is attempt "" and no step."""
+    for trajectory, attempt, step in [("12", "a3f9", 4), ("0", "", 0), ("x", "a", None)]:
+        assert parse_rollout_rid(rollout_rid(trajectory, attempt, step)) == (trajectory, attempt, step)
+    assert parse_rollout_rid("plain") == ("plain", "", None)
+    for bad in ("1#a@", "1#a@-2", "1#a@x"):
+        with pytest.raises(ValueError, match=f"request id {bad!r}: rollout step"):
+            parse_rollout_rid(bad)
+    with pytest.raises(ValueError, match="must not contain '@'"):
+        rollout_rid("1", "a@b", 2)
+    with pytest.raises(ValueError, match="non-negative int"):
+        rollout_rid("1", "a", -1)

@@ -185,3 +185,29 @@ def test_the_loop_on_a_live_cpu_sglang_server_started_by_the_launcher(model_dir,
     assert all(m["trace/rtn_fallback_real_tokens"] == 0 for m in trace)  # every real token had the server's record
     assert all(m["time/breakdown/record_wait_s"] > 0 for m in trace)  # the server writes them behind its answer
     assert not port_in_use(port)  # the launcher stopped the server
+
+
+@pytest.mark.slow
+def test_async_lag_on_a_live_cpu_sglang_server_files_each_rollout_under_its_step(model_dir, tmp_path):
+    """async_lag = 1 against the real patched SGLang server on CPU: the rollout of step n + 1 runs on policy
+    version n, the server files its records under step n + 1 (the step each request id names), bound to version
+    n, and the trainer rounds every real token by them (no RTN fallback) within the staleness bound."""
+    out, work, port = tmp_path / "out", tmp_path / "work", free_port()
+    server = f"{sys.executable} {REPO / 'tests' / 'sglang_cpu_server.py'}"
+    argv = [str(out), "--work", str(work), "--device", "cpu", "--tasks", "addition", "--modes", "trace",
+            "--steps", "3", "--budget", "3600", "--no-embedded", "--server-command", server,
+            f"model_dir={model_dir}", "prompts_per_step=2", "group_size=4", "loggers=none", "async_lag=1",
+            f"sglang_port_base={port}", "sglang_start_timeout_s=600", "sglang_timeout_s=300",
+            "rollout_step_timeout_s=600", "weight_sync_timeout_s=300"]  # fmt: skip
+    assert live.main(argv) == 0
+    run = work / "addition" / "live" / "trace"
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/staleness"] for m in history] == [0, 1, 1]
+    assert all(m["rollout/records_missing"] == 0 and m["trace/rtn_fallback_real_tokens"] == 0 for m in history)
+    for step, version in [(0, 0), (1, 0), (2, 1)]:
+        reader = RecordReader(run / "records", step)
+        assert reader.trajectories() == sorted(str(i) for i in range(8))
+        assert {(reader.binding(t).step, reader.binding(t).policy_version) for t in reader.trajectories()} == {
+            (step, version)
+        }
+    assert not port_in_use(port)

@@ -57,11 +57,27 @@ def test_config_validates_the_sglang_backend():
             },
             "measure_all_sites=true needs an FP4 mode",
         ),
-        "async": ({"rollout_backend": "sglang", "sglang_urls": "http://a:1,http://b:2", "async_lag": 1}, "async_lag"),
     }
     for kw, match in bad.values():
         with pytest.raises(ConfigError, match=match):
             RLConfig(**kw)
+
+
+def test_controller_rolls_out_ahead_on_sglang_servers_with_async_lag(model_dir, tmp_path):
+    """async_lag = 1: the rollout of step n + 1 runs on policy version n; the servers file its records under step
+    n + 1 (the step named in each request id), bound to the version that produced them, and the trainer rounds
+    every real token by them within the staleness bound."""
+    out = tmp_path / "run"
+    servers = [StandIn(model_dir, (out / "records").resolve()) for _ in range(2)]
+    history = Controller(_cfg(model_dir, out, *servers, steps=3, async_lag=1)).run()
+    assert [m["rollout/staleness"] for m in history] == [0, 1, 1]
+    assert all(m["rollout/records_missing"] == 0 and m["trace/rtn_fallback_real_tokens"] == 0 for m in history)
+    for step, version in [(0, 0), (1, 0), (2, 1)]:
+        reader = RecordReader(out / "records", step)
+        assert sorted(reader.trajectories(), key=int) == [str(i) for i in range(16)]
+        assert {(reader.binding(t).step, reader.binding(t).policy_version) for t in reader.trajectories()} == {
+            (step, version)
+        }
 
 
 @pytest.mark.parametrize("legacy_handle", [False, True], ids=["handle-list", "handle-dict"])
@@ -88,11 +104,13 @@ def _request(store: Path, step: int = 0) -> Request:
 
 
 def test_stale_handle_is_an_error(model_dir, tmp_path):
-    server = StandIn(model_dir, tmp_path, step_offset=1)  # writes under a step the worker did not push
+    server = StandIn(model_dir, tmp_path, step_offset=1)  # records under a policy version the worker did not push
     worker = SGLangWorker(server.url, _cfg(model_dir, tmp_path, server), VOCAB)
-    with pytest.raises(StaleRolloutHandle, match="records of step 1 .* pushed policy version 0"):
+    with pytest.raises(StaleRolloutHandle, match="records of step 0 by policy version 1 .* pushed policy version 0"):
         worker.generate(_request(tmp_path))
-    with pytest.raises(StaleRolloutHandle, match="rollout step 3 sent to http://127.0.0.1:\\d+, which serves"):
+    with pytest.raises(
+        StaleRolloutHandle, match="rollout step 3 sent to http://127.0.0.1:\\d+, which serves .* async_lag=0"
+    ):
         worker.generate(_request(tmp_path, step=3))
 
 

@@ -53,7 +53,13 @@ from sglang_trace.handle import from_meta_info  # noqa: E402
 from trace_core.numerics.quant import quantize  # noqa: E402
 from trace_core.records.reader import FailedRecordError, RecordReader  # noqa: E402
 from trace_core.records.spec import Binding, Record, token_digest  # noqa: E402
-from trace_core.records.store import finalize_step, read_header, shard_paths, step_dir  # noqa: E402
+from trace_core.records.store import (  # noqa: E402
+    finalize_step,
+    read_header,
+    rollout_rid,
+    shard_paths,
+    step_dir,
+)
 
 H, KV_HEADS, HEAD_DIM, EXPERTS, TOPK, INTER, LAYERS = 64, 2, 32, 4, 2, 32, 2
 
@@ -357,6 +363,29 @@ def test_retraction_slot_reuse_and_weight_update_step(rollout):
     finished = rollout.finish("traj-A", 0, [1, 4, 5])
     assert handle(finished)["step"] == 7 and "error" not in handle(finished)
     check_store(rollout, 7, "traj-A", [1, 4, 5])
+
+
+def test_a_rollout_step_ahead_of_the_weights_files_its_records_under_that_step(rollout):
+    """async_lag: the client names the rollout step in the request id (`rollout_rid`); the records go to that
+    step's directory, bound to the weight version that computed them, while a plain id keeps the version's step."""
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)
+    ahead = rollout.finish(rollout_rid("7", "a1", 2), 0, [1, 2, 3])
+    assert handle(ahead) == {
+        "store": rollout.args.trace_store,
+        "step": 2,
+        "trajectory": "7",
+        "attempt": "a1",
+        "policy_version": 0,
+        "tokens": 3,
+    }
+    rollout.forward([4, 5], ForwardMode.EXTEND)
+    assert handle(rollout.finish("8", 1, [4, 5]))["step"] == 0
+    check_store(rollout, 2, "7", [1, 2, 3])
+    check_store(rollout, 0, "8", [4, 5])
+    assert RecordReader(rollout.args.trace_store, 2).binding("7") == Binding(
+        2, 0, "7", "a1", token_digest([1, 2, 3, 0])
+    )
+    assert RecordReader(rollout.args.trace_store, 0).trajectories() == ["8"]
 
 
 def test_old_weight_tokens_are_never_filed_under_the_new_step(rollout):

@@ -75,20 +75,33 @@ class MissingRecordError(StoreError, KeyError):
 
 
 RID_SEP = "#"
+STEP_SEP = "@"
 
 
-def rollout_rid(trajectory: str, attempt: str) -> str:
-    """The request id a rollout client sends a server for one trajectory of one attempt (`<trajectory>#<attempt>`);
-    the server binds the records it writes to both (`parse_rollout_rid`)."""
-    if RID_SEP in trajectory or RID_SEP in attempt:
-        raise ValueError(f"trajectory {trajectory!r} and attempt {attempt!r} must not contain {RID_SEP!r}")
-    return f"{trajectory}{RID_SEP}{attempt}"
+def rollout_rid(trajectory: str, attempt: str, step: int | None = None) -> str:
+    """The request id a rollout client sends a server for one trajectory of one attempt of rollout step `step`
+    (`<trajectory>#<attempt>@<step>`; without a step, `<trajectory>#<attempt>`): the server binds the records it writes
+    to all three (`parse_rollout_rid`). With a step the records go to that step's directory whatever policy version
+    the server holds, so a rollout may run ahead of the trainer (`async_lag`)."""
+    for sep in (RID_SEP, STEP_SEP):
+        if sep in trajectory or sep in attempt:
+            raise ValueError(f"trajectory {trajectory!r} and attempt {attempt!r} must not contain {sep!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"rollout step must be a non-negative int, got {step!r}")
+    rid = f"{trajectory}{RID_SEP}{attempt}"
+    return rid if step is None else f"{rid}{STEP_SEP}{step}"
 
 
-def parse_rollout_rid(rid: str) -> tuple[str, str]:
-    """(trajectory, attempt) of a request id; a plain id is the trajectory with attempt ""."""
-    trajectory, _, attempt = rid.partition(RID_SEP)
-    return trajectory, attempt
+def parse_rollout_rid(rid: str) -> tuple[str, str, int | None]:
+    """(trajectory, attempt, rollout step or None) of a request id; a plain id is the trajectory with attempt "" and
+    no step. A step that is not a non-negative integer is a ValueError naming the id."""
+    trajectory, _, rest = rid.partition(RID_SEP)
+    attempt, sep, step = rest.partition(STEP_SEP)
+    if not sep:
+        return trajectory, attempt, None
+    if not step.isdecimal():
+        raise ValueError(f"request id {rid!r}: rollout step {step!r} after {STEP_SEP!r} is not a non-negative integer")
+    return trajectory, attempt, int(step)
 
 
 def site_key(site: Site) -> str:

@@ -236,15 +236,15 @@ class SGLangWorker:
     def generate(self, req: Request) -> list[Trajectory]:
         """Sample one response per row of `req`; the server writes the records (trajectory id = row). In bf16
         mode the server records nothing: the worker stores the routes each answer carries (`_store_routes`)."""
-        if req.step != self._version:
+        if not 0 <= req.step - self._version <= self.cfg.async_lag:
             raise StaleRolloutHandle(
                 f"request for rollout step {req.step} sent to {self.url}, which serves policy version "
-                f"{self._version}; the server writes records under its weight version (needs async_lag = 0)"
+                f"{self._version}: a rollout runs 0 to async_lag={self.cfg.async_lag} steps ahead of its policy"
             )
         prompts = [p.tolist() for p in req.prompts]
         payload = {
             "input_ids": prompts,
-            "rid": [rollout_rid(str(r), req.attempt) for r in req.rows],
+            "rid": [rollout_rid(str(r), req.attempt, req.step) for r in req.rows],
             "sampling_params": {
                 "max_new_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature,
@@ -311,10 +311,9 @@ class SGLangWorker:
     def _trajectory(self, req: Request, row: int, prompt: list[int], out: object) -> Trajectory:
         where = f"SGLang server {self.url}/generate, trajectory {row}"
         output_ids, logprobs, meta = self._output(where, prompt, out)
-        if meta.get("id") != rollout_rid(str(row), req.attempt):
-            raise SGLangError(
-                f"{where}: answer for request id {meta.get('id')!r}, not {rollout_rid(str(row), req.attempt)!r}"
-            )
+        rid = rollout_rid(str(row), req.attempt, req.step)
+        if meta.get("id") != rid:
+            raise SGLangError(f"{where}: answer for request id {meta.get('id')!r}, not {rid!r}")
         if self.bf16:
             if str(meta.get("weight_version")) != str(self._version):
                 raise StaleRolloutHandle(
@@ -339,7 +338,7 @@ class SGLangWorker:
         tokens = prompt + output_ids
         expected = {
             "store": str(Path(req.store).resolve()),
-            "step": self._version,
+            "step": req.step,
             "trajectory": str(row),
             "attempt": req.attempt,
             "policy_version": self._version,
@@ -348,10 +347,12 @@ class SGLangWorker:
         got = {k: handle.get(k) for k in HANDLE_KEYS}
         if isinstance(got["store"], str):
             got["store"] = str(Path(got["store"]).resolve())
-        if got["step"] != expected["step"] or str(meta.get("weight_version")) != str(self._version):
+        stale = got["policy_version"] != self._version or str(meta.get("weight_version")) != str(self._version)
+        if stale or got["step"] != req.step:
             raise StaleRolloutHandle(
-                f"{where}: records of step {got['step']} (weight_version {meta.get('weight_version')!r}), "
-                f"but the worker pushed policy version {self._version} for rollout step {req.step}"
+                f"{where}: records of step {got['step']} by policy version {got['policy_version']} (weight_version "
+                f"{meta.get('weight_version')!r}), but the worker pushed policy version {self._version} for rollout "
+                f"step {req.step}"
             )
         if got != expected:
             diff = {k: got[k] for k in HANDLE_KEYS if got[k] != expected[k]}
