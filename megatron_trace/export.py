@@ -119,17 +119,18 @@ def export_hf(
     input_amax: Mapping[str, float] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     recipe: str | PrecisionRecipe = DEFAULT_RECIPE,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3-MoE state dict of the model in `dtype` (routed experts packed NVFP4 with their `input_scale` from
-    `input_amax` when `nvfp4_experts`, for a recipe that allows it: `check_packed_export`), gathered across its
-    TP / EP / PP shards (`megatron_trace.parallel.gather_full_state`: collective, every rank calls it with its
-    chunks; ranks off the first pipeline stage get `{}`)."""
+    """HF Qwen3-MoE state dict of the model in `dtype` on `device` (routed experts packed NVFP4 with their
+    `input_scale` from `input_amax` when `nvfp4_experts`, for a recipe that allows it: `check_packed_export`),
+    gathered across its TP / EP / PP shards (`megatron_trace.parallel.gather_full_state`: collective, every rank
+    calls it with its chunks; ranks off the first pipeline stage get `{}`)."""
     from megatron_trace.parallel import gather_full_state, unwrap
 
     if nvfp4_experts:
         check_packed_export(recipe)
     chunks = model if isinstance(model, list) else [model]
-    state = gather_full_state(chunks)
+    state = gather_full_state(chunks, device=device)
     if not state:
         return {}
     config = unwrap(chunks[0]).config

@@ -157,14 +157,19 @@ def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def gather_full_state(
-    chunks: Sequence[torch.nn.Module], tensors: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
+    chunks: Sequence[torch.nn.Module],
+    tensors: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """The single-rank state dict (global names, full shapes, on the CPU) of the model spread over all ranks:
-    gathered across TP and EP with all-gathers, then across PP to the first pipeline stage. Every rank of the first
-    stage returns it, the others `{}`. `tensors(param)` picks what to gather (default the parameter; e.g. its
-    `main_grad`). Collective: every rank must call it."""
+    """The single-rank state dict (global names, full shapes, on `device`: default the CPU) of the model spread over
+    all ranks: gathered across TP and EP with all-gathers, then across PP to the first pipeline stage. Every rank of
+    the first stage returns it, the others `{}`. `tensors(param)` picks what to gather (default the parameter; e.g.
+    its `main_grad`). A tensor already on `device` may be the parameter itself. Collective: every rank must call
+    it. The PP gather goes through the CPU, so with PP > 1 only the CPU is accepted."""
     from megatron.core import parallel_state
 
+    if torch.device(device).type != "cpu" and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(f"gather_full_state(device={device!r}) with PP > 1: the pipeline gather is on the CPU")
     pick = tensors or (lambda p: p.detach())
     tp_group = parallel_state.get_tensor_model_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
@@ -180,7 +185,7 @@ def gather_full_state(
             rows = grouped_expert_names(_global_name(model, name), 0, t.shape[0] * experts)
             if rows:  # grouped experts [E_local, out, in]: all EP ranks' rows, under SequentialMLP names
                 t = _all_gather(t, ep_group, 0) if experts > 1 else t
-                out |= {n: w.cpu() for n, w in zip(rows, t, strict=True)}
+                out |= {n: w.to(device) for n, w in zip(rows, t, strict=True)}
                 continue
             e = _EXPERT.search(name)
             if e and experts > 1:
@@ -189,9 +194,9 @@ def gather_full_state(
                 for r in range(experts):
                     g = _global_name(model, name)
                     g = _EXPERT.sub(f".mlp.experts.local_experts.{r * local + int(e.group(1))}.", g)
-                    out[g] = gathered[r].cpu()
+                    out[g] = gathered[r].to(device)
             else:
-                out[_global_name(model, name)] = t.cpu()
+                out[_global_name(model, name)] = t.to(device)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return out
     stages: list[dict[str, torch.Tensor] | None] = [None] * parallel_state.get_pipeline_model_parallel_world_size()

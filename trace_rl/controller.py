@@ -232,6 +232,13 @@ def capture_spec(layers: int, cfg: RLConfig) -> RecordSpec:
     return record_spec(layers, cfg)
 
 
+def export_device(cfg: RLConfig) -> str:
+    """Where the trainer exports the policy for the engines: its GPU when colocated servers take it by `tensor` (CUDA
+    IPC handles of the trainer's own memory, no host copy), else the CPU."""
+    colocated_ipc = cfg.colocate and cfg.weight_sync == "tensor" and torch.device(cfg.device).type == "cuda"
+    return cfg.device if colocated_ipc else "cpu"
+
+
 class Controller:
     def __init__(self, cfg: RLConfig, *, resume: bool = True, servers: ServerGroup | None = None):
         """`servers`: the launcher's group of the servers at `sglang_urls` (a dead one is then restarted)."""
@@ -358,6 +365,13 @@ class Controller:
         self.close()
 
     # ----------------------------------------------------------------- rollout
+    def _policy_tensors(self) -> dict[str, torch.Tensor]:
+        """The trainer's HF export for the engines, on `export_device`'s device (the in-process trainer only: the
+        trainer groups' exports cross processes on the CPU)."""
+        if type(self.trainer) is MegatronTrainer:
+            return self.trainer.hf_weights(device=export_device(self.cfg))
+        return self.trainer.hf_weights()
+
     def rollout(self, step: int) -> RolloutBatch:
         """Generate step `step`'s trajectories; the workers write their records into the store."""
         cfg, n = self.cfg, self.cfg.group_size
@@ -496,7 +510,7 @@ class Controller:
         diffs = metrics.pop("samples/logprob_abs_diff", {})
         metrics["reward/zero_variance_groups"] = self._zero_variance_groups(rewards, batch.step)
         version = self.trainer.policy_version()
-        sync = self.pool.load_weights(self.trainer.hf_weights(), version) or {}  # SGLang: weight_sync/* metrics
+        sync = self.pool.load_weights(self._policy_tensors(), version) or {}  # SGLang: weight_sync/* metrics
         pushed = time.perf_counter()
         apply_retention(self.store, self.cfg.keep_record_steps, protect=self._protected_steps())
         synced = time.perf_counter()

@@ -170,9 +170,10 @@ class RankTrainer(MegatronTrainer):
         for c in self.chunks:
             c.start_param_sync(force_sync=True)
 
-    def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The policy as HF tensors, gathered across the shards (on the first pipeline stage; `{}` elsewhere)."""
-        return self._export(list(self.chunks))
+    def hf_weights(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The policy as HF tensors on `device`, gathered across the shards (on the first pipeline stage; `{}`
+        elsewhere)."""
+        return self._export(list(self.chunks), device)
 
     def layout_name(self) -> str:
         from megatron.core import parallel_state as ps

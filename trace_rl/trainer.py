@@ -226,18 +226,20 @@ class MegatronTrainer:
         finally:
             self._quantize_in_place()
 
-    def _export(self, chunks: list) -> dict[str, torch.Tensor]:
-        """`export_hf` of the masters' weights. On the CPU the exported tensors can be the parameters themselves:
-        with in-place expert weights they are copied before the parameters are quantized again."""
+    def _export(self, chunks: list, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """`export_hf` of the masters' weights on `device`. On the parameters' device the exported tensors can be the
+        parameters themselves: with in-place expert weights they are copied before the parameters are quantized
+        again."""
         with self._master_weights():
-            weights = export_hf(chunks)
+            weights = export_hf(chunks, device=device)
             if self.cfg.expert_weights_in_place:
                 weights = {k: w.clone() for k, w in weights.items()}
         return weights
 
-    def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The policy as HF Qwen3-MoE checkpoint tensors (BF16), for the rollout engines."""
-        return self._export([self.model])
+    def hf_weights(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The policy as HF Qwen3-MoE checkpoint tensors (BF16) on `device`, for the rollout engines: the CPU, or the
+        trainer's GPU for a colocated server (`update_weights_from_tensor` then gets CUDA IPC handles)."""
+        return self._export([self.model], device)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy as a single-rank Megatron state dict (SequentialMLP names, the masters' weights in the model's

@@ -50,6 +50,21 @@ def test_bf16_export_loads_into_transformers_with_the_same_logits(tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_export_on_a_device_holds_the_cpu_exports_tensors_there(device):
+    """`export_hf(device=...)`: the trainer's GPU for a colocated server's CUDA IPC sync; on CPU machines the meta
+    device stands in for it (a device other than the parameters'): the same names, shapes and dtypes, each tensor
+    on that device (values on the CPU: bit for bit)."""
+    model = build_moe_model(CFG, dtype=torch.float32, routing_replay=False)
+    want = export_hf(model)
+    got = export_hf(model, device=device)
+    assert list(got) == list(want)
+    for name, t in got.items():
+        assert t.device.type == device and t.shape == want[name].shape and t.dtype == want[name].dtype, name
+        if device == "cpu":
+            assert torch.equal(t, want[name]), name
+
+
 def _calibrated(model) -> tuple[dict[str, float], dict[int, float]]:
     """`calibrate_input_amax` over one micro-batch, and each layer's MoE-input amax seen independently (the output
     of the pre-MLP norm, which the router dispatches unscaled to the experts' FC1)."""

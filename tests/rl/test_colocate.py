@@ -22,7 +22,7 @@ from tests.rl.test_server_group import free_ports
 from tests.rl.test_weight_sync import BUCKET_MB, SMALL, STAND_IN, _cfg
 from tests.rl_stand_in import StandIn
 from trace_rl.config import ConfigError, RLConfig, load_config
-from trace_rl.controller import Controller
+from trace_rl.controller import Controller, export_device
 from trace_rl.rollout.sglang_worker import SGLangError
 from trace_rl.servers import MEMORY_SAVER_FLAG, ServerGroup, ServerGroupError, server_specs
 
@@ -37,6 +37,15 @@ def _servers(model_dir: str, out: Path, n: int) -> list[StandIn]:
     for s in servers:
         s.memory_saver = True
     return servers
+
+
+def test_a_colocated_tensor_sync_on_cuda_exports_the_policy_on_the_trainers_gpu():
+    """CUDA IPC only where the servers share the trainer's GPUs and take its tensors: colocated `tensor` on CUDA."""
+    base = dict(rollout_backend="sglang", sglang_launch="local", sglang_gpus="0", rollout_workers=1)
+    assert export_device(RLConfig(**base, colocate=True, weight_sync="tensor", device="cuda")) == "cuda"
+    assert export_device(RLConfig(**base, colocate=False, weight_sync="tensor", device="cuda")) == "cpu"
+    assert export_device(RLConfig(**base, colocate=True, weight_sync="disk", device="cuda")) == "cpu"
+    assert export_device(RLConfig(**base, colocate=True, weight_sync="tensor", device="cpu")) == "cpu"
 
 
 @pytest.mark.parametrize("weight_sync", ["tensor", "disk"])

@@ -115,3 +115,19 @@ def test_distributed_sync_over_nccl_answers_as_a_disk_load(tmp_path):
     finally:
         server.stop()
     assert metrics["cuda"]["weight_sync/disk_syncs"] == 0 and metrics["cpu"]["weight_sync/buckets"] > 1
+
+
+def test_the_trainer_exports_the_policy_on_its_gpu_as_on_the_cpu(tmp_path):
+    """`hf_weights(device="cuda")`, what a colocated `tensor` sync sends (`trace_rl.controller.export_device`): every
+    tensor on the GPU, bit for bit the CPU export, so the sync carries CUDA IPC handles of the trainer's memory."""
+    from trace_rl.controller import Controller
+    from trace_rl.warmup import make_tiny_model
+
+    model = tmp_path / "tiny"
+    make_tiny_model(model, seed=0)
+    cfg = RLConfig(model_dir=str(model), out_dir=str(tmp_path / "run"), device="cuda", steps=1)
+    with Controller(cfg, resume=False) as ctrl:
+        want = ctrl.trainer.hf_weights()
+        got = ctrl.trainer.hf_weights(device="cuda")
+    assert list(got) == list(want)
+    assert all(t.is_cuda and torch.equal(t.cpu(), want[k]) for k, t in got.items())
