@@ -44,6 +44,7 @@ from trace_core.records.store import (
     apply_retention,
     finalize_step,
     list_steps,
+    shard_paths,
     step_dir,
 )
 from trace_rl import samples
@@ -437,9 +438,10 @@ class Controller:
         return self.rewards.submit(samples)
 
     def _record_bytes_per_token(self, batch: RolloutBatch) -> float:
-        """Bytes of the step's record-store directory per trajectory token."""
-        files = [f for f in step_dir(self.store, batch.step).rglob("*") if f.is_file()]
-        return sum(f.stat().st_size for f in files) / sum(len(t.tokens) for t in batch.trajectories)
+        """Bytes of the step's record shards per trajectory token. The index and lock are left out: the index names
+        shards by their writer's process id, so its size (not the records') changes with the pid's digits."""
+        shards = shard_paths(step_dir(self.store, batch.step))
+        return sum(f.stat().st_size for f in shards) / sum(len(t.tokens) for t in batch.trajectories)
 
     def _take_decode_reads(self) -> int | None:
         """The workers' decode reads of their FP4 KV pools since the last call; None unless fp4_attention is
