@@ -3,8 +3,10 @@ result batch, then `on_batch_done`, the batched transfer into the host ring: wal
 the scheduler, the device idle at the start), for Qwen3-30B-A3B shapes: 48 layers, 4 KV heads of 128 in an FP4 KV
 pool (`MHATokenToKVPoolFP4`, the installed sglang), the default `--trace-layers` and `--trace-sites` (MoE-input
 records and K/V of the recorded layers, routes of every layer), b = 1, one rank. The writer thread's work and the
-asynchronous copy are not counted (they run off the scheduler thread); the next batch starts once the previous
-one's writes finished, so queues stay short. On a CPU "device" the transfer's copies are synchronous memcpys.
+asynchronous copy are not counted in it (they run off the scheduler thread); `writer_MBps` is the host bytes of a
+batch over the writer thread's own time on it (`TraceStats.write_s`: check, merge, unpack, compress, write). The next
+batch starts once the previous one's writes finished, so queues stay short. On a CPU "device" the transfer's copies
+are synchronous memcpys.
 `--kv-gather torch` times the K/V gather as per-site index ops (`gather_kv_raw`) instead of `KVGather`'s one launch.
 
     python bench/sglang_finish.py --tokens 16384 --batch 4 --device cuda     # run from the checkout to be measured
@@ -178,7 +180,7 @@ def main() -> None:
     if a.kv_only:
         kv_only(a, pool, req_pool, layout, cap)
         return
-    times, cpu_times, finish_times, write_times = [], [], [], []
+    times, cpu_times, finish_times, write_times, writer_s = [], [], [], [], []
     prompt, output = list(range(a.tokens)), [0]  # the request's own id lists (SGLang's Req holds them)
     for i in range(a.requests + 1):
         sync(dev)
@@ -190,11 +192,12 @@ def main() -> None:
         times.append((time.perf_counter() - t0) / a.batch)
         finish_times.append((t1 - t0) / a.batch)
         cpu_times.append((time.thread_time() - c0) / a.batch)
-        t2 = time.perf_counter()
+        t2, w0 = time.perf_counter(), cap.stats.write_s
         cap.flush()
         write_times.append((time.perf_counter() - t2) / a.batch)
+        writer_s.append(cap.stats.write_s - w0)  # the writer thread's own time on this batch's transfers
     assert cap.stats.write_failures == 0, cap.stats
-    assert cap.stats.transfers == a.requests + 1, cap.stats  # one transfer per result batch
+    assert cap.stats.batches == a.requests + 1, cap.stats  # a transfer per `STAGING_BYTES` of a result batch
     cap.close()
     ms = [t * 1e3 for t in times[1:]]
     cpu_ms = [t * 1e3 for t in cpu_times[1:]]
@@ -211,12 +214,14 @@ def main() -> None:
                 "recorded_moe_layers": len(cap.spec.moe_layers),
                 "kv_sites": 2 * len(cap.spec.attn_layers),
                 "host_bytes_per_token": token_bytes,
+                "transfers_per_batch": cap.stats.transfers / cap.stats.batches,
                 "finish_ms_per_request_median": statistics.median(ms),
                 "finish_ms": ms,
                 "finish_request_ms_per_request_median": statistics.median(finish_ms),
                 "scheduler_cpu_ms_per_request_median": statistics.median(cpu_ms),
-                "writer_ms_per_request_median": 1e3 * statistics.median(write_times[1:]),
-                "writer_MBps": a.tokens * token_bytes / statistics.median(write_times[1:]) / 1e6,
+                "flush_wait_ms_per_request_median": 1e3 * statistics.median(write_times[1:]),
+                "writer_ms_per_request_median": 1e3 * statistics.median(writer_s[1:]) / a.batch,
+                "writer_MBps": a.batch * a.tokens * token_bytes / statistics.median(writer_s[1:]) / 1e6,
             }
         )
     )

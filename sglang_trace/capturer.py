@@ -52,7 +52,11 @@ from trace_core.sites import Site
 logger = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1  # rows computed after a weight update that carried no usable weight_version
-RING_REQUESTS = 2  # default host ring: room for this many requests of the full context length
+RING_REQUESTS = 2  # the default host ring holds at least this many requests of the full context length
+# default host ring per rank (--trace-host-ring-gb): room for one result batch of 256 requests of 1,280 tokens at
+# Qwen3-30B-A3B's default policy (6.6 GB), so such a batch does not wait for the store writer
+RING_BYTES = 8 << 30
+STAGING_BYTES = 1 << 30  # a transfer's device buffer holds at most this (more requests: more transfers)
 SLOW_FINISH_S = 0.05  # a result batch whose transfers hold the scheduler thread longer is logged (`on_batch_done`)
 
 
@@ -170,6 +174,22 @@ def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout, tp_size: int = 1
     )
 
 
+def ring_bytes(args: TraceArgs, token_bytes: int, max_request_tokens: int, num_slots: int) -> int:
+    """The finish path's host ring size on each rank: `--trace-host-ring-gb`, else `RING_BYTES` bounded by the KV
+    pool's tokens (no result batch finishes more), and at least `RING_REQUESTS` requests of the context length.
+    ValueError naming the flag when a given size cannot hold one request."""
+    one = max_request_tokens * token_bytes
+    if args.host_ring_gb is None:
+        return max(min(RING_BYTES, num_slots * token_bytes), RING_REQUESTS * one)
+    size = int(args.host_ring_gb * 2**30)
+    if size < one:
+        raise ValueError(
+            f"--trace-host-ring-gb {args.host_ring_gb}: {size} bytes cannot hold one request of {max_request_tokens} "
+            f"tokens x {token_bytes} bytes ({one / 2**30:.3f} GiB)"
+        )
+    return size
+
+
 class TraceCapturer(RoutedExpertsCapturer):
     """Record capture for one scheduler/TP process (see the module docstring).
 
@@ -186,7 +206,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         trace_group: a gloo group over the attention-TP ranks, created at start-up for TRACE alone (each transfer's
             K/V and record shards are gathered to rank 0 over it, on the writer thread); required when tp_size > 1.
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
-        host_ring_bytes: host ring size on each rank; default `RING_REQUESTS` requests of `max_request_tokens`.
+        host_ring_bytes: host ring size on each rank; default `ring_bytes`.
         debug: the `--trace-debug-layer` tap (None: off).
 
     Hook markers: per MoE layer, the last FusedMoE hook of the layer (the FC2-input site in emulate mode, the
@@ -259,7 +279,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.ring_tokens = 0
         if args.records:
             if host_ring_bytes is None:
-                host_ring_bytes = RING_REQUESTS * max_request_tokens * token_bytes
+                host_ring_bytes = ring_bytes(args, token_bytes, max_request_tokens, num_slots)
             if host_ring_bytes < max_request_tokens * token_bytes:
                 raise ValueError(
                     f"TRACE host ring of {host_ring_bytes} bytes cannot hold one request of {max_request_tokens} "
@@ -492,13 +512,12 @@ class TraceCapturer(RoutedExpertsCapturer):
         return None
 
     def on_batch_done(self) -> None:
-        """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V
-        of every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds
-        the host ring): one slot concatenation, one gather of the record rows, the K/V index ops of
-        `gather_kv_raw` (one `KVGather` launch on CUDA) and the low bits kept from them (`kv_rows_from_raw`), and one
-        asynchronous copy into the host ring, which waits
-        while the ring is full
-        (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
+        """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V of
+        every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds the
+        host ring or `STAGING_BYTES` on the device; a longer request goes alone): one slot concatenation, one gather
+        of the record rows, the K/V index ops of `gather_kv_raw` (one `KVGather` launch on CUDA) and the low bits
+        kept from them (`kv_rows_from_raw`), and one asynchronous copy into the host ring, which waits while the
+        ring is full (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
         if not self._pending:
             return
         ring = self.ring.stats if self.ring is not None else RingStats()
@@ -507,8 +526,9 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.stats.batches += 1
         chunk: list[_Finished] = []
         tokens = total = 0
+        limit = min(self.ring_tokens, max(1, STAGING_BYTES // max(1, self.token_bytes)))
         for finished in pending:
-            if chunk and tokens + finished.slots.shape[0] > self.ring_tokens:
+            if chunk and tokens + finished.slots.shape[0] > limit:
                 self._transfer(chunk)
                 chunk, tokens = [], 0
             chunk.append(finished)

@@ -32,6 +32,7 @@ SERVER_ARGS_FIELDS: dict[str, object] = {
     "trace_step": 0,
     "trace_recipe": DEFAULT_RECIPE,
     "trace_debug_layer": -1,
+    "trace_host_ring_gb": None,
 }
 
 # Weight-load formats whose loaders write routed experts through FusedMoE.weight_loader (where emulate
@@ -101,6 +102,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         f"{', '.join(recipe_names())}.",
     )
     group.add_argument(
+        "--trace-host-ring-gb",
+        type=float,
+        default=SERVER_ARGS_FIELDS["trace_host_ring_gb"],
+        help="Pinned host ring of the finish path on each rank, in GiB: the records of requests finishing in one "
+        "result batch wait there for the store writer, and the scheduler waits while it is full. Default: "
+        "8 GiB, at least two requests of the context length, at most the KV pool's tokens.",
+    )
+    group.add_argument(
         "--trace-debug-layer",
         type=int,
         default=SERVER_ARGS_FIELDS["trace_debug_layer"],
@@ -161,6 +170,7 @@ class TraceArgs:
     step: int
     recipe: PrecisionRecipe = get_recipe(DEFAULT_RECIPE)
     debug_layer: int | None = None  # --trace-debug-layer (None: off)
+    host_ring_gb: float | None = None  # --trace-host-ring-gb (None: the capturer's default)
 
     @property
     def enabled(self) -> bool:
@@ -207,7 +217,11 @@ def parse_trace_args(fields) -> TraceArgs:
         step=fields.trace_step,
         recipe=recipe,
         debug_layer=None if fields.trace_debug_layer in (None, -1) else fields.trace_debug_layer,
+        host_ring_gb=fields.trace_host_ring_gb,
     )
+    ring = args.host_ring_gb
+    if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int | float) or not ring > 0):
+        raise ValueError(f"--trace-host-ring-gb must be a positive number of GiB, got {ring!r}")
     if args.debug_layer is not None and (not isinstance(args.debug_layer, int) or args.debug_layer < 0):
         raise ValueError(f"--trace-debug-layer must be a layer id or -1 (off), got {args.debug_layer!r}")
     if args.debug_layer is not None and mode != "emulate":

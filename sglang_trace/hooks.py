@@ -305,14 +305,19 @@ def install_capturer(model_runner) -> bool:
             "; routes kept for R3's answer only" if server_args.enable_return_routed_experts else "",
         )
         return True
+    ring = capturer.ring
     logger.info(
-        "TRACE %s: recording %d sites at %d bits (MoE layers %s, attention layers %s) into %s",
+        "TRACE %s: recording %d sites at %d bits (MoE layers %s, attention layers %s) into %s; host ring %.2f GiB "
+        "(%d tokens of %d bytes, --trace-host-ring-gb)",
         args.mode,
         len(capturer.spec.sites()),
         args.bits,
         capturer.spec.moe_layers,
         capturer.spec.attn_layers,
         args.store,
+        ring.capacity / 2**30 if ring is not None else 0.0,
+        capturer.ring_tokens,
+        capturer.token_bytes,
     )
     return True
 

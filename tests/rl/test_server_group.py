@@ -241,6 +241,7 @@ def test_the_command_line_carries_the_trainers_capture_policy(tmp_path):
             "trace_step": 0,
             "trace_recipe": flags["--trace-recipe"],
             "trace_debug_layer": -1,
+            "trace_host_ring_gb": None,
         }
         assert served_spec(info, hf) == capture_spec(4, cfg), kw  # what SGLangWorker.check_policy compares
         assert ("--kv-cache-dtype" in argv) == ("k" in flags["--trace-sites"])

@@ -130,6 +130,8 @@ def test_cli_flags_parse_into_server_args():
         (dict(enable_fused_moe_sum_all_reduce=True), "--enable-fused-moe-sum-all-reduce"),
         (dict(enable_flashinfer_allreduce_fusion=True, tp_size=2), "FlashInfer all-reduce fusion at TP > 1"),
         (dict(trace_debug_layer=-3), "--trace-debug-layer must be a layer id or -1"),
+        (dict(trace_host_ring_gb=0.0), "--trace-host-ring-gb must be a positive number of GiB, got 0.0"),
+        (dict(trace_host_ring_gb=-2), "--trace-host-ring-gb must be a positive number of GiB, got -2"),
         (
             dict(trace_debug_layer=1, trace_mode="native", quantization="modelopt_fp4"),
             "--trace-debug-layer needs --trace-mode emulate",
@@ -144,6 +146,7 @@ def test_bad_trace_args_fail_naming_the_problem(kw, message):
 def test_flashinfer_allreduce_fusion_at_one_rank_and_the_debug_tap_are_accepted():
     assert trace_args(enable_flashinfer_allreduce_fusion=True).mode == "emulate"
     assert trace_args(trace_debug_layer=3).debug_layer == 3 and trace_args().debug_layer is None
+    assert trace_args(trace_host_ring_gb=0.5).host_ring_gb == 0.5 and trace_args().host_ring_gb is None
 
 
 @pytest.mark.slow

@@ -693,14 +693,37 @@ def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_
         RecordReader(rollout.args.trace_store, 0).load([("unclosed", 0, 2)])
 
 
-def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
+def test_a_batch_larger_than_the_device_staging_moves_in_several_transfers(rollout, monkeypatch):
+    """A result batch whose records exceed `STAGING_BYTES` (here three tokens' bytes) moves in transfers of at most
+    that much, in order; a longer request goes alone; every request is stored whole."""
+    import sglang_trace.capturer as capturer_module
+
+    cap = rollout.capturer
+    cap.return_routes = False
+    monkeypatch.setattr(capturer_module, "STAGING_BYTES", 3 * cap.token_bytes)
+    rollout.forward([1, 2, 3, 4], ForwardMode.EXTEND)
+    rollout.forward([5, 6], ForwardMode.EXTEND)
+    rollout.forward([7], ForwardMode.EXTEND)
+    rollout.finish_batch([("long", 0, [1, 2, 3, 4]), ("b", 1, [5, 6]), ("c", 2, [7])])
+    stats = cap.stats
+    assert (stats.batches, stats.transfers, stats.requests) == (1, 2, 3)  # [long], [b, c]
+    assert cap.ring.stats.reserves == 2 and stats.host_bytes == 7 * (cap.kv_bytes + cap.row_bytes)
+    for rid, slots in (("long", [1, 2, 3, 4]), ("b", [5, 6]), ("c", [7])):
+        check_store(rollout, 0, rid, slots)
+
+
+def test_host_memory_is_a_bounded_ring_whatever_the_kv_pool_size(rollout, monkeypatch):
     """The record store lives on the forward's device (one row per KV slot, counted in SGLang's KV budget by
-    `record_bytes_per_token`); the host holds only the ring, sized by the context length, not by the slots."""
+    `record_bytes_per_token`); the host holds only the ring: `RING_BYTES` (here 1 MiB) bounded by the KV pool's
+    tokens and at least two requests of the context length, or `--trace-host-ring-gb`, whatever the pool size."""
+    import sglang_trace.capturer as capturer_module
+
+    monkeypatch.setattr(capturer_module, "RING_BYTES", 1 << 20)
     layout = rollout.capturer.layout
 
-    def build(num_slots: int) -> TraceCapturer:
+    def build(num_slots: int, args=rollout.capturer.args) -> TraceCapturer:
         return TraceCapturer(
-            rollout.capturer.args,
+            args,
             layout,
             kv_pool=rollout.pool,
             max_tokens=16,
@@ -711,8 +734,15 @@ def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
             weights=hooks.EXPERT_WEIGHTS,
         )
 
-    small, huge = build(64), build(10**12)
-    assert small.ring.capacity == huge.ring.capacity == 2 * 32 * (small.kv_bytes + small.row_bytes)
+    small, mid, huge = build(64), build(1000), build(10**12)
+    token = small.kv_bytes + small.row_bytes
+    assert small.token_bytes == token and small.ring.capacity == 2 * 32 * token  # two requests of the context
+    assert mid.ring.capacity == 1000 * token < 1 << 20  # the pool's tokens: no batch finishes more
+    assert huge.ring_tokens == (1 << 20) // token and huge.ring.capacity == huge.ring_tokens * token  # whole tokens
+    sized = build(10**12, dataclasses.replace(rollout.capturer.args, host_ring_gb=0.001))
+    assert sized.ring_tokens == int(0.001 * 2**30) // token
+    with pytest.raises(ValueError, match=r"--trace-host-ring-gb 1e-06: 1073 bytes cannot hold one request of 32"):
+        build(64, dataclasses.replace(rollout.capturer.args, host_ring_gb=1e-6))
     assert huge.records.store.device.type == "meta" and huge.records.store.shape[0] == 10**12
     runner = SimpleNamespace(server_args=rollout.args, model_config=SimpleNamespace(hf_config=qwen3_moe()), tp_size=1)
     assert hooks.record_bytes_per_token(runner) == rollout.capturer.records.row.row_bytes
@@ -735,7 +765,7 @@ def test_host_memory_is_a_fixed_ring_whatever_the_kv_pool_size(rollout):
             weights=hooks.EXPERT_WEIGHTS,
             host_ring_bytes=1000,
         )
-    for cap in (small, huge):
+    for cap in (small, mid, huge, sized):
         cap.close()
 
 
