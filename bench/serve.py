@@ -547,9 +547,13 @@ def measure(server: Server, point: Point, batch: int, args, store: Path | None, 
     return out
 
 
-def server_summary(info: dict, start_s: float) -> dict:
-    """What a started server reports about its capacity and memory."""
+RING_LINE = re.compile(r"host ring ([\d.]+) GiB \((\d+) tokens of (\d+) bytes")  # sglang_trace.hooks.install_capturer
+
+
+def server_summary(info: dict, start_s: float, log: str = "") -> dict:
+    """What a started server reports about its capacity and memory (TRACE's host ring from its start-up log)."""
     state = (info.get("internal_states") or [{}])[0]
+    ring = RING_LINE.search(log)
     graphs = (info.get("cuda_graph_config") or {}).get("decode") or {}
     return {
         "kv_capacity_tokens": info.get("max_total_num_tokens"),
@@ -561,6 +565,9 @@ def server_summary(info: dict, start_s: float) -> dict:
         "sglang": info.get("version"),
         "start_s": start_s,
         "trace": {k: v for k, v in info.items() if k.startswith("trace_")},
+        "host_ring": None
+        if ring is None
+        else {"gib": float(ring[1]), "tokens": int(ring[2]), "token_bytes": int(ring[3])},
     }
 
 
@@ -613,7 +620,7 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
             save()
             print(f"serve: {name}: {e}", file=sys.stderr)
             return
-        entry |= {"status": "ok", "server": server_summary(info, time.monotonic() - t0)}
+        entry |= {"status": "ok", "server": server_summary(info, time.monotonic() - t0, server.log_since(0))}
         entry.pop("error", None)
         expected = expected_record_bytes(info) if store is not None else None
         entry["server"]["expected_records"] = expected

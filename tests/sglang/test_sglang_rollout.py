@@ -693,6 +693,23 @@ def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_
         RecordReader(rollout.args.trace_store, 0).load([("unclosed", 0, 2)])
 
 
+def test_the_server_logs_its_host_ring_as_the_serving_bench_reads_it(tmp_path, caplog):
+    """`install_capturer` logs the host ring it allocated; `bench/serve.py` reads that line into its JSON."""
+    import logging
+
+    from bench.serve import RING_LINE
+
+    with caplog.at_level(logging.INFO, logger=hooks.logger.name):
+        r = Rollout(str(tmp_path / "records"))
+    try:
+        found = [RING_LINE.search(rec.getMessage()) for rec in caplog.records]
+        ring = next(m for m in found if m is not None)
+        assert float(ring[1]) == round(r.capturer.ring.capacity / 2**30, 2)
+        assert (int(ring[2]), int(ring[3])) == (r.capturer.ring_tokens, r.capturer.token_bytes)
+    finally:
+        r.capturer.close()
+
+
 def test_a_batch_larger_than_the_device_staging_moves_in_several_transfers(rollout, monkeypatch):
     """A result batch whose records exceed `STAGING_BYTES` (here three tokens' bytes) moves in transfers of at most
     that much, in order; a longer request goes alone; every request is stored whole."""
