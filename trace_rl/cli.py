@@ -45,6 +45,7 @@ FIELD_HELP = {
     "max_restarts": "rollout worker restarts allowed per step",
     "checkpoint_every": "checkpoint period in steps",
     "keep_record_steps": "record-store steps kept on disk",
+    "record_store": "the record store's directory (default <out_dir>/records): a fast local disk or a RAM disk",
     "seed": "seed of the prompt order and sampling",
     "device": "cpu or cuda",
     "rollout_backend": "embedded (EmbeddedEngine workers) or sglang (patched SGLang servers)",

@@ -119,6 +119,11 @@ class RLConfig:
     step (same results bit for bit, no copy; export, checkpoints and evaluation read the FP32 masters).
     train_micro_batch: trajectories per trainer micro-batch on each DP rank (gradient accumulation through Megatron's
     schedule; also with one rank); 0 = all of a rank's trajectories in one micro-batch.
+    record_store: the record store's directory, where the rollout's records land and the trainer reads them
+    (default `<out_dir>/records`): a fast local disk or a RAM disk such as /dev/shm takes the records' volume off
+    the run directory's storage (they are read once and kept `keep_record_steps` steps; a resume needs the pending
+    steps' records, so a RAM disk does not survive a reboot of the host). With SGLang servers on other hosts, a path
+    they share. One run per directory: a start refuses a store that another run directory owns.
     data / eval_data and the fields after them: the prompt dataset (`addition` or a JSONL / Parquet file,
     `trace_rl.data`), the reward function (`trace_rl.rewards`), held-out evaluation and the loggers
     (`trace_rl.tracking`); docs/rl.md, "Bring your own model and data".
@@ -144,6 +149,7 @@ class RLConfig:
     max_restarts: int = 3
     checkpoint_every: int = 5
     keep_record_steps: int = 4
+    record_store: str = ""
     seed: int = 0
     device: str = "cpu"
     rollout_backend: str = "embedded"
@@ -281,6 +287,10 @@ class RLConfig:
 
     def _floats(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(f.default, float)}
+
+    def record_store_dir(self) -> Path:
+        """The record store's absolute directory: `record_store`, or `<out_dir>/records`."""
+        return Path(self.record_store or Path(self.out_dir) / "records").resolve()
 
     def sglang_url_list(self) -> list[str]:
         return [u.strip() for u in self.sglang_urls.split(",") if u.strip()]

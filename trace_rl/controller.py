@@ -42,6 +42,7 @@ from trace_core.records.store import (
     LOCK_NAME,
     StoreError,
     apply_retention,
+    atomic_write,
     finalize_step,
     list_steps,
     shard_paths,
@@ -95,6 +96,7 @@ RESUME_FREE = frozenset(
         "max_restarts",
         "checkpoint_every",
         "keep_record_steps",
+        "record_store",
         "sglang_urls",
         "sglang_timeout_s",
         "sglang_api_key",
@@ -258,8 +260,10 @@ class Controller:
 
     def _start(self, resume: bool) -> None:
         cfg = self.cfg
-        self.store = (self.out / "records").resolve()
+        self.store = cfg.record_store_dir()
         _check_writable(self.store)
+        if cfg.record_store:  # the default store lives in the run directory (which may move between resumes)
+            _claim_store(self.store, self.out)
         for p in remove_stale_temps(self.out):
             print(f"removed {p}, a temporary file of a controller that was killed", file=sys.stderr)
         self.policy = policy = load_policy(cfg.model_dir)
@@ -740,6 +744,24 @@ class Controller:
         if version > 0:
             self.pool.load_weights(self.trainer.hf_weights(), version)
         print(f"resumed from step {self.step} ({path})")
+
+
+STORE_OWNER = ".trace-run"  # in a record store: the run directory it belongs to
+
+
+def _claim_store(store: Path, out: Path) -> None:
+    """Mark the record store as the run's in `out` (`STORE_OWNER`); `RunDirError` naming both directories if another
+    run directory owns it (two runs in one store would retire and overwrite each other's steps)."""
+    marker, owner = store / STORE_OWNER, str(out.resolve())
+    try:
+        found = marker.read_text().strip()
+    except FileNotFoundError:
+        atomic_write(marker, [owner.encode()])
+        return
+    if found != owner:
+        raise RunDirError(
+            f"record store {store} belongs to the run in {found}, not to {owner}: give this run its own record_store"
+        )
 
 
 def _check_writable(store: Path) -> None:

@@ -164,16 +164,16 @@ ROUTES_FLAG = "--enable-return-routed-experts"  # bf16: SGLang's own R3 capture,
 
 def capture_flags(cfg: RLConfig) -> list[str]:
     """The `--trace-*` flags of the trainer's capture policy (`trace_rl.controller.capture_spec`): the record store
-    `<out_dir>/records`, bits and layers (4 bits at every layer with `measure_all_sites`), the sites the recipe
-    records, and the FP4 KV pool when K / V are recorded. In `bf16` mode the server is SGLang unchanged (TRACE off,
-    BF16 experts and KV cache) returning each answer's routes, which the worker stores for R3."""
+    (`RLConfig.record_store_dir`), bits and layers (4 bits at every layer with `measure_all_sites`), the sites the
+    recipe records, and the FP4 KV pool when K / V are recorded. In `bf16` mode the server is SGLang unchanged
+    (TRACE off, BF16 experts and KV cache) returning each answer's routes, which the worker stores for R3."""
     if cfg.mode == "bf16":
         return ["--trace-mode", "off", "--weight-version", "0", ROUTES_FLAG]
     policy = CapturePolicy(4, "all") if cfg.measure_all_sites else cfg.capture_policy()
     layers = policy.layers if isinstance(policy.layers, str) else ",".join(map(str, policy.layers))
     layout = recipe_layout(cfg.recipe)
     sites = (["moe_in"] if layout["moe_format"] else []) + (["k", "v"] if layout["kv_format"] else [])
-    flags = ["--trace-mode", "emulate", "--trace-store", str((Path(cfg.out_dir) / "records").resolve())]
+    flags = ["--trace-mode", "emulate", "--trace-store", str(cfg.record_store_dir())]
     flags += ["--trace-record-bits", str(policy.bits), "--trace-layers", layers, "--trace-sites", ",".join(sites)]
     flags += ["--trace-recipe", cfg.recipe, "--trace-step", "0", "--weight-version", "0"]
     if layout["kv_format"]:

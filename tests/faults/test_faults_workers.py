@@ -27,7 +27,7 @@ from trace_core.records.store import PREAMBLE, shard_paths, step_dir
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller
 from trace_rl.rollout.workers import InvalidRollout, RolloutTimeout
-from trace_rl.rundir import RunLockedError
+from trace_rl.rundir import RunDirError, RunLockedError
 
 pytestmark = pytest.mark.faults
 REPO = Path(__file__).resolve().parents[2]
@@ -324,3 +324,21 @@ def test_an_unwritable_run_directory_is_named_by_its_absolute_path(model_dir, tm
     else:
         assert last == f"trace_rl.rundir.RunDirError: record store {out}/records is not writable: Permission denied"
     assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing written is lost
+
+
+def test_a_record_store_outside_the_run_directory_holds_the_records_and_serves_one_run(model_dir, tmp_path):
+    """`record_store` puts the step directories there, not under `<out_dir>/records`; a second run directory
+    pointed at the same store is refused by name before it changes anything, and the owner still resumes."""
+    store = tmp_path / "fast" / "store"
+    cfg = RLConfig(model_dir=model_dir, out_dir=str(tmp_path / "a"), record_store=str(store), loggers="none", **TINY)
+    with Controller(cfg) as ctrl:
+        ctrl.run()
+    assert step_dir(store, 1).is_dir() and shard_paths(step_dir(store, 1))
+    assert not (tmp_path / "a" / "records").exists()
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    other = dataclasses.replace(cfg, out_dir=str(tmp_path / "b"))
+    with pytest.raises(RunDirError, match=f"record store {store} belongs to the run in {tmp_path / 'a'}, not to "):
+        Controller(other)
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before  # nothing of the owner's touched
+    with Controller(dataclasses.replace(cfg, steps=3)) as ctrl:  # the owner resumes from its own store
+        assert ctrl.step == 2

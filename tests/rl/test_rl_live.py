@@ -151,6 +151,19 @@ def test_the_live_summary_reports_the_breakdown_the_overhead_and_the_embedded_mi
     assert (tmp_path / "work" / "addition" / "live" / "summary.txt").exists()  # what make demo writes, per backend
 
 
+def test_record_store_gives_every_run_a_store_of_its_own_under_it(tmp_path):
+    """`--record-store DIR`: each run's `record_store` is `DIR/<task>/<backend>/<mode>` (the controller refuses a
+    store shared by two run directories); without it, the store stays in the run directory."""
+    argv = [str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--device", "cpu"]
+    run = live.Live(live.parser().parse_intermixed_args([*argv, "--record-store", str(tmp_path / "shm")]))
+    stores = {(t, b, m): run.config(t, b, m).record_store_dir() for t in ("addition", "math") for b in ("live",
+              "embedded") for m in ("qat", "trace")}  # fmt: skip
+    assert stores[("math", "live", "trace")] == tmp_path / "shm" / "math" / "live" / "trace"
+    assert len(set(stores.values())) == len(stores)
+    plain = live.Live(live.parser().parse_intermixed_args(argv)).config("addition", "live", "trace")
+    assert plain.record_store_dir() == tmp_path / "work" / "addition" / "live" / "trace" / "records"
+
+
 # ------------------------------------------------------------------ against a real SGLang server on CPU
 @pytest.mark.slow
 def test_the_loop_on_a_live_cpu_sglang_server_started_by_the_launcher(model_dir, tmp_path):

@@ -246,6 +246,8 @@ def test_the_command_line_carries_the_trainers_capture_policy(tmp_path):
         assert served_spec(info, hf) == capture_spec(4, cfg), kw  # what SGLangWorker.check_policy compares
         assert ("--kv-cache-dtype" in argv) == ("k" in flags["--trace-sites"])
     assert capture_flags(config(tmp_path, record_all_layers=False))[7] == "latter-half"
+    elsewhere = capture_flags(config(tmp_path, record_store=str(tmp_path / "shm" / "store")))
+    assert elsewhere[elsewhere.index("--trace-store") + 1] == str(tmp_path / "shm" / "store")  # record_store
 
 
 def test_the_launcher_starts_the_group_runs_on_its_urls_and_tears_it_down(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@ the tiny addition task and on a small math JSONL, beside the embedded engine on 
 live server, one GPU"; `scripts/run_live_h200.sh` runs it).
 
     python -m trace_rl.experiments.live OUT [--work DIR] [--tasks addition,math] [--modes bf16,qat,trace]
-        [--steps N] [--budget S] [--no-embedded] [--device cpu] [--server-command CMD] [key=value ...]
+        [--steps N] [--budget S] [--no-embedded] [--device cpu] [--server-command CMD] [--record-store DIR]
+        [key=value ...]
 
 Each task's config (`TASKS`: configs/h200-colocated.toml, configs/h200-colocated-math.toml) runs once per mode with
 `sglang_launch = "local"`: one server of TP = 1 on GPU 0 beside the trainer, `weight_sync = "tensor"` (CUDA IPC
@@ -147,6 +148,8 @@ class Live:
         cfg = load_config(str(REPO / TASKS[task]), a.overrides)
         keys: dict = dict(mode=mode, steps=a.steps, checkpoint_every=a.steps)
         keys["out_dir"] = str(self.work / task / backend / mode)
+        if a.record_store:  # one store per run, as the controller requires
+            keys["record_store"] = str(Path(a.record_store) / task / backend / mode)
         if a.device == "cpu":
             keys |= dict(device="cpu", colocate=False, sglang_args="")
         if backend == "embedded":
@@ -511,6 +514,10 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--server-command", default="", help="the server executable (default: python -m sglang.launch_server)"
+    )
+    ap.add_argument(
+        "--record-store",
+        help="put each run's record store under this directory (e.g. a RAM disk) instead of its run directory",
     )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     return ap
