@@ -163,6 +163,11 @@ QUANTITIES = {
     "(the server's 'TRACE finish:' log lines in the point)",
     "slow_finish_ring_wait_s": "of those, seconds waiting for host-ring space (the store writer behind)",
     "slow_finish_requests": "requests finished in those batches",
+    "finish_ms_per_request": "scheduler-thread ms per finished request in TRACE's finish path (on_batch_done, host-"
+    "ring waits included), from the server's counters (/server_info internal_states[0]['trace'], before and after "
+    "the point); finish_requests / finish_tokens_per_request / finish_transfers beside it",
+    "ring_wait_s": "seconds the scheduler waited for host-ring space in the point (ring_stalls: how many times)",
+    "writer_GBps": "host bytes over the store writer thread's seconds in the point (writer_s), once the store drained",
     "kv_capacity_tokens": "max_total_num_tokens of /server_info (the KV pool in tokens, after the record store's "
     "share of the cell size)",
     "record_bytes_per_token": "raw record bytes (MoE-input and K/V sites) per token over the point's trajectories, "
@@ -514,10 +519,40 @@ def run_client(call: dict, seed: int):
     return run_one_case(**call, tokenizer=SimpleNamespace(vocab_size=HF_CONFIG["vocab_size"]))
 
 
+def trace_counters(info: dict) -> dict | None:
+    """TRACE's counters in a `/server_info` (`internal_states[0]["trace"]`, `sglang_trace.hooks.add_internal_state`);
+    None for a server without a capturer."""
+    return ((info.get("internal_states") or [{}])[0]).get("trace")
+
+
+def finish_path(before: dict | None, after: dict | None) -> dict:
+    """The finish path over one point from the server's TRACE counters before and after it (FIELDS)."""
+    if before is None or after is None:
+        return {}
+
+    def d(key: str) -> float:
+        return after[key] - before[key]
+
+    requests, write_s = d("requests"), d("write_s")
+    return {
+        "finish_requests": requests,
+        "finish_tokens_per_request": d("tokens") / requests if requests else None,
+        "finish_ms_per_request": 1e3 * d("finish_s") / requests if requests else None,
+        "finish_transfers": d("transfers"),
+        "ring_wait_s": after["ring"]["stall_s"] - before["ring"]["stall_s"],
+        "ring_stalls": after["ring"]["stalls"] - before["ring"]["stalls"],
+        "writer_s": write_s,
+        "writer_GBps": d("host_bytes") / write_s / 1e9 if write_s > 0 else None,
+        "record_write_failures": d("write_failures"),
+    }
+
+
 def measure(server: Server, point: Point, batch: int, args, store: Path | None, expected: dict | None) -> dict:
-    """One point on a running server: the client call, then the server's step timer, log and record store."""
+    """One point on a running server: the client call, then the server's step timer, log, TRACE counters (read
+    again once the record store has drained, so the writer's time is in) and record store."""
     call = client_call(server.url, batch, point.context, args.output_len, point.key, args.stream_interval)
-    before, offset = step_time_dict(server.info()), server.log_size()
+    first = server.info()
+    before, counters, offset = step_time_dict(first), trace_counters(first), server.log_size()
     drain = StoreDrain(store, point.context + args.output_len - 1) if store is not None else None
     if drain is not None:
         drain.start()
@@ -544,9 +579,10 @@ def measure(server: Server, point: Point, batch: int, args, store: Path | None, 
         tokens = batch * (point.context + args.output_len)
         usage = drain.finish(batch, max(120.0, tokens * STORE_S_PER_TOKEN), server)
         out |= record_bytes(usage, expected)
-    return out
+    return out | finish_path(counters, trace_counters(server.info()))
 
 
+FINISH_TOKENS = 16384  # the finish-path target's request length
 RING_LINE = re.compile(r"host ring ([\d.]+) GiB \((\d+) tokens of (\d+) bytes")  # sglang_trace.hooks.install_capturer
 
 
@@ -725,7 +761,7 @@ TARGETS: tuple[Target, ...] = (
         for c, b in CAPTURE_PAIRS
     ),
     Target("finish_path", "<= 1 ms scheduler-thread time per finished 16K-token request", "emulate+fp4kv+capture-"
-           "default", None, "finish_path"),
+           "default", None, "finish_path", 1.0, False),
 )  # fmt: skip
 
 
@@ -744,13 +780,19 @@ def evaluate(target: Target, configs: dict) -> dict:
     settings = ("mem_fraction_static", "output_len", "batch_context")
     if entry and base and any(entry["signature"].get(k) != base["signature"].get(k) for k in settings):
         return out | {"status": "not-measured", "why": f"the two configurations ran under different {settings}"}
-    if target.metric == "finish_path":
-        return out | {
-            "status": "not-measured",
-            "why": "the live server does not report scheduler-thread time per finished request (no counter in "
-            "TraceStats or /server_info); bench/sglang_finish.py measures it on the real TraceCapturer off-server. "
-            "Record bytes per token from the live server are in each TRACE point",
-        }
+    if target.metric == "finish_path":  # scheduler ms per finished request, scaled to 16K tokens
+        rows = [
+            {"context": c, "batch": b, "tokens_per_request": p["finish_tokens_per_request"],
+             "ms_per_request": p["finish_ms_per_request"],
+             "ms_per_16k_tokens": p["finish_ms_per_request"] * FINISH_TOKENS / p["finish_tokens_per_request"]}
+            for (c, b), p in sorted(measured_points(entry).items())
+            if p.get("finish_ms_per_request") is not None and p["finish_tokens_per_request"] >= FINISH_TOKENS
+        ]  # fmt: skip
+        if not rows:
+            return out | {"status": "not-measured", "why": f"no point of {target.config} with requests of "
+                          f">= {FINISH_TOKENS} tokens (run --contexts 16384 or longer)"}  # fmt: skip
+        return out | {"status": "met" if all(r["ms_per_16k_tokens"] <= target.bound for r in rows) else "missed",
+                      "points": rows}  # fmt: skip
     if target.metric == "starts":
         if not base or base.get("status") != "ok":
             return out | {"status": "not-measured", "why": f"{target.baseline} not started"}

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -303,6 +303,19 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._topk: tuple[int, torch.Tensor] | None = None  # (MoE layer, top-k ids) handed on by the last top-k hook
         self._fc2_layer: int | None = None  # MoE layer whose MoE-input site ran last (the fused FC2 site's layer)
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
+
+    def counters(self) -> dict:
+        """What `/server_info` reports under `internal_states[i]["trace"]` (`hooks.add_internal_state`): the
+        `TraceStats` counters (`failed` as a count) and the host ring's size and waits, plain numbers."""
+        stats = {k: v for k, v in asdict(self.stats).items() if k != "failed"}
+        stats["failed"] = len(self.stats.failed)
+        ring = asdict(self.ring.stats) if self.ring is not None else asdict(RingStats())
+        capacity = self.ring.capacity if self.ring is not None else 0
+        return {
+            **stats,
+            "ring": {**ring, "capacity": capacity, "tokens": self.ring_tokens},
+            "token_bytes": self.token_bytes,
+        }
 
     def _kv_bytes(self) -> int:
         """K/V record bytes per token on this rank (`kv_rows_from_raw`'s row), 0 without k/v sites."""

@@ -17,6 +17,7 @@ as upstream unless TRACE is switched on.
 | `on_batch_done` | plugin: before `SchedulerOutputStreamer.stream_output` (a result batch was processed) |
 | `refuse_weight_update` | plugin: around `update_weights_from_tensor`, before updating |
 | `on_weights_updated` | plugin: after a successful `update_weights_from_{disk,tensor,distributed,ipc}` |
+| `add_internal_state` | plugin: after `Scheduler.get_internal_state` (`/server_info`'s `internal_states`) |
 """
 
 from __future__ import annotations
@@ -430,6 +431,14 @@ def on_batch_done(scheduler) -> None:
     capturer = _capturer()
     if capturer is not None:
         capturer.on_batch_done()
+
+
+def add_internal_state(state: dict) -> None:
+    """`/server_info`'s internal state of a scheduler: TRACE's counters under "trace" (`TraceCapturer.counters`:
+    requests, finish-path and writer seconds, host bytes, shards, failures, host-ring waits) when a capturer runs."""
+    capturer = _capturer()
+    if capturer is not None:
+        state["trace"] = capturer.counters()
 
 
 def refuse_weight_update(recv_req) -> str | None:

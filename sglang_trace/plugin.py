@@ -78,6 +78,11 @@ def _tensor_update(original, manager, recv_req):
     return UpdateWeightsFromTensorReqOutput(success=False, message=reason)
 
 
+def _internal_state(result, scheduler, recv_req):
+    """AFTER `Scheduler.get_internal_state`: TRACE's counters join the state `/server_info` reports."""
+    hooks.add_internal_state(result.internal_state)
+
+
 def _cell_size(result, configurator, model_runner, num_layers):
     """AFTER `DefaultPoolConfigurator._compute_cell_size`: the record store's bytes per KV slot join the KV cell
     size, so the pool shrinks to make room and `--mem-fraction-static` still holds."""
@@ -136,6 +141,7 @@ HOOKS = (
         for src in ("disk", "distributed", "ipc")
     ),
     Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", "AROUND", _tensor_update),
+    Hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "AFTER", _internal_state),
     Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size", "AFTER", _cell_size),
     Hook("sglang.srt.mem_cache.memory_pool.HybridLinearKVPool.__init__", "BEFORE", _hybrid_pool),
     Hook(f"{_KV_UTIL}.batched_quantize", "AROUND", _kv_quantize),

@@ -693,6 +693,46 @@ def test_one_result_batch_is_one_transfer_and_requests_of_an_unclosed_batch_are_
         RecordReader(rollout.args.trace_store, 0).load([("unclosed", 0, 2)])
 
 
+def test_server_info_reports_the_finish_path_counters(rollout):
+    """SGLang's own `Scheduler.get_internal_state` (what `/server_info` returns under `internal_states`), with the
+    plugin's AFTER hook: TRACE's counters under "trace", as `bench/serve.py` reads them per point."""
+    from sglang.srt.managers.io_struct import GetInternalStateReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from bench.serve import finish_path
+
+    cap = rollout.capturer
+    cap.return_routes = False
+    before = cap.counters()
+    rollout.forward([1, 2, 3], ForwardMode.EXTEND)
+    rollout.forward([4, 5], ForwardMode.EXTEND)
+    rollout.finish_batch([("a", 0, [1, 2, 3]), ("b", 1, [4, 5])])
+    cap.flush()
+    runner = SimpleNamespace(weight_load_mem_usage=1.0, graph_mem_usage=0.0)
+    scheduler = SimpleNamespace(  # the attributes get_internal_state reads
+        metrics_reporter=SimpleNamespace(last_gen_throughput=0.0),
+        tp_worker=SimpleNamespace(model_runner=runner),
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: SimpleNamespace(mem_usage=0.5)),
+        max_total_num_tokens=64,
+        max_running_requests=16,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+    )
+    state = Scheduler.get_internal_state(scheduler, GetInternalStateReq()).internal_state
+    trace = state["trace"]
+    assert json.loads(json.dumps(trace)) == trace  # plain numbers: /server_info serves it as JSON
+    assert (trace["requests"], trace["batches"], trace["transfers"], trace["trajectories_written"]) == (2, 1, 1, 2)
+    assert trace["tokens"] == 5 and trace["host_bytes"] == 5 * (cap.kv_bytes + cap.row_bytes)
+    assert trace["finish_s"] == cap.stats.finish_s > 0 and trace["write_s"] == cap.stats.write_s > 0
+    assert trace["failed"] == 0 and trace["ring"]["reserves"] == 1 and trace["ring"]["stalls"] == 0
+    assert trace["ring"]["capacity"] == cap.ring.capacity and trace["token_bytes"] == cap.token_bytes
+    assert state["memory_usage"]["token_capacity"] == 64  # SGLang's own state is still there
+    point = finish_path(before, trace)  # what the serving bench makes of one point
+    assert (point["finish_requests"], point["finish_tokens_per_request"], point["finish_transfers"]) == (2, 2.5, 1)
+    assert point["finish_ms_per_request"] == pytest.approx(1e3 * cap.stats.finish_s / 2)
+    assert point["writer_GBps"] == pytest.approx(trace["host_bytes"] / cap.stats.write_s / 1e9)
+    assert point["ring_wait_s"] == 0 and point["record_write_failures"] == 0
+
+
 def test_the_server_logs_its_host_ring_as_the_serving_bench_reads_it(tmp_path, caplog):
     """`install_capturer` logs the host ring it allocated; `bench/serve.py` reads that line into its JSON."""
     import logging

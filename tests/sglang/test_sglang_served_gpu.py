@@ -129,14 +129,20 @@ def _check_served(tmp_path: Path, kv: str, recipe_name: str) -> dict:
         reqs = _requests(128)
         answers = _run(server, reqs)
         _wait_for_records(store, [_handle(answers[r["rid"]])["trajectory"] for r in reqs], server)
+        counters = requests.get(f"{server.url}/server_info", timeout=30).json()["internal_states"][0]["trace"]
     finally:
         server.stop()
+    # the finish path's counters, as /server_info reports them (hooks.add_internal_state)
+    assert counters["failed"] == counters["write_failures"] == 0, counters
+    assert counters["requests"] >= counters["trajectories_written"] >= len(reqs), counters
+    assert counters["finish_s"] > 0 and counters["write_s"] > 0 and counters["host_bytes"] > 0, counters
+    assert counters["ring"]["capacity"] == counters["ring"]["tokens"] * counters["token_bytes"] > 0, counters
     log = (tmp_path / "server.log").read_text(errors="replace")
     assert "not stored" not in log and "refused" not in log, server.tail()
     finalize_step(store, 0)
     reader = RecordReader(store, 0)
     recipe = get_recipe(recipe_name)
-    report = {"requests": len(answers), "sites_checked": 0, "tokens": 0}
+    report = {"requests": len(answers), "sites_checked": 0, "tokens": 0, "trace_counters": counters}
     for req in reqs:
         answer = answers[req["rid"]]
         handle = _handle(answer)
