@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -57,6 +58,7 @@ RING_REQUESTS = 2  # the default host ring holds at least this many requests of 
 # Qwen3-30B-A3B's default policy (6.6 GB), so such a batch does not wait for the store writer
 RING_BYTES = 8 << 30
 STAGING_BYTES = 1 << 30  # a transfer's device buffer holds at most this (more requests: more transfers)
+COPIES_IN_FLIGHT = 2  # transfers whose device-to-host copy may still run (their staging buffers stay allocated)
 SLOW_FINISH_S = 0.05  # a result batch whose transfers hold the scheduler thread longer is logged (`on_batch_done`)
 
 
@@ -296,6 +298,10 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._ahead: dict[int, StepWriter] = {}  # writers of rollout steps other than the weight version's
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
+        # CUDA: the device-to-host copies run on a stream of their own, so the next forward (which waits on the
+        # scheduler's stream, where the gathers run) does not wait for them
+        self._copy_stream = torch.cuda.Stream(torch.device(device)) if torch.device(device).type == "cuda" else None
+        self._copies: deque[torch.cuda.Event] = deque()  # copies of the transfers in flight, oldest first
         self._writes: list[Future] = []
         self._pending: list[_Finished] = []  # finished in the result batch being processed
         self._lock = threading.Lock()
@@ -561,8 +567,8 @@ class TraceCapturer(RoutedExpertsCapturer):
     def _transfer(self, chunk: list[_Finished]) -> None:
         """One transfer: the chunk's record rows and K/V bytes gathered into one device buffer (this rank's record
         rows first, 8-byte aligned for the store's word gather, then its K/V record rows) and copied into a host ring
-        span `[n * token_bytes]` (the rest of the span pads to the largest rank's rows) in one copy (async on CUDA),
-        then queued for the writer thread."""
+        span `[n * token_bytes]` (the rest of the span pads to the largest rank's rows) in one copy (on CUDA
+        asynchronous, on the copy stream: `_copy_to_host`), then queued for the writer thread."""
         slots = chunk[0].slots if len(chunk) == 1 else torch.cat([f.slots for f in chunk])
         n = slots.shape[0]
         ticket, span, copied = None, None, None
@@ -582,14 +588,30 @@ class TraceCapturer(RoutedExpertsCapturer):
                     out=staged[rows_end:].view(n, self.kv_bytes),
                 )
             ticket, span = self.ring.reserve(n * self.token_bytes)
-            span[:used].copy_(staged, non_blocking=True)
+            if self._copy_stream is None:
+                span[:used].copy_(staged)
+            else:
+                copied = self._copy_to_host(staged, span[:used])
             self.stats.host_bytes += used
-            if slots.device.type == "cuda":
-                copied = torch.cuda.Event()
-                copied.record()
             self.stats.transfers += 1
         self._writes = [f for f in self._writes if not f.done()]
         self._writes.append(self._pool.submit(self._write_batch, chunk, n, span, copied, ticket))
+
+    def _copy_to_host(self, staged: torch.Tensor, span: torch.Tensor) -> torch.cuda.Event:
+        """Copy a transfer's staging buffer into its pinned ring span on the copy stream, after the gathers queued
+        on the current stream; returns the copy's event. With more than `COPIES_IN_FLIGHT` copies running, waits for
+        the oldest (bounding the staging memory they hold: `record_stream` keeps each buffer until its copy ran)."""
+        assert self._copy_stream is not None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(staged.device))
+        with torch.cuda.stream(self._copy_stream):
+            span.copy_(staged, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        staged.record_stream(self._copy_stream)
+        self._copies.append(copied)
+        while len(self._copies) > COPIES_IN_FLIGHT:
+            self._copies.popleft().synchronize()
+        return copied
 
     def _write_batch(
         self,

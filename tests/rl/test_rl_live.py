@@ -197,6 +197,14 @@ def test_the_loop_on_a_live_cpu_sglang_server_started_by_the_launcher(model_dir,
     trace = [json.loads(line) for line in (work / "addition/live/trace/metrics.jsonl").read_text().splitlines()]
     assert all(m["trace/rtn_fallback_real_tokens"] == 0 for m in trace)  # every real token had the server's record
     assert all(m["time/breakdown/record_wait_s"] > 0 for m in trace)  # the server writes them behind its answer
+    # the servers' own finish-path counters over each run, read from /server_info before teardown (qat records too:
+    # its code-flip rates)
+    for mode in ("qat", "trace"):
+        [c] = info[f"addition/live/{mode}"]["server_trace"]
+        assert c["requests"] >= c["trajectories_written"] >= 2 * 8 and c["failed"] == 0, (mode, c)
+        assert c["finish_s"] > 0 and c["write_s"] > 0 and c["host_bytes"] > 0 and c["shards_written"] >= 2, (mode, c)
+    assert info["addition/live/bf16"]["server_trace"] == [None]  # TRACE off: no capturer
+    assert "server 0 TRACE finish path: " in (out / "summary.txt").read_text()
     assert not port_in_use(port)  # the launcher stopped the server
 
 

@@ -47,6 +47,7 @@ from typing import Any
 from trace_rl.config import MODES, RLConfig, load_config
 from trace_rl.controller import BREAKDOWN, Controller
 from trace_rl.experiments.report import MODE_LABELS, flip_rates, plot, print_table, summary, write_csv
+from trace_rl.rollout.sglang_worker import SGLangPool
 from trace_rl.servers import ServerGroup, port_in_use
 from trace_rl.warmup import MEGATRON_STATE, make_tiny_model
 
@@ -244,6 +245,8 @@ class Live:
                 print(f"   server up in {info['server_start_s']:.1f} s: {', '.join(group.urls)}", flush=True)
                 with Controller(cfg.replace(sglang_urls=",".join(group.urls)), resume=False, servers=group) as ctrl:
                     self._steps(ctrl, key, "live")
+                    if isinstance(ctrl.pool, SGLangPool):  # the servers' finish path over the run
+                        info["server_trace"] = ctrl.pool.trace_counters()
         except Exception as e:  # the next runs go on; the summary names the failure
             self._failed(key, info, e)
         finally:
@@ -386,6 +389,14 @@ class Live:
             start = f", server start {info['server_start_s']:.1f} s" if "server_start_s" in info else ""
             wall = f", {info['wall_s']:.1f} s wall" if "wall_s" in info else ""
             lines.append(f"- {key}: {info.get('steps', 0)} steps{start}{wall}: {what}")
+            for i, c in enumerate(info.get("server_trace") or []):
+                if c and c["requests"]:
+                    lines.append(
+                        f"  server {i} TRACE finish path: {c['requests']} requests, "
+                        f"{1e3 * c['finish_s'] / c['requests']:.3f} ms each on the scheduler thread (host-ring "
+                        f"waits {c['ring']['stall_s']:.3f} s), writer "
+                        f"{c['write_s']:.3f} s for {c['host_bytes'] / 1e6:.1f} MB, {c['shards_written']} shards"
+                    )
         return "\n".join(lines) + "\n"
 
 

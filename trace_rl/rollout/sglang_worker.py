@@ -437,6 +437,14 @@ class SGLangWorker:
             self._info = info if isinstance(info, dict) else {}
         return self._info
 
+    def trace_counters(self) -> dict | None:
+        """The server's TRACE finish-path counters now (`/server_info` `internal_states[0]["trace"]`, a fresh read:
+        requests, scheduler-thread `finish_s`, writer `write_s`, host bytes, host-ring waits); None when the server
+        runs no TRACE capturer (`--trace-mode off`)."""
+        info = self._call("GET", "/server_info")
+        states = info.get("internal_states") if isinstance(info, dict) else None
+        return (states[0] if states else {}).get("trace")
+
     @property
     def tp_size(self) -> int:
         """The server's tensor-parallel size: its ranks in a weight update (one tensor payload each)."""
@@ -522,6 +530,10 @@ class SGLangPool:
         self.version: int | None = None  # the policy version last pushed to every server
         self.generations = list(servers.generations) if servers is not None else []
         self._locks = [threading.Lock() for _ in self.workers]
+
+    def trace_counters(self) -> list[dict | None]:
+        """Every server's TRACE finish-path counters (`SGLangWorker.trace_counters`), in server order."""
+        return [w.trace_counters() for w in self.workers]
 
     # ----------------------------------------------------------------- dead servers
     def _dead(self, indices: Sequence[int], grace_s: float = 0.0) -> list[int]:
