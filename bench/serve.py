@@ -519,6 +519,33 @@ def run_client(call: dict, seed: int):
     return run_one_case(**call, tokenizer=SimpleNamespace(vocab_size=HF_CONFIG["vocab_size"]))
 
 
+def profiled(specs: Sequence[str]) -> set[tuple[str, str]]:
+    """`--profile CONFIG:POINT` values as (configuration, point key); ValueError naming a malformed one or an
+    unknown configuration."""
+    out = set()
+    for spec in specs:
+        name, sep, key = spec.rpartition(":")
+        if not sep or not re.fullmatch(r"ctx\d+-b(\d+|fit)", key) or name not in CONFIGS:
+            raise ValueError(
+                f"--profile {spec!r}: expected CONFIG:ctx<context>-b<batch|fit>, CONFIG one of {list(CONFIGS)}"
+            )
+        out.add((name, key))
+    return out
+
+
+def profile_point(server: Server, point: Point, batch: int, name: str, out_dir: Path, args) -> str:
+    """One more run of a measured point under SGLang's torch profiler (`run_one_case(profile=True)`: CPU and GPU
+    activities, `--profile-steps` forward steps from `--profile-start-step`); returns the traces' directory."""
+    where = (out_dir / "profiles" / f"{name.replace('+', '_')}_{point.key}").resolve()
+    where.mkdir(parents=True, exist_ok=True)
+    call = client_call(server.url, batch, point.context, args.output_len, f"{point.key}-profile", args.stream_interval)
+    call |= dict(profile=True, profile_steps=args.profile_steps, profile_start_step=args.profile_start_step,
+                 profile_output_dir=str(where), profile_activities=("CPU", "GPU"))  # fmt: skip
+    run_client(call, args.seed)
+    server.check()
+    return str(where)
+
+
 def trace_counters(info: dict) -> dict | None:
     """TRACE's counters in a `/server_info` (`internal_states[0]["trace"]`, `sglang_trace.hooks.add_internal_state`);
     None for a server without a capturer."""
@@ -695,6 +722,8 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
                 server.check()
                 continue
             entry["points"][point.key] = {**measured, "capacity_bound": bound}
+            if (name, point.key) in profiled(args.profile):
+                entry["points"][point.key]["profile_dir"] = profile_point(server, point, batch, name, out_dir, args)
             save()
     finally:
         server.stop()
@@ -937,6 +966,9 @@ def dry_run(configs: list[str], points: list[Point], args) -> None:
             if p.batch is None:
                 call["batch_size"] = "BATCH"
             print(f"run_one_case(**{call})")
+            if (name, p.key) in profiled(args.profile):
+                print(f"#   then once more with profile=True, profile_steps={args.profile_steps}, "
+                      f"profile_start_step={args.profile_start_step}: traces under <out dir>/profiles/")  # fmt: skip
             if p.batch is None:
                 print(
                     f"#   BATCH = min({args.max_batch}, max running requests, floor({args.fill} x KV capacity / "
@@ -969,6 +1001,16 @@ def main() -> None:
     p.add_argument(
         "--min-start-s", type=float, default=120, help="start no server with less of --budget-s left (a start: 1-4 min)"
     )
+    p.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="CONFIG:POINT",
+        help="after measuring POINT (a key such as ctx1024-b256) of CONFIG, run it once more under SGLang's torch "
+        "profiler (CPU + GPU, run_one_case's own); traces under <out dir>/profiles/, the point is not re-stored",
+    )
+    p.add_argument("--profile-steps", type=int, default=8, help="forward steps each profile records")
+    p.add_argument("--profile-start-step", type=int, help="first profiled forward step (default: the first)")
     p.add_argument("--force", action="store_true", help="remeasure points already in --out")
     p.add_argument("--dry-run", action="store_true", help="print server commands and client calls; start nothing")
     args = p.parse_args()
@@ -976,6 +1018,10 @@ def main() -> None:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    try:
+        profiled(args.profile)  # checked before any server starts
+    except ValueError as e:
+        p.error(str(e))
     points = plan(args.batches, args.batch_context, args.contexts)
     if args.dry_run:
         dry_run(configs, points, args)

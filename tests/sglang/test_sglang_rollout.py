@@ -16,7 +16,10 @@ calls it.
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from array import array
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -865,3 +868,23 @@ def test_the_kv_budget_counts_the_record_store(rollout):
     tokens_on = on.calculate_pool_sizes(available, page_size=1).max_total_num_tokens
     assert (tokens_off, tokens_on) == (available // cell, available // (cell + record))
     assert tokens_on < 0.95 * tokens_off  # the record row is a real share of each cell here
+
+
+def test_the_serving_bench_profiles_named_points_and_refuses_a_bad_spec():
+    """`bench/serve.py --profile CONFIG:POINT`: the points it profiles, and a malformed or unknown one refused by
+    name before any server starts (the dry run prints the profiled run)."""
+    from bench.serve import profiled
+
+    assert profiled(["emulate+capture-default:ctx1024-b256", "emulate:ctx32768-bfit"]) == {
+        ("emulate+capture-default", "ctx1024-b256"),
+        ("emulate", "ctx32768-bfit"),
+    }
+    for bad in ("emulate:ctx1024", "nope:ctx1024-b16", "ctx1024-b16"):
+        with pytest.raises(ValueError, match=f"--profile '{bad}': expected CONFIG:ctx"):
+            profiled([bad])
+    bench = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
+    run = [sys.executable, str(bench), "--configs", "emulate", "--batches", "16", "--contexts", "--dry-run"]
+    dry = subprocess.run([*run, "--profile", "emulate:ctx1024-b16"], capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and "then once more with profile=True, profile_steps=8" in dry.stdout, dry.stderr
+    bad = subprocess.run([*run, "--profile", "emulate:b16"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--profile 'emulate:b16'" in bad.stderr
