@@ -546,16 +546,8 @@ def profile_point(server: Server, point: Point, batch: int, name: str, out_dir: 
     return str(where)
 
 
-def trace_counters(info: dict) -> dict | None:
-    """TRACE's counters in a `/server_info` (`internal_states[0]["trace"]`, `sglang_trace.hooks.add_internal_state`);
-    None for a server without a capturer."""
-    return ((info.get("internal_states") or [{}])[0]).get("trace")
-
-
-def finish_path(before: dict | None, after: dict | None) -> dict:
-    """The finish path over one point from the server's TRACE counters before and after it (FIELDS)."""
-    if before is None or after is None:
-        return {}
+def finish_path(before: dict, after: dict) -> dict:
+    """The finish path over one point from the server's TRACE counters before and after it (QUANTITIES)."""
 
     def d(key: str) -> float:
         return after[key] - before[key]
@@ -577,9 +569,11 @@ def finish_path(before: dict | None, after: dict | None) -> dict:
 def measure(server: Server, point: Point, batch: int, args, store: Path | None, expected: dict | None) -> dict:
     """One point on a running server: the client call, then the server's step timer, log, TRACE counters (read
     again once the record store has drained, so the writer's time is in) and record store."""
+    from sglang_trace.config import served_counters
+
     call = client_call(server.url, batch, point.context, args.output_len, point.key, args.stream_interval)
     first = server.info()
-    before, counters, offset = step_time_dict(first), trace_counters(first), server.log_size()
+    before, counters, offset = step_time_dict(first), served_counters(first), server.log_size()
     drain = StoreDrain(store, point.context + args.output_len - 1) if store is not None else None
     if drain is not None:
         drain.start()
@@ -606,17 +600,20 @@ def measure(server: Server, point: Point, batch: int, args, store: Path | None, 
         tokens = batch * (point.context + args.output_len)
         usage = drain.finish(batch, max(120.0, tokens * STORE_S_PER_TOKEN), server)
         out |= record_bytes(usage, expected)
-    return out | finish_path(counters, trace_counters(server.info()))
+    if counters is None:  # no TRACE capturer on this server
+        return out
+    return out | finish_path(counters, served_counters(server.info()))
 
 
 FINISH_TOKENS = 16384  # the finish-path target's request length
-RING_LINE = re.compile(r"host ring ([\d.]+) GiB \((\d+) tokens of (\d+) bytes")  # sglang_trace.hooks.install_capturer
 
 
-def server_summary(info: dict, start_s: float, log: str = "") -> dict:
-    """What a started server reports about its capacity and memory (TRACE's host ring from its start-up log)."""
+def server_summary(info: dict, start_s: float) -> dict:
+    """What a started server reports about its capacity and memory (with TRACE, its host ring)."""
+    from sglang_trace.config import served_counters
+
     state = (info.get("internal_states") or [{}])[0]
-    ring = RING_LINE.search(log)
+    counters = served_counters(info)
     graphs = (info.get("cuda_graph_config") or {}).get("decode") or {}
     return {
         "kv_capacity_tokens": info.get("max_total_num_tokens"),
@@ -629,8 +626,12 @@ def server_summary(info: dict, start_s: float, log: str = "") -> dict:
         "start_s": start_s,
         "trace": {k: v for k, v in info.items() if k.startswith("trace_")},
         "host_ring": None
-        if ring is None
-        else {"gib": float(ring[1]), "tokens": int(ring[2]), "token_bytes": int(ring[3])},
+        if counters is None
+        else {
+            "gib": counters["ring"]["capacity"] / 2**30,
+            "tokens": counters["ring"]["tokens"],
+            "token_bytes": counters["token_bytes"],
+        },
     }
 
 
@@ -683,7 +684,7 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
             save()
             print(f"serve: {name}: {e}", file=sys.stderr)
             return
-        entry |= {"status": "ok", "server": server_summary(info, time.monotonic() - t0, server.log_since(0))}
+        entry |= {"status": "ok", "server": server_summary(info, time.monotonic() - t0)}
         entry.pop("error", None)
         expected = expected_record_bytes(info) if store is not None else None
         entry["server"]["expected_records"] = expected
@@ -722,7 +723,7 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
                 server.check()
                 continue
             entry["points"][point.key] = {**measured, "capacity_bound": bound}
-            if (name, point.key) in profiled(args.profile):
+            if (name, point.key) in args.profiled:
                 entry["points"][point.key]["profile_dir"] = profile_point(server, point, batch, name, out_dir, args)
             save()
     finally:
@@ -966,7 +967,7 @@ def dry_run(configs: list[str], points: list[Point], args) -> None:
             if p.batch is None:
                 call["batch_size"] = "BATCH"
             print(f"run_one_case(**{call})")
-            if (name, p.key) in profiled(args.profile):
+            if (name, p.key) in args.profiled:
                 print(f"#   then once more with profile=True, profile_steps={args.profile_steps}, "
                       f"profile_start_step={args.profile_start_step}: traces under <out dir>/profiles/")  # fmt: skip
             if p.batch is None:
@@ -1019,7 +1020,7 @@ def main() -> None:
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     try:
-        profiled(args.profile)  # checked before any server starts
+        args.profiled = profiled(args.profile)  # checked before any server starts
     except ValueError as e:
         p.error(str(e))
     points = plan(args.batches, args.batch_context, args.contexts)

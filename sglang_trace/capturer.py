@@ -298,9 +298,10 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._ahead: dict[int, StepWriter] = {}  # writers of rollout steps other than the weight version's
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
-        # CUDA: the device-to-host copies run on a stream of their own, so the next forward (which waits on the
-        # scheduler's stream, where the gathers run) does not wait for them
-        self._copy_stream = torch.cuda.Stream(torch.device(device)) if torch.device(device).type == "cuda" else None
+        # CUDA: the device-to-host copies into the ring run on a stream of their own, so the next forward (which
+        # waits on the scheduler's stream, where the gathers run) does not wait for them
+        on_cuda = self.ring is not None and torch.device(device).type == "cuda"
+        self._copy_stream = torch.cuda.Stream(torch.device(device)) if on_cuda else None
         self._copies: deque[torch.cuda.Event] = deque()  # copies of the transfers in flight, oldest first
         self._writes: list[Future] = []
         self._pending: list[_Finished] = []  # finished in the result batch being processed

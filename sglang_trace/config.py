@@ -472,6 +472,13 @@ def served_spec(server_info: Mapping, hf_config) -> RecordSpec:
     return model_spec(args, model_layout(hf_config))
 
 
+def served_counters(server_info: Mapping) -> dict | None:
+    """TRACE's counters in a `/server_info` answer (`internal_states[0]["trace"]`, written by
+    `hooks.add_internal_state`: `TraceCapturer.counters`); None for a server without a TRACE capturer."""
+    states = server_info.get("internal_states") or [{}]
+    return states[0].get("trace")
+
+
 def kv_kinds(args: TraceArgs) -> tuple[str, ...]:
     """The KV site kinds recorded (a RecordSpec always pairs k and v; this narrows to the selected ones)."""
     return tuple(k for k in ("k", "v") if k in args.sites)

@@ -15,6 +15,7 @@ calls it.
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -736,11 +737,12 @@ def test_server_info_reports_the_finish_path_counters(rollout):
     assert point["ring_wait_s"] == 0 and point["record_write_failures"] == 0
 
 
-def test_the_server_logs_its_host_ring_as_the_serving_bench_reads_it(tmp_path, caplog):
-    """`install_capturer` logs the host ring it allocated; `bench/serve.py` reads that line into its JSON."""
-    import logging
+RING_LINE = re.compile(r"host ring ([\d.]+) GiB \((\d+) tokens of (\d+) bytes")
 
-    from bench.serve import RING_LINE
+
+def test_the_server_logs_its_host_ring_at_start_up(tmp_path, caplog):
+    """`install_capturer` logs the host ring it allocated (size, tokens, bytes per token), for the operator."""
+    import logging
 
     with caplog.at_level(logging.INFO, logger=hooks.logger.name):
         r = Rollout(str(tmp_path / "records"))

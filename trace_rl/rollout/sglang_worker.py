@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
-from sglang_trace.config import served_spec
+from sglang_trace.config import served_counters, served_spec
 from sglang_trace.handle import from_meta_info
 from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.spec import Binding, RecordSpec, token_digest
@@ -442,8 +442,7 @@ class SGLangWorker:
         requests, scheduler-thread `finish_s`, writer `write_s`, host bytes, host-ring waits); None when the server
         runs no TRACE capturer (`--trace-mode off`)."""
         info = self._call("GET", "/server_info")
-        states = info.get("internal_states") if isinstance(info, dict) else None
-        return (states[0] if states else {}).get("trace")
+        return served_counters(info if isinstance(info, dict) else {})
 
     @property
     def tp_size(self) -> int:
