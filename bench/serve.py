@@ -632,6 +632,7 @@ def server_summary(info: dict, start_s: float) -> dict:
             "tokens": counters["ring"]["tokens"],
             "token_bytes": counters["token_bytes"],
         },
+        "finish_device_reserved_gib": None if counters is None else counters["device_reserved_bytes"] / 2**30,
     }
 
 

@@ -197,7 +197,7 @@ def main() -> None:
         write_times.append((time.perf_counter() - t2) / a.batch)
         writer_s.append(cap.stats.write_s - w0)  # the writer thread's own time on this batch's transfers
     assert cap.stats.write_failures == 0, cap.stats
-    assert cap.stats.batches == a.requests + 1, cap.stats  # a transfer per `STAGING_BYTES` of a result batch
+    assert cap.stats.batches == a.requests + 1, cap.stats  # a transfer per `TRANSFER_BYTES` of a result batch
     cap.close()
     ms = [t * 1e3 for t in times[1:]]
     cpu_ms = [t * 1e3 for t in cpu_times[1:]]

@@ -57,7 +57,8 @@ RING_REQUESTS = 2  # the default host ring holds at least this many requests of 
 # default host ring per rank (--trace-host-ring-gb): room for one result batch of 256 requests of 1,280 tokens at
 # Qwen3-30B-A3B's default policy (6.6 GB), so such a batch does not wait for the store writer
 RING_BYTES = 8 << 30
-STAGING_BYTES = 1 << 30  # a transfer's device buffer holds at most this (more requests: more transfers)
+TRANSFER_BYTES = 1 << 30  # a transfer's host span holds at most this (more requests: more transfers, more shards)
+STAGING_BYTES = 512 << 20  # device buffers of one piece of a transfer (a longer transfer runs in pieces)
 COPIES_IN_FLIGHT = 2  # transfers whose device-to-host copy may still run (their staging buffers stay allocated)
 SLOW_FINISH_S = 0.05  # a result batch whose transfers hold the scheduler thread longer is logged (`on_batch_done`)
 
@@ -72,6 +73,7 @@ class TraceStats:
     tokens: int = 0
     batches: int = 0
     transfers: int = 0
+    pieces: int = 0  # device pieces of the transfers (a staging buffer and a host copy each)
     collectives: int = 0
     shards_written: int = 0  # shard files: one per transfer and step writer (a trajectory id once per shard)
     trajectories_written: int = 0
@@ -176,6 +178,13 @@ def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout, tp_size: int = 1
     )
 
 
+def finish_device_bytes(args: TraceArgs) -> int:
+    """Device memory the finish path may hold at once on each rank, which SGLang's KV budget sets aside (the plugin's
+    hook after `_profile_available_bytes`): the running transfer's buffers and the staging buffers of the
+    `COPIES_IN_FLIGHT` copies still running, each at most `STAGING_BYTES`; 0 when nothing is recorded."""
+    return (COPIES_IN_FLIGHT + 1) * STAGING_BYTES if args.records else 0
+
+
 def ring_bytes(args: TraceArgs, token_bytes: int, max_request_tokens: int, num_slots: int) -> int:
     """The finish path's host ring size on each rank: `--trace-host-ring-gb`, else `RING_BYTES` bounded by the KV
     pool's tokens (no result batch finishes more), and at least `RING_REQUESTS` requests of the context length.
@@ -277,6 +286,10 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.row_bytes = 0 if self.records is None else self.records.row.row_bytes
         self.shard_bytes = record_bytes_per_slot(args, layout, tp_size, routes_on_first=return_routes)
         self.token_bytes = token_bytes = self.kv_bytes + self.shard_bytes
+        # device bytes per token of a transfer's piece: the staging buffer (this rank's rows), the raw K/V rows gathered
+        # from the pool, and `kv_rows_from_raw`'s temporaries (a few copies of one site group, within the raw rows)
+        raw_kv = 0 if self.kv_gather is None else self.kv_gather.width
+        self.transfer_bytes = self.row_bytes + self.kv_bytes + 2 * raw_kv
         self.ring: HostRing | None = None  # the finish path's host ring: none when nothing is stored
         self.ring_tokens = 0
         if args.records:
@@ -322,6 +335,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             **stats,
             "ring": {**ring, "capacity": capacity, "tokens": self.ring_tokens},
             "token_bytes": self.token_bytes,
+            "device_reserved_bytes": finish_device_bytes(self.args),
         }
 
     def _kv_bytes(self) -> int:
@@ -534,10 +548,11 @@ class TraceCapturer(RoutedExpertsCapturer):
     def on_batch_done(self) -> None:
         """The scheduler processed a result batch (its outputs are about to be streamed): move the records and K/V of
         every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds the
-        host ring or `STAGING_BYTES` on the device; a longer request goes alone): one slot concatenation, one gather
-        of the record rows, the K/V index ops of `gather_kv_raw` (one `KVGather` launch on CUDA) and the low bits
-        kept from them (`kv_rows_from_raw`), and one asynchronous copy into the host ring, which waits while the
-        ring is full (backpressure, `ring.stats.stalls`). Every rank runs the same transfers in the same order."""
+        host ring or `TRANSFER_BYTES`; a longer request goes alone) one slot concatenation and a host ring span,
+        which waits while the ring is full (backpressure, `ring.stats.stalls`); per piece of the transfer (`_stage`)
+        one gather of the record rows, the K/V index ops of `gather_kv_raw` (one `KVGather` launch on CUDA) and the
+        low bits kept from them (`kv_rows_from_raw`), and one asynchronous copy into the span. Every rank runs the
+        same transfers in the same order."""
         if not self._pending:
             return
         ring = self.ring.stats if self.ring is not None else RingStats()
@@ -546,7 +561,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.stats.batches += 1
         chunk: list[_Finished] = []
         tokens = total = 0
-        limit = min(self.ring_tokens, max(1, STAGING_BYTES // max(1, self.token_bytes)))
+        limit = min(self.ring_tokens, max(1, TRANSFER_BYTES // max(1, self.token_bytes)))
         for finished in pending:
             if chunk and tokens + finished.slots.shape[0] > limit:
                 self._transfer(chunk)
@@ -566,46 +581,62 @@ class TraceCapturer(RoutedExpertsCapturer):
             )  # fmt: skip
 
     def _transfer(self, chunk: list[_Finished]) -> None:
-        """One transfer: the chunk's record rows and K/V bytes gathered into one device buffer (this rank's record
-        rows first, 8-byte aligned for the store's word gather, then its K/V record rows) and copied into a host ring
-        span `[n * token_bytes]` (the rest of the span pads to the largest rank's rows) in one copy (on CUDA
-        asynchronous, on the copy stream: `_copy_to_host`), then queued for the writer thread."""
+        """One transfer: the chunk's record rows and K/V bytes copied into one host ring span `[n * token_bytes]`
+        (this rank's record rows first, 8-byte aligned for the store's word gather, then its K/V record rows; the
+        rest of the span pads to the largest rank's rows), then queued for the writer thread. The device work runs
+        in pieces of at most `STAGING_BYTES` of buffers (`_stage`, `transfer_bytes` a token), each copied to its
+        place in the span (on CUDA asynchronously, on the copy stream: `_copy_to_host`)."""
         slots = chunk[0].slots if len(chunk) == 1 else torch.cat([f.slots for f in chunk])
         n = slots.shape[0]
         ticket, span, copied = None, None, None
         if n:
             if self.records is None or self.ring is None:  # never: nothing is queued with --trace-sites none
                 raise RuntimeError("TRACE: a transfer on a capturer that stores nothing (--trace-sites none)")
-            rows_end, used = n * self.row_bytes, n * (self.row_bytes + self.kv_bytes)
-            staged = torch.empty(used, dtype=torch.uint8, device=self.records.device)
-            self.records.gather_rows(slots, out=staged[:rows_end].view(n, self.row_bytes))
-            if self.kv_gather is not None:  # the low bits are kept here, on the device: 3 x fewer bytes at b = 1
-                raw = self.kv_gather(slots)
-                kv_rows_from_raw(
-                    raw,
-                    self._kv_sites(),
-                    self._kv_width(),
-                    self.spec.bits,
-                    out=staged[rows_end:].view(n, self.kv_bytes),
-                )
             ticket, span = self.ring.reserve(n * self.token_bytes)
-            if self._copy_stream is None:
-                span[:used].copy_(staged)
-            else:
-                copied = self._copy_to_host(staged, span[:used])
-            self.stats.host_bytes += used
+            piece = max(1, STAGING_BYTES // max(1, self.transfer_bytes))
+            for a in range(0, n, piece):
+                copied = self._stage(self.records, slots[a : a + piece], span, a, n)
+                self.stats.pieces += 1
+            self.stats.host_bytes += n * (self.row_bytes + self.kv_bytes)
             self.stats.transfers += 1
         self._writes = [f for f in self._writes if not f.done()]
         self._writes.append(self._pool.submit(self._write_batch, chunk, n, span, copied, ticket))
 
-    def _copy_to_host(self, staged: torch.Tensor, span: torch.Tensor) -> torch.cuda.Event:
-        """Copy a transfer's staging buffer into its pinned ring span on the copy stream, after the gathers queued
-        on the current stream; returns the copy's event. With more than `COPIES_IN_FLIGHT` copies running, waits for
-        the oldest (bounding the staging memory they hold: `record_stream` keeps each buffer until its copy ran)."""
+    def _stage(
+        self, records: RecordCapturer, slots: torch.Tensor, span: torch.Tensor, at: int, n: int
+    ) -> torch.cuda.Event | None:
+        """The record rows and K/V record rows of `slots` (tokens `at:` of a transfer of `n`) gathered on the device
+        into one staging buffer and copied to their places in the transfer's host span; returns the copy's event on
+        CUDA (copies on the copy stream run in order, so the last piece's event covers the transfer)."""
+        m, rb, kb = slots.shape[0], self.row_bytes, self.kv_bytes
+        staged = torch.empty(m * (rb + kb), dtype=torch.uint8, device=records.device)
+        records.gather_rows(slots, out=staged[: m * rb].view(m, rb))
+        if self.kv_gather is not None:  # the low bits are kept here, on the device: 3 x fewer bytes at b = 1
+            kv_rows_from_raw(
+                self.kv_gather(slots),
+                self._kv_sites(),
+                self._kv_width(),
+                self.spec.bits,
+                out=staged[m * rb :].view(m, kb),
+            )
+        rows, kv = span[at * rb : (at + m) * rb], span[n * rb + at * kb : n * rb + (at + m) * kb]
+        if self._copy_stream is None:
+            rows.copy_(staged[: m * rb])
+            kv.copy_(staged[m * rb :])
+            return None
+        return self._copy_to_host(staged, (rows, kv))
+
+    def _copy_to_host(self, staged: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor]) -> torch.cuda.Event:
+        """Copy a piece's staging buffer (its record rows, then its K/V rows) into its two places `dst` in the pinned
+        ring span on the copy stream, after the gathers queued on the current stream; returns the copy's event. With
+        more than `COPIES_IN_FLIGHT` copies running, waits for the oldest (bounding the staging memory they hold:
+        `record_stream` keeps each buffer until its copy ran)."""
         assert self._copy_stream is not None
         self._copy_stream.wait_stream(torch.cuda.current_stream(staged.device))
+        rows, kv = dst
         with torch.cuda.stream(self._copy_stream):
-            span.copy_(staged, non_blocking=True)
+            rows.copy_(staged[: rows.numel()], non_blocking=True)
+            kv.copy_(staged[rows.numel() :], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         staged.record_stream(self._copy_stream)

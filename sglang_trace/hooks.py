@@ -7,6 +7,7 @@ as upstream unless TRACE is switched on.
 | `add_cli_args`, `check_server_args` | patch 0001: `ServerArgs.add_cli_args`, `__post_init__` (first and last) |
 | `on_expert_weight_loaded` | plugin: after `FusedMoE.weight_loader` (initial load and every weight update) |
 | `record_bytes_per_token` | plugin: after `DefaultPoolConfigurator._compute_cell_size` (added to the KV cell size) |
+| `finish_device_bytes` | plugin: after `ModelRunnerKVCacheMixin._profile_available_bytes` (taken off the KV budget) |
 | `hybrid_full_kv_pool_class` | plugin: before `HybridLinearKVPool.__init__` |
 | `kv_pool_quantize` / `kv_pool_dequantize` | plugin: around `BlockFP4KVQuantizeUtil.batched_(de)quantize` |
 | `install_capturer` | plugin: around `ModelRunner.init_routed_experts_capturer` (KV pool built, CUDA graphs not yet) |
@@ -39,6 +40,7 @@ __all__ = [
     "check_server_args",
     "install_capturer",
     "on_batch_done",
+    "finish_device_bytes",
     "hybrid_full_kv_pool_class",
     "kv_pool_dequantize",
     "kv_pool_quantize",
@@ -182,6 +184,26 @@ def record_bytes_per_token(model_runner) -> int:
     layout = model_layout(model_runner.model_config.hf_config)
     routes_on_first = model_runner.server_args.enable_return_routed_experts
     return record_bytes_per_slot(args, layout, model_runner.tp_size, routes_on_first)
+
+
+def finish_device_bytes(model_runner, available: int) -> int:
+    """The KV budget `available` (bytes) SGLang profiled, less the device memory TRACE's finish path may hold at
+    once (`sglang_trace.capturer.finish_device_bytes`), so that `--mem-fraction-static` still holds with capture on.
+    ValueError naming the flag when nothing would be left for the KV pool."""
+    args: TraceArgs = check_server_args(model_runner.server_args)
+    from sglang_trace.capturer import finish_device_bytes as reserved
+
+    need = reserved(args)
+    if not need:
+        return available
+    if available <= need:
+        raise ValueError(
+            f"TRACE's finish path needs {need / 2**30:.2f} GiB of device memory for its transfers, and "
+            f"--mem-fraction-static {model_runner.mem_fraction_static} leaves "
+            f"{max(0, available) / 2**30:.2f} GiB for the KV pool: raise --mem-fraction-static"
+        )
+    logger.info("TRACE: %.2f GiB of the KV budget kept for the finish path's device transfers", need / 2**30)
+    return available - need
 
 
 def trace_group(tp):

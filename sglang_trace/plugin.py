@@ -89,6 +89,12 @@ def _cell_size(result, configurator, model_runner, num_layers):
     return result + hooks.record_bytes_per_token(model_runner)
 
 
+def _available_bytes(result, model_runner, pre_model_load_memory):
+    """AFTER `ModelRunnerKVCacheMixin._profile_available_bytes`: the finish path's device buffers come off the KV
+    budget, so the pool leaves room for them."""
+    return hooks.finish_device_bytes(model_runner, result)
+
+
 def _hybrid_pool(pool, *args, **kwargs):
     """BEFORE `HybridLinearKVPool.__init__`: its full-attention layers get the FP4 pool class for an FP4 dtype
     (upstream builds a plain MHA pool there)."""
@@ -143,6 +149,11 @@ HOOKS = (
     Hook(f"{_SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", "AROUND", _tensor_update),
     Hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "AFTER", _internal_state),
     Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size", "AFTER", _cell_size),
+    Hook(
+        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
+        "AFTER",
+        _available_bytes,
+    ),
     Hook("sglang.srt.mem_cache.memory_pool.HybridLinearKVPool.__init__", "BEFORE", _hybrid_pool),
     Hook(f"{_KV_UTIL}.batched_quantize", "AROUND", _kv_quantize),
     Hook(f"{_KV_UTIL}.batched_dequantize", "AROUND", _kv_dequantize),

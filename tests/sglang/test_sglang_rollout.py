@@ -703,7 +703,7 @@ def test_server_info_reports_the_finish_path_counters(rollout):
     from sglang.srt.managers.io_struct import GetInternalStateReq
     from sglang.srt.managers.scheduler import Scheduler
 
-    from bench.serve import finish_path
+    from bench.serve import finish_path, server_summary
 
     cap = rollout.capturer
     cap.return_routes = False
@@ -735,6 +735,13 @@ def test_server_info_reports_the_finish_path_counters(rollout):
     assert point["finish_ms_per_request"] == pytest.approx(1e3 * cap.stats.finish_s / 2)
     assert point["writer_GBps"] == pytest.approx(trace["host_bytes"] / cap.stats.write_s / 1e9)
     assert point["ring_wait_s"] == 0 and point["record_write_failures"] == 0
+    server = server_summary({"internal_states": [state]}, start_s=1.0)  # the bench's record of the server
+    assert server["host_ring"] == {
+        "gib": cap.ring.capacity / 2**30,
+        "tokens": cap.ring_tokens,
+        "token_bytes": cap.token_bytes,
+    }
+    assert server["finish_device_reserved_gib"] == trace["device_reserved_bytes"] / 2**30 == 1.5
 
 
 RING_LINE = re.compile(r"host ring ([\d.]+) GiB \((\d+) tokens of (\d+) bytes")
@@ -755,23 +762,80 @@ def test_the_server_logs_its_host_ring_at_start_up(tmp_path, caplog):
         r.capturer.close()
 
 
-def test_a_batch_larger_than_the_device_staging_moves_in_several_transfers(rollout, monkeypatch):
-    """A result batch whose records exceed `STAGING_BYTES` (here three tokens' bytes) moves in transfers of at most
-    that much, in order; a longer request goes alone; every request is stored whole."""
+def test_a_batch_larger_than_the_host_transfer_moves_in_several_transfers(rollout, monkeypatch):
+    """A result batch whose records exceed `TRANSFER_BYTES` (here three tokens' host bytes) moves in transfers of at
+    most that much, in order; a longer request goes alone; every request is stored whole."""
     import sglang_trace.capturer as capturer_module
 
     cap = rollout.capturer
     cap.return_routes = False
-    monkeypatch.setattr(capturer_module, "STAGING_BYTES", 3 * cap.token_bytes)
+    monkeypatch.setattr(capturer_module, "TRANSFER_BYTES", 3 * cap.token_bytes)
     rollout.forward([1, 2, 3, 4], ForwardMode.EXTEND)
     rollout.forward([5, 6], ForwardMode.EXTEND)
     rollout.forward([7], ForwardMode.EXTEND)
     rollout.finish_batch([("long", 0, [1, 2, 3, 4]), ("b", 1, [5, 6]), ("c", 2, [7])])
     stats = cap.stats
-    assert (stats.batches, stats.transfers, stats.requests) == (1, 2, 3)  # [long], [b, c]
+    assert (stats.batches, stats.transfers, stats.pieces, stats.requests) == (1, 2, 2, 3)  # [long], [b, c]
     assert cap.ring.stats.reserves == 2 and stats.host_bytes == 7 * (cap.kv_bytes + cap.row_bytes)
     for rid, slots in (("long", [1, 2, 3, 4]), ("b", [5, 6]), ("c", [7])):
         check_store(rollout, 0, rid, slots)
+
+
+def test_a_transfer_runs_in_device_pieces_of_at_most_the_staging_bytes(rollout, monkeypatch):
+    """The device work of a transfer (record rows, raw K/V rows and the low bits taken from them: `transfer_bytes`
+    a token) runs in pieces of at most `STAGING_BYTES` (here two tokens' worth), each copied to its place in the
+    transfer's one host span, however long the request; the stored records are those of one piece."""
+    import sglang_trace.capturer as capturer_module
+
+    cap = rollout.capturer
+    cap.return_routes = False
+    raw = cap.kv_gather.width
+    assert cap.transfer_bytes == cap.row_bytes + cap.kv_bytes + 2 * raw and raw > cap.kv_bytes
+    monkeypatch.setattr(capturer_module, "STAGING_BYTES", 2 * cap.transfer_bytes + 1)
+    staged = []
+    stage = cap._stage
+    monkeypatch.setattr(cap, "_stage", lambda rec, slots, *a: staged.append(slots.tolist()) or stage(rec, slots, *a))
+    rollout.forward([1, 2, 3, 4, 5], ForwardMode.EXTEND)
+    rollout.forward([6, 7], ForwardMode.EXTEND)
+    rollout.finish_batch([("long", 0, [1, 2, 3, 4, 5]), ("b", 1, [6, 7])])
+    stats = cap.stats
+    assert (stats.transfers, stats.pieces) == (1, 4) and staged == [[1, 2], [3, 4], [5, 6], [7]]
+    assert cap.ring.stats.reserves == 1 and stats.host_bytes == 7 * (cap.kv_bytes + cap.row_bytes)
+    for rid, slots in (("long", [1, 2, 3, 4, 5]), ("b", [6, 7])):
+        check_store(rollout, 0, rid, slots)
+
+
+def test_the_kv_budget_keeps_the_finish_paths_device_buffers(rollout, monkeypatch):
+    """TRACE's AFTER hook on SGLang's `_profile_available_bytes` (the method `_resolve_memory_pool_config` sizes the
+    KV pool from) takes the finish path's device buffers off the budget: `(COPIES_IN_FLIGHT + 1) * STAGING_BYTES`
+    with records on, nothing with `--trace-sites none` or TRACE off; a budget that cannot hold them is refused
+    naming `--mem-fraction-static`. SGLang's memory probe and world group are stood in for (no GPU here)."""
+    import sglang.srt.model_executor.model_runner_kv_cache_mixin as mixin
+
+    from sglang_trace.capturer import COPIES_IN_FLIGHT, STAGING_BYTES
+
+    free_gb = 40.0
+    monkeypatch.setattr(mixin, "get_available_gpu_memory", lambda *a, **k: free_gb)
+    monkeypatch.setattr(mixin, "get_world_group", lambda: SimpleNamespace(world_size=1, cpu_group=None))
+
+    fraction, pre_gb = 0.85, 60.0
+
+    def available(server_args: ServerArgs) -> int:
+        runner = SimpleNamespace(
+            server_args=server_args, device="cpu", gpu_id=0, mem_fraction_static=fraction, mambaish_config=None
+        )
+        return mixin.ModelRunnerKVCacheMixin._profile_available_bytes(runner, pre_gb)
+
+    on = rollout.args
+    off = ServerArgs(model_path="dummy", device="cpu", kv_cache_dtype="fp4_e2m1")
+    none = dataclasses.replace(on, trace_sites="none", trace_store=None)
+    upstream = int((free_gb - pre_gb * (1 - fraction)) * (1 << 30))
+    assert available(off) == available(none) == upstream
+    assert available(on) == upstream - (COPIES_IN_FLIGHT + 1) * STAGING_BYTES
+    assert rollout.capturer.counters()["device_reserved_bytes"] == (COPIES_IN_FLIGHT + 1) * STAGING_BYTES
+    free_gb = pre_gb * (1 - fraction) + 1.0  # 1 GiB left for the KV pool
+    with pytest.raises(ValueError, match=r"finish path needs 1\.50 GiB .*0\.85 leaves 1\.00 GiB .* raise --mem-frac"):
+        available(on)
 
 
 def test_host_memory_is_a_bounded_ring_whatever_the_kv_pool_size(rollout, monkeypatch):
