@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
-from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, model_spec
+from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, layout_fields, model_spec
 from sglang_trace.debug import DebugTap
 from sglang_trace.kv import gather_to_first, kv_records_from_shards, kv_row_bytes, kv_rows_from_raw, request_slots
 from sglang_trace.kv_gather import KVGather
@@ -336,6 +336,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             "ring": {**ring, "capacity": capacity, "tokens": self.ring_tokens},
             "token_bytes": self.token_bytes,
             "device_reserved_bytes": finish_device_bytes(self.args),
+            "model": layout_fields(self.layout),  # what a trainer checks its model against (served_layout_mismatch)
         }
 
     def _kv_bytes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 from trace_core.modes import ROLLOUT_MODES
@@ -477,6 +477,22 @@ def served_counters(server_info: Mapping) -> dict | None:
     `hooks.add_internal_state`: `TraceCapturer.counters`); None for a server without a TRACE capturer."""
     states = server_info.get("internal_states") or [{}]
     return states[0].get("trace")
+
+
+def layout_fields(layout: ModelLayout) -> dict:
+    """`layout` as the plain JSON a server reports (`TraceCapturer.counters()["model"]`)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(layout).items()}
+
+
+def served_layout_mismatch(server_info: Mapping, hf_config) -> list[str]:
+    """The fields in which the model a TRACE server runs (its counters' `model`, `layout_fields`) differs from the
+    layout of `hf_config` (the trainer's model), each as "field: server X, trainer Y"; ValueError when the server
+    reports no layout (TRACE off there, or not a TRACE-patched server of this version)."""
+    served = (served_counters(server_info) or {}).get("model")
+    if not isinstance(served, dict):
+        raise ValueError("/server_info reports no TRACE model layout (internal_states[0]['trace']['model'])")
+    mine = layout_fields(model_layout(hf_config))
+    return [f"{k}: server {served.get(k)!r}, trainer {v!r}" for k, v in mine.items() if served.get(k) != v]
 
 
 def kv_kinds(args: TraceArgs) -> tuple[str, ...]:

@@ -10,7 +10,8 @@ speaks the JSON of sglang 0.5.15.post1's endpoints as read from the installed so
 SGLang's per-output-token `customized_info` channel, so `meta_info["trace"]` is a list with the handle at the last
 output token; the pre-0.5.15 dict form is still read, `legacy_handle`), `/update_weights_from_disk`
 (`UpdateWeightFromDiskReqInput.model_path` / `weight_version` -> `{"success", "message", "num_paused_requests"}`,
-HTTP 400 on failure), `/model_info` (`weight_version`) and `/server_info`, behind SGLang's own `--api-key` /
+HTTP 400 on failure), `/model_info` (`weight_version`, `architectures`) and `/server_info` (with TRACE on, the
+model layout its capturer reports under `internal_states`), behind SGLang's own `--api-key` /
 `--admin-api-key` decision (`sglang.srt.utils.auth.decide_request_auth`, with the endpoints' auth levels of
 `http_server.py`). It samples with the real `EmbeddedEngine` (the same FP4 numerics) and, like `sglang_trace`'s
 capturer, writes each request's records of positions [0, seqlen - 1) with a `trace_core.records.store.StepWriter` under
@@ -43,7 +44,9 @@ from safetensors.torch import load_file, save_file
 from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_WEIGHTS
 from sglang.srt.managers import io_struct
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+from transformers import AutoConfig
 
+from sglang_trace.config import layout_fields, model_layout
 from tests.sglang_server import stand_in_server_info
 from tests.sglang_weights import REQUESTS, WeightReceiver
 from trace_core.records.layout import TrajectoryRecords
@@ -98,6 +101,8 @@ class StandIn:
             str(Path(model_dir) / HF_DIR), fp4=True, spec=record_spec(tiny.layers, cfg), max_batch=16, max_len=32
         )
         self.weights = load_file(Path(model_dir) / HF_DIR / "model.safetensors")  # what the server holds
+        self.hf_config = AutoConfig.from_pretrained(Path(model_dir) / HF_DIR)  # the model it serves
+        self.layout: dict | None = layout_fields(model_layout(self.hf_config))  # None: reports no layout
         self.pending = False  # weights updated by tensor / distributed since the engine last loaded them
         self.store, self.weight_version, self.step_offset = store, weight_version, step_offset
         self.policy: dict[str, object] = {}  # --trace-* fields /server_info reports beyond the defaults
@@ -159,10 +164,12 @@ class StandIn:
                 if self.path == "/server_info":
                     info = stand_in_server_info(trace_store=str(stand_in.store), **stand_in.policy)
                     sizes = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "enable_memory_saver": stand_in.memory_saver}
+                    if info["trace_mode"] != "off" and stand_in.layout is not None:  # TRACE reports its model
+                        sizes["internal_states"] = [{"trace": {"model": stand_in.layout}}]
                     self._send(200, sizes | info)
                     return
                 info = {"model_path": model_dir, "is_generation": True, "weight_version": stand_in.weight_version}
-                self._send(200, info)
+                self._send(200, info | {"architectures": stand_in.hf_config.architectures})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["Content-Length"]))

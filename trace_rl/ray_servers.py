@@ -213,6 +213,10 @@ class RayServerGroup(ServerGroup):
         """Process ids of the servers' leaders, on their nodes."""
         return list(self._pids)
 
+    def _assign_devices(self) -> list[str]:
+        """Ray gave each server its GPUs (their ids on its node): nothing to assign or check."""
+        return []
+
     def _ports_taken(self) -> list[ServerSpec]:
         import ray
 

@@ -72,6 +72,19 @@ def parse_gpus(text: str) -> list[tuple[int, ...]]:
     return out
 
 
+def cuda_devices(gpus: Sequence[int], visible: str | None, host_gpus: int) -> tuple[str, ...]:
+    """The CUDA_VISIBLE_DEVICES entries of a local server on GPU indices `gpus`: indices into the launcher's own
+    `visible` CUDA_VISIBLE_DEVICES when it has one (a scheduler's allocation: 0 is its first GPU), else among the
+    host's `host_gpus` GPUs. ValueError naming an index beyond them."""
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else None
+    count = len(entries) if entries is not None else host_gpus
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        where = f"CUDA_VISIBLE_DEVICES={visible!r} of the launcher" if entries is not None else "this host"
+        raise ValueError(f"GPU {missing[0]} does not exist: {where} has {count} GPU(s), indices 0..{count - 1}")
+    return tuple(entries[g] for g in gpus) if entries is not None else tuple(map(str, gpus))
+
+
 def parse_args(text: str) -> list[str]:
     """`sglang_args` as argv words (shell quoting); ValueError naming a flag the launcher sets itself."""
     try:
@@ -192,6 +205,7 @@ class ServerSpec:
     log: Path
     secrets: tuple[str, ...] = ()  # key values on argv, redacted from every message
     host: str = HOST  # where it listens: loopback on this host, a Ray node's address elsewhere
+    devices: tuple[str, ...] = ()  # its CUDA_VISIBLE_DEVICES entries (`cuda_devices`; empty: the ids in `gpus`)
 
     @property
     def url(self) -> str:
@@ -200,7 +214,7 @@ class ServerSpec:
     @property
     def env(self) -> dict[str, str]:
         """What its environment adds to the launcher's: its GPUs."""
-        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.devices or map(str, self.gpus))}
 
     @property
     def name(self) -> str:
@@ -211,7 +225,7 @@ class ServerSpec:
         text = shlex.join(self.argv)
         for s in self.secrets:
             text = text.replace(s, "<redacted>")
-        return f"CUDA_VISIBLE_DEVICES={','.join(map(str, self.gpus))} {text}"
+        return f"CUDA_VISIBLE_DEVICES={self.env['CUDA_VISIBLE_DEVICES']} {text}"
 
 
 def server_specs(

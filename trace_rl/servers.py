@@ -3,8 +3,9 @@
 
 The launcher starts one server per entry of `sglang_gpus` on this host, each with the command line of
 `trace_rl.server_command.server_specs` (the trainer's capture policy, so the pool's start-up check
-`SGLangWorker.check_policy` finds them equal), `CUDA_VISIBLE_DEVICES` set to its GPUs, in its own process group,
-logging to `<out_dir>/servers/server<i>.log`. `ServerGroup` waits for every `/health` within
+`SGLangWorker.check_policy` finds them equal), `CUDA_VISIBLE_DEVICES` set to its GPUs (indices into the launcher's
+own CUDA_VISIBLE_DEVICES when it has one; an index beyond the GPUs there fails the launch before anything starts),
+in its own process group, logging to `<out_dir>/servers/server<i>.log`. `ServerGroup` waits for every `/health` within
 `sglang_start_timeout_s` and tears the whole group down (SIGTERM to each process group, SIGKILL after a grace
 period) on exit, on an exception and on SIGINT / SIGTERM of the launcher. A server that dies while the group runs is
 started again by `restart` (same command, GPUs and port, its log appended) when the rollout pool next needs it, at
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ from trace_rl.server_command import (  # noqa: F401  (re-exported: the launch AP
     OWNED_FLAGS,
     ServerSpec,
     capture_flags,
+    cuda_devices,
     group_urls,
     hf_dir,
     launch_errors,
@@ -137,6 +140,23 @@ class ServerGroup:
     def _ports_taken(self) -> list[ServerSpec]:
         return [s for s in self.specs if port_in_use(s.port)]
 
+    def _assign_devices(self) -> list[str]:
+        """Give each server its CUDA_VISIBLE_DEVICES (`cuda_devices`: `sglang_gpus` indexes the launcher's own
+        CUDA_VISIBLE_DEVICES, else the host's GPUs); what is wrong, one line per server. CPU servers (a host without
+        GPUs and a CPU trainer) keep their ids as given."""
+        import torch
+
+        host_gpus, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+        if host_gpus == 0 and self.cfg.device != "cuda":
+            return []
+        errors = []
+        for i, spec in enumerate(self.specs):
+            try:
+                self.specs[i] = replace(spec, devices=cuda_devices(spec.gpus, visible, host_gpus))
+            except ValueError as e:
+                errors.append(f"{spec.name}: sglang_gpus={self.cfg.sglang_gpus!r}: {e}")
+        return errors
+
     def _spawn(self, i: int, header: str) -> None:
         """Start server `i` (again), its log opened for appending with `header` first."""
         spec = self.specs[i]
@@ -214,6 +234,9 @@ class ServerGroup:
         """Start every server and wait until each answers `/health` 200; on any failure tear the group down and
         raise `ServerGroupError` within `sglang_start_timeout_s` (plus the kill grace)."""
         try:
+            wrong = self._assign_devices()
+            if wrong:
+                raise ServerGroupError("; ".join(wrong))
             taken = self._ports_taken()
             if taken:
                 raise ServerGroupError(

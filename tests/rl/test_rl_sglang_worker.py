@@ -181,3 +181,47 @@ def test_a_server_capturing_another_policy_is_refused_by_name(model_dir, tmp_pat
         SGLangPool(cfg, record_spec(2, cfg), task)  # the same server with the trainer's policy is taken
     finally:
         server.server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "mode, serves, named",
+    [
+        ("trace", dict(hidden=128), "hidden: server 128, trainer 64"),
+        (
+            "trace",
+            dict(num_layers=3, moe_layers=[0, 1, 2]),
+            "num_layers: server 3, trainer 2; moe_layers: server [0, 1, 2]",
+        ),
+        ("qat", dict(num_experts=16), "num_experts: server 16, trainer 4"),
+        ("trace", dict(architectures=["LlamaForCausalLM"]), "architectures: server ['LlamaForCausalLM'], trainer"),
+        ("bf16", dict(architectures=["LlamaForCausalLM"]), "architectures: server ['LlamaForCausalLM'], trainer"),
+        ("trace", None, "/server_info reports no TRACE model layout"),
+    ],
+)
+def test_a_server_running_another_model_is_refused_by_name_at_start(model_dir, tmp_path, mode, serves, named):
+    """The pool's start-up refuses a server that serves another model than the trainer's, naming what differs: the
+    architectures of its `/model_info` in every mode, and with TRACE on the model layout its capturer reports in
+    `/server_info` (layers, widths, experts, ...); a TRACE server that reports no layout is refused too. The same
+    server serving the trainer's model is taken."""
+    from trace_rl.policy import RolloutTask
+    from trace_rl.rollout.sglang_worker import SGLangPool
+    from trace_rl.task import EOS
+
+    server = StandIn(model_dir, tmp_path)
+    if mode == "bf16":
+        server.policy = {"trace_mode": "off", "enable_return_routed_experts": True}
+    layout, archs = dict(server.layout), list(server.hf_config.architectures)
+    if serves is None:
+        server.layout = None
+    else:
+        server.hf_config.architectures = serves.pop("architectures", archs)
+        server.layout = layout | serves
+    try:
+        cfg = _cfg(model_dir, tmp_path, server, mode=mode)
+        task = RolloutTask(str(Path(model_dir) / HF_DIR), 16, (EOS,))
+        with pytest.raises(SGLangError, match=f"serves another model .*{re.escape(named)}|{re.escape(named)}"):
+            SGLangPool(cfg, record_spec(2, cfg), task)
+        server.layout, server.hf_config.architectures = layout, archs
+        SGLangPool(cfg, record_spec(2, cfg), task)
+    finally:
+        server.server.shutdown()

@@ -139,6 +139,39 @@ def test_an_occupied_port_is_refused_by_name_before_anything_starts(tmp_path):
     assert recorded_pids(tmp_path) == []
 
 
+@pytest.mark.parametrize("visible", ["5,7", None], ids=["launcher-devices", "host"])
+def test_a_gpu_index_beyond_the_gpus_is_refused_by_name_before_anything_starts(tmp_path, monkeypatch, visible):
+    """`sglang_gpus` indexes the launcher's own CUDA_VISIBLE_DEVICES (a scheduler's allocation) when it has one,
+    else the host's GPUs: an index beyond them fails the launch at once, naming the server, the key and what there
+    is, before any server starts."""
+    import torch
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    count = 2 if visible else torch.cuda.device_count()
+    cfg = config(tmp_path, servers=1, sglang_gpus=str(count), device="cuda")
+    where = f"CUDA_VISIBLE_DEVICES='{visible}' of the launcher" if visible else "this host"
+    named = rf"server0 \(.*\): sglang_gpus='{count}': GPU {count} does not exist: {where} has {count} GPU\(s\)"
+    t0 = time.monotonic()
+    with pytest.raises(ServerGroupError, match=named):
+        ServerGroup(cfg, command=STAND_IN).__enter__()
+    assert time.monotonic() - t0 < 5.0 and recorded_pids(tmp_path) == []
+
+
+def test_server_gpus_index_the_launchers_cuda_visible_devices(tmp_path, monkeypatch):
+    """Under a launcher restricted to GPUs 5 and 7, `sglang_gpus = "1;0"` puts server0 on GPU 7 and server1 on
+    GPU 5 (their CUDA_VISIBLE_DEVICES, as their logs' command lines show)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    cfg = config(tmp_path, sglang_gpus="1;0", device="cuda")
+    with ServerGroup(cfg, command=STAND_IN, kill_grace_s=2.0) as group:
+        assert [s.env["CUDA_VISIBLE_DEVICES"] for s in group.specs] == ["7", "5"]
+        heads = [s.log.read_text().splitlines()[0] for s in group.specs]
+    assert heads[0].startswith("# CUDA_VISIBLE_DEVICES=7 ") and heads[1].startswith("# CUDA_VISIBLE_DEVICES=5 ")
+    assert wait_gone(recorded_pids(tmp_path)) == []
+
+
 def test_a_server_dying_mid_run_stops_the_run_with_its_log_tail(tmp_path):
     """With no restart allowed (`sglang_max_restarts = 0`) the monitor stops the run at once."""
     cfg = config(

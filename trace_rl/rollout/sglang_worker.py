@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
-from sglang_trace.config import served_counters, served_spec
+from sglang_trace.config import served_counters, served_layout_mismatch, served_spec
 from sglang_trace.handle import from_meta_info
 from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.spec import Binding, RecordSpec, token_digest
@@ -130,6 +130,7 @@ class SGLangWorker:
         self.record_wait_s = 0.0  # seconds after answers spent until their records were in the store
         self._wait_lock = threading.Lock()
         self._info: dict | None = None  # /server_info, read once
+        self._model_info: dict = {}  # the last /model_info answer
         self._last_update: tuple[str, object] = ("no update", None)
         self._version = self.version(deadline=deadline, budget="sglang_start_timeout_s")
 
@@ -185,7 +186,8 @@ class SGLangWorker:
     def version(self, *, deadline: float | None = None, budget: str = "") -> int:
         """The server's `weight_version` from `/model_info`, which TRACE needs to be an integer policy version."""
         info = self._call("GET", "/model_info", deadline=deadline, budget=budget)
-        version = info.get("weight_version") if isinstance(info, dict) else None
+        self._model_info = info if isinstance(info, dict) else {}
+        version = self._model_info.get("weight_version")
         try:
             return int(version)
         except (TypeError, ValueError):
@@ -195,11 +197,13 @@ class SGLangWorker:
             ) from None
 
     def check_policy(self, spec: RecordSpec, hf_config, *, deadline: float | None = None, budget: str = "") -> None:
-        """SGLangError unless the server captures exactly `spec` (bits, MoE and attention layers, recipe), read
-        from its `/server_info` (its `--trace-*` settings) on the model's HF config: a server recording another
-        policy would leave the trainer's sites without records, and the trainer would fall back to RTN there."""
+        """SGLangError unless the server runs the trainer's model (`_check_model`) and captures exactly `spec` (bits,
+        MoE and attention layers, recipe), read from its `/server_info` (its `--trace-*` settings) on the model's HF
+        config: a server recording another policy would leave the trainer's sites without records, and the trainer
+        would fall back to RTN there."""
         info = self._call("GET", "/server_info", deadline=deadline, budget=budget)
         self._info = info if isinstance(info, dict) else {}
+        self._check_model(hf_config)
         if self.cfg.mode == "bf16":
             self._check_bf16(self._info)
             return
@@ -217,6 +221,24 @@ class SGLangWorker:
                 f"SGLang server {self.url} captures another policy than the trainer guides with ({'; '.join(diff)}): "
                 "start it with --trace-record-bits / --trace-layers / --trace-sites / --trace-recipe matching the "
                 "config's record_bits, record_all_layers and recipe"
+            )
+
+    def _check_model(self, hf_config) -> None:
+        """SGLangError unless the server runs the trainer's model: the architectures of its `/model_info`, and with
+        TRACE on the layout its capturer reports (layers, MoE and attention layer ids, widths, heads, top-k,
+        experts: `served_layout_mismatch`). Another model would sample tokens the trainer scores with other weights,
+        and its records and routes would not fit the trainer's sites."""
+        served, mine = self._model_info.get("architectures"), list(getattr(hf_config, "architectures", None) or [])
+        diff = [] if served == mine else [f"architectures: server {served!r}, trainer {mine!r}"]
+        if not diff and (self._info or {}).get("trace_mode", "off") != "off":
+            try:
+                diff = served_layout_mismatch(self._info or {}, hf_config)
+            except ValueError as e:
+                raise SGLangError(f"SGLang server {self.url}/server_info: {e}") from None
+        if diff:
+            raise SGLangError(
+                f"SGLang server {self.url} serves another model ({self._model_info.get('model_path')!r}) than the "
+                f"trainer's ({self.cfg.model_dir!r}): {'; '.join(diff)}"
             )
 
     def _check_bf16(self, info: dict) -> None:
