@@ -40,6 +40,8 @@ REPRODUCIBLE_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
 
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """SHA-256 over the tensors' names and bytes, in name order."""
@@ -68,7 +70,9 @@ def reproduce(out: Path, layouts: list[str], timeout: float) -> dict:
     what it wrote to `out`."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "tests.rl_reference", str(out), "--layouts", *layouts]
-    subprocess.run(cmd, cwd=root, env=os.environ | REPRODUCIBLE_ENV, check=True, timeout=timeout)
+    # a rank of its own: not the rendezvous (MASTER_PORT, ...) a process group of the caller left in its environment
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV} | REPRODUCIBLE_ENV
+    subprocess.run(cmd, cwd=root, env=env, check=True, timeout=timeout)
     return json.loads(out.read_text())
 
 
