@@ -44,10 +44,8 @@ from safetensors.torch import load_file, save_file
 from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_WEIGHTS
 from sglang.srt.managers import io_struct
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
-from transformers import AutoConfig
 
-from sglang_trace.config import layout_fields, model_layout
-from tests.sglang_server import stand_in_server_info
+from tests.sglang_server import stand_in_internal_states, stand_in_model, stand_in_server_info
 from tests.sglang_weights import REQUESTS, WeightReceiver
 from trace_core.records.layout import TrajectoryRecords
 from trace_core.records.spec import Binding, token_digest
@@ -101,8 +99,8 @@ class StandIn:
             str(Path(model_dir) / HF_DIR), fp4=True, spec=record_spec(tiny.layers, cfg), max_batch=16, max_len=32
         )
         self.weights = load_file(Path(model_dir) / HF_DIR / "model.safetensors")  # what the server holds
-        self.hf_config = AutoConfig.from_pretrained(Path(model_dir) / HF_DIR)  # the model it serves
-        self.layout: dict | None = layout_fields(model_layout(self.hf_config))  # None: reports no layout
+        self.architectures, layout = stand_in_model(Path(model_dir) / HF_DIR)  # the model it serves
+        self.layout: dict | None = layout  # None: reports no layout
         self.pending = False  # weights updated by tensor / distributed since the engine last loaded them
         self.store, self.weight_version, self.step_offset = store, weight_version, step_offset
         self.policy: dict[str, object] = {}  # --trace-* fields /server_info reports beyond the defaults
@@ -165,11 +163,11 @@ class StandIn:
                     info = stand_in_server_info(trace_store=str(stand_in.store), **stand_in.policy)
                     sizes = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "enable_memory_saver": stand_in.memory_saver}
                     if info["trace_mode"] != "off" and stand_in.layout is not None:  # TRACE reports its model
-                        sizes["internal_states"] = [{"trace": {"model": stand_in.layout}}]
+                        sizes["internal_states"] = stand_in_internal_states(stand_in.layout)
                     self._send(200, sizes | info)
                     return
                 info = {"model_path": model_dir, "is_generation": True, "weight_version": stand_in.weight_version}
-                self._send(200, info | {"architectures": stand_in.hf_config.architectures})
+                self._send(200, info | {"architectures": stand_in.architectures})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["Content-Length"]))

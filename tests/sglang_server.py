@@ -67,6 +67,23 @@ def stand_in_server_info(**trace_fields: object) -> dict:
     return {**SERVER_ARGS_FIELDS, "trace_mode": "emulate", **trace_fields}
 
 
+def stand_in_model(hf_dir: str | Path) -> tuple[list[str], dict]:
+    """What a patched server reports of the model it serves, for HTTP stand-ins: the architectures of its
+    `/model_info` and the layout TRACE's capturer reports in `/server_info` (`stand_in_internal_states`)."""
+    from transformers import AutoConfig
+
+    from sglang_trace.config import layout_fields, model_layout
+
+    hf = AutoConfig.from_pretrained(hf_dir)
+    return list(hf.architectures), layout_fields(model_layout(hf))
+
+
+def stand_in_internal_states(layout: dict) -> list[dict]:
+    """`/server_info`'s `internal_states` of a TRACE server running the model of `layout` (`TraceCapturer.counters`
+    reports it under "trace")."""
+    return [{"trace": {"model": layout}}]
+
+
 def free_port() -> int:
     """A free port in [20000, 40000): SGLang derives further ports from it (e.g. its gRPC port), which must stay
     below 65536."""

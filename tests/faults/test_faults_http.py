@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.sglang_server import stand_in_server_info
+from tests.sglang_server import stand_in_internal_states, stand_in_model, stand_in_server_info
 from trace_rl.config import RLConfig
 from trace_rl.controller import record_spec
 from trace_rl.policy import RolloutTask
@@ -36,8 +36,9 @@ class Trickle:
     `pause` seconds after its headers (each read well inside any socket timeout); with `echo`, every answer is an
     HTTP 500 that echoes the request's headers, as a debugging proxy might."""
 
-    def __init__(self, slow: tuple[str, ...] = (), pause: float = 0.4, echo: bool = False):
+    def __init__(self, model_dir: str, slow: tuple[str, ...] = (), pause: float = 0.4, echo: bool = False):
         trickle = self
+        architectures, layout = stand_in_model(Path(model_dir) / HF_DIR)  # the model it serves
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
@@ -47,9 +48,10 @@ class Trickle:
                 if trickle.echo:
                     body, code = json.dumps({"error": "bad request", "headers": dict(self.headers)}).encode(), 500
                 elif self.path == "/model_info":
-                    body, code = json.dumps({"weight_version": "0"}).encode(), 200
+                    body, code = json.dumps({"weight_version": "0", "architectures": architectures}).encode(), 200
                 elif self.path == "/server_info":
-                    body, code = json.dumps(stand_in_server_info()).encode(), 200
+                    info = stand_in_server_info() | {"internal_states": stand_in_internal_states(layout)}
+                    body, code = json.dumps(info).encode(), 200
                 else:
                     body, code = json.dumps({"success": True, "message": "ok", "num_paused_requests": 0}).encode(), 200
                 self.send_response(code)
@@ -103,7 +105,7 @@ def _checkpoint_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def test_every_sglang_call_has_a_wall_clock_deadline(model_dir, tmp_path):
-    server = Trickle(slow=("/model_info",))  # about 10 s for the 27 bytes of its answer
+    server = Trickle(model_dir, slow=("/model_info",))  # about 26 s for the 65 bytes of its answer
     try:
         start = time.monotonic()
         with pytest.raises(SGLangError, match=f"{server.url}/model_info: no complete answer within sglang_timeout_s=1"):
@@ -127,7 +129,7 @@ def test_every_sglang_call_has_a_wall_clock_deadline(model_dir, tmp_path):
 
 
 def test_a_key_echoed_by_a_server_never_reaches_an_error_message(model_dir, tmp_path, monkeypatch):
-    server = Trickle(echo=True)
+    server = Trickle(model_dir, echo=True)
     monkeypatch.setenv("TRACE_SGLANG_KEY", KEY)
     try:
         cfg = _trickle_cfg(model_dir, tmp_path, server, sglang_api_key="env:TRACE_SGLANG_KEY")

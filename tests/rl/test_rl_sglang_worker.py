@@ -210,18 +210,18 @@ def test_a_server_running_another_model_is_refused_by_name_at_start(model_dir, t
     server = StandIn(model_dir, tmp_path)
     if mode == "bf16":
         server.policy = {"trace_mode": "off", "enable_return_routed_experts": True}
-    layout, archs = dict(server.layout), list(server.hf_config.architectures)
+    layout, archs = dict(server.layout), list(server.architectures)
     if serves is None:
         server.layout = None
     else:
-        server.hf_config.architectures = serves.pop("architectures", archs)
+        server.architectures = serves.pop("architectures", archs)
         server.layout = layout | serves
     try:
         cfg = _cfg(model_dir, tmp_path, server, mode=mode)
         task = RolloutTask(str(Path(model_dir) / HF_DIR), 16, (EOS,))
         with pytest.raises(SGLangError, match=f"serves another model .*{re.escape(named)}|{re.escape(named)}"):
             SGLangPool(cfg, record_spec(2, cfg), task)
-        server.layout, server.hf_config.architectures = layout, archs
+        server.layout, server.architectures = layout, archs
         SGLangPool(cfg, record_spec(2, cfg), task)
     finally:
         server.server.shutdown()
