@@ -37,8 +37,12 @@ def main() -> None:
         with open(args.stand_in_pids, "a") as f:
             f.write(f"{os.getpid()}\n")
     if args.stand_in_child:
-        code = f"import os,time; open({args.stand_in_pids!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(3600)"
-        subprocess.Popen([sys.executable, "-c", code])
+        code = (
+            f"import os,time; open({args.stand_in_pids!r}, 'a').write(f'{{os.getpid()}}\\n'); print(flush=True); "
+            "time.sleep(3600)"
+        )
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        child.stdout.readline()  # its pid is recorded before this server can answer /health
     # the checkout's root on the path instead of this script's folder, whose tests/sglang/ and tests/megatron/
     # would shadow the sglang and megatron packages
     here = Path(__file__).resolve().parent
