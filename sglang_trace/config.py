@@ -10,6 +10,7 @@ server starts, naming the flag. What needs the model (architecture, layer ids, w
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -19,6 +20,8 @@ from trace_core.numerics.formats import KV_FP4, NVFP4
 from trace_core.numerics.recipe import DEFAULT_RECIPE, PrecisionRecipe, Role, Scale, get_recipe, recipe_names
 from trace_core.records.spec import LAYER_PRESETS, CapturePolicy, RecordSpec, check_bits
 from trace_core.sites import SITE_KINDS
+
+logger = logging.getLogger(__name__)
 
 MODES = ROLLOUT_MODES
 
@@ -295,6 +298,12 @@ def check_server_args(server_args) -> TraceArgs:
         )
     if problems:
         raise ValueError("TRACE server arguments: " + "; ".join(problems))
+    if args.records and not server_args.sleep_on_idle:
+        # The record writer is a thread of the scheduler's process: an idle scheduler that spins in Python holds the
+        # GIL the writer needs at every torch op and file write (106 ms a 66 KB shard on the H200, measured). Sleeping
+        # in SGLang's zmq poll while idle releases it; requests still wake the scheduler at once.
+        server_args.sleep_on_idle = True
+        logger.info("TRACE: --sleep-on-idle set (the record writer needs the GIL while the scheduler is idle)")
     return args
 
 

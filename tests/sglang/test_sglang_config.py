@@ -75,6 +75,12 @@ def test_cli_flags_parse_into_server_args():
         parser.parse_args(["--model-path", "dummy", "--trace-mode", "fp4"])  # argparse choices
 
 
+def test_a_recording_server_sleeps_on_idle_so_the_writer_thread_gets_the_gil():
+    """The patched ServerArgs checks its final settings at the end of __post_init__, which sets it."""
+    assert make().sleep_on_idle
+    assert not make(trace_sites="none").sleep_on_idle
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
