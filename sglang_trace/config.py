@@ -240,7 +240,8 @@ def check_server_args(server_args) -> TraceArgs:
     Raises ValueError naming the flag and the problem. Settings TRACE does not handle (DP attention, expert
     parallelism, speculative decoding, ...) are refused rather than recorded wrongly. The patched ServerArgs calls
     this twice: on the flags as given, and at the end of `__post_init__` on the final settings (after SGLang's
-    per-model and per-GPU defaults, e.g. its switch to `flashinfer_trtllm` for Qwen3-MoE on SM100).
+    per-model and per-GPU defaults, e.g. its switch to `flashinfer_trtllm` for Qwen3-MoE on SM100). The one setting
+    it changes: a server that records gets `sleep_on_idle` (the record writer thread needs the GIL, see below).
     """
     args = parse_trace_args(server_args)
     if not args.enabled:
