@@ -36,11 +36,11 @@ the remaining steps), time to first token (of the batch's last request), peak ru
 CUDA-graph use of the decode steps, retractions; per server: KV token capacity (`/server_info`
 max_total_num_tokens) and memory; for TRACE configurations the record bytes written per token (shard headers of
 the record store, read and deleted as they appear) against `trace_core.records.spec.bytes_per_token`. The issue's ratio
-targets are evaluated after every point (`TARGETS`), each marked met / missed / not-measured. Not measured: the
-scheduler-thread time per finished request (the live server reports no such counter; bench/sglang_finish.py times
-it on the real TraceCapturer). The requests of a point start and finish together, so the finish path (records
-moved to the writer thread through the host ring) lands after the decode steps: in latency_s, not in the decode
-throughput.
+targets are evaluated after every point (`TARGETS`), each marked met / missed / not-measured. TRACE points also
+carry the server's finish-path counters (`/server_info`'s `internal_states[0]["trace"]`): scheduler-thread ms per
+finished request, host-ring waits, the writer's GB/s and the slot fence's allocation waits. The requests of a point
+start and finish together, so the finish path (records moved to the writer thread through the host ring) lands
+after the decode steps: in latency_s, not in the decode throughput.
 
 Results go to `--out` (JSON, rewritten after every point) and a PNG next to it; a rerun skips the points already
 measured under the same settings (`--force` remeasures), so a run cut short resumes where it stopped.
@@ -168,6 +168,8 @@ QUANTITIES = {
     "the point); finish_requests / finish_tokens_per_request / finish_transfers beside it",
     "ring_wait_s": "seconds the scheduler waited for host-ring space in the point (ring_stalls: how many times)",
     "writer_GBps": "host bytes over the store writer thread's seconds in the point (writer_s), once the store drained",
+    "fence_alloc_waits": "allocations that waited for the finish path's copies to free the slots the slot fence "
+    "held (fence_alloc_wait_s: their seconds on the scheduler thread)",
     "kv_capacity_tokens": "max_total_num_tokens of /server_info (the KV pool in tokens, after the record store's "
     "share of the cell size)",
     "record_bytes_per_token": "raw record bytes (MoE-input and K/V sites) per token over the point's trajectories, "
@@ -563,6 +565,8 @@ def finish_path(before: dict, after: dict) -> dict:
         "writer_s": write_s,
         "writer_GBps": d("host_bytes") / write_s / 1e9 if write_s > 0 else None,
         "record_write_failures": d("write_failures"),
+        "fence_alloc_waits": after["fence"]["alloc_waits"] - before["fence"]["alloc_waits"],
+        "fence_alloc_wait_s": after["fence"]["alloc_wait_s"] - before["fence"]["alloc_wait_s"],
     }
 
 

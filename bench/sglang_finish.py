@@ -11,10 +11,8 @@ are synchronous memcpys.
 
     python bench/sglang_finish.py --tokens 16384 --batch 4 --device cuda     # run from the checkout to be measured
 
-`--seam-stand-in` (for a GPU host where SGLang's modules do not import: no sgl_kernel and its serving deps): when
-importing SGLang fails, the capturer's base class (`RoutedExpertsCapturer`, an empty seam TraceCapturer overrides)
-and the KV pool (`MHATokenToKVPoolFP4`'s per-layer buffers, same shapes and dtypes) are plain stand-ins; every
-line of TraceCapturer, RecordCapturer, KVGather and HostRing that runs is the real one. The JSON says which ran.
+The KV pool, request pool and KV allocator are SGLang's own (`MHATokenToKVPoolFP4`, `ReqToTokenPool`,
+`TokenToKVPoolAllocator` under the capturer's `SlotFence`), as on a server.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,66 +36,19 @@ from sglang_trace.config import SERVER_ARGS_FIELDS, ModelLayout, TraceArgs, pars
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, TOPK = 48, 4, 128, 2048, 8
 
 
-class StandInFP4Pool:
-    """`MHATokenToKVPoolFP4`'s buffers (per layer: packed E2M1 codes `[slots, heads, head_dim / 2]` and E8M0 bytes
-    `[slots, heads * head_dim / 16]`, uint8), for hosts where SGLang does not import."""
+def sglang_parts(tokens: int, device: str):
+    """SGLang's FP4 KV pool of `tokens` slots, a request pool for requests of `tokens + 1` ids, and the KV allocator
+    over the pool (`TokenToKVPoolAllocator`), with the installed version."""
+    import sglang
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
 
-    store_dtype = torch.uint8
-
-    def __init__(self, size: int, head_num: int, head_dim: int, layer_num: int, device: str) -> None:
-        self.head_num, self.head_dim, self.layer_num, self.start_layer, self.end_layer = (
-            head_num, head_dim, layer_num, 0, layer_num
-        )  # fmt: skip
-        rows = size + 1
-
-        def codes() -> list[torch.Tensor]:
-            return [
-                torch.zeros(rows, head_num, head_dim // 2, dtype=torch.uint8, device=device) for _ in range(layer_num)
-            ]
-
-        def scales() -> list[torch.Tensor]:
-            return [
-                torch.zeros(rows, head_num * head_dim // 16, dtype=torch.uint8, device=device) for _ in range(layer_num)
-            ]
-
-        self.k_buffer, self.v_buffer, self.k_scale_buffer, self.v_scale_buffer = codes(), codes(), scales(), scales()
-
-
-def sglang_parts(stand_in: bool) -> tuple[str, object, object]:
-    """(what ran, KV-pool factory, req-to-token-pool factory): SGLang's own classes, or, when they do not import
-    and `stand_in` is set, the seam and pool stand-ins (module docstring)."""
-    try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
-
-        def pool(size, device):
-            return MHATokenToKVPoolFP4(size=size, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=KV_HEADS,
-                                       head_dim=HEAD_DIM, layer_num=LAYERS, device=device, enable_memory_saver=False,
-                                       enable_alt_stream=False)  # fmt: skip
-
-        def req_pool(context, device):
-            return ReqToTokenPool(size=2, max_context_len=context, device=device, enable_memory_saver=False)
-
-        import sglang
-
-        return f"sglang {sglang.__version__}", pool, req_pool
-    except Exception as e:
-        if not stand_in:
-            raise
-        reason = f"{type(e).__name__}: {e}"
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        del sys.modules[name]
-    path = "sglang.srt.state_capturer.routed_experts"
-    for i, part in enumerate(path.split(".")):
-        sys.modules[".".join(path.split(".")[: i + 1])] = types.ModuleType(part)
-    sys.modules[path].RoutedExpertsCapturer = type("RoutedExpertsCapturer", (), {})
-
-    def stand_in_pool(size, device):
-        return StandInFP4Pool(size, KV_HEADS, HEAD_DIM, LAYERS, device)
-
-    def stand_in_req_pool(context, device):
-        return SimpleNamespace(req_to_token=torch.zeros(2, context, dtype=torch.int32, device=device))
-
-    return f"seam and pool stand-ins (SGLang import failed: {reason[:200]})", stand_in_pool, stand_in_req_pool
+    pool = MHATokenToKVPoolFP4(size=tokens + 1, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=KV_HEADS,
+                               head_dim=HEAD_DIM, layer_num=LAYERS, device=device, enable_memory_saver=False,
+                               enable_alt_stream=False)  # fmt: skip
+    req_pool = ReqToTokenPool(size=2, max_context_len=tokens + 2, device=device, enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(tokens + 1, torch.float4_e2m1fn_x2, device, pool, need_sort=False)
+    return f"sglang {sglang.__version__}", pool, req_pool, allocator
 
 
 def main() -> None:
@@ -110,7 +60,6 @@ def main() -> None:
     p.add_argument("--sites", default=str(SERVER_ARGS_FIELDS["trace_sites"]), help="--trace-sites of the capturer")
     p.add_argument("--store-dir", help="where the record store is written (default: the system temp dir)")
     p.add_argument("--kv-gather", choices=("kernel", "torch"), default="kernel", help="K/V gather on the device")
-    p.add_argument("--seam-stand-in", action="store_true", help="stand-ins where SGLang does not import (docstring)")
     p.add_argument(
         "--kv-only",
         action="store_true",
@@ -118,12 +67,12 @@ def main() -> None:
     )
     a = p.parse_args()
     dev = torch.device(a.device)
-    ran, make_pool, make_req_pool = sglang_parts(a.seam_stand_in)
     from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot
     from sglang_trace.config import model_spec
     from sglang_trace.kv import gather_kv_raw, kv_row_bytes
     from sglang_trace.kv_gather import KVGather
     from sglang_trace.moe import ExpertWeights
+    from sglang_trace.slot_fence import SlotFence
 
     store = tempfile.mkdtemp(dir=a.store_dir)
     defaults = SERVER_ARGS_FIELDS
@@ -141,10 +90,9 @@ def main() -> None:
     kv_sites = len(model_spec(args, layout).attn_layers) * 2
     token_bytes = kv_row_bytes(kv_sites, KV_HEADS * HEAD_DIM, args.bits) + record_bytes_per_slot(args, layout)
     slots = a.tokens + 1
-    pool = make_pool(slots, a.device)
+    ran, pool, req_pool, allocator = sglang_parts(a.tokens, a.device)
     for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=dev))
-    req_pool = make_req_pool(a.tokens + 2, a.device)
     req_pool.req_to_token[0, : a.tokens] = torch.arange(1, a.tokens + 1, dtype=torch.int32, device=dev)
     cap = TraceCapturer(
         args,
@@ -157,6 +105,7 @@ def main() -> None:
         return_routes=False,
         weights=ExpertWeights(),
         host_ring_bytes=a.batch * a.tokens * token_bytes,  # one result batch (the bench flushes between batches)
+        fence=SlotFence(allocator),
     )
     if a.kv_gather == "torch":
         cap.kv_gather = KVGather(pool, cap.spec.attn_layers, cap.kv_kinds, kernel=False)

@@ -26,7 +26,7 @@ step() {  # step NAME SECONDS OUTFILE COMMAND...: run COMMAND, stdout to OUTFILE
 }
 step capture 60 capture.txt "$PY" bench/capture.py --parts graph,overhead,copy --iters 5 --repeats 20 \
   --profile-forwards 3 --out "$RUN/capture.json"
-step sglang_finish 30 sglang_finish.jsonl "$PY" bench/sglang_finish.py --tokens 16384 --seam-stand-in \
+step sglang_finish 30 sglang_finish.jsonl "$PY" bench/sglang_finish.py --tokens 16384 \
   --store-dir /dev/shm --batch 1 --requests 5
 step capture_tp4 30 capture_tp4.txt "$PY" bench/capture.py --parts overhead --tp-size 4 --iters 5 --repeats 10 \
   --profile-forwards 3 --out "$RUN/capture_tp4.json"

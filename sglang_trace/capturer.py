@@ -10,9 +10,10 @@ in its place when `--trace-mode` is not off, which
   * at request finish (`finish_request`, called for every finished request before its KV is released, by the
     plugin hook on `_maybe_collect_routed_experts`) returns the handle `meta_info["trace"]` carries and queues the
     request; when the scheduler has processed a result batch (`on_batch_done`, the hook on `stream_output`) it
-    gathers every queued request's
-    records and K/V in one batched transfer into a bounded host ring and hands them to a writer thread, which
-    collects the attention-TP ranks' K/V and record shards in one gather and writes the store's shards;
+    queues the gathers of every queued request's records and K/V and their copy into a bounded host ring on a
+    stream of its own (the `SlotFence` holds the requests' KV slots until the copies ran, so the scheduler thread
+    does not wait for the host link) and hands them to a writer thread, which collects the attention-TP ranks' K/V
+    and record shards in one gather and writes the store's shards;
   * under attention TP keeps only its share of the MoE layers' records, markers and routes (`record_shards`;
     the inputs and routes are the same on every rank), so each rank's record store is about 1 / TP of one rank's;
   * still answers R3's `get_topk` (`[seqlen - 1 - start_len, num_hidden_layers, topk]` int32) when
@@ -28,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -42,6 +42,7 @@ from sglang_trace.debug import DebugTap
 from sglang_trace.kv import gather_to_first, kv_records_from_shards, kv_row_bytes, kv_rows_from_raw, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
+from sglang_trace.slot_fence import SlotFence
 from trace_core.numerics.formats import FP4Format
 from trace_core.records.capture import RecordCapturer, RowReader, record_row_layout, shard_layers
 from trace_core.records.host_ring import HostRing, RingStats
@@ -59,7 +60,6 @@ RING_REQUESTS = 2  # the default host ring holds at least this many requests of 
 RING_BYTES = 8 << 30
 TRANSFER_BYTES = 1 << 30  # a transfer's host span holds at most this (more requests: more transfers, more shards)
 STAGING_BYTES = 512 << 20  # device buffers of one piece of a transfer (a longer transfer runs in pieces)
-COPIES_IN_FLIGHT = 2  # transfers whose device-to-host copy may still run (their staging buffers stay allocated)
 SLOW_FINISH_S = 0.05  # a result batch whose transfers hold the scheduler thread longer is logged (`on_batch_done`)
 
 
@@ -180,9 +180,9 @@ def record_bytes_per_slot(args: TraceArgs, layout: ModelLayout, tp_size: int = 1
 
 def finish_device_bytes(args: TraceArgs) -> int:
     """Device memory the finish path may hold at once on each rank, which SGLang's KV budget sets aside (the plugin's
-    hook after `_profile_available_bytes`): the running transfer's buffers and the staging buffers of the
-    `COPIES_IN_FLIGHT` copies still running, each at most `STAGING_BYTES`; 0 when nothing is recorded."""
-    return (COPIES_IN_FLIGHT + 1) * STAGING_BYTES if args.records else 0
+    hook after `_profile_available_bytes`): one piece's buffers, `STAGING_BYTES` (the pieces run one after another
+    on the copy stream, each reusing the last one's memory); 0 when nothing is recorded."""
+    return STAGING_BYTES if args.records else 0
 
 
 def ring_bytes(args: TraceArgs, token_bytes: int, max_request_tokens: int, num_slots: int) -> int:
@@ -218,6 +218,8 @@ class TraceCapturer(RoutedExpertsCapturer):
             K/V and record shards are gathered to rank 0 over it, on the writer thread); required when tp_size > 1.
         moe_tp_group: SGLang's MoE-TP `GroupCoordinator` (the FC2-input row amax is taken over it); None for one rank.
         host_ring_bytes: host ring size on each rank; default `ring_bytes`.
+        fence: the `SlotFence` on SGLang's KV allocator, which holds the finished requests' slots until the finish
+            path's copies read them; required on CUDA when records are stored (on CPU the copies run at once).
         debug: the `--trace-debug-layer` tap (None: off).
 
     Hook markers: per MoE layer, the last FusedMoE hook of the layer (the FC2-input site in emulate mode, the
@@ -248,6 +250,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         trace_group=None,
         moe_tp_group=None,
         host_ring_bytes: int | None = None,
+        fence: SlotFence | None = None,
         debug: DebugTap | None = None,
     ) -> None:
         if not args.enabled:
@@ -311,11 +314,13 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._ahead: dict[int, StepWriter] = {}  # writers of rollout steps other than the weight version's
         # one writer thread per rank: it runs the transfers (and their gathers) in the order the batches closed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-store")
-        # CUDA: the device-to-host copies into the ring run on a stream of their own, so the next forward (which
-        # waits on the scheduler's stream, where the gathers run) does not wait for them
+        # CUDA: the gathers and device-to-host copies of the finish path run on a stream of their own, after the
+        # forwards queued before them and beside the later ones, which cannot touch their slots (the fence holds them)
         on_cuda = self.ring is not None and torch.device(device).type == "cuda"
+        if on_cuda and fence is None:
+            raise ValueError("TRACE's finish path on CUDA needs the KV allocator's SlotFence")
+        self.fence = fence
         self._copy_stream = torch.cuda.Stream(torch.device(device)) if on_cuda else None
-        self._copies: deque[torch.cuda.Event] = deque()  # copies of the transfers in flight, oldest first
         self._writes: list[Future] = []
         self._pending: list[_Finished] = []  # finished in the result batch being processed
         self._lock = threading.Lock()
@@ -336,6 +341,7 @@ class TraceCapturer(RoutedExpertsCapturer):
             "ring": {**ring, "capacity": capacity, "tokens": self.ring_tokens},
             "token_bytes": self.token_bytes,
             "device_reserved_bytes": finish_device_bytes(self.args),
+            "fence": {**asdict(self.fence.stats), "held_tokens": self.fence.held_tokens} if self.fence else None,
             "model": layout_fields(self.layout),  # what a trainer checks its model against (served_layout_mismatch)
         }
 
@@ -436,6 +442,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         if forward_batch.forward_mode.is_idle():
             return
         version = UNKNOWN_VERSION if self.step is None else self.step
+        if self.fence is not None:
+            self.fence.release()
         if self.records is not None:  # none with --trace-sites none (unless this rank keeps R3's routes)
             self.records.on_forward_end(forward_batch.out_cache_loc, graph_replay=bool(can_run_graph), version=version)
         if self.debug is not None:
@@ -482,6 +490,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.stats.tokens += length
         if not self.args.records:
             return self._routes_only(rid, req_pool_idx, slots)
+        if self.fence is not None:  # SGLang frees the slots next: held until the batch's copies ran
+            self.fence.arm()
         if self._writer is None:  # every rank queues the request: its K/V shard joins the batch's gather
             self._pending.append(_Finished(None, slots, None))
             return None
@@ -552,8 +562,9 @@ class TraceCapturer(RoutedExpertsCapturer):
         host ring or `TRANSFER_BYTES`; a longer request goes alone) one slot concatenation and a host ring span,
         which waits while the ring is full (backpressure, `ring.stats.stalls`); per piece of the transfer (`_stage`)
         one gather of the record rows, the K/V index ops of `gather_kv_raw` (one `KVGather` launch on CUDA) and the
-        low bits kept from them (`kv_rows_from_raw`), and one asynchronous copy into the span. Every rank runs the
-        same transfers in the same order."""
+        low bits kept from them (`kv_rows_from_raw`), and one asynchronous copy into the span, all queued on the
+        copy stream; the fence then holds the requests' freed slots until that work ran (`SlotFence.seal`). Every
+        rank runs the same transfers in the same order."""
         if not self._pending:
             return
         ring = self.ring.stats if self.ring is not None else RingStats()
@@ -565,12 +576,14 @@ class TraceCapturer(RoutedExpertsCapturer):
         limit = min(self.ring_tokens, max(1, TRANSFER_BYTES // max(1, self.token_bytes)))
         for finished in pending:
             if chunk and tokens + finished.slots.shape[0] > limit:
-                self._transfer(chunk)
+                self._transfer(chunk)  # the copy stream runs in order: the last transfer's event covers this one
                 chunk, tokens = [], 0
             chunk.append(finished)
             tokens += finished.slots.shape[0]
             total += finished.slots.shape[0]
-        self._transfer(chunk)
+        copied = self._transfer(chunk)
+        if self.fence is not None:
+            self.fence.seal(copied)
         took = time.perf_counter() - t0
         self.stats.finish_s += took
         if took > SLOW_FINISH_S:  # the finish path's profile on a live server: what held the scheduler, and why
@@ -581,13 +594,15 @@ class TraceCapturer(RoutedExpertsCapturer):
                 self.stats.finish_s, self.stats.write_s, self.stats.host_bytes / 1e6,
             )  # fmt: skip
 
-    def _transfer(self, chunk: list[_Finished]) -> None:
+    def _transfer(self, chunk: list[_Finished]) -> torch.cuda.Event | None:
         """One transfer: the chunk's record rows and K/V bytes copied into one host ring span `[n * token_bytes]`
         (this rank's record rows first, 8-byte aligned for the store's word gather, then its K/V record rows; the
         rest of the span pads to the largest rank's rows), then queued for the writer thread. The device work runs
         in pieces of at most `STAGING_BYTES` of buffers (`_stage`, `transfer_bytes` a token), each copied to its
-        place in the span (on CUDA asynchronously, on the copy stream: `_copy_to_host`)."""
-        slots = chunk[0].slots if len(chunk) == 1 else torch.cat([f.slots for f in chunk])
+        place in the span; on CUDA all of it is queued on the copy stream, whose event after the last piece this
+        returns (None on CPU, where it ran at once)."""
+        # a copy of the slots (the finished requests' `req_to_token` rows are reused by the next allocation)
+        slots = torch.cat([f.slots for f in chunk])
         n = slots.shape[0]
         ticket, span, copied = None, None, None
         if n:
@@ -595,20 +610,29 @@ class TraceCapturer(RoutedExpertsCapturer):
                 raise RuntimeError("TRACE: a transfer on a capturer that stores nothing (--trace-sites none)")
             ticket, span = self.ring.reserve(n * self.token_bytes)
             piece = max(1, STAGING_BYTES // max(1, self.transfer_bytes))
-            for a in range(0, n, piece):
-                copied = self._stage(self.records, slots[a : a + piece], span, a, n)
-                self.stats.pieces += 1
+            if self._copy_stream is not None:
+                self._copy_stream.wait_stream(torch.cuda.current_stream(slots.device))
+                slots.record_stream(self._copy_stream)
+                with torch.cuda.stream(self._copy_stream):
+                    for a in range(0, n, piece):
+                        self._stage(self.records, slots[a : a + piece], span, a, n)
+                    copied = torch.cuda.Event()
+                    copied.record(self._copy_stream)
+            else:
+                for a in range(0, n, piece):
+                    self._stage(self.records, slots[a : a + piece], span, a, n)
+            self.stats.pieces += -(-n // piece)
             self.stats.host_bytes += n * (self.row_bytes + self.kv_bytes)
             self.stats.transfers += 1
         self._writes = [f for f in self._writes if not f.done()]
         self._writes.append(self._pool.submit(self._write_batch, chunk, n, span, copied, ticket))
+        return copied
 
-    def _stage(
-        self, records: RecordCapturer, slots: torch.Tensor, span: torch.Tensor, at: int, n: int
-    ) -> torch.cuda.Event | None:
+    def _stage(self, records: RecordCapturer, slots: torch.Tensor, span: torch.Tensor, at: int, n: int) -> None:
         """The record rows and K/V record rows of `slots` (tokens `at:` of a transfer of `n`) gathered on the device
-        into one staging buffer and copied to their places in the transfer's host span; returns the copy's event on
-        CUDA (copies on the copy stream run in order, so the last piece's event covers the transfer)."""
+        into one staging buffer and copied to their places in the transfer's host span, on the current stream (the
+        copy stream on CUDA, asynchronously into the pinned span: the next piece's buffer reuses this one's memory
+        after the copy, in stream order)."""
         m, rb, kb = slots.shape[0], self.row_bytes, self.kv_bytes
         staged = torch.empty(m * (rb + kb), dtype=torch.uint8, device=records.device)
         records.gather_rows(slots, out=staged[: m * rb].view(m, rb))
@@ -621,30 +645,9 @@ class TraceCapturer(RoutedExpertsCapturer):
                 out=staged[m * rb :].view(m, kb),
             )
         rows, kv = span[at * rb : (at + m) * rb], span[n * rb + at * kb : n * rb + (at + m) * kb]
-        if self._copy_stream is None:
-            rows.copy_(staged[: m * rb])
-            kv.copy_(staged[m * rb :])
-            return None
-        return self._copy_to_host(staged, (rows, kv))
-
-    def _copy_to_host(self, staged: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor]) -> torch.cuda.Event:
-        """Copy a piece's staging buffer (its record rows, then its K/V rows) into its two places `dst` in the pinned
-        ring span on the copy stream, after the gathers queued on the current stream; returns the copy's event. With
-        more than `COPIES_IN_FLIGHT` copies running, waits for the oldest (bounding the staging memory they hold:
-        `record_stream` keeps each buffer until its copy ran)."""
-        assert self._copy_stream is not None
-        self._copy_stream.wait_stream(torch.cuda.current_stream(staged.device))
-        rows, kv = dst
-        with torch.cuda.stream(self._copy_stream):
-            rows.copy_(staged[: rows.numel()], non_blocking=True)
-            kv.copy_(staged[rows.numel() :], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._copy_stream)
-        staged.record_stream(self._copy_stream)
-        self._copies.append(copied)
-        while len(self._copies) > COPIES_IN_FLIGHT:
-            self._copies.popleft().synchronize()
-        return copied
+        on_cuda = self._copy_stream is not None
+        rows.copy_(staged[: m * rb], non_blocking=on_cuda)
+        kv.copy_(staged[m * rb :], non_blocking=on_cuda)
 
     def _write_batch(
         self,
@@ -781,6 +784,8 @@ class TraceCapturer(RoutedExpertsCapturer):
     def _refuse_pending(self, reason: str) -> None:
         """Drop the queued requests (every rank does, in lockstep) and mark them failed on rank 0."""
         pending, self._pending = self._pending, []
+        if self.fence is not None:  # no copy reads their slots
+            self.fence.seal(None)
         for f in pending:
             if f.binding is not None and f.error is None:
                 self._failed(f.binding.trajectory, f.binding.attempt, f.binding.step, f"records refused: {reason}")
@@ -848,4 +853,6 @@ class TraceCapturer(RoutedExpertsCapturer):
 
     def close(self) -> None:
         self.flush()
+        if self.fence is not None:
+            self.fence.drain()
         self._pool.shutdown()

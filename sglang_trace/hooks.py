@@ -273,6 +273,7 @@ def install_capturer(model_runner) -> bool:
 
     from sglang_trace.capturer import TraceCapturer
     from sglang_trace.plugin import check_applied
+    from sglang_trace.slot_fence import SlotFence
 
     check_applied()
 
@@ -317,6 +318,7 @@ def install_capturer(model_runner) -> bool:
         tp_size=tp.world_size,
         trace_group=trace_group(tp),
         moe_tp_group=moe_tp if moe_tp.world_size > 1 else None,
+        fence=SlotFence(model_runner.token_to_kv_pool_allocator) if args.records else None,
         debug=debug,
     )
     set_global_experts_capturer(capturer)

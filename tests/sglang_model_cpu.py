@@ -99,6 +99,7 @@ def serve_prefill(args, cfg, model, slots: torch.Tensor, ids: torch.Tensor):
     pool, then one prefill of `ids` at KV `slots` and the forward's end, as ModelRunner runs them; returns the
     capturer, the runner, the request pool and the logits."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -111,8 +112,10 @@ def serve_prefill(args, cfg, model, slots: torch.Tensor, ids: torch.Tensor):
                                head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                                enable_alt_stream=False)  # fmt: skip
     req_to_token = ReqToTokenPool(size=2, max_context_len=32, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(32, torch.float4_e2m1fn_x2, "cpu", pool, need_sort=False)
     runner = SimpleNamespace(server_args=args, model_config=SimpleNamespace(hf_config=cfg, context_len=32),
-                             model=model, token_to_kv_pool=pool, max_running_requests=2, max_total_num_tokens=32,
+                             model=model, token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator,
+                             max_running_requests=2, max_total_num_tokens=32,
                              page_size=1, device="cpu", is_draft_worker=False, tp_size=1,
                              req_to_token_pool=req_to_token)  # fmt: skip
     assert ModelRunner.init_routed_experts_capturer(runner) is None  # the plugin's hook installs TRACE's capturer

@@ -43,6 +43,7 @@ from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor  # noqa: E402
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer  # noqa: E402
 from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -142,11 +143,13 @@ class Rollout:
             enable_alt_stream=False,
         )
         self.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+        self.allocator = TokenToKVPoolAllocator(64, torch.float4_e2m1fn_x2, "cpu", self.pool, need_sort=False)
         self.runner = runner = SimpleNamespace(
             server_args=self.args,
             model=torch.nn.ModuleList(self.moe),
             model_config=SimpleNamespace(hf_config=qwen3_moe(), context_len=32),
             token_to_kv_pool=self.pool,
+            token_to_kv_pool_allocator=self.allocator,
             max_running_requests=16,
             max_total_num_tokens=64,
             page_size=1,
@@ -735,13 +738,14 @@ def test_server_info_reports_the_finish_path_counters(rollout):
     assert point["finish_ms_per_request"] == pytest.approx(1e3 * cap.stats.finish_s / 2)
     assert point["writer_GBps"] == pytest.approx(trace["host_bytes"] / cap.stats.write_s / 1e9)
     assert point["ring_wait_s"] == 0 and point["record_write_failures"] == 0
+    assert trace["fence"]["held_tokens"] == 0 and point["fence_alloc_waits"] == 0  # CPU: the copies ran at once
     server = server_summary({"internal_states": [state]}, start_s=1.0)  # the bench's record of the server
     assert server["host_ring"] == {
         "gib": cap.ring.capacity / 2**30,
         "tokens": cap.ring_tokens,
         "token_bytes": cap.token_bytes,
     }
-    assert server["finish_device_reserved_gib"] == trace["device_reserved_bytes"] / 2**30 == 1.5
+    assert server["finish_device_reserved_gib"] == trace["device_reserved_bytes"] / 2**30 == 0.5
 
 
 RING_LINE = re.compile(r"host ring ([\d.]+) GiB \((\d+) tokens of (\d+) bytes")
@@ -807,12 +811,12 @@ def test_a_transfer_runs_in_device_pieces_of_at_most_the_staging_bytes(rollout, 
 
 def test_the_kv_budget_keeps_the_finish_paths_device_buffers(rollout, monkeypatch):
     """TRACE's AFTER hook on SGLang's `_profile_available_bytes` (the method `_resolve_memory_pool_config` sizes the
-    KV pool from) takes the finish path's device buffers off the budget: `(COPIES_IN_FLIGHT + 1) * STAGING_BYTES`
+    KV pool from) takes the finish path's device buffers off the budget: `STAGING_BYTES` (one piece at a time)
     with records on, nothing with `--trace-sites none` or TRACE off; a budget that cannot hold them is refused
     naming `--mem-fraction-static`. SGLang's memory probe and world group are stood in for (no GPU here)."""
     import sglang.srt.model_executor.model_runner_kv_cache_mixin as mixin
 
-    from sglang_trace.capturer import COPIES_IN_FLIGHT, STAGING_BYTES
+    from sglang_trace.capturer import STAGING_BYTES
 
     free_gb = 40.0
     monkeypatch.setattr(mixin, "get_available_gpu_memory", lambda *a, **k: free_gb)
@@ -831,10 +835,10 @@ def test_the_kv_budget_keeps_the_finish_paths_device_buffers(rollout, monkeypatc
     none = dataclasses.replace(on, trace_sites="none", trace_store=None)
     upstream = int((free_gb - pre_gb * (1 - fraction)) * (1 << 30))
     assert available(off) == available(none) == upstream
-    assert available(on) == upstream - (COPIES_IN_FLIGHT + 1) * STAGING_BYTES
-    assert rollout.capturer.counters()["device_reserved_bytes"] == (COPIES_IN_FLIGHT + 1) * STAGING_BYTES
-    free_gb = pre_gb * (1 - fraction) + 1.0  # 1 GiB left for the KV pool
-    with pytest.raises(ValueError, match=r"finish path needs 1\.50 GiB .*0\.85 leaves 1\.00 GiB .* raise --mem-frac"):
+    assert available(on) == upstream - STAGING_BYTES
+    assert rollout.capturer.counters()["device_reserved_bytes"] == STAGING_BYTES
+    free_gb = pre_gb * (1 - fraction) + 0.25  # 0.25 GiB left for the KV pool
+    with pytest.raises(ValueError, match=r"finish path needs 0\.50 GiB .*0\.85 leaves 0\.25 GiB .* raise --mem-frac"):
         available(on)
 
 
