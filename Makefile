@@ -34,9 +34,9 @@ check-sglang: $(STAMP)
 	import sglang.srt.server_args, sglang.srt.managers.scheduler, sglang_trace.plugin as p, sglang.srt.plugins as sp; \
 	sp.load_plugins(); p.check_applied(); print('SGLang', sglang.__version__, 'imports with the TRACE plugin applied')"
 
-# The whole CPU suite (what CI runs).
+# The whole CPU suite (what CI runs), on two pytest-xdist workers (--dist loadgroup, as test-fast).
 test: check-sglang
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The CPU tests not marked slow, on two pytest-xdist workers; tests sharing a local Ray instance carry
 # xdist_group("ray") and run on one worker (--dist loadgroup).

@@ -94,6 +94,9 @@ def on_expert_weight_loaded(layer, param: torch.Tensor, loaded_weight: torch.Ten
     EXPERT_WEIGHTS.on_loaded(layer, param, loaded_weight, shard_id, expert_id)
 
 
+DEQUANTIZE_SLOTS = 1 << 16  # pool rows NVFP4 dequantization converts at a time (`kv_pool_dequantize`)
+
+
 def kv_pool_quantize(original, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP4 KV pool's quantizer, `[T, H, D]` rows to packed codes `[T, H, D/2]` and scale bytes `[T, H*D/16]`:
     SGLang's own (kv_fp4) unless the pool holds NVFP4 (`kv.pool_role`), whose codes and E4M3 bytes TRACE's
@@ -121,7 +124,17 @@ def kv_pool_dequantize(original, codes: torch.Tensor, scales: torch.Tensor, dtyp
         return original(codes, scales, dtype)
     from trace_core.numerics.kv_attention import dequantize_kv
 
-    return dequantize_kv(codes, scales, dtype, fmt=fmt)
+    slots = codes.shape[0]
+    if slots <= DEQUANTIZE_SLOTS:
+        return dequantize_kv(codes, scales, dtype, fmt=fmt)
+    # a whole layer of a large pool (the triton backend reads one at start-up): in row chunks, so that the FP32
+    # temporaries stay at one chunk's and only the output is the layer's size (rows are independent: same values)
+    out = torch.empty(slots, codes.shape[1], 2 * codes.shape[2], dtype=dtype, device=codes.device)
+    for a in range(0, slots, DEQUANTIZE_SLOTS):
+        out[a : a + DEQUANTIZE_SLOTS] = dequantize_kv(
+            codes[a : a + DEQUANTIZE_SLOTS], scales[a : a + DEQUANTIZE_SLOTS], dtype, fmt=fmt
+        )
+    return out
 
 
 def forward_rows(server_args, max_running_requests: int, context_len: int) -> int:

@@ -149,10 +149,16 @@ def nvfp4_kv_server():
     return get_recipe("nvfp4-w4a4-nvfp4kv").k
 
 
-def test_an_nvfp4_kv_recipe_writes_and_reads_the_pool_in_nvfp4(req_pool, nvfp4_kv_server):
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_an_nvfp4_kv_recipe_writes_and_reads_the_pool_in_nvfp4(req_pool, nvfp4_kv_server, chunk, monkeypatch):
     """Under the NVFP4-KV recipe the pool's own `set_kv_buffer` writes TRACE's NVFP4 codes and E4M3 bytes (S_enc = 1)
     through the plugin's quantizer hook; the records read back are the trainer's quantization of the same K/V, and
-    SGLang's dequantize path (`get_key_buffer`) returns their values, not an E8M0 reading of the bytes."""
+    SGLang's dequantize path (`get_key_buffer`) returns their values, not an E8M0 reading of the bytes; also when a
+    layer is dequantized in row chunks (`chunk`: `DEQUANTIZE_SLOTS`, which bounds the temporaries of a large pool)."""
+    from sglang_trace import hooks
+
+    if chunk is not None:
+        monkeypatch.setattr(hooks, "DEQUANTIZE_SLOTS", chunk)
     role = nvfp4_kv_server
     pool = fp4_pool()
     slots = torch.tensor([7, 3, 11, 12, 30], dtype=torch.int64)

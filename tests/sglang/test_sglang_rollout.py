@@ -809,6 +809,19 @@ def test_a_transfer_runs_in_device_pieces_of_at_most_the_staging_bytes(rollout, 
         check_store(rollout, 0, rid, slots)
 
 
+def test_the_serving_benchs_finish_path_reads_a_server_that_stores_no_records():
+    """`bench/serve.py` reads the finish-path counters of every TRACE server, also one with `--trace-sites none`,
+    which has no slot fence (it stores nothing)."""
+    from bench.serve import finish_path
+
+    none = Rollout(None, trace_sites="none")
+    counters = none.capturer.counters()
+    assert counters["fence"] is None and none.capturer.fence is None
+    point = finish_path(counters, counters)
+    assert point["fence_alloc_waits"] is None and point["finish_requests"] == 0
+    none.capturer.close()
+
+
 def test_the_kv_budget_keeps_the_finish_paths_device_buffers(rollout, monkeypatch):
     """TRACE's AFTER hook on SGLang's `_profile_available_bytes` (the method `_resolve_memory_pool_config` sizes the
     KV pool from) takes the finish path's device buffers off the budget: `STAGING_BYTES` (one piece at a time)
