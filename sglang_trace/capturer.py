@@ -39,7 +39,7 @@ from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
 from sglang_trace.config import ModelLayout, TraceArgs, kv_kinds, layout_fields, model_spec
 from sglang_trace.debug import DebugTap
-from sglang_trace.kv import gather_to_first, kv_records_from_shards, kv_row_bytes, kv_rows_from_raw, request_slots
+from sglang_trace.kv import gather_to_first, kv_records_from_shards, kv_row_bytes, request_slots
 from sglang_trace.kv_gather import KVGather
 from sglang_trace.moe import ExpertWeights, emulate_moe_input, fc2_input, native_moe_input
 from sglang_trace.slot_fence import SlotFence
@@ -289,10 +289,6 @@ class TraceCapturer(RoutedExpertsCapturer):
         self.row_bytes = 0 if self.records is None else self.records.row.row_bytes
         self.shard_bytes = record_bytes_per_slot(args, layout, tp_size, routes_on_first=return_routes)
         self.token_bytes = token_bytes = self.kv_bytes + self.shard_bytes
-        # device bytes per token of a transfer's piece: the staging buffer (this rank's rows), the raw K/V rows gathered
-        # from the pool, and `kv_rows_from_raw`'s temporaries (a few copies of one site group, within the raw rows)
-        raw_kv = 0 if self.kv_gather is None else self.kv_gather.width
-        self.transfer_bytes = self.row_bytes + self.kv_bytes + 2 * raw_kv
         self.ring: HostRing | None = None  # the finish path's host ring: none when nothing is stored
         self.ring_tokens = 0
         if args.records:
@@ -328,6 +324,15 @@ class TraceCapturer(RoutedExpertsCapturer):
         self._topk: tuple[int, torch.Tensor] | None = None  # (MoE layer, top-k ids) handed on by the last top-k hook
         self._fc2_layer: int | None = None  # MoE layer whose MoE-input site ran last (the fused FC2 site's layer)
         self._routes: dict[int, torch.Tensor] = {}  # req_pool_idx -> routes of the request finished last
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Device bytes per token of a transfer's piece: the staging buffer (this rank's rows); without the one-launch
+        kernel (`KVGather.rows`, on CUDA) also the raw K/V rows and `kv_rows_from_raw`'s temporaries (a few copies
+        of one site group, within the raw rows)."""
+        twin = self.kv_gather is not None and not self.kv_gather.kernel
+        raw_kv = self.kv_gather.width if twin and self.kv_gather is not None else 0
+        return self.row_bytes + self.kv_bytes + 2 * raw_kv
 
     def counters(self) -> dict:
         """What `/server_info` reports under `internal_states[i]["trace"]` (`hooks.add_internal_state`): the
@@ -637,13 +642,7 @@ class TraceCapturer(RoutedExpertsCapturer):
         staged = torch.empty(m * (rb + kb), dtype=torch.uint8, device=records.device)
         records.gather_rows(slots, out=staged[: m * rb].view(m, rb))
         if self.kv_gather is not None:  # the low bits are kept here, on the device: 3 x fewer bytes at b = 1
-            kv_rows_from_raw(
-                self.kv_gather(slots),
-                self._kv_sites(),
-                self._kv_width(),
-                self.spec.bits,
-                out=staged[m * rb :].view(m, kb),
-            )
+            self.kv_gather.rows(slots, self.spec.bits, out=staged[m * rb :].view(m, kb))
         rows, kv = span[at * rb : (at + m) * rb], span[n * rb + at * kb : n * rb + (at + m) * kb]
         on_cuda = self._copy_stream is not None
         rows.copy_(staged[: m * rb], non_blocking=on_cuda)

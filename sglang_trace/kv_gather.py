@@ -7,6 +7,11 @@ CPU time. `KVGather` does the same copy in one Triton launch: a table of the per
 built once (SGLang allocates its KV pool once, at start-up), and a kernel that copies row `slots[i]` of every
 buffer into row i of the output, in `gather_kv_raw`'s column order. It is a byte copy, so bit-identical to the twin
 (`tests/sglang/test_sglang_kv.py` runs it under the Triton interpreter; the GPU bench checks it on the device).
+
+`KVGather.rows` gathers the finish path's K/V record rows in one launch as well: per site the low b bits of each
+code (`pack_low_bits` order) and the scale bytes, `kv_rows_from_raw(gather_kv_raw(...))` without the raw rows and
+the twin's ~13 launches per group of sites (a transfer's pieces queue their launches on the copy stream, where a long
+queue makes the scheduler thread wait for the host link).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_trace.kv import _layer_index, check_fp4_pool, gather_kv_raw
+from sglang_trace.kv import _layer_index, check_fp4_pool, gather_kv_raw, kv_rows_from_raw
+from trace_core.records.spec import check_bits, packed_len
 
 try:
     import triton
@@ -39,6 +45,38 @@ if triton is not None:
         mask = row_ok[:, None] & (cols[None, :] < width)
         slot = tl.load(slots + rows, mask=row_ok, other=0).to(tl.int64)
         values = tl.load(base + slot[:, None] * width + cols[None, :], mask=mask)
+        tl.store(out + rows[:, None].to(tl.int64) * out_stride + col0 + cols[None, :], values, mask=mask)
+
+    @triton.jit
+    def _kv_rows_kernel(
+        ptrs, widths, offsets, packs, slots, out, n_rows, out_stride, BITS: tl.constexpr, BR: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # entry = one buffer of one site: packed codes (pack 1: keep each code's low BITS) or scale bytes (copied)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        entry = tl.program_id(1)
+        base = tl.load(ptrs + entry).to(tl.pointer_type(tl.uint8))
+        width = tl.load(widths + entry)
+        col0 = tl.load(offsets + entry)
+        flag = tl.load(packs + entry)
+        pack, copy = flag != 0, flag == 0
+        cols = tl.arange(0, BLOCK)
+        row_ok = rows < n_rows
+        slot = tl.load(slots + rows, mask=row_ok, other=0).to(tl.int64)
+        src = base + slot[:, None] * width
+        out_width = tl.where(pack, width // 4 * BITS, width)
+        mask = row_ok[:, None] & (cols[None, :] < out_width)
+        copied = tl.load(src + cols[None, :], mask=mask & copy, other=0).to(tl.int32)
+        # output byte o of a code buffer: byte o % BITS of group o // BITS, the 8 codes of input bytes 4g .. 4g + 3
+        # (first code in the low nibble), each code's low BITS at stream bit BITS * code (little-endian)
+        group = cols // BITS
+        v = tl.zeros([BR, BLOCK], dtype=tl.int32)
+        for k in tl.static_range(4):
+            b = tl.load(src + (4 * group + k)[None, :], mask=mask & pack, other=0).to(tl.int32)
+            code_bits = (b & ((1 << BITS) - 1)) | (((b >> 4) & ((1 << BITS) - 1)) << BITS)
+            v = v | (code_bits << (2 * BITS * k))
+        packed = (v >> (8 * (cols % BITS))[None, :]) & 255
+        values = tl.where(pack, packed, copied).to(tl.uint8)
         tl.store(out + rows[:, None].to(tl.int64) * out_stride + col0 + cols[None, :], values, mask=mask)
 
 
@@ -76,6 +114,8 @@ class KVGather:
             [sum(widths[:i]) for i in range(len(widths))], dtype=torch.int64, device=self.device
         )
         self._block = 1 << max(0, (max(widths) - 1).bit_length())
+        self._widths_list = widths
+        self._rows_tables: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # bits -> (offsets, packs, width)
 
     def __call__(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 `[len(slots), width]`: the raw K/V bytes of every site at `slots` (int32 or int64 valid KV slots:
@@ -103,4 +143,37 @@ class KVGather:
                 BR=ROWS_PER_PROGRAM,
                 BLOCK=self._block,
             )
+        return out
+
+    def rows(self, slots: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 `[len(slots), kv_row_bytes]`: the K/V record rows at `slots` (`kv_rows_from_raw` of `self(slots)`:
+        per site the low `bits` of each code, then its scale bytes), in one kernel launch on CUDA (the twin
+        elsewhere); written into `out` (contiguous) when given."""
+        check_bits(bits)
+        sites = len(self._buffers) // 2
+        codes_width = self._widths_list[0]  # bytes of packed codes per site row (the same for every site)
+        width = 2 * codes_width  # elements per site row
+        row_width = sites * (packed_len(width, bits) + width // 16)
+        if out is not None and (out.shape != (slots.shape[0], row_width) or not out.is_contiguous()):
+            raise ValueError(f"out must be contiguous [{slots.shape[0]}, {row_width}], got {tuple(out.shape)}")
+        if not self.kernel:
+            return kv_rows_from_raw(self(slots), sites, width, bits, out=out)
+        if bits not in self._rows_tables:
+            low, scales = packed_len(width, bits), width // 16
+            columns = [i // 2 * (low + scales) + (low if i % 2 else 0) for i in range(len(self._buffers))]
+            self._rows_tables[bits] = (
+                torch.tensor(columns, dtype=torch.int64, device=self.device),
+                torch.tensor([1 - i % 2 for i in range(len(self._buffers))], dtype=torch.int32, device=self.device),
+                1 << max(0, (max(low, scales) - 1).bit_length()),
+            )
+        offsets, packs, block = self._rows_tables[bits]
+        slots = slots.to(self.device).contiguous()
+        if out is None:
+            out = torch.empty(slots.shape[0], row_width, dtype=torch.uint8, device=self.device)
+        if slots.shape[0]:
+            grid = (triton.cdiv(slots.shape[0], ROWS_PER_PROGRAM), len(self._buffers))
+            _kv_rows_kernel[grid](
+                self._ptrs, self._widths, offsets, packs, slots, out, slots.shape[0], out.stride(0),
+                BITS=bits, BR=ROWS_PER_PROGRAM, BLOCK=block,
+            )  # fmt: skip
         return out
