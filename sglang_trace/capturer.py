@@ -566,10 +566,9 @@ class TraceCapturer(RoutedExpertsCapturer):
         every request that finished in it to the writer thread. Per transfer (a whole batch, unless it exceeds the
         host ring or `TRANSFER_BYTES`; a longer request goes alone) one slot concatenation and a host ring span,
         which waits while the ring is full (backpressure, `ring.stats.stalls`); per piece of the transfer (`_stage`)
-        one gather of the record rows, the K/V index ops of `gather_kv_raw` (one `KVGather` launch on CUDA) and the
-        low bits kept from them (`kv_rows_from_raw`), and one asynchronous copy into the span, all queued on the
-        copy stream; the fence then holds the requests' freed slots until that work ran (`SlotFence.seal`). Every
-        rank runs the same transfers in the same order."""
+        one gather of the record rows, one of the K/V record rows (`KVGather.rows`: one launch on CUDA), and one
+        asynchronous copy into the span, all queued on the copy stream; the fence then holds the requests' freed
+        slots until that work ran (`SlotFence.seal`). Every rank runs the same transfers in the same order."""
         if not self._pending:
             return
         ring = self.ring.stats if self.ring is not None else RingStats()
@@ -579,14 +578,17 @@ class TraceCapturer(RoutedExpertsCapturer):
         chunk: list[_Finished] = []
         tokens = total = 0
         limit = min(self.ring_tokens, max(1, TRANSFER_BYTES // max(1, self.token_bytes)))
+        copied = None  # the copy stream runs in order: the last transfer's event covers the earlier ones
         for finished in pending:
             if chunk and tokens + finished.slots.shape[0] > limit:
-                self._transfer(chunk)  # the copy stream runs in order: the last transfer's event covers this one
+                last = self._transfer(chunk)
+                copied = copied if last is None else last
                 chunk, tokens = [], 0
             chunk.append(finished)
             tokens += finished.slots.shape[0]
             total += finished.slots.shape[0]
-        copied = self._transfer(chunk)
+        last = self._transfer(chunk)
+        copied = copied if last is None else last
         if self.fence is not None:
             self.fence.seal(copied)
         took = time.perf_counter() - t0
