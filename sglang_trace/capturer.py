@@ -330,8 +330,8 @@ class TraceCapturer(RoutedExpertsCapturer):
         """Device bytes per token of a transfer's piece: the staging buffer (this rank's rows); without the one-launch
         kernel (`KVGather.rows`, on CUDA) also the raw K/V rows and `kv_rows_from_raw`'s temporaries (a few copies
         of one site group, within the raw rows)."""
-        twin = self.kv_gather is not None and not self.kv_gather.kernel
-        raw_kv = self.kv_gather.width if twin and self.kv_gather is not None else 0
+        gather = self.kv_gather
+        raw_kv = gather.width if gather is not None and not gather.kernel else 0
         return self.row_bytes + self.kv_bytes + 2 * raw_kv
 
     def counters(self) -> dict:
@@ -575,20 +575,20 @@ class TraceCapturer(RoutedExpertsCapturer):
         t0, stalls, stall_s = time.perf_counter(), ring.stalls, ring.stall_s
         pending, self._pending = self._pending, []
         self.stats.batches += 1
-        chunk: list[_Finished] = []
+        chunks: list[list[_Finished]] = [[]]
         tokens = total = 0
         limit = min(self.ring_tokens, max(1, TRANSFER_BYTES // max(1, self.token_bytes)))
-        copied = None  # the copy stream runs in order: the last transfer's event covers the earlier ones
         for finished in pending:
-            if chunk and tokens + finished.slots.shape[0] > limit:
-                last = self._transfer(chunk)
-                copied = copied if last is None else last
-                chunk, tokens = [], 0
-            chunk.append(finished)
+            if chunks[-1] and tokens + finished.slots.shape[0] > limit:
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(finished)
             tokens += finished.slots.shape[0]
             total += finished.slots.shape[0]
-        last = self._transfer(chunk)
-        copied = copied if last is None else last
+        copied = None  # the copy stream runs in order: the last transfer's event covers the earlier ones
+        for chunk in chunks:
+            last = self._transfer(chunk)
+            copied = copied if last is None else last
         if self.fence is not None:
             self.fence.seal(copied)
         took = time.perf_counter() - t0

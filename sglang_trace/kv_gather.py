@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_trace.kv import _layer_index, check_fp4_pool, gather_kv_raw, kv_rows_from_raw
+from sglang_trace.kv import KV_BLOCK, _layer_index, check_fp4_pool, gather_kv_raw, kv_row_bytes, kv_rows_from_raw
 from trace_core.records.spec import check_bits, packed_len
 
 try:
@@ -114,8 +114,7 @@ class KVGather:
             [sum(widths[:i]) for i in range(len(widths))], dtype=torch.int64, device=self.device
         )
         self._block = 1 << max(0, (max(widths) - 1).bit_length())
-        self._widths_list = widths
-        self._rows_tables: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # bits -> (offsets, packs, width)
+        self._rows_tables: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # bits -> (columns, packs, BLOCK)
 
     def __call__(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 `[len(slots), width]`: the raw K/V bytes of every site at `slots` (int32 or int64 valid KV slots:
@@ -151,15 +150,14 @@ class KVGather:
         elsewhere); written into `out` (contiguous) when given."""
         check_bits(bits)
         sites = len(self._buffers) // 2
-        codes_width = self._widths_list[0]  # bytes of packed codes per site row (the same for every site)
-        width = 2 * codes_width  # elements per site row
-        row_width = sites * (packed_len(width, bits) + width // 16)
+        width = 2 * self._buffers[0][0].numel()  # elements per site row (two codes a byte, the same for every site)
+        row_width = kv_row_bytes(sites, width, bits)
         if out is not None and (out.shape != (slots.shape[0], row_width) or not out.is_contiguous()):
             raise ValueError(f"out must be contiguous [{slots.shape[0]}, {row_width}], got {tuple(out.shape)}")
         if not self.kernel:
             return kv_rows_from_raw(self(slots), sites, width, bits, out=out)
         if bits not in self._rows_tables:
-            low, scales = packed_len(width, bits), width // 16
+            low, scales = packed_len(width, bits), width // KV_BLOCK
             columns = [i // 2 * (low + scales) + (low if i % 2 else 0) for i in range(len(self._buffers))]
             self._rows_tables[bits] = (
                 torch.tensor(columns, dtype=torch.int64, device=self.device),
