@@ -23,6 +23,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.source import Site, SiteRows
 from trace_core import metrics
 from trace_core.kernels import guided_fake_quant
+from trace_core.kernels.api import device_counter
 from trace_core.modes import Mode
 from trace_core.numerics.fc2 import fc2_input_fake_quant
 from trace_core.numerics.guided import GuidanceStats, guided_quantize
@@ -80,9 +81,19 @@ class SiteNumerics:
                     f"site {site}: record rows {tuple(rows.record.shape)} do not match the activation "
                     f"{tuple(x.shape)} (micro-batch rows or head slicing disagree)"
                 )
+            # the guided kernel counts the flips of a partial-code record in its own pass (`_count_flips`)
+            flipped = None
+            if self.cfg.measure and rows.record.bits < 4:
+                flipped = stats.flipped = device_counter(stats.flipped, x.device)
             # guided_fake_quant refuses a record narrower than the spec's bits
             y = guided_fake_quant(
-                x, rows.record, self.cfg.spec.bits, has_record=rows.has_record, stats=stats.guidance, role=role
+                x,
+                rows.record,
+                self.cfg.spec.bits,
+                has_record=rows.has_record,
+                stats=stats.guidance,
+                role=role,
+                flipped=flipped,
             )
         else:
             y = fake_quant(role, x)
@@ -93,10 +104,14 @@ class SiteNumerics:
     def _count_flips(self, stats: SiteStats, site: Site, x: torch.Tensor, rows: SiteRows, role: Role) -> None:
         """Code flips of the trainer's codes against the record, on rows that have one: the record's low b bits, or
         whole codes when the rollout kept all 4 (it may keep more bits, at more sites, than the trainer guides with).
-        Every row is quantized and rows without a record are masked out, so nothing waits on the device."""
+        At a captured site with a partial-code record the guided kernel has counted them already; elsewhere every
+        row is quantized and rows without a record are masked out, so nothing waits on the device."""
+        rec = rows.record
+        stats.compared = stats.compared + rows.has_record.sum() * x.shape[-1]
+        if site in self.captured and rec.bits < 4:
+            return
         has = rows.has_record.unsqueeze(-1)
         xd = x.detach()
-        rec = rows.record
         if site in self.captured:
             codes = guided_quantize(xd, rec, self.cfg.spec.bits, check_finite=False)[0].codes
         else:
@@ -109,7 +124,6 @@ class SiteNumerics:
         else:
             flips = ((codes & low_bits_mask(rec.bits)) != recorded) & has
         stats.flipped = stats.flipped + flips.sum()
-        stats.compared = stats.compared + rows.has_record.sum() * x.shape[-1]
 
     def track(self, sites) -> None:
         """Create the counters of `sites` up front, so that a compiled forward only updates them."""

@@ -90,7 +90,8 @@ def check_quantize_record(fmt: FP4Format | str, t: int, d: int, dtype, bits: int
 def check_guided(
     fmt: FP4Format | str, t: int, d: int, dtype, record_bits: int, bits: int, mode: str, device, guided_fn
 ):
-    """Guided fake-quant from a record equals `guided_quantize` + `dequantize`, redirected counts included."""
+    """Guided fake-quant from a record equals `guided_quantize` + `dequantize`, redirected and flip counts included
+    (a flip: a guided code whose low `record_bits` bits differ from the record's)."""
     fmt = get_format(fmt)
     rollout = make_input(t, d, dtype, device, seed=1)
     q = quantize(rollout, fmt, **scale_kwargs(mode, rollout))
@@ -105,13 +106,17 @@ def check_guided(
     odd = torch.zeros(t, rec.low_bits.shape[1] + 1, dtype=torch.uint8, device=device)[:, 1:]
     odd.copy_(rec.low_bits)
     for mask, low in ((None, rec.low_bits), (has, rec.low_bits), (None, odd)):
-        redirected = torch.full((), 5, dtype=torch.int64, device=device)  # the op adds into the counter
-        out = guided_fn(train, fmt.name, bits, record_bits, low, rec.scales, gs, mask, redirected)
+        redirected = torch.full((), 5, dtype=torch.int64, device=device)  # the op adds into the counters
+        flipped = torch.full((), 7, dtype=torch.int64, device=device)
+        out = guided_fn(train, fmt.name, bits, record_bits, low, rec.scales, gs, mask, redirected, flipped)
         ref_q, ref_redirected = guided_quantize(train, rec, bits)
+        ref_flipped = (ref_q.codes & ((1 << record_bits) - 1)) != rec.code_bits()
         if mask is not None:
             ref_redirected &= mask.unsqueeze(-1)
+            ref_flipped &= mask.unsqueeze(-1)
         assert torch.equal(out, dequantize(ref_q, dtype)), f"{fmt.name} {dtype} {mode} b={bits}/{record_bits}: differs"
         assert int(redirected) == 5 + int(ref_redirected.sum()), f"{fmt.name} b={bits}: redirected count differs"
+        assert int(flipped) == 7 + int(ref_flipped.sum()), f"{fmt.name} b={bits}/{record_bits}: flip count differs"
 
 
 def check_static_kv(t: int, d: int, dtype, bits: int, device: str, quantize_fn, guided_fn) -> None:
@@ -132,7 +137,8 @@ def check_static_kv(t: int, d: int, dtype, bits: int, device: str, quantize_fn, 
     train = (rollout.float() + noise).to(dtype)
     has = torch.arange(t, device=device) % 3 != 1
     redirected = torch.zeros((), dtype=torch.int64, device=device)
-    guided = guided_fn(train, NVFP4.name, bits, bits, low, scales, rec.global_scale, has, redirected)
+    flipped = torch.zeros((), dtype=torch.int64, device=device)
+    guided = guided_fn(train, NVFP4.name, bits, bits, low, scales, rec.global_scale, has, redirected, flipped)
     fallback = fallback_scale(rec, role)
     rtn = torch.full_like(train, float("nan"))
     quantize_fn(train, NVFP4, 0, fallback.get("global_scale"), fallback.get("per_token", False), rtn, None, None, None)

@@ -33,8 +33,8 @@ def _via_op(x, fmt, bits, gs, per_token, out, low, scales, token):
                     token_scale=token if low is not None else None)  # fmt: skip
 
 
-def _guided_via_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected):
-    return api._guided_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected)
+def _guided_via_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected, flipped):
+    return api._guided_op(x, fmt, bits, record_bits, low, scales, gs, has, redirected, flipped)
 
 
 @pytest.mark.parametrize("fmt", list(kernel_checks.SCALE_MODES))
@@ -271,9 +271,10 @@ def test_ops_under_torch_compile():
     def step(x, low, scales):
         y = torch.ops.trace_core.fake_quant(x, "kv_fp4", None, False)
         redirected = torch.zeros((), dtype=torch.int64, device=x.device)
-        z = torch.ops.trace_core.guided_fake_quant(x, "kv_fp4", 1, 1, low, scales, None, None, redirected)
-        return y + z, redirected
+        flipped = torch.zeros((), dtype=torch.int64, device=x.device)
+        z = torch.ops.trace_core.guided_fake_quant(x, "kv_fp4", 1, 1, low, scales, None, None, redirected, flipped)
+        return y + z, redirected, flipped
 
     expected = dequantize(quantize(x, "kv_fp4"), torch.bfloat16) * 2
-    out, redirected = step(x, rec.low_bits, rec.scales)
-    assert torch.equal(out, expected) and int(redirected) == 0  # its own record: nothing redirected
+    out, redirected, flipped = step(x, rec.low_bits, rec.scales)
+    assert torch.equal(out, expected) and int(redirected) == 0 and int(flipped) == 0  # its own record: no change

@@ -17,7 +17,9 @@ from megatron_trace.model import MoEModelConfig, build_moe_model
 from megatron_trace.rows import PAD, TokenRows, pack_microbatch
 from megatron_trace.session import TraceSession
 from megatron_trace.sites import SiteNumerics
-from trace_core.numerics.guided import GuidanceStats, guided_round
+from megatron_trace.source import SiteRows
+from trace_core.metrics import code_flips as metrics_code_flips
+from trace_core.numerics.guided import GuidanceStats, guided_quantize, guided_round
 from trace_core.numerics.quant import dequantize, quantize
 from trace_core.numerics.recipe import DEFAULT_RECIPE, Scale, get_recipe
 from trace_core.records.spec import Record, RecordSpec
@@ -73,7 +75,7 @@ def rollout_rows(model, trajs, spec: RecordSpec) -> dict:
 
 
 @pytest.mark.parametrize("recipe", [DEFAULT_RECIPE, "nvfp4-w4a4-nvfp4kv"])
-@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
     """Every captured site guided from its records; padding rows (no record) take the role's RTN: per-token NVFP4
     MoE input, kv_fp4 K/V, or NVFP4 K/V at the static S_enc = 1 under `nvfp4-w4a4-nvfp4kv`."""
@@ -96,6 +98,8 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
 
     assert {t[0] for t in taps} == set(spec.sites())
     redirected = 0
+    flipped = {site: 0 for site in spec.sites()}
+    compared = {site: 0 for site in spec.sites()}
     for site, rows, x, y in taps:
         for i in range(len(rows)):
             xi, yi = x[i : i + 1].detach(), y[i : i + 1].detach()
@@ -105,10 +109,19 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
                 continue
             q = expected_records[(site, int(rows.traj[i]), int(rows.pos[i]))]
             stats = GuidanceStats()
-            want = guided_round(xi, Record.from_quantized(q, bits), bits, stats=stats)
+            rec = Record.from_quantized(q, bits)
+            want = guided_round(xi, rec, bits, stats=stats)
             assert torch.equal(yi, want), f"{site} row {i}: trainer value differs from guided_round"
             redirected += stats.redirected
+            # the code-flip count (by the guided kernel's pass for b < 4), against the reference's guided codes
+            codes = guided_quantize(xi, rec, bits)[0].codes
+            flips = metrics_code_flips(codes, q.codes) if bits == 4 else (codes & ((1 << bits) - 1)) != rec.code_bits()
+            flipped[site] += int(flips.sum())
+            compared[site] += xi.numel()
     assert redirected > 0, "the perturbation should move some elements across a rounding boundary"
+    for site in spec.sites():
+        rate = metrics[f"trace/L{site[0]}.{site[1]}/code_flip_rate"]
+        assert rate == flipped[site] / compared[site], site
     pad_rows = int((mb.rows.traj == PAD).sum())
     assert metrics["trace/L0.moe_in/rtn_fallback"] == pad_rows * CFG.hidden
     assert metrics["trace/L1.k/rtn_fallback"] == pad_rows * CFG.kv_heads * CFG.head_dim
@@ -149,6 +162,31 @@ def test_trace_reproduces_rollout_logits_and_cuts_code_flips():
         key = f"trace/L{site[0]}.{site[1]}/code_flip_rate"
         assert flip["qat"][key] > flip["trace"][key], key
     assert "trace/L0.moe_in/rtn_fallback" not in flip["qat"]
+
+
+@pytest.mark.parametrize(("bits", "record_bits"), [(1, 1), (2, 2), (1, 2), (1, 4), (4, 4)])
+def test_code_flips_at_a_captured_site_equal_the_references(bits, record_bits):
+    """A captured site's code-flip rate: for records of fewer than 4 bits counted by the guided kernel's own pass,
+    for whole codes by the reference quantization; both equal the reference's count over the rows with a record."""
+    g = torch.Generator().manual_seed(bits * 10 + record_bits)
+    x_roll = torch.randn(24, CFG.hidden, generator=g).to(torch.bfloat16)
+    x = (x_roll.float() + 0.3 * torch.randn(x_roll.shape, generator=g)).to(torch.bfloat16)  # far: flips happen
+    q = quantize_as(DEFAULT_RECIPE, "moe_in", x_roll)
+    rec = Record.from_quantized(q, record_bits)
+    has = torch.rand(24, generator=g) < 0.7
+    spec = RecordSpec(bits=bits, moe_layers=(0,), attn_layers=())
+    numerics = SiteNumerics(TraceConfig(mode="trace", spec=spec))
+    for _ in range(2):  # two micro-batches add into the same counters
+        numerics.activation((0, "moe_in"), x, SiteRows(rec, has))
+    codes = guided_quantize(x, rec, bits)[0].codes
+    flips = (
+        metrics_code_flips(codes, q.codes)
+        if record_bits == 4
+        else (codes & ((1 << record_bits) - 1)) != rec.code_bits()
+    )
+    want = int((flips & has.unsqueeze(-1)).sum())
+    assert want > 0
+    assert numerics.metrics()["trace/L0.moe_in/code_flip_rate"] == want / (int(has.sum()) * CFG.hidden)
 
 
 def test_uncaptured_sites_use_rtn_and_need_no_record():

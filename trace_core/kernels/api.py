@@ -4,8 +4,9 @@ Ops (namespace `trace_core`), all on 2-D `[T, D]` inputs with a unit last stride
 - `quantize_record`: fake-quantized output and/or the record (packed low-b code bits, scale bytes, FP32 token
   scale) written into caller-provided buffers, so addresses stay fixed under CUDA-graph capture;
 - `fake_quant`: RTN quantize-dequantize, straight-through backward (`kernel_rtn_fake_quant`);
-- `guided_fake_quant`: guided rounding from a record, adding the redirected-element count into a counter it
-  mutates (`guided_fake_quant` below attaches the straight-through backward).
+- `guided_fake_quant`: guided rounding from a record, adding the redirected-element count and the code-flip count
+  (guided codes whose recorded bits differ from the record's) into two counters it mutates (`guided_fake_quant`
+  below attaches the straight-through backward).
 They are registered with `torch.library`, so they trace under `torch.compile` and capture in CUDA graphs. Each
 wrapper is the fast twin of a `trace_core.numerics` reference, bit for bit: `quantize_record` of `quant.quantize`
 and `records.spec.pack_low_bits`, `kernel_rtn_fake_quant` of `guided.rtn_fake_quant`, `guided_fake_quant` of
@@ -21,7 +22,7 @@ from trace_core.numerics.formats import FP4Format, get_format
 from trace_core.numerics.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize, straight_through
 from trace_core.numerics.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
 from trace_core.numerics.recipe import Role
-from trace_core.records.spec import Record, check_bits, pack_low_bits, packed_len
+from trace_core.records.spec import Record, check_bits, low_bits_mask, pack_low_bits, packed_len
 
 
 def _quantize_record_reference(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
@@ -175,7 +176,7 @@ def quantize_global_scale(x: torch.Tensor) -> torch.Tensor:
     return nvfp4_global_scale(x.detach().abs().amax())
 
 
-@torch.library.custom_op("trace_core::guided_fake_quant", mutates_args=("redirected",))
+@torch.library.custom_op("trace_core::guided_fake_quant", mutates_args=("redirected", "flipped"))
 def _guided_op(
     x: torch.Tensor,
     fmt: str,
@@ -186,35 +187,36 @@ def _guided_op(
     global_scale: torch.Tensor | None,
     has_record: torch.Tensor | None,
     redirected: torch.Tensor,
+    flipped: torch.Tensor,
 ) -> torch.Tensor:
     f = get_format(fmt)
     rec = Record(fmt=f, bits=record_bits, n=x.shape[1], low_bits=low_bits, scales=scales, global_scale=global_scale)
     guided, moved = guided_quantize(x, rec, bits)
+    flips = (guided.codes & low_bits_mask(record_bits)) != rec.code_bits()
     if has_record is not None:
         moved &= has_record.unsqueeze(-1)
+        flips &= has_record.unsqueeze(-1)
     redirected += moved.sum().to(redirected.device)
+    flipped += flips.sum().to(flipped.device)
     return dequantize(guided, x.dtype)
 
 
 @_guided_op.register_kernel("cuda")
-def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected):
-    return triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected)
+def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected, flipped):
+    return triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected, flipped)
 
 
 @_guided_op.register_fake
-def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected):
+def _(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected, flipped):
     return torch.empty_like(x)
 
 
-def redirect_counter(stats: GuidanceStats, device: torch.device) -> torch.Tensor:
-    """`stats.redirected` as the int64 0-d tensor on `device` that the guided op adds into (made once from its
-    current value)."""
-    r = stats.redirected
-    if isinstance(r, torch.Tensor) and r.device == device and r.dtype == torch.int64 and r.dim() == 0:
-        return r
-    counter = torch.zeros((), dtype=torch.int64, device=device) + r
-    stats.redirected = counter
-    return counter
+def device_counter(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`count` as an int64 0-d tensor on `device` that an op can add into: `count` itself when it already is one,
+    else a new tensor holding its value. The caller keeps the result in place of `count`."""
+    if isinstance(count, torch.Tensor) and count.device == device and count.dtype == torch.int64 and count.dim() == 0:
+        return count
+    return torch.zeros((), dtype=torch.int64, device=device) + count
 
 
 def guided_fake_quant(
@@ -225,10 +227,12 @@ def guided_fake_quant(
     has_record: torch.Tensor | None = None,
     stats: GuidanceStats | None = None,
     role: Role | None = None,
+    flipped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel twin of `trace_core.numerics.guided.guided_round` for `[T, D]` inputs: same values, same fallback for
     rows without a record (the RTN of the rollout's `role`, `fallback_scale`), same counts in `stats` (default
-    `GLOBAL_STATS`)."""
+    `GLOBAL_STATS`). `flipped` (an int64 0-d tensor on x's device, `device_counter`) gets the count of elements on
+    rows with a record whose guided code differs from the record's in the bits it keeps, counted in the same pass."""
     check_bits(bits)
     if not isinstance(record, Record):
         raise ValueError(f"guided_fake_quant needs a Record, got {type(record).__name__}")
@@ -241,7 +245,13 @@ def guided_fake_quant(
         raise ValueError(
             f"has_record must be bool of shape {(x.shape[0],)}, got {has_record.dtype} {tuple(has_record.shape)}"
         )
+    if flipped is not None and (flipped.dtype != torch.int64 or flipped.dim() != 0 or flipped.device != x.device):
+        raise ValueError(
+            f"flipped must be an int64 0-d counter on {x.device}, got {flipped.dtype} {tuple(flipped.shape)} on "
+            f"{flipped.device}"
+        )
     stats = GLOBAL_STATS if stats is None else stats
+    stats.redirected = device_counter(stats.redirected, x.device)
     gs = record.global_scale
     gs = gs.to(torch.float32).contiguous() if gs is not None else None
     value = _guided_op(
@@ -253,7 +263,8 @@ def guided_fake_quant(
         record.scales,
         gs,
         has_record.contiguous() if has_record is not None else None,
-        redirect_counter(stats, x.device),
+        stats.redirected,
+        device_counter(0, x.device) if flipped is None else flipped,
     )
     out = straight_through(x, value)  # the op mutates the counter, so its gradient is attached here
     fallback: int | torch.Tensor = 0

@@ -371,9 +371,12 @@ def triton_quantize_record(x, fmt, bits, global_scale, per_token, out, low_bits,
     )
 
 
-def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected) -> torch.Tensor:
+def triton_guided(
+    x, fmt, bits, record_bits, low_bits, scales, global_scale, has_record, redirected, flipped
+) -> torch.Tensor:
     """Launch the guided fake-quant kernel: returns the output and adds the redirected-element count into
-    `redirected` (int64, one element on x's device), each program adding its own count: no reduction launched."""
+    `redirected` and the flipped-element count (codes whose low `record_bits` bits differ from the record's) into
+    `flipped` (each int64, one element on x's device), each program adding its own counts: no reduction launched."""
     from trace_core.kernels import triton_fp4 as k
 
     f = get_format(fmt)
@@ -391,6 +394,7 @@ def triton_guided(x, fmt, bits, record_bits, low_bits, scales, global_scale, has
         global_scale if global_scale is not None else _dummy(x, torch.float32),
         has_record if has_record is not None else _dummy(x, torch.bool),
         redirected,
+        flipped,
         t,
         d,
         x.stride(0),

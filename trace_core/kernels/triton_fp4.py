@@ -699,8 +699,10 @@ def _quantize_record16_kernel(
 
 @triton.jit
 def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, FMT: tl.constexpr):
-    """Guided value and redirected flags (int32) of a half [RB, NB, 8] from its record word [RB, NB]."""
-    c = (word[:, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, :]) & ((1 << BITS) - 1)
+    """Guided value, redirected flags and flip flags (int32) of a half [RB, NB, 8] from its record word [RB, NB]: a
+    flip is a guided code whose low RECORD_BITS bits differ from the record's."""
+    recorded = (word[:, :, None] >> (tl.arange(0, 8) * RECORD_BITS)[None, None, :]) & ((1 << RECORD_BITS) - 1)
+    c = recorded & ((1 << BITS) - 1)
     z = _code_sign(x * encode[:, :, None], FMT)  # only its sign is used: clamping |z| to 6 is clamping z
     a = tl.minimum(tl.abs(z), 6.0)
     if BITS == 1:
@@ -711,7 +713,12 @@ def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.co
         t_hi = _fma_directed(base, TWO_22, a, True)
         t = tl.where((_odd(t_lo) ^ c) == 0, t_lo, t_hi)
         _, _, t_rtn = _e2m1_round(a, FMT == KV_FP4)
-        return _with_sign(t - base * TWO_22, z) * decode[:, :, None], tl.where(t != t_rtn, 1, 0)
+        mag = t - base * TWO_22
+        return (
+            _with_sign(mag, z) * decode[:, :, None],
+            tl.where(t != t_rtn, 1, 0),
+            _flipped(mag, z, recorded, RECORD_BITS),
+        )
     q, base, _ = _e2m1_round(a, False)
     d = a - q
     step = base * 0.5
@@ -737,12 +744,20 @@ def _guided_half(x, encode, decode, word, BITS: tl.constexpr, RECORD_BITS: tl.co
         outer = tl.where(twice < mid, lo, tl.where(twice > mid, hi, rtn))
         outer = tl.where(below < 0, hi, tl.where(above > 7, lo, outer))
         mag = tl.where((k_lo & MASK) == c, lo, tl.where((k_hi & MASK) == c, hi, outer))
-    return _with_sign(mag, z) * decode[:, :, None], tl.where(mag != rtn, 1, 0)
+    return _with_sign(mag, z) * decode[:, :, None], tl.where(mag != rtn, 1, 0), _flipped(mag, z, recorded, RECORD_BITS)
+
+
+@triton.jit
+def _flipped(mag, z, recorded, RECORD_BITS: tl.constexpr):
+    """1 where the code of magnitude `mag` with the sign of z differs from the record's code bits in its low
+    RECORD_BITS bits (the sign is bit 3), else 0 (int32)."""
+    code = _index(mag) | ((z.to(tl.int32, bitcast=True) >> 28) & 8)
+    return tl.where((code & ((1 << RECORD_BITS) - 1)) != recorded, 1, 0)
 
 
 @triton.jit
 def _guided_kernel(
-    x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr,
+    x_ptr, out_ptr, rec_ptr, scale_ptr, gs_ptr, has_ptr, redirect_ptr, flip_ptr,
     T, D, x_stride, out_stride, rec_stride, scale_stride,
     FMT: tl.constexpr, SCALE_MODE: tl.constexpr, BITS: tl.constexpr, RECORD_BITS: tl.constexpr, HAS_MASK: tl.constexpr,
     RB: tl.constexpr, C: tl.constexpr, REC_UNIT: tl.constexpr, BLOCK: tl.constexpr, ROW_LOOP: tl.constexpr = 1,
@@ -751,8 +766,8 @@ def _guided_kernel(
     the record's scales, 16 elements per thread as two 8-element halves: a block of BLOCK = 16, or half of one of
     32 (whose two threads each load its scale byte). A thread's scale byte and record words are loaded and decoded
     once. Each program takes ROW_LOOP tiles of RB rows one after the other (a loop, not unrolled: the
-    registers of one tile) and adds their redirected count into the counter once: fewer atomic adds on its one
-    address."""
+    registers of one tile) and adds their redirected and flip counts into the two counters once: fewer atomic adds
+    on each address."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     NB: tl.constexpr = C // 16
@@ -760,6 +775,7 @@ def _guided_kernel(
     offs = _half_offsets(NB)
     blk = _block_index(c0, NB)
     redirected = tl.zeros((RB, NB), tl.int32)  # per block: a sum within each thread
+    flipped = tl.zeros((RB, NB), tl.int32)
     for ri in range(ROW_LOOP):
         rows = (pid_r * ROW_LOOP + ri) * RB + tl.arange(0, RB)
         row_mask = rows < T
@@ -787,15 +803,17 @@ def _guided_kernel(
         o_rows = out_ptr + rows64[:, None, None] * out_stride + c0 + offs
         xa = tl.load(x_rows, mask=m, other=0.0).to(tl.float32)
         xb = tl.load(x_rows + 8, mask=m, other=0.0).to(tl.float32)
-        va, ra = _guided_half(xa, encode, decode, wa, BITS, RECORD_BITS, FMT)
-        vb, rb = _guided_half(xb, encode, decode, wb, BITS, RECORD_BITS, FMT)
+        va, ra, fa = _guided_half(xa, encode, decode, wa, BITS, RECORD_BITS, FMT)
+        vb, rb, fb = _guided_half(xb, encode, decode, wb, BITS, RECORD_BITS, FMT)
         tl.store(o_rows, va.to(out_ptr.dtype.element_ty), mask=m)
         tl.store(o_rows + 8, vb.to(out_ptr.dtype.element_ty), mask=m)
         counted = m
         if HAS_MASK:
             counted = counted & (tl.load(has_ptr + rows, mask=row_mask, other=0) != 0)[:, None, None]
         redirected += tl.sum(tl.where(counted, ra + rb, 0), axis=2)
+        flipped += tl.sum(tl.where(counted, fa + fb, 0), axis=2)
     _count(redirect_ptr, tl.sum(tl.sum(redirected, axis=1), axis=0))
+    _count(flip_ptr, tl.sum(tl.sum(flipped, axis=1), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
