@@ -4,7 +4,8 @@ One step = forward + backward over `--microbatches` micro-batches, then Adam on 
 into the BF16 parameters (as the trainer does), with R3 replaying the emulated rollout's routes in every mode (so
 routing cost is identical). With `--grouped`, qat and trace fake-quantize the expert weights in place after that copy
 (`TraceConfig.expert_weights_in_place`, timed with the step). `trace` also fetches the records of the latter half of
-the MoE and attention layers (b = `--bits`) per micro-batch. Prints a table and writes JSON to `--out`.
+the MoE and attention layers (b = `--bits`) per micro-batch; `--measure` adds the code-flip counting of the RL
+trainer (`TraceConfig.measure`). Prints a table and writes JSON to `--out`.
 
     python bench/megatron_step.py --out megatron_step.json
     python bench/megatron_step.py --preset qwen3-4l --grouped --iters 30 --out step_qwen3.json
@@ -67,6 +68,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--modes", default="bf16,qat,trace")
     p.add_argument("--grouped", action="store_true", help="TRACE grouped experts instead of SequentialMLP")
+    p.add_argument("--measure", action="store_true", help="count code flips against the records, as the RL trainer does")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     preset = p.parse_known_args()[0].preset
@@ -129,7 +131,7 @@ def main() -> None:
         for mode in modes:
             in_place = args.grouped and mode != "bf16"
             session = TraceSession(
-                model, TraceConfig(mode=mode, spec=spec, measure=False, expert_weights_in_place=in_place)
+                model, TraceConfig(mode=mode, spec=spec, measure=args.measure, expert_weights_in_place=in_place)
             )
             sync()
             if device == "cuda":
