@@ -78,6 +78,9 @@ def load_trace_plugin() -> None:
     hooks, SGLang applies them) and `plugin.check_applied` (SGLang only logs a hook that failed to apply).
     Idempotent; call it before building layers (the FusedMoE weight loader is bound into the parameters then)."""
     install_sgl_kernel_stand_in()
+    # Import the FusedMoE module first: resolving a hook's target while its package is mid-import fails (SGLang
+    # only logs it), as loading the plugin did in a pytest process on an H200.
+    import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
     from sglang.srt.plugins import load_plugins
 
     from sglang_trace.plugin import check_applied
