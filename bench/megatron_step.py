@@ -68,7 +68,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--modes", default="bf16,qat,trace")
     p.add_argument("--grouped", action="store_true", help="TRACE grouped experts instead of SequentialMLP")
-    p.add_argument("--measure", action="store_true", help="count code flips against the records, as the RL trainer does")
+    p.add_argument("--measure", action="store_true", help="count code flips as the RL trainer does")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     preset = p.parse_known_args()[0].preset
