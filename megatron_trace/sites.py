@@ -29,7 +29,6 @@ from trace_core.numerics.fc2 import fc2_input_fake_quant
 from trace_core.numerics.guided import GuidanceStats, guided_quantize
 from trace_core.numerics.recipe import DEFAULT_RECIPE, Role, get_recipe
 from trace_core.numerics.role_quant import expert_weights_rtn, fake_quant, quantize_role
-from trace_core.records.spec import low_bits_mask
 
 Count = int | torch.Tensor
 
@@ -122,7 +121,7 @@ class SiteNumerics:
             hist = metrics.codebook_distance_histogram(codes, recorded, mask=has.expand_as(codes))
             stats.distance = hist if stats.distance is None else stats.distance + hist
         else:
-            flips = ((codes & low_bits_mask(rec.bits)) != recorded) & has
+            flips = metrics.low_bit_flips(codes, recorded, rec.bits) & has
         stats.flipped = stats.flipped + flips.sum()
 
     def track(self, sites) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from trace_core.kernels import api
+from trace_core.metrics import low_bit_flips
 from trace_core.numerics.formats import NVFP4, FP4Format, get_format
 from trace_core.numerics.guided import fallback_scale, guided_quantize, guided_round
 from trace_core.numerics.quant import dequantize, quantize
@@ -110,7 +111,7 @@ def check_guided(
         flipped = torch.full((), 7, dtype=torch.int64, device=device)
         out = guided_fn(train, fmt.name, bits, record_bits, low, rec.scales, gs, mask, redirected, flipped)
         ref_q, ref_redirected = guided_quantize(train, rec, bits)
-        ref_flipped = (ref_q.codes & ((1 << record_bits) - 1)) != rec.code_bits()
+        ref_flipped = low_bit_flips(ref_q.codes, rec.code_bits(), record_bits)
         if mask is not None:
             ref_redirected &= mask.unsqueeze(-1)
             ref_flipped &= mask.unsqueeze(-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from trace_core.numerics import e2m1
+from trace_core.records.spec import low_bits_mask
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -21,6 +22,13 @@ def code_flips(train_codes: torch.Tensor, rollout_codes: torch.Tensor) -> torch.
     """Bool mask of elements whose codes decode to different values (+0 and -0 count as equal)."""
     _same_shape(train_codes, rollout_codes, "code_flips")
     return e2m1.signed_index(train_codes) != e2m1.signed_index(rollout_codes)
+
+
+def low_bit_flips(train_codes: torch.Tensor, recorded: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bool mask of elements whose training code differs from the record in the low `bits` code bits it keeps
+    (`recorded`: `Record.code_bits()`); the guided kernel counts the same flips in its own pass."""
+    _same_shape(train_codes, recorded, "low_bit_flips")
+    return (train_codes & low_bits_mask(bits)) != recorded
 
 
 def code_flip_rate(train_codes: torch.Tensor, rollout_codes: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ from megatron_trace.session import TraceSession
 from megatron_trace.sites import SiteNumerics
 from megatron_trace.source import SiteRows
 from trace_core.metrics import code_flips as metrics_code_flips
+from trace_core.metrics import low_bit_flips
 from trace_core.numerics.guided import GuidanceStats, guided_quantize, guided_round
 from trace_core.numerics.quant import dequantize, quantize
 from trace_core.numerics.recipe import DEFAULT_RECIPE, Scale, get_recipe
@@ -115,7 +116,7 @@ def test_guided_sites_equal_guided_round_of_rollout_records(bits, recipe):
             redirected += stats.redirected
             # the code-flip count (by the guided kernel's pass for b < 4), against the reference's guided codes
             codes = guided_quantize(xi, rec, bits)[0].codes
-            flips = metrics_code_flips(codes, q.codes) if bits == 4 else (codes & ((1 << bits) - 1)) != rec.code_bits()
+            flips = metrics_code_flips(codes, q.codes) if bits == 4 else low_bit_flips(codes, rec.code_bits(), bits)
             flipped[site] += int(flips.sum())
             compared[site] += xi.numel()
     assert redirected > 0, "the perturbation should move some elements across a rounding boundary"
@@ -180,9 +181,7 @@ def test_code_flips_at_a_captured_site_equal_the_references(bits, record_bits):
         numerics.activation((0, "moe_in"), x, SiteRows(rec, has))
     codes = guided_quantize(x, rec, bits)[0].codes
     flips = (
-        metrics_code_flips(codes, q.codes)
-        if record_bits == 4
-        else (codes & ((1 << record_bits) - 1)) != rec.code_bits()
+        metrics_code_flips(codes, q.codes) if record_bits == 4 else low_bit_flips(codes, rec.code_bits(), record_bits)
     )
     want = int((flips & has.unsqueeze(-1)).sum())
     assert want > 0

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from trace_core.kernels.launch import triton_guided, triton_quantize_record
+from trace_core.metrics import low_bit_flips
 from trace_core.numerics.formats import FP4Format, get_format
 from trace_core.numerics.guided import GLOBAL_STATS, GuidanceStats, fallback_scale, guided_quantize, straight_through
 from trace_core.numerics.quant import FLOAT_DTYPES, check_scale_args, dequantize, nvfp4_global_scale, quantize
 from trace_core.numerics.recipe import Role
-from trace_core.records.spec import Record, check_bits, low_bits_mask, pack_low_bits, packed_len
+from trace_core.records.spec import Record, check_bits, pack_low_bits, packed_len
 
 
 def _quantize_record_reference(x, fmt, bits, global_scale, per_token, out, low_bits, scales, token_scale) -> None:
@@ -192,7 +193,7 @@ def _guided_op(
     f = get_format(fmt)
     rec = Record(fmt=f, bits=record_bits, n=x.shape[1], low_bits=low_bits, scales=scales, global_scale=global_scale)
     guided, moved = guided_quantize(x, rec, bits)
-    flips = (guided.codes & low_bits_mask(record_bits)) != rec.code_bits()
+    flips = low_bit_flips(guided.codes, rec.code_bits(), record_bits)
     if has_record is not None:
         moved &= has_record.unsqueeze(-1)
         flips &= has_record.unsqueeze(-1)
