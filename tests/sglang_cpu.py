@@ -78,8 +78,12 @@ def load_trace_plugin() -> None:
     hooks, SGLang applies them) and `plugin.check_applied` (SGLang only logs a hook that failed to apply).
     Idempotent; call it before building layers (the FusedMoE weight loader is bound into the parameters then)."""
     install_sgl_kernel_stand_in()
-    # Import the FusedMoE module first: resolving a hook's target while its package is mid-import fails (SGLang
-    # only logs it), as loading the plugin did in a pytest process on an H200.
+    # The server imports SGLang's communicator, and with it `flashinfer_comm_fusion`, before any MoE layer: that
+    # module tries `flashinfer.comm` and logs a fallback when it fails (flashinfer 0.6.12 needs `cuda.tile` there),
+    # which leaves `flashinfer.comm.mnnvl` imported for the token dispatchers. Import it first, as the server does;
+    # then the FusedMoE module, because resolving a hook's target while its package is mid-import fails (SGLang only
+    # logs it).
+    import sglang.srt.layers.communicator  # noqa: F401
     import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
     from sglang.srt.plugins import load_plugins
 
