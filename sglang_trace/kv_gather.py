@@ -116,6 +116,14 @@ class KVGather:
         self._block = 1 << max(0, (max(widths) - 1).bit_length())
         self._rows_tables: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # bits -> (columns, packs, BLOCK)
 
+    def _queued(self, table: torch.Tensor) -> torch.Tensor:
+        """`table` on the device, its copy queued on the current stream from pinned memory on CUDA: a pageable copy
+        would block the calling thread until that stream got to it (on the finish path, the copy stream waiting
+        behind the forward: the scheduler thread held for a forward, and the fence never needed)."""
+        if self.device.type != "cuda":
+            return table.to(self.device)
+        return table.pin_memory().to(self.device, non_blocking=True)
+
     def __call__(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 `[len(slots), width]`: the raw K/V bytes of every site at `slots` (int32 or int64 valid KV slots:
         rows of SGLang's `req_to_token`), on the pool's device; written into `out` (contiguous) when given."""
@@ -159,9 +167,10 @@ class KVGather:
         if bits not in self._rows_tables:
             low, scales = packed_len(width, bits), width // KV_BLOCK
             columns = [i // 2 * (low + scales) + (low if i % 2 else 0) for i in range(len(self._buffers))]
+            packs = [1 - i % 2 for i in range(len(self._buffers))]
             self._rows_tables[bits] = (
-                torch.tensor(columns, dtype=torch.int64, device=self.device),
-                torch.tensor([1 - i % 2 for i in range(len(self._buffers))], dtype=torch.int32, device=self.device),
+                self._queued(torch.tensor(columns, dtype=torch.int64)),
+                self._queued(torch.tensor(packs, dtype=torch.int32)),
                 1 << max(0, (max(low, scales) - 1).bit_length()),
             )
         offsets, packs, block = self._rows_tables[bits]

@@ -83,7 +83,7 @@ def load_trace_plugin() -> None:
     # which leaves `flashinfer.comm.mnnvl` imported for the token dispatchers. Import it first, as the server does;
     # then the FusedMoE module, because resolving a hook's target while its package is mid-import fails (SGLang only
     # logs it).
-    import sglang.srt.layers.communicator  # noqa: F401
+    import sglang.srt.layers.communicator
     import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
     from sglang.srt.plugins import load_plugins
 
