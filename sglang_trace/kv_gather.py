@@ -173,14 +173,14 @@ class KVGather:
                 self._queued(torch.tensor(packs, dtype=torch.int32)),
                 1 << max(0, (max(low, scales) - 1).bit_length()),
             )
-        offsets, packs, block = self._rows_tables[bits]
+        table_offsets, table_packs, block = self._rows_tables[bits]
         slots = slots.to(self.device).contiguous()
         if out is None:
             out = torch.empty(slots.shape[0], row_width, dtype=torch.uint8, device=self.device)
         if slots.shape[0]:
             grid = (triton.cdiv(slots.shape[0], ROWS_PER_PROGRAM), len(self._buffers))
             _kv_rows_kernel[grid](
-                self._ptrs, self._widths, offsets, packs, slots, out, slots.shape[0], out.stride(0),
+                self._ptrs, self._widths, table_offsets, table_packs, slots, out, slots.shape[0], out.stride(0),
                 BITS=bits, BR=ROWS_PER_PROGRAM, BLOCK=block,
             )  # fmt: skip
         return out

@@ -72,18 +72,24 @@ def install_sgl_kernel_stand_in() -> bool:
     return True
 
 
-def load_trace_plugin() -> None:
-    """TRACE's SGLang plugin in this process as a server process has it: the `sgl_kernel` stand-in where the real
-    package is absent, then SGLang's own `load_plugins` (the `sglang.srt.plugins` entry point `trace` registers the
-    hooks, SGLang applies them) and `plugin.check_applied` (SGLang only logs a hook that failed to apply).
-    Idempotent; call it before building layers (the FusedMoE weight loader is bound into the parameters then)."""
+def import_sglang_as_a_server() -> None:
+    """SGLang's modules in the order a server imports them: the `sgl_kernel` stand-in where the real package is
+    absent, then SGLang's communicator, and with it `flashinfer_comm_fusion`, before any MoE or runner module. That
+    module tries `flashinfer.comm` and logs a fallback when it fails (flashinfer 0.6.12 needs `cuda.tile` there),
+    which leaves `flashinfer.comm.mnnvl` imported for the token dispatchers; imported the other way round (a KV
+    pool's `set_kv_buffer` on CUDA imports the runner, and with it the dispatchers), the import fails."""
     install_sgl_kernel_stand_in()
-    # The server imports SGLang's communicator, and with it `flashinfer_comm_fusion`, before any MoE layer: that
-    # module tries `flashinfer.comm` and logs a fallback when it fails (flashinfer 0.6.12 needs `cuda.tile` there),
-    # which leaves `flashinfer.comm.mnnvl` imported for the token dispatchers. Import it first, as the server does;
-    # then the FusedMoE module, because resolving a hook's target while its package is mid-import fails (SGLang only
-    # logs it).
-    import sglang.srt.layers.communicator
+    import sglang.srt.layers.communicator  # noqa: F401
+
+
+def load_trace_plugin() -> None:
+    """TRACE's SGLang plugin in this process as a server process has it: SGLang imported as a server does
+    (`import_sglang_as_a_server`), then SGLang's own `load_plugins` (the `sglang.srt.plugins` entry point `trace`
+    registers the hooks, SGLang applies them) and `plugin.check_applied` (SGLang only logs a hook that failed to
+    apply). Idempotent; call it before building layers (the FusedMoE weight loader is bound into the parameters
+    then)."""
+    import_sglang_as_a_server()
+    # The FusedMoE module first: resolving a hook's target while its package is mid-import fails (SGLang only logs it).
     import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
     from sglang.srt.plugins import load_plugins
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.sglang_cpu import install_sgl_kernel_stand_in
+from tests.sglang_cpu import import_sglang_as_a_server
 
-install_sgl_kernel_stand_in()  # where the compiled kernels are absent (no plugin needed: no hook runs here)
+import_sglang_as_a_server()  # no plugin needed: no hook runs here
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool  # noqa: E402
