@@ -6,9 +6,10 @@ experts top-8, MoE FFN 768, 32 / 4 heads x 128, vocab 151,936), served with rand
 --skip-tokenizer-init`, input ids only). Every server runs `--attention-backend triton --sampling-backend pytorch
 --grammar-backend none --page-size 1 --dtype bfloat16 --mem-fraction-static 0.85` with SGLang's default decode CUDA
 graphs and no prefill graphs (`--disable-prefill-cuda-graph`: they change only the time to first token and their
-capture took 93 s of each start on the H200), in its own process group (torn down on exit, error, SIGINT and SIGTERM;
-what a killed run left, its server and record store, is found through `PID_FILE` next to `--out` and removed before
-the next start).
+capture took 93 s of each start on the H200; `--decode-graph-bs` captures only the listed decode batch sizes, for a
+batch-axis run whose batches are all listed: SGLang's 36 sizes took 80 s of a 135 s start), in its own process
+group (torn down on exit, error, SIGINT and SIGTERM; what a killed run left, its server and record store, is found
+through `PID_FILE` next to `--out` and removed before the next start).
 
 Configurations (`CONFIGS`):
   bf16                           BF16 W/A, BF16 KV, TRACE off
@@ -217,6 +218,8 @@ def server_argv(model: Path, flags: Sequence[str], port: int | str, store: Path 
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1"]
     argv += ["--port", str(port), *BASE_FLAGS, "--mem-fraction-static", str(args.mem_fraction)]
     argv += ["--decode-log-interval", str(args.decode_log_interval), *flags]
+    if args.decode_graph_bs:
+        argv += ["--cuda-graph-bs-decode", *map(str, args.decode_graph_bs)]
     if store is not None:
         argv += ["--trace-store", str(store)]
     return argv
@@ -629,7 +632,7 @@ def server_summary(info: dict, start_s: float) -> dict:
         "kv_capacity_tokens": info.get("max_total_num_tokens"),
         "max_running_requests": state.get("effective_max_running_requests_per_dp"),
         "memory_usage_gb": state.get("memory_usage"),
-        "cuda_graph_decode": {"backend": graphs.get("backend"), "max_bs": graphs.get("max_bs")},
+        "cuda_graph_decode": {"backend": graphs.get("backend"), "max_bs": graphs.get("max_bs"), "bs": graphs.get("bs")},
         "chunked_prefill_size": info.get("chunked_prefill_size"),
         "context_length": info.get("context_length") or HF_CONFIG["max_position_embeddings"],
         "sglang": info.get("version"),
@@ -658,7 +661,7 @@ def signature(name: str, args) -> dict:
         "decode_log_interval": args.decode_log_interval,
         "stream_interval": args.stream_interval,
         "seed": args.seed,
-    }
+    } | ({"decode_graph_bs": args.decode_graph_bs} if args.decode_graph_bs else {})
 
 
 def run_config(name: str, points: list[Point], result: dict, args, save: Callable[[], None], left: Callable) -> None:
@@ -1023,6 +1026,14 @@ def main() -> None:
     )
     p.add_argument("--profile-steps", type=int, default=8, help="forward steps each profile records")
     p.add_argument("--profile-start-step", type=int, help="first profiled forward step (default: the first)")
+    p.add_argument(
+        "--decode-graph-bs",
+        type=int,
+        nargs="+",
+        help="decode CUDA-graph batch sizes of every server (default: SGLang's 36 sizes up to 256, about 80 s of "
+        "each start); every batch of the axis must be one of them, and --contexts must be empty (a long-context "
+        "batch is chosen from the capacity at start and would run padded to a larger graph)",
+    )
     p.add_argument("--force", action="store_true", help="remeasure points already in --out")
     p.add_argument("--dry-run", action="store_true", help="print server commands and client calls; start nothing")
     args = p.parse_args()
@@ -1034,6 +1045,14 @@ def main() -> None:
         args.profiled = profiled(args.profile)  # checked before any server starts
     except ValueError as e:
         p.error(str(e))
+    if args.decode_graph_bs:
+        missing = sorted(set(args.batches) - set(args.decode_graph_bs))
+        if missing or args.contexts:
+            p.error(
+                f"--decode-graph-bs {args.decode_graph_bs}: "
+                + (f"batches {missing} have no graph of their size" if missing else "needs --contexts empty")
+                + " (their decode would run padded to a larger graph)"
+            )
     points = plan(args.batches, args.batch_context, args.contexts)
     if args.dry_run:
         dry_run(configs, points, args)
