@@ -61,19 +61,37 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import requests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench.* of this checkout
+
+from bench.serve_records import (
+    STORE_S_PER_TOKEN,
+    StoreDrain,
+    expected_record_bytes,
+    finish_path,
+    record_bytes,
+    store_step_dir,
+)
+from bench.serve_server import (
+    PID_FILE,
+    SERVER_ENV,
+    Server,
+    free_port,
+    kill_leftover,
+    new_step_times,
+    parse_log,
+    step_time_dict,
+)
+from bench.serve_targets import TARGETS, evaluate, plot
 
 NUM_LAYERS = 48
 HF_CONFIG: dict[str, object] = {
@@ -141,9 +159,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 """Server flags of each configuration, on top of `BASE_FLAGS` (TRACE ones also get `--trace-store`)."""
 
 WARMUP = (4, 1024, 16)  # batch, input, output of the request each server gets before its points
-SERVER_ENV = {"SGLANG_RECORD_STEP_TIME": "1"}  # SGLang's step timer: step_time_dict in /server_info
-STORE_S_PER_TOKEN = 30e3 / 200e6  # wait for the records: ~30 KB per token at 200 MB/s at least
-PID_FILE = "serve.server.json"  # next to --out: the process group and record store of the server running now
 
 QUANTITIES = {
     "output_throughput": "output tok/s of the decode phase: batch x output_len / (latency - ttft_s) "
@@ -231,258 +246,6 @@ def traced(flags: Sequence[str]) -> bool:
     return "--trace-mode" in flags and sites != "none"
 
 
-def free_port() -> int:
-    """A free port in [20000, 40000): SGLang derives further ports from it, which must stay below 65536."""
-    for port in random.sample(range(20000, 40000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 40000)")
-
-
-def kill_leftover(pid_file: Path) -> None:
-    """Clean up after an earlier run of this bench that was killed: kill the process group it left running (its id
-    in `pid_file`) if its leader is still an SGLang server, and remove that server's record store."""
-    try:
-        left = json.loads(pid_file.read_text())
-    except (OSError, ValueError):
-        pid_file.unlink(missing_ok=True)
-        return
-    try:
-        alive = b"sglang.launch_server" in Path(f"/proc/{left['pgid']}/cmdline").read_bytes()
-    except OSError:
-        alive = False
-    if alive:
-        print(f"serve: killing the leftover server process group {left['pgid']}", file=sys.stderr)
-        try:
-            os.killpg(left["pgid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        time.sleep(5)
-    if left.get("store"):
-        shutil.rmtree(left["store"], ignore_errors=True)
-    pid_file.unlink(missing_ok=True)
-
-
-class Server:
-    """One SGLang server in its own process group, logging to `log`; `stop` kills the group (SIGTERM, then
-    SIGKILL)."""
-
-    def __init__(self, argv: list[str], url: str, log: Path, pid_file: Path, store: Path | None) -> None:
-        self.argv, self.url, self.log, self.pid_file = argv, url, log, pid_file
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            f.write(f"# {' '.join(argv)}\n")
-            f.flush()
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **SERVER_ENV},
-                start_new_session=True,
-            )
-        pid_file.write_text(json.dumps({"pgid": self.proc.pid, "store": str(store) if store else None}))
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Until `/health` answers 200; RuntimeError with the log tail if the server exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.tail()}")
-
-    def check(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-
-    def info(self) -> dict:
-        resp = requests.get(f"{self.url}/server_info", timeout=60)
-        resp.raise_for_status()
-        return resp.json()
-
-    def log_size(self) -> int:
-        return self.log.stat().st_size
-
-    def log_since(self, offset: int) -> str:
-        with open(self.log, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        """Kill the server's process group; a SIGTERM to this bench meanwhile waits (no orphan is left)."""
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the scheduler processes too, whatever the leader did
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
-        finally:
-            self.pid_file.unlink(missing_ok=True)
-            signal.signal(signal.SIGTERM, previous)
-
-
-DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False)")
-PREFILL_LINE = re.compile(r"Prefill batch.*?#running-req: (\d+),")
-RETRACT_LINE = "KV cache pool is full. Retract requests."
-SLOW_FINISH_LINE = re.compile(
-    r"TRACE finish: (\d+) requests, (\d+) tokens in ([\d.]+) s on the scheduler thread "
-    r"\(host ring waits \d+, ([\d.]+) s\)"
-)  # sglang_trace.capturer: a result batch whose record transfers held the scheduler longer than SLOW_FINISH_S
-
-
-def parse_log(text: str) -> dict:
-    """Peak running requests, decode lines in CUDA graphs, retractions and TRACE's slow finishes (scheduler seconds,
-    host-ring waits) in a span of the server log. A prefill line counts the requests running before the batch it
-    adds, so the peak comes from the decode lines too."""
-    decode = [(int(n), flag == "True") for n, flag in DECODE_LINE.findall(text)]
-    running = [n for n, _ in decode] + [int(n) for n in PREFILL_LINE.findall(text)]
-    slow = SLOW_FINISH_LINE.findall(text)
-    return {
-        "peak_running_requests": max(running, default=0),
-        "decode_log_lines": len(decode),
-        "cuda_graph_decode_fraction": sum(g for _, g in decode) / len(decode) if decode else None,
-        "retractions": text.count(RETRACT_LINE),
-        "slow_finish_s": sum(float(took) for *_, took, _ in slow),
-        "slow_finish_ring_wait_s": sum(float(wait) for *_, wait in slow),
-        "slow_finish_requests": sum(int(n) for n, *_ in slow),
-    }
-
-
-def step_time_dict(info: dict) -> dict[int, list[float]]:
-    """SGLang's step timer (`step_time_dict`: running requests -> seconds per decode step of each log window)."""
-    states = info.get("internal_states") or [{}]
-    return {int(k): list(v) for k, v in (states[0].get("step_time_dict") or {}).items()}
-
-
-def new_step_times(before: dict[int, list[float]], after: dict[int, list[float]], batch: int) -> list[float]:
-    """The windows at `batch` running requests timed since `before`, less the first (it spans the gap since the
-    previous point's last window, and the prefill)."""
-    return after.get(batch, [])[len(before.get(batch, [])) :][1:]
-
-
-def expected_record_bytes(info: dict) -> dict:
-    """What the served record spec should write per token (`trace_core.records.spec.bytes_per_token`) and the device
-    bytes its record store adds to every KV slot (`sglang_trace.capturer.record_bytes_per_slot`)."""
-    from sglang_trace.capturer import record_bytes_per_slot
-    from sglang_trace.config import model_layout, parse_trace_args, served_spec
-    from trace_core.records.spec import ModelShape, bytes_per_token
-
-    hf = SimpleNamespace(**HF_CONFIG)
-    spec = served_spec(info, hf)
-    layout = model_layout(hf)
-    shape = ModelShape(layout.hidden, layout.num_kv_heads, layout.head_dim)
-    expected = bytes_per_token(shape, spec)
-    return {
-        "spec": {"bits": spec.bits, "moe_layers": len(spec.moe_layers), "attn_layers": len(spec.attn_layers)},
-        "recipe": spec.recipe,
-        "record_bytes_per_token": expected.total,
-        "moe_in_bytes_per_token": expected.moe_in,
-        "kv_bytes_per_token": expected.kv,
-        "routes_bytes_per_token": len(layout.moe_layers) * layout.topk * 4,  # int32 ids, if stored
-        "record_bytes_per_slot": record_bytes_per_slot(parse_trace_args(SimpleNamespace(**info)), layout),
-    }
-
-
-def store_step_dir(root: Path) -> Path:
-    """The step directory the server writes its records into (`--trace-step` 0, no weight update)."""
-    from trace_core.records.store import step_dir
-
-    return step_dir(root, 0)
-
-
-class StoreDrain(threading.Thread):
-    """Reads and deletes, as they appear, the shards and failure marks the server writes into a record-store step
-    directory (one shard per finished request): what the trajectories of `tokens` positions hold is summed in
-    `usage` (others, e.g. of a warm-up, are only counted), and the disk holds only the shards not read yet. The step
-    directory stays (the server's writer holds it)."""
-
-    def __init__(self, directory: Path, tokens: int | None = None) -> None:
-        super().__init__(name="serve-store-drain", daemon=True)
-        self.directory, self.tokens = directory, tokens
-        self.usage = {"trajectories": 0, "tokens": 0, "record_raw_bytes": 0, "routes_raw_bytes": 0, "disk_bytes": 0}
-        self.others = 0
-        self.failed: list[str] = []
-        self._stop_event = threading.Event()
-
-    def drain_once(self) -> None:
-        from trace_core.records.store import FAILED_PREFIX, read_header, shard_paths
-
-        if not self.directory.is_dir():
-            return
-        for path in shard_paths(self.directory):
-            header, size = read_header(path), path.stat().st_size
-            path.unlink()
-            if any(self.tokens not in (None, e["num_tokens"]) for e in header["trajectories"].values()):
-                self.others += len(header["trajectories"])
-                continue
-            self.usage["disk_bytes"] += size
-            for entry in header["trajectories"].values():
-                self.usage["trajectories"] += 1
-                self.usage["tokens"] += entry["num_tokens"]
-                for site in entry["sites"].values():
-                    self.usage["record_raw_bytes"] += sum(f["raw"] for f in site["fields"].values())
-                self.usage["routes_raw_bytes"] += entry.get("routes", {}).get("raw", 0)
-        for path in self.directory.glob(f"{FAILED_PREFIX}*"):
-            self.failed.append(json.loads(path.read_text()).get("message", ""))
-            path.unlink()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(0.5):
-            self.drain_once()
-
-    def finish(self, expected: int, timeout_s: float, server: Server) -> dict:
-        """Wait until `expected` trajectories were written or marked failed, or `timeout_s`; stop; the totals."""
-        deadline = time.monotonic() + timeout_s
-        while self.usage["trajectories"] + len(self.failed) < expected and time.monotonic() < deadline:
-            server.check()
-            time.sleep(0.5)
-        self._stop_event.set()
-        self.join()
-        self.drain_once()
-        done = self.usage["trajectories"] + len(self.failed)
-        return self.usage | {
-            "failed": len(self.failed),
-            "failures": self.failed[:3],
-            "other_trajectories": self.others,
-            "complete": done >= expected,
-        }
-
-
-def record_bytes(usage: dict, expected: dict) -> dict:
-    tokens = max(1, usage["tokens"])
-    return {
-        "record_bytes_per_token": usage["record_raw_bytes"] / tokens,
-        "expected_record_bytes_per_token": expected["record_bytes_per_token"],
-        "routes_bytes_per_token": usage["routes_raw_bytes"] / tokens,
-        "disk_bytes_per_token": usage["disk_bytes"] / tokens,
-        "trajectories": usage["trajectories"],
-        "failed_trajectories": usage["failed"],
-        "failures": usage["failures"],
-        "other_trajectories": usage["other_trajectories"],
-        "store_complete": usage["complete"],
-    }
-
-
 def client_call(url: str, batch: int, input_len: int, output_len: int, name: str, stream_interval: int) -> dict:
     """Keyword arguments of SGLang's `run_one_case` for one point (random-ids prompts of fixed lengths)."""
     return dict(
@@ -551,34 +314,6 @@ def profile_point(server: Server, point: Point, batch: int, name: str, out_dir: 
     return str(where)
 
 
-def finish_path(before: dict, after: dict) -> dict:
-    """The finish path over one point from the server's TRACE counters before and after it (QUANTITIES)."""
-
-    def d(key: str) -> float:
-        return after[key] - before[key]
-
-    def fence(key: str) -> float | None:
-        if after.get("fence") is None or before.get("fence") is None:
-            return None
-        return after["fence"][key] - before["fence"][key]
-
-    requests, write_s = d("requests"), d("write_s")
-    return {
-        "finish_requests": requests,
-        "finish_tokens_per_request": d("tokens") / requests if requests else None,
-        "finish_ms_per_request": 1e3 * d("finish_s") / requests if requests else None,
-        "finish_transfers": d("transfers"),
-        "ring_wait_s": after["ring"]["stall_s"] - before["ring"]["stall_s"],
-        "ring_stalls": after["ring"]["stalls"] - before["ring"]["stalls"],
-        "writer_s": write_s,
-        "writer_GBps": d("host_bytes") / write_s / 1e9 if write_s > 0 else None,
-        "record_write_failures": d("write_failures"),
-        # no slot fence on a server that stores no records (--trace-sites none)
-        "fence_alloc_waits": fence("alloc_waits"),
-        "fence_alloc_wait_s": fence("alloc_wait_s"),
-    }
-
-
 def measure(server: Server, point: Point, batch: int, args, store: Path | None, expected: dict | None) -> dict:
     """One point on a running server: the client call, then the server's step timer, log, TRACE counters (read
     again once the record store has drained, so the writer's time is in) and record store."""
@@ -616,9 +351,6 @@ def measure(server: Server, point: Point, batch: int, args, store: Path | None, 
     if counters is None:  # no TRACE capturer on this server
         return out
     return out | finish_path(counters, served_counters(server.info()))
-
-
-FINISH_TOKENS = 16384  # the finish-path target's request length
 
 
 def server_summary(info: dict, start_s: float) -> dict:
@@ -700,7 +432,7 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
             return
         entry |= {"status": "ok", "server": server_summary(info, time.monotonic() - t0)}
         entry.pop("error", None)
-        expected = expected_record_bytes(info) if store is not None else None
+        expected = expected_record_bytes(info, HF_CONFIG) if store is not None else None
         entry["server"]["expected_records"] = expected
         step_dir = store_step_dir(store) if store is not None else None
         warm = client_call(server.url, *WARMUP, "warmup", args.stream_interval)
@@ -747,188 +479,6 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
         save()
 
 
-@dataclass(frozen=True)
-class Target:
-    """One ratio target of the issue for one pair of configurations."""
-
-    name: str
-    text: str
-    config: str
-    baseline: str | None
-    metric: str  # output_throughput | decode_step_ms | kv_capacity_tokens | cuda_graphs | starts | finish_path
-    bound: float | None = None
-    at_least: bool = True  # ratio >= bound (else <=)
-    where: str = "equal"  # equal: points of equal (context, batch); batch16: those with batch >= 16; ...
-
-    def check(self, ratio: float) -> bool:
-        assert self.bound is not None
-        return ratio >= self.bound if self.at_least else ratio <= self.bound
-
-
-FP4_PAIRS = (("fp4kv", "bf16"), ("emulate+fp4kv", "emulate"), ("emulate+nvfp4kv", "emulate"))
-CAPTURE_PAIRS = (
-    ("emulate+capture-default", "emulate"),
-    ("emulate+capture-paper", "emulate"),
-    ("emulate+fp4kv+capture-default", "emulate+fp4kv"),
-    ("emulate+fp4kv+capture-paper", "emulate+fp4kv"),
-)
-TARGETS: tuple[Target, ...] = (
-    *(
-        Target("capture", "output throughput with capture >= 0.97 x without, at every batch >= 16", c, b,
-               "output_throughput", 0.97, True, "batch16")
-        for c, b in CAPTURE_PAIRS
-    ),
-    Target("emulation", "emulate NVFP4 W/A decode step <= 1.3 x BF16 at batch 64 (1K context)", "emulate", "bf16",
-           "decode_step_ms", 1.3, False, "batch64"),
-    *(
-        Target("fp4kv_capacity", "FP4 KV token capacity >= 3.5 x BF16 KV at the same memory fraction", c, b,
-               "kv_capacity_tokens", 3.5, True, "server")
-        for c, b in FP4_PAIRS
-    ),
-    *(
-        Target("fp4kv_32k", "at 32K context, output throughput >= 1.5 x BF16 KV when BF16 KV is capacity-bound",
-               c, b, "output_throughput", 1.5, True, "ctx32768")
-        for c, b in FP4_PAIRS
-    ),
-    *(
-        Target("fp4kv_step", "decode step <= 1.15 x BF16 KV at equal batch", c, b, "decode_step_ms", 1.15, False)
-        for c, b in FP4_PAIRS
-    ),
-    *(
-        Target("fp4kv_graphs", "no CUDA-graph capture failure at any pool size; decode runs in the graphs", c, None,
-               "cuda_graphs")
-        for c, _ in FP4_PAIRS
-    ),
-    *(
-        Target("capture_memory", "no OOM with capture at a memory fraction where the server without it runs", c, b,
-               "starts")
-        for c, b in CAPTURE_PAIRS
-    ),
-    Target("finish_path", "<= 1 ms scheduler-thread time per finished 16K-token request", "emulate+fp4kv+capture-"
-           "default", None, "finish_path", 1.0, False),
-)  # fmt: skip
-
-
-def measured_points(entry: dict | None) -> dict[tuple[int, int], dict]:
-    """(context, batch) -> point of a configuration, measured ones only."""
-    if not entry or entry.get("status") != "ok":
-        return {}
-    return {(p["context"], p["batch"]): p for p in entry["points"].values() if "output_throughput" in p}
-
-
-def evaluate(target: Target, configs: dict) -> dict:
-    """A target's comparisons on the results so far and its status: met, missed or not-measured (with why)."""
-    out = {"target": target.name, "text": target.text, "config": target.config, "baseline": target.baseline}
-    out |= {"metric": target.metric, "bound": target.bound}
-    entry, base = configs.get(target.config), configs.get(target.baseline) if target.baseline else None
-    settings = ("mem_fraction_static", "output_len", "batch_context")
-    if entry and base and any(entry["signature"].get(k) != base["signature"].get(k) for k in settings):
-        return out | {"status": "not-measured", "why": f"the two configurations ran under different {settings}"}
-    if target.metric == "finish_path":  # scheduler ms per finished request, scaled to 16K tokens
-        rows = [
-            {"context": c, "batch": b, "tokens_per_request": p["finish_tokens_per_request"],
-             "ms_per_request": p["finish_ms_per_request"],
-             "ms_per_16k_tokens": p["finish_ms_per_request"] * FINISH_TOKENS / p["finish_tokens_per_request"]}
-            for (c, b), p in sorted(measured_points(entry).items())
-            if p.get("finish_ms_per_request") is not None and p["finish_tokens_per_request"] >= FINISH_TOKENS
-        ]  # fmt: skip
-        if not rows:
-            return out | {"status": "not-measured", "why": f"no point of {target.config} with requests of "
-                          f">= {FINISH_TOKENS} tokens (run --contexts 16384 or longer)"}  # fmt: skip
-        return out | {"status": "met" if all(r["ms_per_16k_tokens"] <= target.bound for r in rows) else "missed",
-                      "points": rows}  # fmt: skip
-    if target.metric == "starts":
-        if not base or base.get("status") != "ok":
-            return out | {"status": "not-measured", "why": f"{target.baseline} not started"}
-        if not entry or entry.get("status") not in ("ok", "failed"):
-            return out | {"status": "not-measured", "why": f"{target.config} not run (or cut by --budget-s)"}
-        failed = [k for k, p in entry["points"].items() if "error" in p]
-        ok = entry["status"] == "ok" and not failed
-        return out | {"status": "met" if ok else "missed", "failed": entry.get("error") or failed}
-    if target.metric == "cuda_graphs":
-        if not entry or entry.get("status") not in ("ok", "failed"):
-            return out | {"status": "not-measured", "why": f"{target.config} not run (or cut by --budget-s)"}
-        if entry["status"] != "ok":
-            return out | {"status": "missed", "why": "server did not start", "error": entry.get("error")}
-        max_bs = (entry["server"].get("cuda_graph_decode") or {}).get("max_bs") or 0
-        fractions = {
-            f"ctx{c}-b{b}": p["cuda_graph_decode_fraction"]
-            for (c, b), p in measured_points(entry).items()
-            if b <= max_bs and p.get("cuda_graph_decode_fraction") is not None
-        }
-        if not fractions:
-            return out | {"status": "not-measured", "why": "no decode log line at a batch within the graphs"}
-        return out | {"status": "met" if min(fractions.values()) == 1 else "missed", "graph_fraction": fractions}
-    if target.metric == "kv_capacity_tokens":
-        if not (entry and base and entry.get("status") == base.get("status") == "ok"):
-            return out | {"status": "not-measured", "why": "both servers must have started"}
-        ratio = entry["server"]["kv_capacity_tokens"] / base["server"]["kv_capacity_tokens"]
-        return out | {"status": "met" if target.check(ratio) else "missed", "ratio": ratio}
-    mine, theirs = measured_points(entry), measured_points(base)
-    if target.where == "ctx32768":  # each at its own largest batch
-        pairs = [(k, j) for k in mine for j in theirs if k[0] == j[0] == 32768]
-        compared = [(k, j) for k, j in pairs if theirs[j].get("capacity_bound")]
-        if pairs and not compared:
-            return out | {"status": "not-measured", "why": f"{target.baseline} is not capacity-bound at 32K"}
-    else:
-        keep = {
-            "equal": lambda k: True,
-            "batch16": lambda k: k[1] >= 16,
-            "batch64": lambda k: k[1] == 64 and k[0] == 1024,
-        }[target.where]
-        compared = [(k, k) for k in mine if k in theirs and keep(k)]
-    rows = []
-    for k, j in compared:
-        value, baseline = mine[k].get(target.metric), theirs[j].get(target.metric)
-        if value is None or not baseline:
-            continue
-        ratio = value / baseline
-        row = {"context": k[0], "batch": k[1], "baseline_batch": j[1], "value": value, "baseline_value": baseline}
-        rows.append(row | {"ratio": ratio, "met": target.check(ratio)})
-    if not rows:
-        return out | {"status": "not-measured", "why": "no comparable points of both configurations"}
-    return out | {"status": "met" if all(r["met"] for r in rows) else "missed", "comparisons": rows}
-
-
-def plot(result: dict, path: Path, batch_context: int) -> None:
-    """Output throughput against batch (at `batch_context`) and against context (each context's largest batch),
-    one line per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(13, 5))
-    for name, entry in result["configs"].items():
-        pts = measured_points(entry)
-        if not pts:
-            continue
-        batch_axis = sorted((b, p["output_throughput"]) for (c, b), p in pts.items() if c == batch_context)
-        if batch_axis:
-            ax_b.plot(*zip(*batch_axis, strict=True), marker="o", label=name)
-        largest: dict[int, tuple[int, float]] = {}
-        for (c, b), p in pts.items():
-            if c not in largest or b > largest[c][0]:
-                largest[c] = (b, p["output_throughput"])
-        contexts = sorted(largest)
-        (line,) = ax_c.plot(contexts, [largest[c][1] for c in contexts], marker="o", label=name)
-        for c in contexts:
-            ax_c.annotate(f"b{largest[c][0]}", (c, largest[c][1]), fontsize=7, color=line.get_color())
-    ax_b.set(xlabel=f"batch (context {batch_context})", ylabel="output tok/s (decode phase)")
-    ax_c.set(xlabel="context (input tokens), at the largest batch measured (bN)", ylabel="output tok/s (decode)")
-    for ax in (ax_b, ax_c):
-        ticks = sorted({x for line in ax.get_lines() for x in line.get_xdata()})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(int(t)) for t in ticks])
-        ax.grid(True, alpha=0.3)
-        if ticks:
-            ax.legend(fontsize=7)
-    fig.suptitle("Live SGLang server, Qwen3-30B-A3B shape, one GPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def save_json(path: Path, result: dict) -> None:
     """Write `result` to `path` through a temporary file (a run killed mid-write leaves the previous one)."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -969,7 +519,7 @@ def dry_run(configs: list[str], points: list[Point], args) -> None:
                     field = flag[2:].replace("-", "_")
                     info[field] = type(SERVER_ARGS_FIELDS[field])(next(it))
             info["trace_store"] = str(store)
-            exp = expected_record_bytes(info)
+            exp = expected_record_bytes(info, HF_CONFIG)
             print(
                 f"# records: {exp['spec']}, {exp['record_bytes_per_token']:.1f} B/token expected "
                 f"(+ routes {exp['routes_bytes_per_token']}), record store {exp['record_bytes_per_slot']} B/slot"

@@ -706,7 +706,8 @@ def test_server_info_reports_the_finish_path_counters(rollout):
     from sglang.srt.managers.io_struct import GetInternalStateReq
     from sglang.srt.managers.scheduler import Scheduler
 
-    from bench.serve import finish_path, server_summary
+    from bench.serve import server_summary
+    from bench.serve_records import finish_path
 
     cap = rollout.capturer
     cap.return_routes = False
@@ -812,7 +813,7 @@ def test_a_transfer_runs_in_device_pieces_of_at_most_the_staging_bytes(rollout, 
 def test_the_serving_benchs_finish_path_reads_a_server_that_stores_no_records():
     """`bench/serve.py` reads the finish-path counters of every TRACE server, also one with `--trace-sites none`,
     which has no slot fence (it stores nothing)."""
-    from bench.serve import finish_path
+    from bench.serve_records import finish_path
 
     none = Rollout(None, trace_sites="none")
     counters = none.capturer.counters()
