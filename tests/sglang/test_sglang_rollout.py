@@ -17,10 +17,7 @@ import dataclasses
 import json
 import re
 import shutil
-import subprocess
-import sys
 from array import array
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -952,50 +949,3 @@ def test_the_kv_budget_counts_the_record_store(rollout):
     tokens_on = on.calculate_pool_sizes(available, page_size=1).max_total_num_tokens
     assert (tokens_off, tokens_on) == (available // cell, available // (cell + record))
     assert tokens_on < 0.95 * tokens_off  # the record row is a real share of each cell here
-
-
-def test_the_serving_bench_profiles_named_points_and_refuses_a_bad_spec():
-    """`bench/serve.py --profile CONFIG:POINT`: the points it profiles, and a malformed or unknown one refused by
-    name before any server starts (the dry run prints the profiled run)."""
-    from bench.serve import profiled
-
-    assert profiled(["emulate+capture-default:ctx1024-b256", "emulate:ctx32768-bfit"]) == {
-        ("emulate+capture-default", "ctx1024-b256"),
-        ("emulate", "ctx32768-bfit"),
-    }
-    for bad in ("emulate:ctx1024", "nope:ctx1024-b16", "ctx1024-b16"):
-        with pytest.raises(ValueError, match=f"--profile '{bad}': expected CONFIG:ctx"):
-            profiled([bad])
-    bench = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
-    run = [sys.executable, str(bench), "--configs", "emulate", "--batches", "16", "--contexts", "--dry-run"]
-    dry = subprocess.run([*run, "--profile", "emulate:ctx1024-b16"], capture_output=True, text=True, timeout=120)
-    assert dry.returncode == 0 and "then once more with profile=True, profile_steps=8" in dry.stdout, dry.stderr
-    bad = subprocess.run([*run, "--profile", "emulate:b16"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--profile 'emulate:b16'" in bad.stderr
-
-
-def test_the_serving_bench_captures_only_the_decode_graphs_asked_for_and_refuses_padded_points():
-    """`bench/serve.py --decode-graph-bs`: every server is launched with SGLang's `--cuda-graph-bs-decode`, which
-    SGLang's own parser (with the TRACE flags) takes as that list; a batch with no graph of its size, or a
-    long-context point (its batch is chosen at start), is refused before any server starts."""
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    bench = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
-    run = [sys.executable, str(bench), "--configs", "emulate+capture-paper", "--dry-run", "--decode-graph-bs", "16"]
-    dry = subprocess.run(
-        [*run, "64", "--batches", "16", "64", "--contexts"], capture_output=True, text=True, timeout=120
-    )
-    assert dry.returncode == 0, dry.stderr
-    command = next(line for line in dry.stdout.splitlines() if "sglang.launch_server" in line)
-    argv = command[command.index("sglang.launch_server") + len("sglang.launch_server") :].split()
-    argv = ["30000" if a == "PORT" else a for a in argv]  # the dry run's placeholder for the port picked at start
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    parsed = parser.parse_args(argv)
-    assert parsed.cuda_graph_bs_decode == [16, 64] and parsed.trace_layers == "latter-half"
-    for extra, why in ((["--batches", "16", "256", "--contexts"], "batches [256] have no graph"),
-                       (["--batches", "16", "--contexts", "8192"], "needs --contexts empty")):  # fmt: skip
-        bad = subprocess.run([*run, *extra], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
