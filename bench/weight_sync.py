@@ -213,7 +213,8 @@ def main() -> None:
     # imported here: the RL package's SGLang client (no SGLang import) and its transport
     from trace_rl.config import RLConfig
     from trace_rl.rollout.sglang_worker import SGLangWorker
-    from trace_rl.weight_sync import MIB, TensorTransport
+    from trace_rl.weight_buckets import MIB
+    from trace_rl.weight_sync import TensorTransport
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model = Path(tempfile.mkdtemp(prefix="weight-sync-model-"))

@@ -35,9 +35,8 @@ from trace_rl.servers import ServerGroup
 from trace_rl.task import EOS
 from trace_rl.trainer import MegatronTrainer
 from trace_rl.warmup import HF_DIR, load_megatron_state
-from trace_rl.weight_sync import (
+from trace_rl.weight_buckets import (
     MIB,
-    WeightSync,
     WeightSyncError,
     check_manifest,
     checkpoint_manifest,
@@ -46,6 +45,7 @@ from trace_rl.weight_sync import (
     nbytes,
     plan_buckets,
 )
+from trace_rl.weight_sync import WeightSync
 
 REPO = Path(__file__).resolve().parents[2]
 STAND_IN = [sys.executable, str(REPO / "tests" / "stand_in_sglang.py")]

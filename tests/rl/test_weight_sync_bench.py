@@ -16,7 +16,7 @@ import torch
 from bench.serve_server import PID_FILE
 from bench.weight_sync import policy
 from tests.hf_tiny import make_hf_checkpoint
-from trace_rl.weight_sync import MIB, checkpoint_manifest, plan_buckets
+from trace_rl.weight_buckets import MIB, checkpoint_manifest, plan_buckets
 
 REPO = Path(__file__).resolve().parents[2]
 
