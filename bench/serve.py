@@ -6,10 +6,11 @@ experts top-8, MoE FFN 768, 32 / 4 heads x 128, vocab 151,936), served with rand
 --skip-tokenizer-init`, input ids only). Every server runs `--attention-backend triton --sampling-backend pytorch
 --grammar-backend none --page-size 1 --dtype bfloat16 --mem-fraction-static 0.85` with SGLang's default decode CUDA
 graphs and no prefill graphs (`--disable-prefill-cuda-graph`: they change only the time to first token and their
-capture took 93 s of each start on the H200; `--decode-graph-bs` captures only the listed decode batch sizes, for a
-batch-axis run whose batches are all listed: SGLang's 36 sizes took 80 s of a 135 s start), in its own process
-group (torn down on exit, error, SIGINT and SIGTERM; what a killed run left, its server and record store, is found
-through `PID_FILE` next to `--out` and removed before the next start).
+capture took 93 s of each start on the H200; `--decode-graph-bs` captures only the listed decode batch sizes, which
+must hold every batch of the axis, and a long-context point then runs at the largest of them within its fit, in a
+graph of its own size: SGLang's 36 sizes took 80 s of a 135 s start), in its own process group (torn down on exit,
+error, SIGINT and SIGTERM; what a killed run left, its server and record store, is found through `PID_FILE` next to
+`--out` and removed before the next start).
 
 Configurations (`CONFIGS`):
   bf16                           BF16 W/A, BF16 KV, TRACE off
@@ -211,11 +212,18 @@ def plan(batches: Sequence[int], batch_context: int, contexts: Sequence[int]) ->
     return [Point(batch_context, b) for b in batches] + [Point(c, None) for c in contexts]
 
 
-def fit_batch(capacity: int, context: int, output_len: int, fill: float, cap: int) -> tuple[int, bool]:
+def fit_batch(
+    capacity: int, context: int, output_len: int, fill: float, cap: int, graphs: Sequence[int] | None = None
+) -> tuple[int, bool]:
     """(batch, capacity_bound): the most requests of `context + output_len` tokens in `fill` of `capacity` KV
-    tokens, at most `cap`; capacity_bound when the KV pool, not `cap`, sets it."""
+    tokens, at most `cap`, and with `graphs` (the decode graph sizes) the largest of them that is no more, so that
+    the point decodes in a graph of its own size (0: none is small enough); capacity_bound when the KV pool, not
+    `cap`, sets it."""
     fits = math.floor(capacity * fill / (context + output_len))
-    return min(fits, cap), fits < cap
+    batch = min(fits, cap)
+    if graphs:
+        batch = max((g for g in graphs if g <= batch), default=0)
+    return batch, fits < cap
 
 
 def write_model(directory: Path) -> Path:
@@ -449,7 +457,7 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
                 print(f"serve: budget spent; {name} stops before {point.key}")
                 break
             if point.batch is None:
-                batch, bound = fit_batch(capacity, point.context, args.output_len, args.fill, cap)
+                batch, bound = fit_batch(capacity, point.context, args.output_len, args.fill, cap, args.decode_graph_bs)
             else:
                 batch, bound = point.batch, False
             tokens = batch * (point.context + args.output_len)
@@ -538,6 +546,7 @@ def dry_run(configs: list[str], points: list[Point], args) -> None:
                 print(
                     f"#   BATCH = min({args.max_batch}, max running requests, floor({args.fill} x KV capacity / "
                     f"({p.context} + {args.output_len})))"
+                    + (f", then the largest of {args.decode_graph_bs} no more" if args.decode_graph_bs else "")
                 )
 
 
@@ -581,8 +590,8 @@ def main() -> None:
         type=int,
         nargs="+",
         help="decode CUDA-graph batch sizes of every server (default: SGLang's 36 sizes up to 256, about 80 s of "
-        "each start); every batch of the axis must be one of them, and --contexts must be empty (a long-context "
-        "batch is chosen from the capacity at start and would run padded to a larger graph)",
+        "each start); every batch of the axis must be one of them, and a long-context point runs at the largest "
+        "of them within its fit (list the fits you expect, e.g. 19 and 68 at 32K on one H200)",
     )
     p.add_argument("--force", action="store_true", help="remeasure points already in --out")
     p.add_argument("--dry-run", action="store_true", help="print server commands and client calls; start nothing")
@@ -597,11 +606,10 @@ def main() -> None:
         p.error(str(e))
     if args.decode_graph_bs:
         missing = sorted(set(args.batches) - set(args.decode_graph_bs))
-        if missing or args.contexts:
+        if missing:
             p.error(
-                f"--decode-graph-bs {args.decode_graph_bs}: "
-                + (f"batches {missing} have no graph of their size" if missing else "needs --contexts empty")
-                + " (their decode would run padded to a larger graph)"
+                f"--decode-graph-bs {args.decode_graph_bs}: batches {missing} have no graph of their size (their "
+                "decode would run padded to a larger graph)"
             )
     points = plan(args.batches, args.batch_context, args.contexts)
     if args.dry_run:

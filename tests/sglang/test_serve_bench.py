@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve import fit_batch
 from bench.serve_targets import TARGETS, Target, evaluate
 from tests.sglang_cpu import load_trace_plugin
 
@@ -130,10 +131,10 @@ def test_the_serving_bench_profiles_named_points_and_refuses_a_bad_spec():
     assert bad.returncode == 2 and "--profile 'emulate:b16'" in bad.stderr
 
 
-def test_the_serving_bench_captures_only_the_decode_graphs_asked_for_and_refuses_padded_points():
+def test_the_serving_bench_captures_only_the_decode_graphs_asked_for_and_runs_no_point_padded():
     """`bench/serve.py --decode-graph-bs`: every server is launched with SGLang's `--cuda-graph-bs-decode`, which
-    SGLang's own parser (with the TRACE flags) takes as that list; a batch with no graph of its size, or a
-    long-context point (its batch is chosen at start), is refused before any server starts."""
+    SGLang's own parser (with the TRACE flags) takes as that list; a batch of the axis with no graph of its size is
+    refused before any server starts, and a long-context point runs at the largest graph size within its fit."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -141,7 +142,7 @@ def test_the_serving_bench_captures_only_the_decode_graphs_asked_for_and_refuses
     bench = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
     run = [sys.executable, str(bench), "--configs", "emulate+capture-paper", "--dry-run", "--decode-graph-bs", "16"]
     dry = subprocess.run(
-        [*run, "64", "--batches", "16", "64", "--contexts"], capture_output=True, text=True, timeout=120
+        [*run, "64", "--batches", "16", "64", "--contexts", "32768"], capture_output=True, text=True, timeout=120
     )
     assert dry.returncode == 0, dry.stderr
     command = next(line for line in dry.stdout.splitlines() if "sglang.launch_server" in line)
@@ -151,7 +152,13 @@ def test_the_serving_bench_captures_only_the_decode_graphs_asked_for_and_refuses
     ServerArgs.add_cli_args(parser)
     parsed = parser.parse_args(argv)
     assert parsed.cuda_graph_bs_decode == [16, 64] and parsed.trace_layers == "latter-half"
-    for extra, why in ((["--batches", "16", "256", "--contexts"], "batches [256] have no graph"),
-                       (["--batches", "16", "--contexts", "8192"], "needs --contexts empty")):  # fmt: skip
-        bad = subprocess.run([*run, *extra], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+    assert "then the largest of [16, 64] no more" in dry.stdout
+    bad = subprocess.run([*run, "--batches", "16", "256", "--contexts"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "batches [256] have no graph" in bad.stderr, bad.stderr
+
+    # 32K context on one H200 at fill 0.95: BF16 KV fits 19 requests, FP4 KV 68
+    assert fit_batch(665_166, 32768, 256, 0.95, 256) == (19, True)
+    assert fit_batch(665_166, 32768, 256, 0.95, 256, [16, 19, 64, 68, 256]) == (19, True)
+    assert fit_batch(2_365_037, 32768, 256, 0.95, 256, [16, 64, 256]) == (64, True)
+    assert fit_batch(2_365_037, 1024, 256, 0.95, 256, [16, 64, 256]) == (256, False)
+    assert fit_batch(665_166, 32768, 256, 0.95, 256, [64, 256]) == (0, True)  # no graph small enough: skipped
