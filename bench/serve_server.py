@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -60,6 +61,22 @@ def kill_leftover(pid_file: Path) -> None:
     pid_file.unlink(missing_ok=True)
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, tail: Callable[[], str]) -> None:
+    """Until the server `proc` at `url` answers `/health` with 200; RuntimeError with `tail()` (its log tail) if it
+    exits or `timeout_s` runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{tail()}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server not ready after {timeout_s} s:\n{tail()}")
+
+
 class Server:
     """One SGLang server in its own process group, logging to `log`; `stop` kills the group (SIGTERM, then
     SIGKILL)."""
@@ -84,18 +101,7 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until `/health` answers 200; RuntimeError with the log tail if the server exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.tail()}")
+        wait_healthy(self.proc, self.url, timeout_s, self.tail)
 
     def check(self) -> None:
         if self.proc.poll() is not None:

@@ -4,15 +4,14 @@ torn down with its whole process group; its log tail is part of every failure.""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import requests
+
+from bench.serve_server import free_port, wait_healthy
 
 BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none")
 
@@ -84,19 +83,6 @@ def stand_in_internal_states(layout: dict) -> list[dict]:
     return [{"trace": {"model": layout}}]
 
 
-def free_port() -> int:
-    """A free port in [20000, 40000): SGLang derives further ports from it (e.g. its gRPC port), which must stay
-    below 65536."""
-    for port in random.sample(range(20000, 40000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 40000)")
-
-
 class Server:
     """`python -m sglang.launch_server --model-path MODEL FLAGS...` in its own process group, logging to `log`."""
 
@@ -118,19 +104,7 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until `/health_generate` answers 200; RuntimeError with the log tail if the server exits or the
-        deadline passes."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.tail()}")
+        wait_healthy(self.proc, self.url, timeout_s, self.tail)
 
     def wait_exit(self, timeout_s: float) -> int:
         """The return code once the server exits by itself within `timeout_s` (RuntimeError otherwise)."""
