@@ -462,7 +462,10 @@ def run_config(name: str, points: list[Point], result: dict, args, save: Callabl
                 batch, bound = point.batch, False
             tokens = batch * (point.context + args.output_len)
             skip = None
-            if batch < 1 or tokens > capacity or point.context + args.output_len > entry["server"]["context_length"]:
+            if point.batch is None and batch < 1 and args.decode_graph_bs:
+                fits, _ = fit_batch(capacity, point.context, args.output_len, args.fill, cap)
+                skip = f"no --decode-graph-bs size of {args.decode_graph_bs} is within its fit of {fits} requests"
+            elif batch < 1 or tokens > capacity or point.context + args.output_len > entry["server"]["context_length"]:
                 skip = f"{batch} x ({point.context} + {args.output_len}) tokens do not fit (KV {capacity})"
             if skip is not None:
                 entry["points"][point.key] = {"context": point.context, "batch": batch, "skipped": skip}
