@@ -49,6 +49,7 @@ from bench.serve_server import PID_FILE, Server, free_port, kill_leftover
 from megatron_trace.export import export_state
 from megatron_trace.hf_import import megatron_names, model_dims
 from megatron_trace.model import MoEModelConfig
+from trace_rl.weight_buckets import MIB, nbytes
 
 SERVER_FLAGS = ("--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16")
 TRACE_FLAGS = ("--trace-mode", "emulate", "--trace-sites", "none", "--weight-version", "0", "--trace-step", "0")
@@ -156,7 +157,7 @@ def sync_once(transport, workers: list, tensors: dict[str, torch.Tensor], versio
         w.check_version(version, deadline=deadline)
     seconds = time.perf_counter() - start
     extra = [s.stop() for s in samplers]
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    size = sum(nbytes(t) for t in tensors.values())
     return {
         "seconds": seconds,
         "bytes": size,
@@ -213,7 +214,6 @@ def main() -> None:
     # imported here: the RL package's SGLang client (no SGLang import) and its transport
     from trace_rl.config import RLConfig
     from trace_rl.rollout.sglang_worker import SGLangWorker
-    from trace_rl.weight_buckets import MIB
     from trace_rl.weight_sync import TensorTransport
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,7 @@ def main() -> None:
         version = 0
         for source in sources:
             tensors = policy(hf, source)
-            result.setdefault("policy", {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())})
+            result.setdefault("policy", {"tensors": len(tensors), "bytes": sum(nbytes(t) for t in tensors.values())})
             for mb in args.bucket_mb:
                 cfg = RLConfig(rollout_backend="sglang", sglang_urls=server.url, rollout_workers=1, mode="qat",
                                weight_sync="tensor", weight_sync_bucket_mb=mb,
