@@ -1,9 +1,10 @@
 """The live server's current table (docs/performance.md): over the committed runs of `bench/serve.py`, each
-configuration's latest measured output throughput at every point and its latest KV capacity, and each target's
-latest judgement. A ratio target is judged within one run (`serve_targets.evaluate`, stored with the run), never
-across runs; a cell names the run it comes from.
+configuration's latest measured output throughput at every point and its latest KV capacity, one table per GPU,
+and each target's latest judgement on each GPU. A ratio target is judged within one run (`serve_targets.evaluate`,
+stored with the run), never across runs or GPUs; a cell names the run it comes from.
 
-    python bench/serve_table.py docs/measurements/serve_h200/run{1,2,3,4,5}.json    # runs oldest first
+    python bench/serve_table.py docs/measurements/serve_h200/run{1,2,3,4,5}.json \
+        docs/measurements/serve_h100/run{1,2}.json                                    # each GPU's runs oldest first
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench.serve_targets import TARGETS
 
 Run = tuple[str, dict]  # (name, the results JSON of bench/serve.py)
+
+
+def gpu(result: dict) -> str:
+    """The GPU a run ran on, as `bench/serve.py` recorded it, without its memory ("NVIDIA H200")."""
+    return result["gpu"].split(",")[0]
 
 
 def _point_order(key: str) -> tuple[int, int]:
@@ -46,13 +52,15 @@ def latest(runs: list[Run]) -> dict:
     return out
 
 
-def latest_targets(runs: list[Run]) -> dict[tuple[str, str, str | None], tuple[str, dict]]:
-    """Per (target, configuration, baseline): the latest run that judged it (met or missed), with that judgement."""
-    out: dict[tuple[str, str, str | None], tuple[str, dict]] = {}
+def latest_targets(runs: list[Run]) -> dict[tuple[str, str, str | None], dict[str, tuple[str, dict]]]:
+    """Per (target, configuration, baseline), per GPU: the latest run that judged it (met or missed), with that
+    judgement."""
+    out: dict[tuple[str, str, str | None], dict[str, tuple[str, dict]]] = {}
     for run, result in runs:
         for judged in result.get("targets", []):
             if judged["status"] in ("met", "missed"):
-                out[(judged["target"], judged["config"], judged["baseline"])] = (run, judged)
+                key = (judged["target"], judged["config"], judged["baseline"])
+                out.setdefault(key, {})[gpu(result)] = (run, judged)
     return out
 
 
@@ -76,13 +84,14 @@ def _judgement(judged: dict) -> str:
     return "started, every point ran"
 
 
-def markdown(runs: list[Run]) -> str:
-    """The two tables: output tok/s per configuration and point, then the targets."""
+def _throughput(card: str, runs: list[Run]) -> list[str]:
+    """One GPU's table: output tok/s per configuration and point, and each configuration's KV tokens."""
     rows = latest(runs)
     keys = sorted({k for row in rows.values() for k in row["points"]}, key=_point_order)
     heads = [f"{int(k[3:].split('-')[0]) // 1024}K context" if k.endswith("-bfit") else f"b = {k.split('-b')[1]}"
              for k in keys]  # fmt: skip
-    lines = ["| configuration | KV tokens | " + " | ".join(heads) + " |", "|---" * (2 + len(keys)) + "|"]
+    lines = [f"{card}, output tok/s:", ""]
+    lines += ["| configuration | KV tokens | " + " | ".join(heads) + " |", "|---" * (2 + len(keys)) + "|"]
     for name, row in rows.items():
         run, tokens = row["start"] or ("", None)
         start = f"{tokens:,} ({run})" if tokens else f"did not start ({run})" if run else "–"
@@ -95,24 +104,35 @@ def markdown(runs: list[Run]) -> str:
             batch = f", b{p['batch']}" if k.endswith("-bfit") else ""
             cells.append(f"{p['output_throughput']:,.1f} ({run}{batch})")
         lines.append(f"| {name} | {start} | " + " | ".join(cells) + " |")
-    lines += ["", "| target | configuration vs baseline | status | figures | run |", "|---|---|---|---|---|"]
+    return lines + [""]
+
+
+def markdown(runs: list[Run]) -> str:
+    """One throughput table per GPU (in the order the runs first name it), then the targets, one row per GPU that
+    judged a target."""
+    lines: list[str] = []
+    for card in dict.fromkeys(gpu(result) for _, result in runs):
+        lines += _throughput(card, [run for run in runs if gpu(run[1]) == card])
+    lines += ["| target | configuration vs baseline | status | figures | run |", "|---|---|---|---|---|"]
     judged_at = latest_targets(runs)
     for t in TARGETS:
         pair = t.config + (f" vs {t.baseline}" if t.baseline else "")
-        if (t.name, t.config, t.baseline) in judged_at:
-            run, judged = judged_at[(t.name, t.config, t.baseline)]
+        for run, judged in judged_at.get((t.name, t.config, t.baseline), {}).values():
             lines.append(f"| {t.text} | {pair} | {judged['status']} | {_judgement(judged)} | {run} |")
-        else:
+        if (t.name, t.config, t.baseline) not in judged_at:
             lines.append(f"| {t.text} | {pair} | not measured | | |")
     return "\n".join(lines) + "\n"
 
 
 def load_runs(paths: list[Path]) -> list[Run]:
-    """The runs in the order given (oldest first), each named `r<N>` after a file `run<N>.json`, else its stem."""
+    """The runs in the order given (oldest first), each named after its file: `serve_h100/run2.json` is `h100 r2`
+    (its folder's card, then `r<N>`), else the file's stem."""
     runs = []
     for path in paths:
         m = re.fullmatch(r"run(\d+)", path.stem)
-        runs.append((f"r{m.group(1)}" if m else path.stem, json.loads(path.read_text())))
+        card = re.fullmatch(r"serve_(\w+)", path.parent.name)
+        name = (f"{card.group(1)} " if card else "") + (f"r{m.group(1)}" if m else path.stem)
+        runs.append((name, json.loads(path.read_text())))
     return runs
 
 

@@ -228,11 +228,15 @@ def test_every_link_between_the_pages_resolves():
 
 
 def test_the_live_server_table_is_the_one_the_committed_runs_give():
-    """docs/performance.md's current live-server table is `bench/serve_table.py` over the committed runs, oldest
-    first: a run added without regenerating it, or a cell edited by hand, fails."""
+    """docs/performance.md's current live-server table is `bench/serve_table.py` over the committed runs, each GPU's
+    oldest first: a run added without regenerating it, or a cell edited by hand, fails."""
     from bench.serve_table import load_runs, markdown
 
-    runs = sorted((DOCS / "measurements" / "serve_h200").glob("run*.json"), key=lambda p: int(p.stem[3:]))
+    runs = [
+        path
+        for card in ("serve_h200", "serve_h100")
+        for path in sorted((DOCS / "measurements" / card).glob("run*.json"), key=lambda p: int(p.stem[3:]))
+    ]
     page = (DOCS / "performance.md").read_text()
     written = page.split("<!-- serve_table: begin -->\n", 1)[1].split("<!-- serve_table: end -->", 1)[0]
     assert written == markdown(load_runs(runs))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.serve import fit_batch
+from bench.serve_table import markdown
 from bench.serve_targets import TARGETS, Target, evaluate
 from tests.sglang_cpu import load_trace_plugin
 
@@ -34,10 +35,11 @@ def target(name: str, config: str) -> Target:
     return next(t for t in TARGETS if t.name == name and t.config == config)
 
 
-@pytest.mark.parametrize("run", ["run3", "run4", "run5"])
+@pytest.mark.parametrize("run", ["serve_h200/run3", "serve_h200/run4", "serve_h200/run5", "serve_h100/run1",
+                                 "serve_h100/run2"])  # fmt: skip
 def test_the_targets_of_a_stored_run_judge_as_they_did_on_the_gpu(run):
     """Each committed live-server run's targets, judged again on its stored points, keep the status written then."""
-    result = json.loads((ROOT / "docs" / "measurements" / "serve_h200" / f"{run}.json").read_text())
+    result = json.loads((ROOT / "docs" / "measurements" / f"{run}.json").read_text())
     stored = {(t["target"], t["config"], t["baseline"]): t["status"] for t in result["targets"]}
     again = {(t.name, t.config, t.baseline): evaluate(t, result["configs"])["status"] for t in TARGETS}
     assert again == stored
@@ -162,3 +164,24 @@ def test_the_serving_bench_captures_only_the_decode_graphs_asked_for_and_runs_no
     assert fit_batch(2_365_037, 32768, 256, 0.95, 256, [16, 64, 256]) == (64, True)
     assert fit_batch(2_365_037, 1024, 256, 0.95, 256, [16, 64, 256]) == (256, False)
     assert fit_batch(665_166, 32768, 256, 0.95, 256, [64, 256]) == (0, True)  # no graph small enough: skipped
+
+
+def test_the_table_keeps_each_gpus_throughput_apart_and_names_each_gpus_judgement():
+    """Two runs on two GPUs: each GPU gets its own throughput table (one GPU's figure never stands in another's
+    cell), and a target both judged gets a row per GPU, naming its run; one never judged is `not measured`."""
+
+    def run(card: str, tok_s: float, ratio: float) -> dict:
+        configs = {"emulate": entry({(1024, 64): {"output_throughput": tok_s}}),
+                   "bf16": entry({(1024, 64): {"output_throughput": tok_s}})}  # fmt: skip
+        judged = {"target": "emulation", "config": "emulate", "baseline": "bf16", "status": "met",
+                  "comparisons": [{"context": 1024, "batch": 64, "ratio": ratio}]}  # fmt: skip
+        return {"gpu": f"NVIDIA {card}, 1 MiB", "configs": configs, "targets": [judged]}
+
+    text = markdown([("h200 r1", run("H200", 3000.0, 1.05)), ("h100 r1", run("H100", 2400.0, 1.04))])
+    h200, h100 = text.split("NVIDIA H200, output tok/s:")[1].split("NVIDIA H100, output tok/s:")
+    assert "3,000.0 (h200 r1)" in h200 and "2,400" not in h200
+    assert "2,400.0 (h100 r1)" in h100 and "3,000" not in h100.split("| target |")[0]
+    rows = [line for line in text.splitlines() if line.startswith("| emulate NVFP4 W/A decode step")]
+    assert [r.rsplit("|", 2)[-2].strip() for r in rows] == ["h200 r1", "h100 r1"]
+    assert "1.050 (b64)" in rows[0] and "1.040 (b64)" in rows[1]
+    assert any("| emulate+capture-paper vs emulate | not measured |" in line for line in text.splitlines())
