@@ -397,6 +397,22 @@ def test_small_and_large_shards_encode_to_the_same_bytes_in_the_calling_thread_o
     monkeypatch.setattr(store, "POOL_MIN_BYTES", 0)
     assert store.encode_shard(trajs) == inline
     assert len(inline) > 8  # a frame per field and trajectory, after the header
+    cut = store._pool_tasks
+    monkeypatch.setattr(store, "_pool_tasks", lambda raws: cut(raws, 64))  # many pool tasks of a few frames each
+    assert len(cut([memoryview(f) for f in inline[1:]], 64)) > 2  # compressed frames: fewer bytes than the raw ones
+    assert store.encode_shard(trajs) == inline
+
+
+def test_the_pool_gets_consecutive_runs_of_frames_each_frame_once():
+    """`_pool_tasks` cuts the frames, in order, into runs that reach the size only at their last frame."""
+    from trace_core.records.store import _pool_tasks
+
+    raws = [memoryview(bytes([i]) * (i % 4 + 1)) for i in range(11)]
+    tasks = _pool_tasks(raws, 6)
+    assert [bytes(r) for t in tasks for r in t] == [bytes(r) for r in raws]
+    assert len(tasks) == 4
+    assert all(sum(r.nbytes for r in t[:-1]) < 6 <= sum(r.nbytes for r in t) for t in tasks[:-1])
+    assert _pool_tasks([], 6) == [[]]
 
 
 def test_a_request_id_carries_trajectory_attempt_and_rollout_step():

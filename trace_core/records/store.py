@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ import struct
 import threading
 import uuid
 import zlib
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,25 @@ def _compress(level: int, raw) -> bytes:
     return cctx.compress(raw)
 
 
+def _compress_many(level: int, raws: Sequence) -> list[bytes]:
+    """`_compress` of each raw frame in order: one thread-pool task."""
+    return [_compress(level, raw) for raw in raws]
+
+
+def _pool_tasks(raws: list, size: int = FRAME_BYTES) -> list[list]:
+    """Consecutive runs of the frames of about `size` raw bytes each (a larger frame alone), one pool task per run:
+    a shard of many small fields (short requests, every layer's sites) pays one hand-off per run, not per frame."""
+    tasks: list[list] = [[]]
+    held = 0
+    for raw in raws:
+        if held >= size:
+            tasks.append([])
+            held = 0
+        tasks[-1].append(raw)
+        held += raw.nbytes
+    return tasks
+
+
 def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEFAULT_LEVEL) -> list[bytes]:
     """Serialize trajectories into one shard: the preamble plus header, then one zstandard frame per field.
 
@@ -171,9 +191,14 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
 
     def add(tensor: torch.Tensor) -> dict:
         rows = max(1, tensor.shape[0])
-        raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(rows, -1).numpy()
+        t = tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
+        t = t if t.is_contiguous() else t.contiguous()
+        raw = (t if t.dtype == torch.uint8 else t.view(torch.uint8)).numpy().reshape(rows, -1)  # numpy: no dispatch
         per = max(1, FRAME_BYTES // max(1, raw.shape[1]))
-        parts = [memoryview(raw[i : i + per].reshape(-1)) for i in range(0, tensor.shape[0], per)]
+        if per >= rows:  # the common case: the whole field is one frame
+            parts = [memoryview(raw.reshape(-1))] if tensor.shape[0] else []
+        else:
+            parts = [memoryview(raw[i : i + per].reshape(-1)) for i in range(0, rows, per)]
         raws.append(parts)
         entries.append({"raw": raw.nbytes if tensor.shape[0] else 0, "rows": per})
         return entries[-1]
@@ -194,12 +219,12 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
     if sum(p.nbytes for p in flat) < POOL_MIN_BYTES:  # a pool's hand-offs cost more than compressing small shards
         frames = [_compress(level, raw) for raw in flat]
     else:
-        frames = list(_POOL.map(lambda raw: _compress(level, raw), flat))
+        frames = [f for task in _POOL.map(functools.partial(_compress_many, level), _pool_tasks(flat)) for f in task]
     offset, i = 0, 0
     for entry, parts in zip(entries, raws, strict=True):
         mine = frames[i : i + len(parts)]
         i += len(parts)
-        entry["offset"], entry["length"] = offset, sum(len(f) for f in mine)
+        entry["offset"], entry["length"] = offset, sum(map(len, mine))
         entry["frames"] = [[len(f), p.nbytes] for f, p in zip(mine, parts, strict=True)]
         offset += entry["length"]
     header["payload_bytes"] = offset
