@@ -10,6 +10,7 @@ are synchronous memcpys.
 `--kv-gather torch` times the K/V gather as per-site index ops (`gather_kv_raw`) instead of `KVGather`'s one launch.
 
     python bench/sglang_finish.py --tokens 16384 --batch 4 --device cuda     # run from the checkout to be measured
+    python bench/sglang_finish.py --shape tiny --tokens 8 --batch 28 --device cpu  # the live RL runs' tiny model
 
 The KV pool, request pool and KV allocator are SGLang's own (`MHATokenToKVPoolFP4`, `ReqToTokenPool`,
 `TokenToKVPoolAllocator` under the capturer's `SlotFence`), as on a server.
@@ -33,18 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench.common import device_name, sync
 from sglang_trace.config import SERVER_ARGS_FIELDS, ModelLayout, TraceArgs, parse_layers, parse_sites
 
-LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, TOPK = 48, 4, 128, 2048, 8
+# --shape: (layers, KV heads, head dim, hidden, top-k); `tiny` is the live RL runs' model (`trace-rl make-model`)
+SHAPES = {"qwen3-30b-a3b": (48, 4, 128, 2048, 8), "tiny": (2, 2, 16, 64, 2)}
 
 
-def sglang_parts(tokens: int, device: str):
+def sglang_parts(tokens: int, device: str, layers: int, kv_heads: int, head_dim: int):
     """SGLang's FP4 KV pool of `tokens` slots, a request pool for requests of `tokens + 1` ids, and the KV allocator
     over the pool (`TokenToKVPoolAllocator`), with the installed version."""
     import sglang
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4, ReqToTokenPool
 
-    pool = MHATokenToKVPoolFP4(size=tokens + 1, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=KV_HEADS,
-                               head_dim=HEAD_DIM, layer_num=LAYERS, device=device, enable_memory_saver=False,
+    pool = MHATokenToKVPoolFP4(size=tokens + 1, page_size=1, dtype=torch.float4_e2m1fn_x2, head_num=kv_heads,
+                               head_dim=head_dim, layer_num=layers, device=device, enable_memory_saver=False,
                                enable_alt_stream=False)  # fmt: skip
     req_pool = ReqToTokenPool(size=2, max_context_len=tokens + 2, device=device, enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(tokens + 1, torch.float4_e2m1fn_x2, device, pool, need_sort=False)
@@ -54,6 +56,7 @@ def sglang_parts(tokens: int, device: str):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-30b-a3b", help="the model's layers and widths")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--requests", type=int, default=10, help="result batches timed (after one warm-up batch)")
     p.add_argument("--batch", type=int, default=1, help="requests finishing in one result batch")
@@ -84,13 +87,14 @@ def main() -> None:
         store=store,
         step=0,
     )
+    layers, kv_heads, head_dim, hidden, topk = SHAPES[a.shape]
     layout = ModelLayout(
-        "Qwen3MoeForCausalLM", LAYERS, tuple(range(LAYERS)), tuple(range(LAYERS)), HIDDEN, KV_HEADS, HEAD_DIM, TOPK
+        "Qwen3MoeForCausalLM", layers, tuple(range(layers)), tuple(range(layers)), hidden, kv_heads, head_dim, topk
     )
     kv_sites = len(model_spec(args, layout).attn_layers) * 2
-    token_bytes = kv_row_bytes(kv_sites, KV_HEADS * HEAD_DIM, args.bits) + record_bytes_per_slot(args, layout)
+    token_bytes = kv_row_bytes(kv_sites, kv_heads * head_dim, args.bits) + record_bytes_per_slot(args, layout)
     slots = a.tokens + 1
-    ran, pool, req_pool, allocator = sglang_parts(a.tokens, a.device)
+    ran, pool, req_pool, allocator = sglang_parts(a.tokens, a.device, layers, kv_heads, head_dim)
     for buf in (*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=dev))
     req_pool.req_to_token[0, : a.tokens] = torch.arange(1, a.tokens + 1, dtype=torch.int32, device=dev)
@@ -119,7 +123,7 @@ def main() -> None:
     for site in cap.records.layouts:
         cap.records.staging_rows(site, rows)
     for j in range(len(layout.moe_layers)):
-        cap.records.stage_routes(j, torch.zeros(rows, TOPK, dtype=torch.int32, device=dev))
+        cap.records.stage_routes(j, torch.zeros(rows, topk, dtype=torch.int32, device=dev))
     for i in range(getattr(cap.records, "marks", 0)):
         cap.records.mark(i, rows)
     batch = SimpleNamespace(

@@ -154,11 +154,10 @@ def kv_records_from_rows(
     low_len = packed_len(width, bits)
     if rows.shape[1] != kv_row_bytes(len(sites), width, bits):
         raise ValueError(f"K/V record rows of {rows.shape[1]} bytes do not hold {len(layers)}x{len(kinds)} sites")
-    per_site = rows.view(rows.shape[0], len(sites), low_len + width // KV_BLOCK)
-    return {
-        site: kv_record(fmt, bits, width, per_site[:, i, :low_len].contiguous(), per_site[:, i, low_len:].contiguous())
-        for i, site in enumerate(sites)
-    }
+    per_site = rows.view(rows.shape[0], len(sites), low_len + width // KV_BLOCK).transpose(0, 1)
+    # one site-major copy of each field, not two copies per site: a request's sites are views of these
+    lows, scales = per_site[..., :low_len].contiguous(), per_site[..., low_len:].contiguous()
+    return {site: kv_record(fmt, bits, width, lows[i], scales[i]) for i, site in enumerate(sites)}
 
 
 def kv_records_from_raw(

@@ -191,7 +191,8 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
 
     def add(tensor: torch.Tensor) -> dict:
         rows = max(1, tensor.shape[0])
-        t = tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
+        t = tensor.detach() if tensor.requires_grad else tensor
+        t = t if t.device.type == "cpu" else t.cpu()
         t = t if t.is_contiguous() else t.contiguous()
         raw = (t if t.dtype == torch.uint8 else t.view(torch.uint8)).numpy().reshape(rows, -1)  # numpy: no dispatch
         per = max(1, FRAME_BYTES // max(1, raw.shape[1]))
