@@ -73,7 +73,9 @@ if TYPE_CHECKING:
     from trace_rl.servers import ServerGroup
 
 WEIGHTS_DIR = "weights"
-POLL_S = (0.01, 0.5)  # first and longest pause between looks at the store while waiting for records
+# First and longest pause between looks at the store while waiting for records. A look reads only new shards'
+# headers, so looking every 20 ms costs little, while a ladder up to 0.5 s made a wait up to twice the records' delay.
+POLL_S = (0.005, 0.02)
 HANDLE_KEYS = ("store", "step", "trajectory", "attempt", "policy_version", "tokens")  # token digest: in the shard
 
 
