@@ -1,16 +1,19 @@
 """Today's numbers of the small RL run (`tests.rl_small.SMALL_RUN`, tiny model warmed up 10 steps) at the default
-algorithm settings, on the single-rank trainer and on the trainer group (DP = 2, two micro-batches per rank), as
-`tests/data/rl_defaults_reference.json`: every metric of every step but the times, and the SHA-256 of the final
-policy's HF tensors. `tests/rl/test_rl_algorithm.py` requires the current code to reproduce them bit for bit, so a
-new algorithm setting at its default changes nothing.
+algorithm settings, on the single-rank trainer and on the trainer group (DP = 2, two micro-batches per rank), as a
+reference of `tests/data/rl_defaults_reference.json`: every metric of every step but the times, and the SHA-256 of
+the final policy's HF tensors. `tests/rl/test_rl_algorithm.py` requires the current code to reproduce them bit for
+bit, so a new algorithm setting at its default changes nothing.
 
 Bit-exact CPU numbers depend on more than the code: MKL picks its kernels by CPU vendor, oneDNN its bf16 matmuls by
 instruction set (AVX512-BF16 on AMD Zen 4, AMX on recent Xeons), torch its own kernels by CPU capability, and
 reductions split by thread count. The run therefore always happens in a process started with `REPRODUCIBLE_ENV`
 (MKL's conditional numerical reproducibility on its vendor-neutral branch, oneDNN capped below its bf16 kernels so
-the bf16 matmuls take torch's own, torch's kernels at AVX2, one thread), so the numbers hold on any x86-64 CPU with
-AVX2 for the torch build the file names. To record them for another torch build, run this at commit 8d649f8 (the
-code before the settings existed) with this file copied in:
+the bf16 matmuls take torch's own, torch's kernels at AVX2, one thread), so the numbers hold across x86-64 CPUs with
+AVX2 for the torch build a reference names, except that CPUs with native BF16 arithmetic (`BF16_EXTENSIONS`) give
+other bits: each reference names the torch build, the settings and those extensions of the CPU that recorded it
+(`cpu`), and the file holds one per kind. To record one for another torch build or CPU kind, run this at commit
+8d649f8 (the code before the settings existed) with this file copied in, and add its output to the file's
+`references`:
 
     git worktree add /tmp/rl-ref 8d649f8 && cp tests/rl_reference.py /tmp/rl-ref/tests/ \\
         && cd /tmp/rl-ref && python -m tests.rl_reference OUT.json --layouts single group
@@ -41,6 +44,19 @@ REPRODUCIBLE_ENV = {
 }
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+# CPU extensions with native BF16 arithmetic: with them the same torch build, under `REPRODUCIBLE_ENV`, gives other
+# bits (seen on a Sapphire Rapids VM, which has both), so a reference names the ones its CPU had
+BF16_EXTENSIONS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_kind() -> list[str]:
+    """The `BF16_EXTENSIONS` this CPU has (Linux's /proc/cpuinfo flags; none where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return [ext for ext in BF16_EXTENSIONS if ext in flags]
 
 
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
@@ -100,6 +116,7 @@ def main() -> None:
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "torch": torch.__version__,
             "env": REPRODUCIBLE_ENV,
+            "cpu": cpu_kind(),
         }
         for layout in args.layouts:
             if layout == "group":

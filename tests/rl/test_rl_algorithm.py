@@ -1,8 +1,9 @@
 """The algorithm settings of the RL loop (`trace_rl.algorithm`) on the trainers: at their defaults both the
 single-rank trainer and the trainer group (DP = 2, two micro-batches per rank) reproduce today's numbers bit for bit
-(`tests/data/rl_defaults_reference.json`, recorded by `tests/rl_reference.py` before the settings existed); set,
-each one changes the run as it should (clip-higher, aggregation, GSPO, KL with its reference policy only when its
-coefficient is non-zero, entropy, weight decay, gradient clipping, the learning-rate schedule, top-k)."""
+(the reference of `tests/data/rl_defaults_reference.json` for this torch build and CPU kind, recorded by
+`tests/rl_reference.py` before the settings existed); set, each one changes the run as it should (clip-higher,
+aggregation, GSPO, KL with its reference policy only when its coefficient is non-zero, entropy, weight decay,
+gradient clipping, the learning-rate schedule, top-k)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.rl_reference import GROUP, REPRODUCIBLE_ENV, reproduce, run
+from tests.rl_reference import GROUP, REPRODUCIBLE_ENV, cpu_kind, reproduce, run
 from tests.rl_small import SMALL_RUN
 from trace_rl.config import RLConfig
 from trace_rl.controller import Controller, RewardError
 from trace_rl.optim import LRSchedule
 from trace_rl.rollout.engine import filter_probs
 
-REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "rl_defaults_reference.json").read_text())
+REFERENCES = json.loads((Path(__file__).parents[1] / "data" / "rl_defaults_reference.json").read_text())["references"]
 NEW_KEYS = {"actor/lr", "reward/zero_variance_groups"}  # metrics added with the settings (not in the reference)
 # Bytes of the record-store directory per token: the store's file format (its index, bindings), not the algorithm.
 FORMAT_KEYS = {"trace/record_bytes_per_token"}
@@ -33,13 +34,19 @@ def model_dir(tiny_model):
     return str(tiny_model(10))
 
 
+def _reference() -> dict:
+    """The reference recorded with this torch build, `REPRODUCIBLE_ENV` and CPU kind (its BF16 extensions)."""
+    here = (torch.__version__, REPRODUCIBLE_ENV, cpu_kind())
+    for ref in REFERENCES:
+        if (ref["torch"], ref["env"], ref["cpu"]) == here:
+            return ref
+    kinds = [(ref["torch"], ref["cpu"]) for ref in REFERENCES]
+    pytest.skip(f"no reference for torch / env / CPU {here}, only for {kinds}: record one (tests/rl_reference.py)")
+
+
 def _reproduce(tmp_path: Path, layout: str) -> dict:
     """Today's numbers of `layout`, run as the reference was (`tests/rl_reference.py`: a fresh process under
-    `REPRODUCIBLE_ENV`, so the bits do not depend on the CPU's vendor, instruction set or core count)."""
-    build = (torch.__version__, REPRODUCIBLE_ENV)
-    recorded = (REFERENCE["torch"], REFERENCE["env"])
-    if build != recorded:
-        pytest.skip(f"reference recorded with torch / env {recorded}, this is {build} (tests/rl_reference.py)")
+    `REPRODUCIBLE_ENV`, so the bits do not depend on the CPU's vendor or core count)."""
     return reproduce(tmp_path / f"{layout}.json", [layout], timeout=600)[layout]
 
 
@@ -54,8 +61,9 @@ def _assert_reference(got: dict, want: dict) -> None:
 
 
 def test_single_rank_defaults_reproduce_todays_numbers(tmp_path):
+    want = _reference()["single"]
     got = _reproduce(tmp_path, "single")
-    _assert_reference(got, REFERENCE["single"])
+    _assert_reference(got, want)
     assert all(m["actor/lr"] == RLConfig().lr for m in got["metrics"])
 
 
@@ -63,7 +71,8 @@ def test_single_rank_defaults_reproduce_todays_numbers(tmp_path):
 @pytest.mark.slow
 def test_group_defaults_reproduce_todays_numbers(tmp_path):
     pytest.importorskip("ray")
-    _assert_reference(_reproduce(tmp_path, "group"), REFERENCE["group"])
+    want = _reference()["group"]
+    _assert_reference(_reproduce(tmp_path, "group"), want)
 
 
 def _cfg(model_dir, out, **kw) -> RLConfig:
