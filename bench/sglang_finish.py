@@ -69,6 +69,12 @@ def main() -> None:
         help="time only the K/V part: the raw gather request finish now does vs the full per-site records it did",
     )
     a = p.parse_args()
+    with tempfile.TemporaryDirectory(dir=a.store_dir) as store:  # the record store, removed after the run
+        bench(a, store)
+
+
+def bench(a: argparse.Namespace, store: str) -> None:
+    """Time the finish path of `a`'s shape and batches, writing the records into `store`."""
     dev = torch.device(a.device)
     from sglang_trace.capturer import TraceCapturer, record_bytes_per_slot
     from sglang_trace.config import model_spec
@@ -77,7 +83,6 @@ def main() -> None:
     from sglang_trace.moe import ExpertWeights
     from sglang_trace.slot_fence import SlotFence
 
-    store = tempfile.mkdtemp(dir=a.store_dir)
     defaults = SERVER_ARGS_FIELDS
     args = TraceArgs(
         mode="emulate",
