@@ -117,9 +117,10 @@ def markdown(runs: list[Run]) -> str:
     judged_at = latest_targets(runs)
     for t in TARGETS:
         pair = t.config + (f" vs {t.baseline}" if t.baseline else "")
-        for run, judged in judged_at.get((t.name, t.config, t.baseline), {}).values():
+        per_gpu = judged_at.get((t.name, t.config, t.baseline), {})
+        for run, judged in per_gpu.values():
             lines.append(f"| {t.text} | {pair} | {judged['status']} | {_judgement(judged)} | {run} |")
-        if (t.name, t.config, t.baseline) not in judged_at:
+        if not per_gpu:
             lines.append(f"| {t.text} | {pair} | not measured | | |")
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,5 @@
 """`bench/sglang_finish.py` runs on CPU against the installed SGLang's FP4 KV pool and allocator: what it reports
-comes from a finish path that wrote every request's records."""
+comes from a finish path whose every write succeeded (the bench asserts it)."""
 
 from __future__ import annotations
 

@@ -196,10 +196,7 @@ def encode_shard(trajectories: Mapping[str, TrajectoryRecords], level: int = DEF
         t = t if t.is_contiguous() else t.contiguous()
         raw = (t if t.dtype == torch.uint8 else t.view(torch.uint8)).numpy().reshape(rows, -1)  # numpy: no dispatch
         per = max(1, FRAME_BYTES // max(1, raw.shape[1]))
-        if per >= rows:  # the common case: the whole field is one frame
-            parts = [memoryview(raw.reshape(-1))] if tensor.shape[0] else []
-        else:
-            parts = [memoryview(raw[i : i + per].reshape(-1)) for i in range(0, rows, per)]
+        parts = [memoryview(raw[i : i + per].reshape(-1)) for i in range(0, tensor.shape[0], per)]
         raws.append(parts)
         entries.append({"raw": raw.nbytes if tensor.shape[0] else 0, "rows": per})
         return entries[-1]
